@@ -1,0 +1,114 @@
+// Shared benchmark harness: every figure k3 reports is a ratio against a yardstick measured
+// in the same run (Eigen GEMM rate, in-place memory pass), with medians over repetitions
+// because the 2-core CI machines are noisy. Prints the SIMD ISA.
+#pragma once
+#include <Eigen/Core>
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+#include <xsimd/xsimd.hpp>
+
+#include "k3/backend/cpu/thread_pool.hpp"
+#include "k3/core/config.hpp"
+#include "k3/core/host_memory.hpp"
+
+namespace k3::bench {
+
+inline char const* isa() { return xsimd::default_arch::name(); }
+
+inline double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+template <class F>
+double seconds(F&& f) {
+  double t0 = now();
+  f();
+  return now() - t0;
+}
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Keeps the optimiser from discarding a result.
+template <class T>
+inline void do_not_optimize(T const& v) {
+  asm volatile("" : : "g"(&v) : "memory");
+}
+
+// Aggregate GFLOP/s of `threads` independent n^3 float GEMMs through Eigen, run at once (one
+// per thread): the machine's dense-math rate with all cores busy, as k3's kernels run them.
+class gemm_yardstick {
+ public:
+  explicit gemm_yardstick(int threads, int n = 1024) : threads_(threads), n_(n), pool_(threads) {
+    for (int t = 0; t < threads; ++t) {
+      a_.emplace_back(Eigen::MatrixXf::Random(n, n));
+      b_.emplace_back(Eigen::MatrixXf::Random(n, n));
+      c_.emplace_back(Eigen::MatrixXf::Zero(n, n));
+    }
+  }
+  double gflops() {
+    double s = seconds([&] { pool_.run(threads_, [&](std::int64_t t) { c_[t].noalias() = a_[t] * b_[t]; }); });
+    do_not_optimize(c_[0](0, 0));
+    return 2.0 * double(n_) * n_ * n_ * threads_ / s * 1e-9;
+  }
+
+ private:
+  int threads_, n_;
+  cpu::thread_pool pool_;
+  std::vector<Eigen::MatrixXf> a_, b_, c_;
+};
+
+// GB/s (bytes read + written) of an in-place read-then-write pass x[i] = x[i] * a + b over a
+// buffer far larger than the last-level cache, all threads: the bandwidth a streaming
+// elementwise op can reach on this machine.
+class inplace_pass_yardstick {
+ public:
+  explicit inplace_pass_yardstick(int threads, std::size_t bytes = std::size_t(256) << 20)
+      : threads_(threads), n_(bytes / sizeof(float)), pool_(threads) {
+    x_ = detail::host_allocate<float>(n_);
+    pool_.run(threads_, [&](std::int64_t t) {
+      std::size_t lo = n_ * t / threads_, hi = n_ * (t + 1) / threads_;
+      for (std::size_t i = lo; i < hi; ++i) x_[i] = 1.0f;
+    });
+  }
+  ~inplace_pass_yardstick() { detail::host_deallocate(x_, n_); }
+  inplace_pass_yardstick(inplace_pass_yardstick const&) = delete;
+  inplace_pass_yardstick& operator=(inplace_pass_yardstick const&) = delete;
+
+  double gbps() {
+    double s = seconds([&] {
+      pool_.run(threads_, [&](std::int64_t t) {
+        std::size_t lo = n_ * t / threads_, hi = n_ * (t + 1) / threads_;
+        float* K3_RESTRICT p = x_;
+        for (std::size_t i = lo; i < hi; ++i) p[i] = p[i] * 0.999f + 0.001f;
+      });
+    });
+    do_not_optimize(x_[n_ / 2]);
+    return 2.0 * double(n_) * sizeof(float) / s * 1e-9;
+  }
+  std::size_t bytes() const { return n_ * sizeof(float); }
+
+ private:
+  int threads_;
+  std::size_t n_;
+  cpu::thread_pool pool_;
+  float* x_ = nullptr;
+};
+
+inline int hardware_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+inline void print_header(char const* what) {
+  std::printf("# %s\n# simd isa: %s, hardware threads: %d\n", what, isa(), hardware_threads());
+}
+
+}  // namespace k3::bench

@@ -1,0 +1,48 @@
+# Helpers for k3's own tests. One executable per test file (parallel builds on 2 cores,
+# isolated failures), a shared doctest main, ctest labels cpu / gpu / compile / mpi.
+include(doctest)
+
+# k3_add_test(<name> <source> [LABELS l...] [LINK libs...] [TIMEOUT s])
+function(k3_add_test name source)
+  cmake_parse_arguments(arg "" "TIMEOUT" "LABELS;LINK" ${ARGN})
+  if(NOT arg_LABELS)
+    set(arg_LABELS cpu)
+  endif()
+  if(NOT arg_TIMEOUT)
+    set(arg_TIMEOUT 600)
+  endif()
+  add_executable(${name} ${source})
+  target_link_libraries(${name} PRIVATE k3::k3 k3_test_main k3_project_options ${arg_LINK})
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  doctest_discover_tests(${name} PROPERTIES LABELS "${arg_LABELS}" TIMEOUT ${arg_TIMEOUT})
+endfunction()
+
+# k3_add_gpu_test(<name> <source.cu>): builds everywhere nvcc exists; exits 77 (skipped)
+# when no GPU is present.
+function(k3_add_gpu_test name source)
+  cmake_parse_arguments(arg "" "" "LINK" ${ARGN})
+  add_executable(${name} ${source})
+  target_link_libraries(${name} PRIVATE k3::cuda k3_gpu_test_main ${arg_LINK})
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 600)
+endfunction()
+
+# k3_add_mpi_test(<name> <source> NP <n>...): runs under mpirun with each listed rank count.
+function(k3_add_mpi_test name source)
+  cmake_parse_arguments(arg "" "" "NP;LINK" ${ARGN})
+  if(NOT TARGET MPI::MPI_CXX)
+    return()
+  endif()
+  add_executable(${name} ${source})
+  target_link_libraries(${name} PRIVATE k3::k3 k3_project_options MPI::MPI_CXX ${arg_LINK})
+  target_compile_definitions(${name} PRIVATE K3_HAS_MPI=1)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  foreach(np IN LISTS arg_NP)
+    add_test(NAME ${name}_np${np}
+             COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} --oversubscribe --allow-run-as-root
+                     ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${name}> ${MPIEXEC_POSTFLAGS})
+    set_tests_properties(${name}_np${np} PROPERTIES LABELS "cpu;mpi" TIMEOUT 300
+                         ENVIRONMENT "OMPI_MCA_btl=self,vader;OMPI_MCA_btl_vader_single_copy_mechanism=none;OMPI_MCA_rmaps_base_oversubscribe=1")
+  endforeach()
+endfunction()

@@ -1,0 +1,110 @@
+// k3/backend/cpu/simd.hpp — the xsimd-based CPU backends. Everything touching
+// xsimd::batch is a template on Arch: a non-template inline function using default_arch
+// would be an ODR hazard (different lanes per TU depending on -march and link order).
+//
+//   k3::cpu::simd<Arch>     one thread, SIMD kernels
+//   k3::cpu::threads<Arch>  SIMD kernels + a thread pool over independent work
+//
+// Debian 12 ships xsimd 8.1; upstream 9+ renamed hadd -> reduce_add. The shim below is the
+// only place that knows.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <xsimd/xsimd.hpp>
+
+#include "k3/backend/cpu/thread_pool.hpp"
+#include "k3/core/concepts.hpp"
+#include "k3/core/host_memory.hpp"
+
+namespace k3::simd {
+
+template <class T, class Arch>
+inline T reduce_add(xsimd::batch<T, Arch> const& b) noexcept {
+#if XSIMD_VERSION_MAJOR >= 9
+  return xsimd::reduce_add(b);
+#else
+  return xsimd::hadd(b);
+#endif
+}
+
+template <class Arch>
+constexpr char const* isa_name() noexcept {
+  return Arch::name();
+}
+
+}  // namespace k3::simd
+
+namespace k3::cpu {
+
+template <class Arch = xsimd::default_arch>
+struct simd {
+  using memory_space = host_space;
+  using arch_type = Arch;
+  static constexpr char const* name() noexcept { return "cpu::simd"; }
+
+  template <class T>
+  T* allocate(std::size_t n) const {
+    return detail::host_allocate<T>(n);
+  }
+  template <class T>
+  void deallocate(T* p, std::size_t n) const noexcept {
+    detail::host_deallocate(p, n);
+  }
+  template <class F>
+  void for_each(std::int64_t begin, std::int64_t end, F&& f) const {
+    for (std::int64_t i = begin; i < end; ++i) f(i);
+  }
+  void fence() const noexcept {}
+  static constexpr int concurrency() noexcept { return 1; }
+};
+
+template <class Arch = xsimd::default_arch>
+class threads {
+ public:
+  using memory_space = host_space;
+  using arch_type = Arch;
+  static constexpr char const* name() noexcept { return "cpu::threads"; }
+
+  // n <= 0: one thread per hardware thread. Copies share the pool.
+  explicit threads(int n = 0) : pool_(std::make_shared<thread_pool>(n)) {}
+  explicit threads(std::shared_ptr<thread_pool> pool) : pool_(std::move(pool)) {
+    detail::require(pool_ != nullptr, "cpu::threads: the thread pool must not be null");
+  }
+
+  template <class T>
+  T* allocate(std::size_t n) const {
+    return detail::host_allocate<T>(n);
+  }
+  template <class T>
+  void deallocate(T* p, std::size_t n) const noexcept {
+    detail::host_deallocate(p, n);
+  }
+  // Splits [begin, end) into one contiguous range per thread.
+  template <class F>
+  void for_each(std::int64_t begin, std::int64_t end, F&& f) const {
+    std::int64_t const n = end - begin;
+    if (n <= 0) return;
+    std::int64_t const parts = std::min<std::int64_t>(n, pool_->size());
+    pool_->run(parts, [&](std::int64_t p) {
+      std::int64_t lo = begin + n * p / parts, hi = begin + n * (p + 1) / parts;
+      for (std::int64_t i = lo; i < hi; ++i) f(i);
+    });
+  }
+  // Runs task(i) for each i in [0, tasks), dynamically balanced (uneven task sizes).
+  template <class F>
+  void for_each_task(std::int64_t tasks, F&& f) const {
+    pool_->run(tasks, f);
+  }
+  void fence() const noexcept {}
+  int concurrency() const noexcept { return pool_->size(); }
+  thread_pool& pool() const noexcept { return *pool_; }
+
+ private:
+  std::shared_ptr<thread_pool> pool_;
+};
+
+static_assert(HostBackend<simd<>>);
+static_assert(HostBackend<threads<>>);
+
+}  // namespace k3::cpu

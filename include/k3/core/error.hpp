@@ -1,0 +1,52 @@
+// k3/core/error.hpp — the exception every host entry point throws on bad input, and the
+// helpers that build messages naming the argument and the expected vs actual shape.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+namespace k3 {
+
+// Bad arguments: wrong shape, stride, dtype, aliasing, out-of-range index, malformed file.
+class error : public std::invalid_argument {
+ public:
+  explicit error(std::string const& what) : std::invalid_argument("k3: " + what) {}
+};
+
+namespace detail {
+
+template <class Range>
+std::string format_shape(Range const& r) {
+  std::ostringstream os;
+  os << '[';
+  bool first = true;
+  for (auto v : r) {
+    if (!first) os << ", ";
+    os << v;
+    first = false;
+  }
+  os << ']';
+  return os.str();
+}
+
+inline std::string format_shape(std::initializer_list<std::int64_t> r) {
+  return format_shape<std::initializer_list<std::int64_t>>(r);
+}
+
+// Throws k3::error when `cond` is false; the message is built only on failure.
+template <class MakeMessage>
+  requires std::is_invocable_v<MakeMessage>
+inline void require(bool cond, MakeMessage&& make) {
+  if (!cond) throw ::k3::error(make());
+}
+
+inline void require(bool cond, std::string_view message) {
+  if (!cond) throw ::k3::error(std::string(message));
+}
+
+}  // namespace detail
+}  // namespace k3

@@ -1,0 +1,88 @@
+// k3/core/validate.hpp — argument checks shared by every host entry point. Each throws
+// k3::error naming the argument and giving the expected vs actual shape.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+#include "k3/core/error.hpp"
+#include "k3/core/tensor_view.hpp"
+
+namespace k3::detail {
+
+inline constexpr index_t any_extent = -1;
+
+template <class V>
+std::string shape_of(V const& v) {
+  return format_shape(v.extents());
+}
+
+// expected[i] == any_extent matches anything.
+template <class V>
+void check_shape(std::string_view name, V const& v, std::initializer_list<index_t> expected) {
+  bool ok = expected.size() == V::rank();
+  std::size_t r = 0;
+  for (index_t e : expected) {
+    if (!ok) break;
+    if (e != any_extent && v.extent(r) != e) ok = false;
+    ++r;
+  }
+  if (!ok) {
+    std::string exp = "[";
+    bool first = true;
+    for (index_t e : expected) {
+      if (!first) exp += ", ";
+      exp += e == any_extent ? std::string("*") : std::to_string(e);
+      first = false;
+    }
+    exp += "]";
+    throw ::k3::error("argument '" + std::string(name) + "': expected shape " + exp + ", got " + shape_of(v));
+  }
+}
+
+// Data must be present for a non-empty view, strides non-negative.
+template <class V>
+void check_view(std::string_view name, V const& v) {
+  for (std::size_t r = 0; r < V::rank(); ++r) {
+    if (v.extent(r) < 0 || v.stride(r) < 0)
+      throw ::k3::error("argument '" + std::string(name) + "': negative extent or stride (shape " + shape_of(v) +
+                        ", strides " + format_shape(v.strides()) + ")");
+  }
+  if (v.size() > 0 && v.data_handle() == nullptr)
+    throw ::k3::error("argument '" + std::string(name) + "': null data for non-empty shape " + shape_of(v));
+}
+
+// The last dimension must be unit-stride (vectorised kernels read rows contiguously).
+template <class V>
+void check_inner_contiguous(std::string_view name, V const& v) {
+  if constexpr (V::rank() > 0) {
+    if (v.extent(V::rank() - 1) > 1 && v.stride(V::rank() - 1) != 1)
+      throw ::k3::error("argument '" + std::string(name) + "': the last dimension must have stride 1, got strides " +
+                        format_shape(v.strides()));
+  }
+}
+
+// Byte range [first, last) a view can touch; empty views touch nothing.
+template <class V>
+void byte_range(V const& v, std::uintptr_t& lo, std::uintptr_t& hi) {
+  lo = hi = 0;
+  if (v.size() == 0) return;
+  index_t last = 0;
+  for (std::size_t r = 0; r < V::rank(); ++r) last += (v.extent(r) - 1) * v.stride(r);
+  lo = reinterpret_cast<std::uintptr_t>(v.data_handle());
+  hi = lo + static_cast<std::uintptr_t>(last + 1) * sizeof(typename V::element_type);
+}
+
+// An output must not overlap an input (or another output).
+template <class A, class B>
+void check_no_overlap(std::string_view name_a, A const& a, std::string_view name_b, B const& b) {
+  std::uintptr_t a0, a1, b0, b1;
+  byte_range(a, a0, a1);
+  byte_range(b, b0, b1);
+  if (a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1)
+    throw ::k3::error("arguments '" + std::string(name_a) + "' and '" + std::string(name_b) +
+                      "' overlap in memory; outputs must not alias inputs or other outputs");
+}
+
+}  // namespace k3::detail

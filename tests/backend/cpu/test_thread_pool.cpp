@@ -1,0 +1,40 @@
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <vector>
+
+#include "k3/backend/cpu/thread_pool.hpp"
+
+TEST_CASE("each task runs exactly once, many times over") {
+  k3::cpu::thread_pool pool(4);
+  for (int round = 0; round < 200; ++round) {
+    std::int64_t n = round % 17;
+    std::vector<std::atomic<int>> hits(static_cast<std::size_t>(n));
+    pool.run(n, [&](std::int64_t i) { hits[static_cast<std::size_t>(i)]++; });
+    for (auto& h : hits) REQUIRE(h.load() == 1);
+  }
+}
+
+TEST_CASE("nested runs execute inline instead of deadlocking") {
+  k3::cpu::thread_pool pool(2);
+  std::atomic<int> total{0};
+  pool.run(4, [&](std::int64_t) { pool.run(3, [&](std::int64_t) { total++; }); });
+  CHECK(total.load() == 12);
+}
+
+TEST_CASE("an exception in a task reaches the caller after all tasks finish") {
+  k3::cpu::thread_pool pool(3);
+  std::atomic<int> ran{0};
+  CHECK_THROWS_AS(pool.run(10,
+                           [&](std::int64_t i) {
+                             ran++;
+                             if (i == 4) throw std::runtime_error("boom");
+                           }),
+                  std::runtime_error);
+  CHECK(ran.load() == 10);
+  // the pool is still usable
+  std::atomic<int> again{0};
+  pool.run(5, [&](std::int64_t) { again++; });
+  CHECK(again.load() == 5);
+}
