@@ -1,0 +1,88 @@
+// k3/comm/communicator.hpp — the Communicator concept and the single-process implementation.
+//
+// A communicator moves host views between the ranks of a job: all-reduce (sum, in place),
+// all-gather (each rank contributes the same count), point-to-point send/recv, barrier.
+// Every transfer is checked: a peer that sends a different element count or type than the
+// receiver expects makes the receiver throw k3::error naming both, instead of hanging or
+// reading garbage. Later issues (distributed QB histograms, context and pipeline
+// parallelism) are written against this concept only.
+#pragma once
+#include <concepts>
+#include <cstdint>
+#include <string>
+
+#include "k3/core/error.hpp"
+#include "k3/core/tensor_view.hpp"
+
+namespace k3 {
+
+template <class C>
+concept Communicator = requires(C const& c, tensor_view<float, 1> f, tensor_view<double, 1> d,
+                                tensor_view<std::int64_t, 1> i, tensor_view<float const, 1> cf, int peer, int tag) {
+  { c.rank() } -> std::convertible_to<int>;
+  { c.size() } -> std::convertible_to<int>;
+  c.all_reduce_sum(f);
+  c.all_reduce_sum(d);
+  c.all_reduce_sum(i);
+  c.all_gather(cf, f);
+  c.send(cf, peer, tag);
+  c.recv(f, peer, tag);
+  c.barrier();
+};
+
+namespace detail {
+// Element-type codes carried in message headers so receivers can reject mismatches.
+template <class T>
+constexpr std::int64_t comm_type_code() noexcept {
+  if constexpr (std::is_same_v<T, float>) return 1;
+  else if constexpr (std::is_same_v<T, double>) return 2;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return 3;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return 4;
+  else if constexpr (std::is_same_v<T, std::uint64_t>) return 5;
+  else if constexpr (std::is_same_v<T, std::uint16_t>) return 6;
+  else if constexpr (std::is_same_v<T, std::uint8_t>) return 7;
+  else return 0;
+}
+
+template <class V>
+void check_comm_view(char const* what, V const& v) {
+  detail::require(v.is_contiguous() && (v.size() == 0 || v.data_handle() != nullptr), [&] {
+    return std::string(what) + ": communicator buffers must be contiguous host views (shape " + format_shape(v.extents()) + ")";
+  });
+}
+}  // namespace detail
+
+// One process, one rank: collectives are identities; there is no peer to talk to.
+class single_process {
+ public:
+  int rank() const noexcept { return 0; }
+  int size() const noexcept { return 1; }
+
+  template <class T, std::size_t R>
+  void all_reduce_sum(tensor_view<T, R> v) const {
+    detail::check_comm_view("all_reduce_sum", v);
+  }
+  template <class T, class U, std::size_t R1, std::size_t R2>
+  void all_gather(tensor_view<T, R1> in, tensor_view<U, R2> out) const {
+    detail::check_comm_view("all_gather input", in);
+    detail::check_comm_view("all_gather output", out);
+    detail::require(out.size() == in.size(), [&] {
+      return "all_gather: output must hold size() * " + std::to_string(in.size()) + " = " + std::to_string(in.size()) +
+             " elements, got " + std::to_string(out.size());
+    });
+    for (index_t i = 0; i < in.size(); ++i) out.data_handle()[i] = in.data_handle()[i];
+  }
+  template <class T, std::size_t R>
+  void send(tensor_view<T, R>, int peer, int) const {
+    throw k3::error("single_process::send: no rank " + std::to_string(peer) + " in a job of size 1");
+  }
+  template <class T, std::size_t R>
+  void recv(tensor_view<T, R>, int peer, int) const {
+    throw k3::error("single_process::recv: no rank " + std::to_string(peer) + " in a job of size 1");
+  }
+  void barrier() const noexcept {}
+};
+
+static_assert(Communicator<single_process>);
+
+}  // namespace k3

@@ -1,0 +1,167 @@
+// k3/comm/mpi.hpp — k3::mpi_communicator over an MPI communicator (Open MPI from Debian).
+// Needs <mpi.h>: link MPI::MPI_CXX. MPI must be initialised by the caller (k3::mpi_session
+// does it RAII-style for programs that own main()).
+#pragma once
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "k3/comm/communicator.hpp"
+
+namespace k3 {
+
+namespace detail {
+template <class T>
+MPI_Datatype mpi_type() {
+  if constexpr (std::is_same_v<T, float>) return MPI_FLOAT;
+  else if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return MPI_INT64_T;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return MPI_INT32_T;
+  else if constexpr (std::is_same_v<T, std::uint64_t>) return MPI_UINT64_T;
+  else if constexpr (std::is_same_v<T, std::uint16_t>) return MPI_UINT16_T;
+  else {
+    static_assert(std::is_same_v<T, std::uint8_t>, "k3::mpi_communicator: unsupported element type");
+    return MPI_UINT8_T;
+  }
+}
+inline void mpi_check(int rc, char const* what) {
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    throw k3::error(std::string(what) + ": MPI error: " + std::string(msg, static_cast<std::size_t>(len)));
+  }
+}
+}  // namespace detail
+
+// Initialises MPI for the lifetime of the object (if nobody else did) and finalises it.
+class mpi_session {
+ public:
+  mpi_session(int* argc, char*** argv) {
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (!inited) {
+      detail::mpi_check(MPI_Init(argc, argv), "MPI_Init");
+      owner_ = true;
+    }
+  }
+  ~mpi_session() {
+    if (owner_) MPI_Finalize();
+  }
+  mpi_session(mpi_session const&) = delete;
+  mpi_session& operator=(mpi_session const&) = delete;
+
+ private:
+  bool owner_ = false;
+};
+
+class mpi_communicator {
+ public:
+  explicit mpi_communicator(MPI_Comm comm = MPI_COMM_WORLD) : comm_(comm) {
+    // Errors come back as return codes, which k3 turns into exceptions.
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  MPI_Comm native() const noexcept { return comm_; }
+
+  // In-place sum. Every rank must pass the same element count and type; a mismatch throws
+  // on every rank (checked with a small collective first, so nobody hangs).
+  template <class T, std::size_t R>
+  void all_reduce_sum(tensor_view<T, R> v) const {
+    static_assert(!std::is_const_v<T>, "all_reduce_sum writes its buffer");
+    detail::check_comm_view("all_reduce_sum", v);
+    agree("all_reduce_sum", v.size(), detail::comm_type_code<T>());
+    if (v.size() == 0) return;
+    detail::mpi_check(MPI_Allreduce(MPI_IN_PLACE, v.data_handle(), static_cast<int>(v.size()), detail::mpi_type<T>(), MPI_SUM, comm_),
+                      "all_reduce_sum");
+  }
+
+  // out holds size() blocks of in.size() elements, rank r's block at offset r * in.size().
+  template <class T, class U, std::size_t R1, std::size_t R2>
+  void all_gather(tensor_view<T, R1> in, tensor_view<U, R2> out) const {
+    using E = std::remove_const_t<T>;
+    static_assert(std::is_same_v<E, U>, "all_gather: input and output element types differ");
+    detail::check_comm_view("all_gather input", in);
+    detail::check_comm_view("all_gather output", out);
+    agree("all_gather", in.size(), detail::comm_type_code<E>());
+    detail::require(out.size() == in.size() * size_, [&] {
+      return "all_gather: output must hold " + std::to_string(size_) + " * " + std::to_string(in.size()) + " elements, got " +
+             std::to_string(out.size());
+    });
+    if (in.size() == 0) return;
+    detail::mpi_check(MPI_Allgather(in.data_handle(), static_cast<int>(in.size()), detail::mpi_type<E>(), out.data_handle(),
+                                    static_cast<int>(in.size()), detail::mpi_type<E>(), comm_),
+                      "all_gather");
+  }
+
+  // Sends a header (element count, type code) and then the payload.
+  template <class T, std::size_t R>
+  void send(tensor_view<T, R> v, int peer, int tag) const {
+    using E = std::remove_const_t<T>;
+    detail::check_comm_view("send", v);
+    check_peer("send", peer);
+    std::int64_t header[2] = {v.size(), detail::comm_type_code<E>()};
+    detail::mpi_check(MPI_Send(header, 2, MPI_INT64_T, peer, header_tag(tag), comm_), "send header");
+    if (v.size() > 0)
+      detail::mpi_check(MPI_Send(v.data_handle(), static_cast<int>(v.size()), detail::mpi_type<E>(), peer, tag, comm_), "send");
+  }
+
+  // Receives into v; throws if the peer sent a different count or type. The payload of a
+  // mismatched message is drained so the channel stays usable.
+  template <class T, std::size_t R>
+  void recv(tensor_view<T, R> v, int peer, int tag) const {
+    static_assert(!std::is_const_v<T>, "recv writes its buffer");
+    detail::check_comm_view("recv", v);
+    check_peer("recv", peer);
+    std::int64_t header[2] = {0, 0};
+    detail::mpi_check(MPI_Recv(header, 2, MPI_INT64_T, peer, header_tag(tag), comm_, MPI_STATUS_IGNORE), "recv header");
+    if (header[0] != v.size() || header[1] != detail::comm_type_code<T>()) {
+      if (header[0] > 0) {
+        MPI_Status st;
+        MPI_Probe(peer, tag, comm_, &st);
+        int bytes = 0;
+        MPI_Get_count(&st, MPI_BYTE, &bytes);
+        std::string sink(static_cast<std::size_t>(bytes), '\0');
+        MPI_Recv(sink.data(), bytes, MPI_BYTE, peer, tag, comm_, MPI_STATUS_IGNORE);
+      }
+      throw k3::error("recv from rank " + std::to_string(peer) + ": expected " + std::to_string(v.size()) +
+                      " elements of type code " + std::to_string(detail::comm_type_code<T>()) + ", peer sent " +
+                      std::to_string(header[0]) + " of type code " + std::to_string(header[1]));
+    }
+    if (v.size() > 0)
+      detail::mpi_check(MPI_Recv(v.data_handle(), static_cast<int>(v.size()), detail::mpi_type<T>(), peer, tag, comm_, MPI_STATUS_IGNORE),
+                        "recv");
+  }
+
+  void barrier() const { detail::mpi_check(MPI_Barrier(comm_), "barrier"); }
+
+ private:
+  static int header_tag(int tag) { return tag + (1 << 20); }
+  void check_peer(char const* what, int peer) const {
+    detail::require(peer >= 0 && peer < size_ && peer != rank_, [&] {
+      return std::string(what) + ": peer rank " + std::to_string(peer) + " is not another rank of this job (size " +
+             std::to_string(size_) + ", this rank " + std::to_string(rank_) + ")";
+    });
+  }
+  // All ranks agree on (count, type) or all throw.
+  void agree(char const* what, std::int64_t count, std::int64_t type) const {
+    std::int64_t mine[4] = {count, -count, type, -type}, all[4];
+    detail::mpi_check(MPI_Allreduce(mine, all, 4, MPI_INT64_T, MPI_MAX, comm_), what);
+    if (all[0] != -all[1] || all[2] != -all[3])
+      throw k3::error(std::string(what) + ": ranks passed different element counts or types (this rank " + std::to_string(rank_) +
+                      ": " + std::to_string(count) + " elements, type code " + std::to_string(type) + "; counts range " +
+                      std::to_string(-all[1]) + ".." + std::to_string(all[0]) + ")");
+  }
+
+  MPI_Comm comm_;
+  int rank_ = 0, size_ = 1;
+};
+
+static_assert(Communicator<mpi_communicator>);
+
+}  // namespace k3
