@@ -11,4 +11,5 @@ k3_add_test(test_kda_cuda_reference ${CMAKE_CURRENT_BINARY_DIR}/test_kda_cuda_re
 
 if(K3_ENABLE_CUDA)
   k3_add_gpu_test(test_kda_cuda ${CMAKE_CURRENT_LIST_DIR}/test_kda_cuda.cu)
+  k3_add_gpu_test(test_kda_preprocess_cuda ${CMAKE_CURRENT_LIST_DIR}/test_kda_preprocess_cuda.cu)
 endif()

@@ -103,6 +103,62 @@ struct decode_args {
   float scale = 0.0f;
 };
 
+// ---- pre-processing: the math of k3/kda/preprocess.hpp on the GPU -----------------------
+// Contiguous tensors; rows = product of all dimensions but the last. Parameter gradients
+// (dA_log, ddt_bias, dweight, dbias) are fp32 and accumulated with atomics (the launcher
+// zeroes them first).
+
+enum class gate_kind { softplus, lower_bound };
+
+struct gate_params {
+  gate_kind kind = gate_kind::softplus;
+  float const* A_log = nullptr;    // [HV] or nullptr (A_log = 0)
+  float const* dt_bias = nullptr;  // [HV, K] or nullptr (dt_bias = 0)
+  float lower_bound = -5.0f;       // lower_bound gate only, in [-5, 0)
+  index_t rows = 0;                // B * T
+  index_t HV = 0, K = 0;
+};
+
+// Short causal depthwise conv (+ SiLU): x, y [B, T, C]; weight [C, W] fp32; bias [C] fp32
+// or nullptr; conv states [N, C, W-1] fp32 (state[n, c, i] is position start - (W-1) + i).
+struct conv_params {
+  index_t B = 0, T = 0, C = 0, W = 4;
+  float const* weight = nullptr;
+  float const* bias = nullptr;
+  std::int64_t const* cu_seqlens = nullptr;       // [N + 1] device, or nullptr (B sequences)
+  std::int64_t const* cu_seqlens_host = nullptr;  // the same values on the host
+  index_t N = 0;                                  // number of cu_seqlens sequences
+  bool silu = true;
+};
+
+template <class S>
+void l2norm_fwd(S const* x, S* y, index_t rows, index_t D, CUstream_st* stream);
+template <class S>
+void l2norm_bwd(S const* x, S const* dy, S* dx, index_t rows, index_t D, CUstream_st* stream);
+template <class S>
+void beta_sigmoid_fwd(S const* x, S* beta, index_t n, bool allow_neg_eigval, CUstream_st* stream);
+template <class S>
+void beta_sigmoid_bwd(S const* x, S const* dbeta, S* dx, index_t n, bool allow_neg_eigval, CUstream_st* stream);
+template <class S>
+void gate_fwd(gate_params const& p, S const* x, S* g, CUstream_st* stream);
+// dA_log [HV] and ddt_bias [HV, K] may be nullptr (not wanted).
+template <class S>
+void gate_bwd(gate_params const& p, S const* x, S const* dg, S* dx, float* dA_log, float* ddt_bias, CUstream_st* stream);
+// initial_state / final_state may be nullptr; final_state must not alias initial_state.
+template <class S>
+void short_conv_fwd(conv_params const& p, S const* x, S* y, float const* initial_state, float* final_state, CUstream_st* stream);
+// dweight [C, W], dbias [C], d_initial_state [N, C, W-1] may be nullptr (not wanted).
+template <class S>
+void short_conv_bwd(conv_params const& p, S const* x, S const* dy, S* dx, float* dweight, float* dbias, float const* initial_state,
+                    float* d_initial_state, CUstream_st* stream);
+// One token per sequence: x, y [N, C]; conv_state pool [P, C, W-1] updated in place, slot
+// slots[n] (nullptr: n; negative: padding, skipped). p.B, p.T and cu_seqlens are ignored.
+template <class S>
+void short_conv_decode(conv_params const& p, S const* x, S* y, index_t N, float* conv_state, index_t P, std::int64_t const* slots,
+                       CUstream_st* stream);
+
+// ---- KDA ------------------------------------------------------------------------------------
+
 template <class S>
 void chunk_fwd(fwd_args<S> const& a, CUstream_st* stream);
 template <class S>

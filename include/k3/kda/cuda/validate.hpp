@@ -137,4 +137,33 @@ float check(decode_args<S> const& a) {
   return effective_scale(a.scale, a.K);
 }
 
+inline void check_rows(index_t rows, index_t D) {
+  ::k3::detail::require(rows >= 0 && D >= 0, [&] {
+    return "arguments 'rows', 'D': must be >= 0, got rows = " + std::to_string(rows) + ", D = " + std::to_string(D);
+  });
+}
+
+inline void check(gate_params const& p) {
+  ::k3::detail::require(p.rows >= 0 && p.HV >= 1 && p.K >= 1, [&] {
+    return "arguments 'rows', 'HV', 'K': need rows >= 0, HV >= 1, K >= 1, got " + std::to_string(p.rows) + ", " +
+           std::to_string(p.HV) + ", " + std::to_string(p.K);
+  });
+  if (p.kind == gate_kind::lower_bound)
+    ::k3::detail::require(p.lower_bound >= -5.0f && p.lower_bound < 0.0f, [&] {
+      return "argument 'lower_bound': must lie in [-5, 0), got " + std::to_string(p.lower_bound);
+    });
+}
+
+// Returns the number of sequences.
+inline index_t check(conv_params const& p) {
+  ::k3::detail::require(p.C >= 1 && p.W >= 1, [&] {
+    return "arguments 'C', 'W': need C >= 1 and W >= 1, got C = " + std::to_string(p.C) + ", W = " + std::to_string(p.W);
+  });
+  require_ptr(p.weight, "weight", true);
+  ::k3::detail::require(p.B >= 0 && p.T >= 0, [&] {
+    return "arguments 'B', 'T': must be >= 0, got B = " + std::to_string(p.B) + ", T = " + std::to_string(p.T);
+  });
+  return check_sequences(p.B, p.T, p.N, p.cu_seqlens, p.cu_seqlens_host).N;
+}
+
 }  // namespace k3::kda::cuda::detail
