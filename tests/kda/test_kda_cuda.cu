@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "k3/core/numeric/bfloat16.hpp"
+#include "k3/kda/cuda/validate.hpp"
 
 #ifndef K3_KDA_REF_SELFTEST
 #include "k3/kda/cuda/kda.cuh"
@@ -191,6 +192,78 @@ TEST_CASE("the float64 reference's backward matches finite differences") {
       }
     }
   }
+}
+
+// The launchers' host-side checks are plain C++: exercised here on every build.
+TEST_CASE("launcher argument checks name the argument (host side, no GPU needed)") {
+  namespace kc = k3::kda::cuda;
+  float dummy = 0;
+  kc::fwd_args<float> a;
+  a.q = a.k = a.v = a.g = a.beta = &dummy;
+  a.o = &dummy;
+  a.B = 1, a.T = 4, a.H = 1, a.HV = 2, a.K = 64, a.V = 8;
+  CHECK(kc::detail::check(a).N == 1);
+  CHECK(kc::detail::check(a).scale == doctest::Approx(0.125f));
+  a.scale = 0.5f;
+  CHECK(kc::detail::check(a).scale == 0.5f);
+  a.K = 129;
+  CHECK_THROWS_WITH_AS(kc::detail::check(a), doctest::Contains("'K'"), k3::error);
+  a.K = 64, a.H = 2, a.HV = 3;
+  CHECK_THROWS_WITH_AS(kc::detail::check(a), doctest::Contains("'HV'"), k3::error);
+  a.H = 1, a.HV = 2;
+  a.o = nullptr;
+  CHECK_THROWS_WITH_AS(kc::detail::check(a), doctest::Contains("'o'"), k3::error);
+  a.o = &dummy;
+  std::vector<std::int64_t> cu = {0, 3, 2};
+  a.cu_seqlens = a.cu_seqlens_host = cu.data();
+  a.N = 2;
+  CHECK_THROWS_WITH_AS(kc::detail::check(a), doctest::Contains("non-decreasing"), k3::error);
+  cu = {0, 2, 3};
+  a.cu_seqlens = a.cu_seqlens_host = cu.data();
+  CHECK_THROWS_WITH_AS(kc::detail::check(a), doctest::Contains("end at T"), k3::error);
+  cu = {0, 0, 4};
+  a.cu_seqlens = a.cu_seqlens_host = cu.data();
+  CHECK(kc::detail::check(a).N == 2);
+  CHECK(kc::detail::check(a).max_len == 4);
+  a.B = 2;
+  CHECK_THROWS_WITH_AS(kc::detail::check(a), doctest::Contains("batch size 1"), k3::error);
+  a.B = 1;
+  a.cu_seqlens_host = nullptr;
+  CHECK_THROWS_WITH_AS(kc::detail::check(a), doctest::Contains("cu_seqlens_host"), k3::error);
+
+  kc::decode_args<float> d;
+  d.q = d.k = d.v = d.g = d.beta = d.o = &dummy;
+  d.state = &dummy;
+  d.N = 3, d.P = 3, d.H = 1, d.HV = 1, d.K = 8, d.V = 8;
+  std::vector<std::int64_t> sl = {1, -1, 2};  // -1: padding
+  d.slots = d.slots_host = sl.data();
+  CHECK_NOTHROW(kc::detail::check(d));
+  sl = {1, 0, 1};
+  CHECK_THROWS_WITH_AS(kc::detail::check(d), doctest::Contains("twice"), k3::error);
+  sl = {0, 3, 1};
+  CHECK_THROWS_WITH_AS(kc::detail::check(d), doctest::Contains("'slots'"), k3::error);
+  d.slots = d.slots_host = nullptr;
+  d.P = 2;
+  CHECK_THROWS_WITH_AS(kc::detail::check(d), doctest::Contains("'state'"), k3::error);
+
+  kc::gate_params gp;
+  gp.kind = kc::gate_kind::lower_bound;
+  gp.rows = 1, gp.HV = 1, gp.K = 1;
+  for (float lb : {-5.0f, -1.0f, -1e-6f}) {
+    gp.lower_bound = lb;
+    CHECK_NOTHROW(kc::detail::check(gp));
+  }
+  for (float lb : {0.0f, 1.0f, -5.001f, std::nanf("")}) {
+    gp.lower_bound = lb;
+    CHECK_THROWS_WITH_AS(kc::detail::check(gp), doctest::Contains("'lower_bound'"), k3::error);
+  }
+  kc::conv_params cp;
+  cp.B = 1, cp.T = 5, cp.C = 4, cp.W = 4;
+  CHECK_THROWS_WITH_AS(kc::detail::check(cp), doctest::Contains("'weight'"), k3::error);
+  cp.weight = &dummy;
+  CHECK(kc::detail::check(cp) == 1);
+  cp.W = 0;
+  CHECK_THROWS_WITH_AS(kc::detail::check(cp), doctest::Contains("'W'"), k3::error);
 }
 
 #ifndef K3_KDA_REF_SELFTEST
