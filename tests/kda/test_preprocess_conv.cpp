@@ -495,3 +495,49 @@ TEST_CASE("bad input names the argument") {
   has(msg([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, k3::host_view(pool.data(), 2, C, W), ysv); }), "'conv_state'");
   has(msg([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, k3::host_view(ys.data(), 1, C)); }), "'y'");
 }
+
+TEST_CASE("empty shapes: no tokens, empty sequences pass the initial state through") {
+  index_t const C = 3, W = 4;
+  auto w = randn(static_cast<std::size_t>(C * W), 101);
+  auto init = randn(static_cast<std::size_t>(2 * C * (W - 1)), 102);
+  std::vector<double> fs(init.size(), -1.0), none;
+  // B = 2 rows of T = 0 tokens
+  k3::kda::short_conv(serial, k3::host_view(none.data(), 2, 0, C), k3::host_view(w.data(), C, W), nullptr,
+                      k3::host_view(none.data(), 2, 0, C), nullptr, k3::host_view(init.data(), 2, C, W - 1),
+                      k3::host_view(fs.data(), 2, C, W - 1));
+  CHECK(fs == init);
+  std::vector<double> di(init.size(), -1.0), dw(w.size(), -1.0);
+  k3::kda::short_conv_backward(serial, k3::host_view(none.data(), 2, 0, C), k3::host_view(w.data(), C, W), nullptr,
+                               k3::host_view(none.data(), 2, 0, C), k3::host_view(none.data(), 2, 0, C), k3::host_view(dw.data(), C, W),
+                               nullptr, nullptr, k3::host_view(init.data(), 2, C, W - 1), k3::host_view(di.data(), 2, C, W - 1));
+  for (double v : di) CHECK(v == 0.0);
+  for (double v : dw) CHECK(v == 0.0);
+  // B = 0
+  k3::kda::short_conv(serial, k3::host_view(none.data(), 0, 5, C), k3::host_view(w.data(), C, W), nullptr, k3::host_view(none.data(), 0, 5, C));
+  // decode with N = 0
+  std::vector<double> pool(static_cast<std::size_t>(C * (W - 1)));
+  k3::kda::short_conv_decode(serial, k3::host_view(none.data(), 0, C), k3::host_view(w.data(), C, W), nullptr,
+                             k3::host_view(pool.data(), 1, C, W - 1), k3::host_view(none.data(), 0, C));
+}
+
+TEST_CASE("a NaN in one sequence stays in that sequence (forward and dx)") {
+  index_t const C = 4, W = 4, T = 30;
+  std::vector<std::int64_t> cu = {0, 10, 30};
+  auto x = randn(static_cast<std::size_t>(T * C), 111);
+  auto w = randn(static_cast<std::size_t>(C * W), 112);
+  auto dy = randn(x.size(), 113);
+  x[static_cast<std::size_t>(9 * C + 1)] = std::nan("");  // last token of sequence 0, channel 1
+  std::vector<double> y(x.size()), dx(x.size());
+  auto xv = k3::host_view(x.data(), 1, T, C);
+  auto wv = k3::host_view(w.data(), C, W);
+  auto cuv = k3::host_view(cu.data(), 3);
+  k3::kda::short_conv(serial, xv, wv, nullptr, k3::host_view(y.data(), 1, T, C), cuv);
+  k3::kda::short_conv_backward(serial, xv, wv, nullptr, k3::host_view(dy.data(), 1, T, C), k3::host_view(dx.data(), 1, T, C), nullptr,
+                               nullptr, cuv);
+  for (index_t t = 0; t < T; ++t)
+    for (index_t c = 0; c < C; ++c) {
+      bool const poisoned = t == 9 && c == 1;  // depthwise: other channels and sequences stay clean
+      CHECK(std::isnan(y[static_cast<std::size_t>(t * C + c)]) == poisoned);
+      CHECK(std::isnan(dx[static_cast<std::size_t>(t * C + c)]) == (c == 1 && t >= 6 && t <= 9));
+    }
+}
