@@ -316,9 +316,12 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
   detail::require(!fortran, "unsupported .npy file: fortran_order is True (save with np.ascontiguousarray)");
 
   std::size_t const avail = bytes.size() - pre - header_len;
+  // Every running product must fit index_t (not just uint64): npy_array::size() and views
+  // multiply the extents left to right in index_t, even when a later extent is 0.
   std::uint64_t n = 1;
+  constexpr auto max_elems = static_cast<std::uint64_t>(std::numeric_limits<index_t>::max());
   for (index_t e : shape) {
-    if (e != 0 && n > std::numeric_limits<std::uint64_t>::max() / static_cast<std::uint64_t>(e))
+    if (e != 0 && n > max_elems / static_cast<std::uint64_t>(e))
       throw k3::error("malformed .npy file: shape " + detail::format_shape(shape) + " overflows");
     n *= static_cast<std::uint64_t>(e);
   }

@@ -128,7 +128,7 @@ TEST_CASE("for_each matches cpu::serial on awkward shapes") {
   }
 }
 
-TEST_CASE("for_each: empty ranges launch nothing; offsets reach f") {
+TEST_CASE("for_each: empty ranges launch nothing and offsets reach f") {
   stream_backend be;
   k3::tensor<std::int64_t, 1, stream_backend> out({10}, be);
   auto v = out.view();
