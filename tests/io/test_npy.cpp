@@ -62,7 +62,8 @@ TEST_CASE("versions 2 and 3 and the bfloat16 spellings") {
   CHECK(a.type() == k3::io::dtype::bfloat16);
   CHECK_NOTHROW(a.view<k3::bfloat16, 1>("x"));
   auto u2 = make_file("{'descr': '<u2', 'fortran_order': False, 'shape': (4,), }", 8);
-  CHECK_NOTHROW(k3::io::parse_npy(u2).view<k3::bfloat16, 1>("x"));
+  auto u2_array = k3::io::parse_npy(u2);
+  CHECK_NOTHROW(u2_array.view<k3::bfloat16, 1>("x"));
 }
 
 TEST_CASE("malformed files give clear errors") {
@@ -195,3 +196,15 @@ static_assert(k3::io::dtype_size(k3::io::dtype::bfloat16) == 2);
 static_assert(k3::io::dtype_size(k3::io::dtype::int64) == 8);
 static_assert(k3::io::dtype_of<float>() == k3::io::dtype::float32);
 static_assert(k3::io::dtype_of<k3::bfloat16>() == k3::io::dtype::bfloat16);
+
+// A view into a temporary npy_array would dangle, so asking for one does not compile.
+template <class A>
+concept can_view_rvalue = requires(A&& a) { static_cast<A&&>(a).template view<float, 1>("x"); };
+template <class A>
+concept can_view_lvalue = requires(A& a) { a.template view<float, 1>("x"); };
+static_assert(!can_view_rvalue<k3::io::npy_array>);
+static_assert(can_view_lvalue<k3::io::npy_array>);
+static_assert(can_view_lvalue<k3::io::npy_array const>);
+static_assert(std::is_same_v<decltype(std::declval<k3::io::npy_array const&>().view<float, 2>("x")),
+                             k3::tensor_view<float const, 2>>);
+static_assert(std::is_same_v<decltype(std::declval<k3::io::npy_array&>().view<float, 2>("x")), k3::tensor_view<float, 2>>);

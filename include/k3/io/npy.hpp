@@ -92,7 +92,7 @@ class npy_array {
   // A typed view; `name` is used in the error when the dtype or rank does not match.
   // bfloat16 accepts both of its on-disk spellings.
   template <class T, std::size_t Rank>
-  tensor_view<T const, Rank> view(std::string_view name = "array") const {
+  tensor_view<T const, Rank> view(std::string_view name = "array") const& {
     check_type<T>(name);
     detail::require(shape_.size() == Rank, [&] {
       return "argument '" + std::string(name) + "': expected rank " + std::to_string(Rank) + ", got shape " +
@@ -103,10 +103,14 @@ class npy_array {
     return {static_cast<T const*>(data()), e};
   }
   template <class T, std::size_t Rank>
-  tensor_view<T, Rank> view(std::string_view name = "array") {
+  tensor_view<T, Rank> view(std::string_view name = "array") & {
     auto v = std::as_const(*this).template view<T, Rank>(name);
     return {const_cast<T*>(v.data_handle()), v.extents()};
   }
+  // A view into a temporary (read_npy(p).view<...>()) would dangle: keep the array in a
+  // variable first.
+  template <class T, std::size_t Rank>
+  tensor_view<T, Rank> view(std::string_view name = "array") && = delete;
 
   // Element i (C order) converted to double, whatever the dtype.
   double as_double(index_t i) const noexcept {
