@@ -14,7 +14,13 @@ function(k3_add_test name source)
   add_executable(${name} ${source})
   target_link_libraries(${name} PRIVATE k3::k3 k3_test_main k3_project_options ${arg_LINK})
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
-  doctest_discover_tests(${name} PROPERTIES LABELS "${arg_LABELS}" TIMEOUT ${arg_TIMEOUT})
+  # doctest_discover_tests flattens list-valued PROPERTIES ("cpu;compile" would become LABELS
+  # cpu plus a bogus property), so labels are set by a script run after discovery.
+  doctest_discover_tests(${name} TEST_LIST ${name}_TESTS PROPERTIES TIMEOUT ${arg_TIMEOUT})
+  set(labels_script ${CMAKE_CURRENT_BINARY_DIR}/${name}_labels.cmake)
+  file(WRITE ${labels_script}
+       "if(${name}_TESTS)\n  set_tests_properties(\${${name}_TESTS} PROPERTIES LABELS \"${arg_LABELS}\")\nendif()\n")
+  set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${labels_script})
 endfunction()
 
 # k3_add_gpu_test(<name> <source.cu>): builds everywhere nvcc exists; exits 77 (skipped)
@@ -48,4 +54,16 @@ function(k3_add_mpi_test name source)
     set_tests_properties(${name}_np${np} PROPERTIES LABELS "cpu;mpi" TIMEOUT 300
                          ENVIRONMENT "OMPI_MCA_btl=self,vader;OMPI_MCA_btl_vader_single_copy_mechanism=none;OMPI_MCA_rmaps_base_oversubscribe=1")
   endforeach()
+endfunction()
+
+# k3_add_cuda_host_test(<name> <source.cu>): CUDA-compiled doctest that needs no GPU (argument
+# checks, error types); runs on every machine that has nvcc, label cpu.
+function(k3_add_cuda_host_test name source)
+  add_executable(${name} ${source})
+  target_link_libraries(${name} PRIVATE k3::cuda k3_test_main)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  if(K3_WARNINGS_AS_ERRORS)
+    target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--Werror=all-warnings>)
+  endif()
+  doctest_discover_tests(${name} PROPERTIES LABELS cpu TIMEOUT 120)
 endfunction()

@@ -37,12 +37,15 @@ class stream_backend;
 // Device-to-device copies are ordered on `stream` and do not block the host.
 // Shape mismatches and null data throw k3::error naming `src` and `dst`.
 template <class T, std::size_t Rank>
+  requires(!std::is_const_v<T>)
 void copy(std::type_identity_t<tensor_view<T const, Rank, host_space>> src, tensor_view<T, Rank, cuda_device_space> dst,
           stream_handle stream);
 template <class T, std::size_t Rank>
+  requires(!std::is_const_v<T>)
 void copy(std::type_identity_t<tensor_view<T const, Rank, cuda_device_space>> src, tensor_view<T, Rank, host_space> dst,
           stream_handle stream);
 template <class T, std::size_t Rank>
+  requires(!std::is_const_v<T>)
 void copy(std::type_identity_t<tensor_view<T const, Rank, cuda_device_space>> src,
           tensor_view<T, Rank, cuda_device_space> dst, stream_handle stream);
 

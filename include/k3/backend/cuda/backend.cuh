@@ -287,6 +287,7 @@ class scoped_stream {
 // ---- copies (declared in api.hpp) -------------------------------------------------------
 
 template <class T, std::size_t Rank>
+  requires(!std::is_const_v<T>)
 void copy(std::type_identity_t<tensor_view<T const, Rank, host_space>> src, tensor_view<T, Rank, cuda_device_space> dst,
           stream_handle stream) {
   static_assert(std::is_trivially_copyable_v<T>, "cuda::copy needs a trivially copyable element type");
@@ -313,6 +314,7 @@ void copy(std::type_identity_t<tensor_view<T const, Rank, host_space>> src, tens
 }
 
 template <class T, std::size_t Rank>
+  requires(!std::is_const_v<T>)
 void copy(std::type_identity_t<tensor_view<T const, Rank, cuda_device_space>> src, tensor_view<T, Rank, host_space> dst,
           stream_handle stream) {
   static_assert(std::is_trivially_copyable_v<T>, "cuda::copy needs a trivially copyable element type");
@@ -338,6 +340,7 @@ void copy(std::type_identity_t<tensor_view<T const, Rank, cuda_device_space>> sr
 }
 
 template <class T, std::size_t Rank>
+  requires(!std::is_const_v<T>)
 void copy(std::type_identity_t<tensor_view<T const, Rank, cuda_device_space>> src,
           tensor_view<T, Rank, cuda_device_space> dst, stream_handle stream) {
   static_assert(std::is_trivially_copyable_v<T>, "cuda::copy needs a trivially copyable element type");
