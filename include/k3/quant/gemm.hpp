@@ -9,6 +9,8 @@
 #pragma once
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <vector>
 #include <xsimd/xsimd.hpp>
@@ -24,6 +26,28 @@ inline constexpr std::array<float, 256> e4m3_table = [] {
   for (unsigned c = 0; c < 256; ++c) t[c] = decode<e4m3_format>(static_cast<std::uint8_t>(c));
   return t;
 }();
+
+// c + a·b with a single rounding. xsimd 8.1 has no AVX-512 fma kernel (it falls back to a
+// multiply and an add), so AVX-512 uses the intrinsic and other ISAs fma lane by lane: the
+// promotion must round exactly as the reference's std::fma. (The partial sums need no fused
+// multiply-add: e4m3 products are exact in fp32.)
+template <class Arch>
+K3_INLINE xsimd::batch<float, Arch> fused_fma(xsimd::batch<float, Arch> a, xsimd::batch<float, Arch> b, xsimd::batch<float, Arch> c) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_base_of_v<xsimd::avx512f, Arch>) {
+    return _mm512_fmadd_ps(a, b, c);
+  } else
+#endif
+  {
+    constexpr std::size_t L = xsimd::batch<float, Arch>::size;
+    alignas(64) float av[L], bv[L], cv[L];
+    a.store_aligned(av);
+    b.store_aligned(bv);
+    c.store_aligned(cv);
+    for (std::size_t l = 0; l < L; ++l) cv[l] = std::fma(av[l], bv[l], cv[l]);
+    return xsimd::batch<float, Arch>::load_aligned(cv);
+  }
+}
 
 template <class Arch, class B>
 void fp8_block_gemm(B const& b, const_view<std::uint8_t, 2> qa, const_view<float, 2> sa, const_view<std::uint8_t, 2> qb,
@@ -98,8 +122,8 @@ void fp8_block_gemm(B const& b, const_view<std::uint8_t, 2> qa, const_view<float
               for (index_t cc = 0; cc < cols; ++cc) crow[cc] = c(i0 + ii + r, n0 + jj + cc);
             bf c0 = kb > 0 ? bf::load_unaligned(crow) : bf(0.0f);
             bf c1 = kb > 0 ? bf::load_unaligned(crow + L) : bf(0.0f);
-            xsimd::fma(p0[r], sc, c0).store_unaligned(crow);
-            xsimd::fma(p1[r], sc, c1).store_unaligned(crow + L);
+            fused_fma<Arch>(p0[r], sc, c0).store_unaligned(crow);
+            fused_fma<Arch>(p1[r], sc, c1).store_unaligned(crow + L);
             if (!direct)
               for (index_t cc = 0; cc < cols; ++cc) c(i0 + ii + r, n0 + jj + cc) = crow[cc];
           }
