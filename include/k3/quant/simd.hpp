@@ -42,25 +42,97 @@ template <class Arch>
 struct kernels {
   using bf = xsimd::batch<float, Arch>;
   using bi = xsimd::batch<std::int32_t, Arch>;
+  using bl = xsimd::batch<std::int64_t, Arch>;
   static constexpr index_t L = static_cast<index_t>(bf::size);
+#if defined(__AVX512F__)
+  static constexpr bool avx512 = std::is_base_of_v<xsimd::avx512f, Arch>;
+#else
+  static constexpr bool avx512 = false;
+#endif
 
-  // max of |x| bit patterns (see detail::abs_bits).
-  static std::uint32_t amax_bits(float const* p, index_t n) noexcept {
+  // L consecutive inputs as floats (bf16 widened in registers on AVX-512).
+  template <class T>
+  static bf load(T const* p) noexcept {
+    if constexpr (std::is_same_v<std::remove_cv_t<T>, float>) {
+      return bf::load_unaligned(p);
+    } else {
+#if defined(__AVX512F__)
+      if constexpr (avx512) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      }
+#endif
+      alignas(64) float f[L];
+      to_float(p, f, L);
+      return bf::load_aligned(f);
+    }
+  }
+
+  // L codes (one per int32 lane) to L bytes.
+  static void store_bytes(bi c, std::uint8_t* out) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (avx512) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+      return;
+    }
+#endif
+    alignas(64) std::int32_t t[L];
+    c.store_aligned(t);
+    for (index_t j = 0; j < L; ++j) out[j] = static_cast<std::uint8_t>(t[j]);
+  }
+  // L 4-bit codes to L/2 bytes, even element in the low nibble.
+  static void store_nibbles(bi c, std::uint8_t* out) noexcept {
+    bl const v = xsimd::bitwise_cast<bl>(c);
+    bl const packed = (v & bl(0xF)) | ((v >> 32) << 4);
+#if defined(__AVX512F__)
+    if constexpr (avx512) {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(packed));
+      return;
+    }
+#endif
+    alignas(64) std::int64_t t[L / 2];
+    packed.store_aligned(t);
+    for (index_t j = 0; j < L / 2; ++j) out[j] = static_cast<std::uint8_t>(t[j]);
+  }
+
+  // max of |x| bit patterns (see detail::abs_bits) over n inputs.
+  template <class T>
+  static std::uint32_t amax_bits(T const* p, index_t n) noexcept {
+#if defined(__AVX512BW__)
+    if constexpr (avx512 && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
+      // bf16 is the top half of an fp32: the max over 16-bit |x| patterns, shifted, is the
+      // fp32 amax pattern (NaN > Inf > finite still holds), at 32 values per instruction.
+      __m512i m = _mm512_setzero_si512();
+      __m512i const mask = _mm512_set1_epi16(0x7FFF);
+      index_t j = 0;
+      for (; j + 32 <= n; j += 32)
+        m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(reinterpret_cast<void const*>(p + j)), mask));
+      alignas(64) std::uint16_t lanes[32];
+      _mm512_store_si512(reinterpret_cast<void*>(lanes), m);
+      std::uint32_t r = 0;
+      for (int l = 0; l < 32; ++l) r = std::max<std::uint32_t>(r, lanes[l]);
+      r <<= 16;
+      for (; j < n; ++j) r = std::max(r, detail::abs_bits(load_as<float>(p[j])));
+      return r;
+    }
+#endif
     bi m(0);
     bi const mask(0x7FFFFFFF);
     index_t j = 0;
-    for (; j + L <= n; j += L) m = xsimd::max(m, xsimd::bitwise_cast<bi>(bf::load_unaligned(p + j)) & mask);
+    for (; j + L <= n; j += L) m = xsimd::max(m, xsimd::bitwise_cast<bi>(load(p + j)) & mask);
     alignas(64) std::int32_t lanes[L];
     m.store_aligned(lanes);
     std::uint32_t r = 0;
     for (index_t l = 0; l < L; ++l) r = std::max(r, static_cast<std::uint32_t>(lanes[l]));
-    for (; j < n; ++j) r = std::max(r, detail::abs_bits(p[j]));
+    for (; j < n; ++j) r = std::max(r, detail::abs_bits(load_as<float>(p[j])));
     return r;
   }
 
   // Saturating encode of y (F::bits-bit codes in int32 lanes): bit-identical to
   // encode<F>(y, saturation::finite).
-  template <class F>
+  // Checked=false drops the saturation and NaN steps; valid only when every |y| rounds to at
+  // most max (DeepSeek tiles: |x|·(1/s) <= 448·(1 + 2^-21) < 464) and no y is NaN.
+  template <class F, bool Checked = true>
   static bi encode(bf y) noexcept {
     constexpr int m = F::mbits, shift = 23 - F::mbits;
     bi const u = xsimd::bitwise_cast<bi>(y);
@@ -72,59 +144,61 @@ struct kernels {
     constexpr float magic = k3::detail::exp2i_float(1 - F::bias - m + 23);
     bi const cs = xsimd::bitwise_cast<bi>(xsimd::bitwise_cast<bf>(a) + bf(magic)) - bi(k3::detail::bit_cast<std::int32_t>(magic));
     bi c = xsimd::select(a < bi((128 - F::bias) << 23), cs, cn);
-    c = xsimd::min(c, bi(static_cast<std::int32_t>(F::max_code)));
+    if constexpr (Checked) c = xsimd::min(c, bi(static_cast<std::int32_t>(F::max_code)));
     if constexpr (F::is_signed) c = c | ((u >> 31) & bi(1)) << (F::bits - 1);
+    if constexpr (!Checked) return c;
     return xsimd::select(a > bi(0x7F800000), bi(static_cast<std::int32_t>(F::nan_code)), c);
   }
 
-  // codes[j] = encode<F>(p[j] * mul) (or p[j] / div when Divide).
-  template <class F, bool Divide = false>
-  static void encode_block(float const* p, float f, std::int32_t* codes, index_t n) noexcept {
+  // out = codes of p[j] * f (or p[j] / f when Divide), one per byte, or packed two per byte
+  // for 4-bit formats (n even).
+  template <class F, bool Divide = false, bool Checked = true, class T>
+  static void encode_store(T const* p, float f, std::uint8_t* out, index_t n) noexcept {
+    constexpr bool packed = F::bits == 4;
     bf const vf(f);
     index_t j = 0;
     for (; j + L <= n; j += L) {
-      bf x = bf::load_unaligned(p + j);
-      x = Divide ? x / vf : x * vf;
-      encode<F>(x).store_unaligned(codes + j);
+      bf x = load(p + j);
+      bi const c = encode<F, Checked>(Divide ? x / vf : x * vf);
+      if constexpr (packed)
+        store_nibbles(c, out + j / 2);
+      else
+        store_bytes(c, out + j);
     }
-    for (; j < n; ++j) codes[j] = k3::encode<F>(Divide ? p[j] / f : p[j] * f, saturation::finite);
+    for (; j < n; j += (packed ? 2 : 1)) {
+      float const x0 = load_as<float>(p[j]);
+      std::uint8_t const c0 = k3::encode<F>(Divide ? x0 / f : x0 * f, saturation::finite);
+      if constexpr (packed) {
+        float const x1 = load_as<float>(p[j + 1]);
+        out[j / 2] = pack_fp4(c0, k3::encode<F>(Divide ? x1 / f : x1 * f, saturation::finite));
+      } else {
+        out[j] = c0;
+      }
+    }
   }
 };
 
-K3_INLINE void narrow(std::int32_t const* K3_RESTRICT c, std::uint8_t* K3_RESTRICT out, index_t n) noexcept {
-  for (index_t j = 0; j < n; ++j) out[j] = static_cast<std::uint8_t>(c[j]);
-}
-K3_INLINE void narrow_fp4(std::int32_t const* K3_RESTRICT c, std::uint8_t* K3_RESTRICT out, index_t n) noexcept {
-  for (index_t j = 0; j < n / 2; ++j) out[j] = static_cast<std::uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
-}
-
-// ---- DeepSeek tiles with 128-wide (or any tc) column tiles, rows unit-stride --------------
+// ---- DeepSeek tiles, rows unit-stride -----------------------------------------------------
 template <class Arch, class B, class T>
 void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, tile t, scale_format fmt) {
   using K = kernels<Arch>;
   index_t const m = x.extent(0), k = x.extent(1);
   index_t const rows_per_task = t.rows == 1 ? 16 : t.rows;
-  index_t const tasks = detail::ceil_div(m, rows_per_task);
-  run_tasks(b, tasks, [&](index_t task) {
-    std::vector<float> buf(static_cast<std::size_t>(t.rows == 1 ? t.cols : t.cols));
-    std::vector<std::int32_t> codes(static_cast<std::size_t>(t.cols));
+  run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
     for (index_t i0 = r0; i0 < r1; i0 += t.rows) {
       index_t const i1 = std::min(m, i0 + t.rows);
       for (index_t cb = 0; cb < s.extent(1); ++cb) {
         index_t const j0 = cb * t.cols, n = std::min(k, j0 + t.cols) - j0;
         std::uint32_t amax = 0;
-        for (index_t i = i0; i < i1; ++i) {
-          to_float(&x(i, j0), buf.data(), n);
-          amax = std::max(amax, K::amax_bits(buf.data(), n));
-        }
+        for (index_t i = i0; i < i1; ++i) amax = std::max(amax, K::amax_bits(&x(i, j0), n));
         auto const sc = detail::deepseek_scale(amax, fmt);
         s(i0 / t.rows, cb) = sc.s;
-        for (index_t i = i0; i < i1; ++i) {
-          if (t.rows != 1) to_float(&x(i, j0), buf.data(), n);  // 1-row tiles reuse the first pass
-          K::template encode_block<e4m3_format>(buf.data(), sc.inv, codes.data(), n);
-          narrow(codes.data(), &q(i, j0), n);
+        if (amax >= detail::nonfinite_bits) {  // NaN tile: every code is NaN (as the reference gives)
+          for (index_t i = i0; i < i1; ++i) std::memset(&q(i, j0), e4m3_format::nan_code, static_cast<std::size_t>(n));
+          continue;
         }
+        for (index_t i = i0; i < i1; ++i) K::template encode_store<e4m3_format, false, false>(&x(i, j0), sc.inv, &q(i, j0), n);
       }
     }
   });
@@ -135,26 +209,16 @@ template <class Arch, class F, class B, class T>
 void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule) {
   using K = kernels<Arch>;
   constexpr bool packed = F::bits == 4;
-  constexpr index_t chunk = 1024;  // elements converted at a time (32 blocks)
   index_t const m = x.extent(0), k = x.extent(1);
   index_t const rows_per_task = 8;
   run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
-    alignas(64) float buf[chunk];
-    alignas(64) std::int32_t codes[mx_block];
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
     for (index_t i = r0; i < r1; ++i) {
-      for (index_t c0 = 0; c0 < k; c0 += chunk) {
-        index_t const n = std::min(chunk, k - c0);
-        to_float(&x(i, c0), buf, n);
-        for (index_t j = 0; j < n; j += mx_block) {
-          auto const sc = detail::mx_block_scale<F>(K::amax_bits(buf + j, mx_block), rule);
-          s(i, (c0 + j) / mx_block) = sc.code;
-          K::template encode_block<F>(buf + j, sc.inv, codes, mx_block);
-          if constexpr (packed)
-            narrow_fp4(codes, &q(i, (c0 + j) / 2), mx_block);
-          else
-            narrow(codes, &q(i, c0 + j), mx_block);
-        }
+      T const* xr = &x(i, 0);
+      for (index_t j = 0; j < k; j += mx_block) {
+        auto const sc = detail::mx_block_scale<F>(K::amax_bits(xr + j, mx_block), rule);
+        s(i, j / mx_block) = sc.code;
+        K::template encode_store<F>(xr + j, sc.inv, packed ? &q(i, j / 2) : &q(i, j), mx_block);
       }
     }
   });
@@ -164,23 +228,16 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
 template <class Arch, class B, class T>
 void nvfp4_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, float g) {
   using K = kernels<Arch>;
-  constexpr index_t chunk = 1024;
   index_t const m = x.extent(0), k = x.extent(1);
   index_t const rows_per_task = 8;
   run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
-    alignas(64) float buf[chunk];
-    alignas(64) std::int32_t codes[nvfp4_block];
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
     for (index_t i = r0; i < r1; ++i) {
-      for (index_t c0 = 0; c0 < k; c0 += chunk) {
-        index_t const n = std::min(chunk, k - c0);
-        to_float(&x(i, c0), buf, n);
-        for (index_t j = 0; j < n; j += nvfp4_block) {
-          auto const sc = detail::nvfp4_block_scale(K::amax_bits(buf + j, nvfp4_block), g);
-          s(i, (c0 + j) / nvfp4_block) = sc.code;
-          K::template encode_block<e2m1_format, true>(buf + j, sc.div, codes, nvfp4_block);
-          narrow_fp4(codes, &q(i, (c0 + j) / 2), nvfp4_block);
-        }
+      T const* xr = &x(i, 0);
+      for (index_t j = 0; j < k; j += nvfp4_block) {
+        auto const sc = detail::nvfp4_block_scale(K::amax_bits(xr + j, nvfp4_block), g);
+        s(i, j / nvfp4_block) = sc.code;
+        K::template encode_store<e2m1_format, true>(xr + j, sc.div, &q(i, j / 2), nvfp4_block);
       }
     }
   });
