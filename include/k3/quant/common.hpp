@@ -85,6 +85,12 @@ namespace detail {
 // so one integer max tells both the amax and whether the block holds a non-finite value.
 K3_INLINE constexpr std::uint32_t abs_bits(float x) noexcept { return k3::detail::bit_cast<std::uint32_t>(x) & 0x7FFFFFFFu; }
 inline constexpr std::uint32_t nonfinite_bits = 0x7F800000u;
+K3_INLINE constexpr float quiet_nan() noexcept { return k3::detail::bit_cast<float>(std::uint32_t{0x7FC00000u}); }
+
+// float value of an input element, usable in device code (bfloat16's conversion operator
+// goes through std::bit_cast, which nvcc rejects in kernels without relaxed constexpr).
+K3_INLINE constexpr float to_f32(float x) noexcept { return x; }
+K3_INLINE constexpr float to_f32(bfloat16 x) noexcept { return k3::detail::bit_cast<float>(std::uint32_t(x.bits) << 16); }
 
 // ---- DeepSeek FP8 scale: decode scale s and encode multiplier 1/s for a tile's amax ------
 struct fp8_scale {
@@ -92,7 +98,7 @@ struct fp8_scale {
 };
 // amax_bits from abs_bits. A non-finite tile gets s = NaN (the whole tile decodes to NaN).
 K3_INLINE fp8_scale deepseek_scale(std::uint32_t amax_bits, scale_format fmt) noexcept {
-  if (amax_bits >= nonfinite_bits) return {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::quiet_NaN()};
+  if (amax_bits >= nonfinite_bits) return {quiet_nan(), quiet_nan()};
   float amax = k3::detail::bit_cast<float>(amax_bits);
   if (amax < deepseek_amax_floor) amax = deepseek_amax_floor;
   float s = amax / 448.0f;
@@ -112,7 +118,7 @@ struct mx_scale {
 };
 template <class F>
 K3_INLINE mx_scale mx_block_scale(std::uint32_t amax_bits, mx_rule rule) noexcept {
-  if (amax_bits >= nonfinite_bits) return {0xFF, std::numeric_limits<float>::quiet_NaN()};
+  if (amax_bits >= nonfinite_bits) return {0xFF, quiet_nan()};
   float const amax = k3::detail::bit_cast<float>(amax_bits);
   int se;
   if (rule == mx_rule::floor) {
@@ -130,7 +136,7 @@ struct nvfp4_scale {
   float div;          // g · float(sb): y = x / div (torchao's form, pinned)
 };
 K3_INLINE nvfp4_scale nvfp4_block_scale(std::uint32_t amax_bits, float g) noexcept {
-  if (amax_bits >= nonfinite_bits) return {0x7F, std::numeric_limits<float>::quiet_NaN()};
+  if (amax_bits >= nonfinite_bits) return {0x7F, quiet_nan()};
   float const bs = k3::detail::bit_cast<float>(amax_bits) / 6.0f;
   float r = bs / g;
   if (r < 0x1p-6f) r = 0x1p-6f;

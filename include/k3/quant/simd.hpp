@@ -50,6 +50,23 @@ struct kernels {
   static constexpr bool avx512 = false;
 #endif
 
+  // Logical shifts by an immediate. On AVX-512 the intrinsic directly: xsimd 8.1's shift goes
+  // through _mm512_undefined, which g++ 12 flags as uninitialised at -O2 with sanitizers.
+  template <int S>
+  static bi shr(bi v) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (avx512) return _mm512_srli_epi32(v, S);
+#endif
+    return v >> S;
+  }
+  template <int S>
+  static bi shl(bi v) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (avx512) return _mm512_slli_epi32(v, S);
+#endif
+    return v << S;
+  }
+
   // L consecutive inputs as floats (bf16 widened in registers on AVX-512).
   template <class T>
   static bf load(T const* p) noexcept {
@@ -82,14 +99,16 @@ struct kernels {
   }
   // L 4-bit codes to L/2 bytes, even element in the low nibble.
   static void store_nibbles(bi c, std::uint8_t* out) noexcept {
-    bl const v = xsimd::bitwise_cast<bl>(c);
-    bl const packed = (v & bl(0xF)) | ((v >> 32) << 4);
 #if defined(__AVX512F__)
     if constexpr (avx512) {
+      __m512i const v = c;
+      __m512i const packed = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi64(0xF)), _mm512_slli_epi64(_mm512_srli_epi64(v, 32), 4));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(packed));
       return;
     }
 #endif
+    bl const v = xsimd::bitwise_cast<bl>(c);
+    bl const packed = (v & bl(0xF)) | ((v >> 32) << 4);
     alignas(64) std::int64_t t[L / 2];
     packed.store_aligned(t);
     for (index_t j = 0; j < L / 2; ++j) out[j] = static_cast<std::uint8_t>(t[j]);
@@ -138,14 +157,14 @@ struct kernels {
     bi const u = xsimd::bitwise_cast<bi>(y);
     bi const a = u & bi(0x7FFFFFFF);
     // normal: round the FP32 mantissa to m bits (ties to even), then rebias the exponent
-    bi const r = a + bi((1 << (shift - 1)) - 1) + ((a >> shift) & bi(1));
-    bi const cn = (r >> shift) - bi((127 - F::bias) << m);
+    bi const r = a + bi((1 << (shift - 1)) - 1) + (shr<shift>(a) & bi(1));
+    bi const cn = shr<shift>(r) - bi((127 - F::bias) << m);
     // subnormal: adding 2^(1-bias-m+23) makes the FP32 ulp the format's subnormal step
     constexpr float magic = k3::detail::exp2i_float(1 - F::bias - m + 23);
     bi const cs = xsimd::bitwise_cast<bi>(xsimd::bitwise_cast<bf>(a) + bf(magic)) - bi(k3::detail::bit_cast<std::int32_t>(magic));
     bi c = xsimd::select(a < bi((128 - F::bias) << 23), cs, cn);
     if constexpr (Checked) c = xsimd::min(c, bi(static_cast<std::int32_t>(F::max_code)));
-    if constexpr (F::is_signed) c = c | ((u >> 31) & bi(1)) << (F::bits - 1);
+    if constexpr (F::is_signed) c = c | shl<F::bits - 1>(shr<31>(u) & bi(1));
     if constexpr (!Checked) return c;
     return xsimd::select(a > bi(0x7F800000), bi(static_cast<std::int32_t>(F::nan_code)), c);
   }
