@@ -50,21 +50,35 @@ struct kernels {
   static constexpr bool avx512 = false;
 #endif
 
-  // Logical shifts by an immediate. On AVX-512 the intrinsic directly: xsimd 8.1's shift goes
-  // through _mm512_undefined, which g++ 12 flags as uninitialised at -O2 with sanitizers.
+  // Logical shifts by an immediate. AVX-512 intrinsics are used in their zero-masked forms
+  // throughout: the unmasked ones (and xsimd 8.1's shifts) start from _mm512_undefined_*, which
+  // g++ 12 flags as uninitialised (-Werror) at -O2 with sanitizers.
   template <int S>
   static bi shr(bi v) noexcept {
 #if defined(__AVX512F__)
-    if constexpr (avx512) return _mm512_srli_epi32(v, S);
+    if constexpr (avx512) return _mm512_maskz_srli_epi32(__mmask16(0xFFFF), v, S);
 #endif
     return v >> S;
   }
   template <int S>
   static bi shl(bi v) noexcept {
 #if defined(__AVX512F__)
-    if constexpr (avx512) return _mm512_slli_epi32(v, S);
+    if constexpr (avx512) return _mm512_maskz_slli_epi32(__mmask16(0xFFFF), v, S);
 #endif
     return v << S;
+  }
+
+  static bi imin(bi a, bi b) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (avx512) return _mm512_maskz_min_epi32(__mmask16(0xFFFF), a, b);
+#endif
+    return xsimd::min(a, b);
+  }
+  static bi imax(bi a, bi b) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (avx512) return _mm512_maskz_max_epi32(__mmask16(0xFFFF), a, b);
+#endif
+    return xsimd::max(a, b);
   }
 
   // L consecutive inputs as floats (bf16 widened in registers on AVX-512).
@@ -75,8 +89,8 @@ struct kernels {
     } else {
 #if defined(__AVX512F__)
       if constexpr (avx512) {
-        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        __m512i w = _mm512_maskz_cvtepu16_epi32(__mmask16(0xFFFF), _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
+        return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(__mmask16(0xFFFF), w, 16));
       }
 #endif
       alignas(64) float f[L];
@@ -89,7 +103,7 @@ struct kernels {
   static void store_bytes(bi c, std::uint8_t* out) noexcept {
 #if defined(__AVX512F__)
     if constexpr (avx512) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_maskz_cvtepi32_epi8(__mmask16(0xFFFF), c));
       return;
     }
 #endif
@@ -102,8 +116,9 @@ struct kernels {
 #if defined(__AVX512F__)
     if constexpr (avx512) {
       __m512i const v = c;
-      __m512i const packed = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi64(0xF)), _mm512_slli_epi64(_mm512_srli_epi64(v, 32), 4));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(packed));
+      __m512i const packed = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi64(0xF)),
+                                             _mm512_maskz_slli_epi64(__mmask8(0xFF), _mm512_maskz_srli_epi64(__mmask8(0xFF), v, 32), 4));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_maskz_cvtepi64_epi8(__mmask8(0xFF), packed));
       return;
     }
 #endif
@@ -125,7 +140,7 @@ struct kernels {
       __m512i const mask = _mm512_set1_epi16(0x7FFF);
       index_t j = 0;
       for (; j + 32 <= n; j += 32)
-        m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(reinterpret_cast<void const*>(p + j)), mask));
+        m = _mm512_maskz_max_epu16(__mmask32(0xFFFFFFFFu), m, _mm512_and_si512(_mm512_loadu_si512(reinterpret_cast<void const*>(p + j)), mask));
       alignas(64) std::uint16_t lanes[32];
       _mm512_store_si512(reinterpret_cast<void*>(lanes), m);
       std::uint32_t r = 0;
@@ -138,7 +153,7 @@ struct kernels {
     bi m(0);
     bi const mask(0x7FFFFFFF);
     index_t j = 0;
-    for (; j + L <= n; j += L) m = xsimd::max(m, xsimd::bitwise_cast<bi>(load(p + j)) & mask);
+    for (; j + L <= n; j += L) m = imax(m, xsimd::bitwise_cast<bi>(load(p + j)) & mask);
     alignas(64) std::int32_t lanes[L];
     m.store_aligned(lanes);
     std::uint32_t r = 0;
@@ -163,7 +178,7 @@ struct kernels {
     constexpr float magic = k3::detail::exp2i_float(1 - F::bias - m + 23);
     bi const cs = xsimd::bitwise_cast<bi>(xsimd::bitwise_cast<bf>(a) + bf(magic)) - bi(k3::detail::bit_cast<std::int32_t>(magic));
     bi c = xsimd::select(a < bi((128 - F::bias) << 23), cs, cn);
-    if constexpr (Checked) c = xsimd::min(c, bi(static_cast<std::int32_t>(F::max_code)));
+    if constexpr (Checked) c = imin(c, bi(static_cast<std::int32_t>(F::max_code)));
     if constexpr (F::is_signed) c = c | shl<F::bits - 1>(shr<31>(u) & bi(1));
     if constexpr (!Checked) return c;
     return xsimd::select(a > bi(0x7F800000), bi(static_cast<std::int32_t>(F::nan_code)), c);
