@@ -61,8 +61,7 @@ TEST_CASE("MoonEP: every rank holds exactly S*K pairs with at most E/R redundant
           index_t const E = R * per, S = 64, K = 4, total = R * S * K;
           std::gamma_distribution<double> gd(a, 1.0);
           std::vector<double> pop(static_cast<std::size_t>(E));
-          double sum = 0;
-          for (auto& x : pop) sum += (x = gd(g) + 1e-12);
+          for (auto& x : pop) x = gd(g) + 1e-12;
           std::discrete_distribution<index_t> pick(pop.begin(), pop.end());
           std::vector<std::int64_t> counts(static_cast<std::size_t>(E), 0);
           // routed pairs: S*K per rank, expert popularity from a Dirichlet(a)
