@@ -243,3 +243,39 @@ TEST_CASE("bad input gives a k3::error naming the argument") {
   opt.n_groups = 3;
   expect_error([&] { moe::route(ser, cview(s, m, n), cview(b), r.out(), opt); }, "'n_groups'");
 }
+
+TEST_CASE("threads router stays exact when the carried threshold guess is poor") {
+  // Rows alternate between very different score ranges (forces the lowered-guess retries and
+  // the exact fallback), rows of all-equal scores (every expert is a candidate: the sort path),
+  // and rows where the best experts sit at the end (ascending order).
+  index_t const m = 240, n = 300, k = 16;
+  auto base = uniform(m * n, 0, 1, 41);
+  std::vector<float> s(base.size());
+  for (index_t i = 0; i < m; ++i)
+    for (index_t j = 0; j < n; ++j) {
+      float x = base[i * n + j];
+      switch (i % 6) {
+        case 0: s[i * n + j] = x; break;
+        case 1: s[i * n + j] = 0.01f * x; break;         // far below the previous guess
+        case 2: s[i * n + j] = 0.5f; break;              // all tied
+        case 3: s[i * n + j] = float(j) / float(n); break; // ascending
+        case 4: s[i * n + j] = 0.99f + 0.01f * x; break; // far above
+        default: s[i * n + j] = std::round(x * 4.f) / 4.f; break;  // heavy ties
+      }
+    }
+  auto b = uniform(n, -0.01, 0.01, 42);
+  for (index_t j = 0; j < n; j += 7) b[j] = 0.f;
+  moe::router_options opt;
+  opt.k = k;
+  for (index_t kk : {1, 16, 40}) {
+    opt.k = kk;
+    routed r1(m, kk, n), r2(m, kk, n);
+    auto h1 = moe::qb_histogram::for_bias(cview(b), 50), h2 = h1;
+    moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, {}, &h1);
+    moe::route(k3::cpu::threads<>(2), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
+    CHECK(r1.idx == r2.idx);
+    CHECK(std::memcmp(r1.w.data(), r2.w.data(), r1.w.size() * sizeof(float)) == 0);
+    CHECK(r1.cut == r2.cut);
+    CHECK(h1 == h2);
+  }
+}
