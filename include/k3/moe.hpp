@@ -45,6 +45,9 @@ void route(B const& backend, const_view<float, 2> scores, const_view<float, 1> b
       return "argument 'hist': built for " + std::to_string(hist->experts()) + " experts, scores have " +
              std::to_string(scores.extent(1));
     });
+    detail::require(hist->experts() * hist->bins() <= index_t(0x7fffffff), [&] {
+      return "argument 'hist': experts x bins = " + std::to_string(hist->experts() * hist->bins()) + " exceeds 2^31 - 1";
+    });
   }
   if constexpr (detail::is_threads_backend<B>::value) {
     detail::route_threads_impl(backend, scores, bias, out, opt, mask, hist);
