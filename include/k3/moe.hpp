@@ -152,7 +152,10 @@ class quantile_balancer {
 
  private:
   void reset_stats() {
-    if (qopt_.mode == qb_mode::histogram) hist_ = qb_histogram::for_bias(bias(), qopt_.bins);
+    if (qopt_.mode == qb_mode::histogram) {
+      if (hist_.bins() == qopt_.bins) hist_.reset_for_bias(bias());
+      else hist_ = qb_histogram::for_bias(bias(), qopt_.bins);
+    }
     exact_s_.clear();
     exact_a_.clear();
     exact_rows_ = 0;

@@ -74,6 +74,24 @@ class qb_histogram {
     return qb_histogram(bias.extent(0), bins, lo - 1.f, hi + 1.f);
   }
 
+  // Re-targets this histogram to a new bias (counts zeroed, bounds [min(b) - 1, max(b) + 1])
+  // keeping its storage and the CPU scatter's scratch, so a training loop allocates once.
+  void reset_for_bias(const_view<float, 1> bias) {
+    auto fresh = for_bias(bias, bins_);
+    n_ = fresh.n_;
+    lo_ = fresh.lo_;
+    hi_ = fresh.hi_;
+    inv_w_ = fresh.inv_w_;
+    counts_.assign(static_cast<std::size_t>(n_ * bins_), 0);
+  }
+
+  // Per-thread scratch of the fused CPU scatter (k3/moe/threads.hpp), kept across calls so
+  // the large private histograms are not re-faulted every batch. Not part of the value.
+  std::vector<std::uint16_t>& scratch(std::size_t thread) const {
+    if (scratch_.size() <= thread) scratch_.resize(thread + 1);
+    return scratch_[thread];
+  }
+
   index_t experts() const noexcept { return n_; }
   index_t bins() const noexcept { return bins_; }
   float lo() const noexcept { return lo_; }
@@ -120,6 +138,7 @@ class qb_histogram {
   index_t n_ = 0, bins_ = 0;
   float lo_ = 0.f, hi_ = 1.f, inv_w_ = 0.f;
   std::vector<std::int64_t> counts_;
+  mutable std::vector<std::vector<std::uint16_t>> scratch_;
 };
 
 namespace detail {

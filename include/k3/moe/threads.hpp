@@ -282,7 +282,8 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
   std::int64_t const parts = std::min<std::int64_t>(m, backend.concurrency());
   std::int32_t const B = hist ? static_cast<std::int32_t>(hist->bins()) : 0;
   // Private per-thread counts: uint16 (hot), spilled into int32 every 65535 tokens.
-  std::vector<std::vector<std::uint16_t>> local_h(static_cast<std::size_t>(hist ? parts : 0));
+  std::vector<std::vector<std::uint16_t>*> local_h(static_cast<std::size_t>(hist ? parts : 0));
+  for (std::int64_t p = 0; hist && p < parts; ++p) local_h[p] = &hist->scratch(static_cast<std::size_t>(p));
   std::vector<std::vector<std::int32_t>> spill(static_cast<std::size_t>(hist ? parts : 0));
   std::vector<std::vector<std::int64_t>> local_load(static_cast<std::size_t>(out.load.empty() ? 0 : parts));
   std::vector<index_t> bad_token(static_cast<std::size_t>(parts), -1);
@@ -299,8 +300,8 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
       in_block = 0;
     };
     if (hist) {
-      local_h[p].assign(static_cast<std::size_t>(n * B), 0);
-      h = local_h[p].data();
+      local_h[p]->assign(static_cast<std::size_t>(n * B), 0);  // keeps capacity: no page faults after the first call
+      h = local_h[p]->data();
     }
     std::int64_t* ld = nullptr;
     if (!out.load.empty()) {
@@ -339,9 +340,9 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
         if (since_spill == 65535) {
           flush();
           auto& sp = spill[p];
-          if (sp.empty()) sp.assign(local_h[p].size(), 0);
+          if (sp.empty()) sp.assign(local_h[p]->size(), 0);
           for (std::size_t x = 0; x < sp.size(); ++x) sp[x] += h[x];
-          std::fill(local_h[p].begin(), local_h[p].end(), std::uint16_t(0));
+          std::fill(local_h[p]->begin(), local_h[p]->end(), std::uint16_t(0));
           since_spill = 0;
         }
         if (blocked) {
@@ -374,7 +375,7 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     backend.for_each_task(chunks, [&](std::int64_t c) {
       std::int64_t a = total * c / chunks, e = total * (c + 1) / chunks;
       for (std::int64_t p = 0; p < parts; ++p) {
-        std::uint16_t const* src = local_h[p].data();
+        std::uint16_t const* src = local_h[p]->data();
         for (std::int64_t x = a; x < e; ++x) H[x] += src[x];
         if (!spill[p].empty())
           for (std::int64_t x = a; x < e; ++x) H[x] += spill[p][x];
