@@ -283,7 +283,10 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
   std::int32_t const B = hist ? static_cast<std::int32_t>(hist->bins()) : 0;
   // Private per-thread counts: uint16 (hot), spilled into int32 every 65535 tokens.
   std::vector<std::vector<std::uint16_t>*> local_h(static_cast<std::size_t>(hist ? parts : 0));
-  for (std::int64_t p = 0; hist && p < parts; ++p) local_h[p] = &hist->scratch(static_cast<std::size_t>(p));
+  if (hist) {
+    hist->scratch(static_cast<std::size_t>(parts - 1));  // grow once: later calls must not reallocate
+    for (std::int64_t p = 0; p < parts; ++p) local_h[p] = &hist->scratch(static_cast<std::size_t>(p));
+  }
   std::vector<std::vector<std::int32_t>> spill(static_cast<std::size_t>(hist ? parts : 0));
   std::vector<std::vector<std::int64_t>> local_load(static_cast<std::size_t>(out.load.empty() ? 0 : parts));
   std::vector<index_t> bad_token(static_cast<std::size_t>(parts), -1);
