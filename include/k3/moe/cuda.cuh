@@ -13,7 +13,7 @@
 namespace k3::moe::cuda {
 namespace detail {
 
-constexpr int route_threads = 256;
+inline constexpr int route_threads = 256;
 
 // (v, i) ranks before (w, j): higher score, then lower index. NaN marks a taken expert and
 // never ranks before anything.
@@ -24,6 +24,8 @@ __device__ __forceinline__ void keep_better(float& v, int& i, float w, int j) {
   }
 }
 
+// A template so that the header can be included by several TUs of one program.
+template <class Score>
 K3_KERNEL void route_kernel(route_args a) {
   extern __shared__ unsigned char smem_raw[];
   int const n = static_cast<int>(a.n), k = static_cast<int>(a.k);
@@ -109,9 +111,9 @@ void route_launch(route_args const& a, CUstream_st* stream) {
   need(!a.hist || (a.bins >= 1 && a.hist_inv_width > 0.f), "cuda route: argument 'hist': bins and inverse bin width must be positive");
   std::size_t const smem = static_cast<std::size_t>(a.n) * 4 + static_cast<std::size_t>(a.k + 1) * 8 + detail::route_threads / 32 * 8;
   if (smem > 48 * 1024)
-    K3_CUDA_CHECK(cudaFuncSetAttribute(detail::route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    K3_CUDA_CHECK(cudaFuncSetAttribute(detail::route_kernel<Score>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   unsigned const grid = static_cast<unsigned>(a.m < 65535 * 8 ? a.m : 65535 * 8);
-  detail::route_kernel<<<grid, detail::route_threads, smem, stream>>>(a);
+  detail::route_kernel<Score><<<grid, detail::route_threads, smem, stream>>>(a);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
