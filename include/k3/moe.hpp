@@ -5,7 +5,17 @@
 //   k3::moe::quantile_balancer                                     per-step causal QB state
 //   k3::moe::qb_offline_solve / qb_exact_update / qb_histogram     (quantile_balancing.hpp)
 //   k3::moe::situ_glu / expert_ffn_*                               (situ.hpp)
-//   k3::moe::eplb_plan / moonep_plan / check_*                     (placement.hpp)
+//   k3::moe::eplb_rebalance / moonep_rebalance / check_*           (placement.hpp)
+//   k3::moe::cuda::route_launch                                    (cuda.hpp / cuda.cuh, nvcc)
+//
+// Training loop, one MoE layer (bias is the only persistent state; freeze it for inference):
+//
+//   k3::cpu::threads<> cpu;
+//   k3::moe::router_options opt;  opt.k = 16;                  // n = 896 experts
+//   k3::moe::quantile_balancer qb(896, opt);                   // histogram mode, 1000 bins
+//   for each micro-batch:  qb.route(cpu, scores, {indices, weights});   // old bias, counts added
+//   at the optimizer step: qb.step(comm);                       // all-reduce counts, new bias
+//   inference:             k3::moe::route(cpu, scores, qb.bias(), out, opt);
 #pragma once
 #include <cstdint>
 #include <string>
