@@ -6,3 +6,5 @@
 // Spec: shared/spec/attnres.md.
 #pragma once
 #include "k3/attnres/mix.hpp"
+#include "k3/attnres/two_phase.hpp"
+#include "k3/attnres/block.hpp"
