@@ -206,9 +206,14 @@ class block_attn_res {
     detail::check_shape("y", y, {T_, cfg_.d});
     auto p = cur_prefix();
     bool const fresh = prefix_empty_;
+    detail::check_inner_contiguous("y", y);
     b_.for_each(0, T_, [&](index_t t) {
-      for (index_t k = 0; k < cfg_.d; ++k)
-        p(t, k) = fresh ? store_as<S>(load_as<C>(y(t, k))) : store_as<S>(load_as<C>(p(t, k)) + load_as<C>(y(t, k)));
+      S* K3_RESTRICT pr = &p(t, 0);
+      auto const* K3_RESTRICT yr = &y(t, 0);
+      if (fresh)
+        for (index_t k = 0; k < cfg_.d; ++k) detail::put(pr[k], detail::to_c<C>(yr[k]));
+      else
+        for (index_t k = 0; k < cfg_.d; ++k) detail::put(pr[k], detail::to_c<C>(pr[k]) + detail::to_c<C>(yr[k]));
     });
     prefix_empty_ = false;
     awaiting_add_ = false;
@@ -259,7 +264,7 @@ class block_attn_res {
       // site 0 is the embedding itself: the gradient flows straight into bank row 0
       auto d0 = dbank_.view().slice(0, 0);
       b_.for_each(0, T_, [&](index_t t) {
-        for (index_t k = 0; k < cfg_.d; ++k) d0(t, k) += load_as<C>(dh(t, k));
+        for (index_t k = 0; k < cfg_.d; ++k) d0(t, k) += detail::to_c<C>(dh(t, k));
       });
     }
     // Leaving the site: the running sum before it. At a boundary that is the block just closed
@@ -342,7 +347,7 @@ class block_attn_res {
   template <class V, class W>
   void copy_rows(V src, W dst) {
     b_.for_each(0, src.extent(0), [&](index_t t) {
-      for (index_t k = 0; k < src.extent(1); ++k) dst(t, k) = store_as<std::remove_const_t<typename W::element_type>>(load_as<C>(src(t, k)));
+      for (index_t k = 0; k < src.extent(1); ++k) detail::put(dst(t, k), detail::to_c<C>(src(t, k)));
     });
   }
   template <class V>

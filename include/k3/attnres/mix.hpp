@@ -271,8 +271,8 @@ void token_backward(index_t m, index_t d, C const* u, DH const* dh_row, token_sc
     G* K3_RESTRICT out = dsrc.row(j, t);
     for (index_t k = 0; k < d; ++k) {
       C g = aj * dh[k] + cu * u[k] - cv * v[k];
-      if (accumulate) g += load_as<C>(out[k]);
-      out[k] = store_as<G>(g);
+      if (accumulate) g += to_c<C>(out[k]);
+      put(out[k], g);
     }
     for (index_t k = 0; k < d; ++k) du[k] += double(cu * v[k]);
   }

@@ -2,6 +2,7 @@
 // storage and compute precision, and the two reductions (u.v and v.v) every source needs.
 // The xsimd policy is a template on Arch (ODR: the ISA is part of the type).
 #pragma once
+#include <bit>
 #include <cstdint>
 #include <type_traits>
 #include <xsimd/xsimd.hpp>
@@ -13,15 +14,41 @@
 
 namespace k3::attnres::detail {
 
-// Storage -> compute. Plain loops: g++/clang vectorise the bfloat16 widening (a shift).
+// Element conversions the compiler can vectorise: bfloat16 <-> float without branches
+// (bfloat16's own constructor returns early for NaN, which keeps loops scalar). Same results:
+// round to nearest even, NaN kept quiet with its sign, Inf kept.
+inline std::uint16_t bf16_bits(float f) noexcept {
+  std::uint32_t const u = std::bit_cast<std::uint32_t>(f);
+  std::uint32_t const rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  std::uint32_t const quiet = (u >> 16) | 0x40u;
+  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+template <class C, class S>
+inline C to_c(S x) noexcept {
+  if constexpr (std::is_same_v<std::remove_cv_t<S>, bfloat16>)
+    return static_cast<C>(std::bit_cast<float>(std::uint32_t(x.bits) << 16));
+  else
+    return static_cast<C>(x);
+}
+
+template <class S, class C>
+inline void put(S& out, C v) noexcept {
+  if constexpr (std::is_same_v<S, bfloat16>)
+    out.bits = bf16_bits(static_cast<float>(v));
+  else
+    out = static_cast<S>(v);
+}
+
+// Storage -> compute.
 template <class S, class C>
 inline void convert_row(S const* K3_RESTRICT in, C* K3_RESTRICT out, index_t d) noexcept {
-  for (index_t k = 0; k < d; ++k) out[k] = load_as<C>(in[k]);
+  for (index_t k = 0; k < d; ++k) out[k] = to_c<C>(in[k]);
 }
 
 template <class C, class H>
 inline void store_row(C const* K3_RESTRICT in, H* K3_RESTRICT out, index_t d) noexcept {
-  for (index_t k = 0; k < d; ++k) out[k] = store_as<H>(in[k]);
+  for (index_t k = 0; k < d; ++k) put(out[k], in[k]);
 }
 
 // The reductions accumulate in double even for float mixing: the logits are r_j (u . v_j) with

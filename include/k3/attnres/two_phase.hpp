@@ -66,31 +66,49 @@ void phase1_dots_scalar(C const* const* x, index_t n, C const* u, index_t su, in
     for (index_t j = 0; j < n; ++j) dots[l * n + j] = scalar_reduce::dot(x[j], u + l * su, d);
 }
 
-// o_l = sum_j a[l * n + j] x_j for every site, stored as O.
+// o_l = sum_j a[l * n + j] x_j for every site, stored as O. Works on column tiles of KB
+// elements so the n source tiles stay in L1 while all sites are formed from them; the
+// conversion to the storage type runs as one long (vectorisable) loop per tile.
 template <class Arch, class C, class O>
 void phase1_combine_simd(C const* const* x, index_t n, C const* a, index_t nq, index_t d, O* const* out) {
   using batch = xsimd::batch<C, Arch>;
   constexpr index_t N = index_t(batch::size);
-  index_t const dv = d / N * N;
-  alignas(64) C tmp[N];
-  for (index_t k = 0; k < dv; k += N) {
+  constexpr index_t KB = 256;
+  alignas(64) C tile[KB];
+  for (index_t k0 = 0; k0 < d; k0 += KB) {
+    index_t const kn = std::min(KB, d - k0), kv = kn / N * N;
+    index_t const k4 = kn / (4 * N) * (4 * N);
     for (index_t l = 0; l < nq; ++l) {
-      batch acc(C(0));
-      for (index_t j = 0; j < n; ++j) acc = xsimd::fma(batch(a[l * n + j]), batch::load_unaligned(x[j] + k), acc);
-      if constexpr (std::is_same_v<O, C>) {
-        acc.store_unaligned(out[l] + k);
-      } else {
-        acc.store_aligned(tmp);
-        for (index_t i = 0; i < N; ++i) out[l][k + i] = store_as<O>(tmp[i]);
+      C const* al = a + l * n;
+      // four independent accumulators hide the FMA latency of the sum over sources
+      for (index_t k = 0; k < k4; k += 4 * N) {
+        batch acc0(C(0)), acc1(C(0)), acc2(C(0)), acc3(C(0));
+        for (index_t j = 0; j < n; ++j) {
+          batch const aj(al[j]);
+          C const* xj = x[j] + k0 + k;
+          acc0 = xsimd::fma(aj, batch::load_unaligned(xj), acc0);
+          acc1 = xsimd::fma(aj, batch::load_unaligned(xj + N), acc1);
+          acc2 = xsimd::fma(aj, batch::load_unaligned(xj + 2 * N), acc2);
+          acc3 = xsimd::fma(aj, batch::load_unaligned(xj + 3 * N), acc3);
+        }
+        acc0.store_aligned(tile + k);
+        acc1.store_aligned(tile + k + N);
+        acc2.store_aligned(tile + k + 2 * N);
+        acc3.store_aligned(tile + k + 3 * N);
       }
+      for (index_t k = k4; k < kv; k += N) {
+        batch acc(C(0));
+        for (index_t j = 0; j < n; ++j) acc = xsimd::fma(batch(al[j]), batch::load_unaligned(x[j] + k0 + k), acc);
+        acc.store_aligned(tile + k);
+      }
+      for (index_t k = kv; k < kn; ++k) {
+        C acc = 0;
+        for (index_t j = 0; j < n; ++j) acc += al[j] * x[j][k0 + k];
+        tile[k] = acc;
+      }
+      store_row(tile, out[l] + k0, kn);
     }
   }
-  for (index_t k = dv; k < d; ++k)
-    for (index_t l = 0; l < nq; ++l) {
-      C acc = 0;
-      for (index_t j = 0; j < n; ++j) acc += a[l * n + j] * x[j][k];
-      out[l][k] = store_as<O>(acc);
-    }
 }
 
 template <class C, class O>
@@ -99,7 +117,7 @@ void phase1_combine_scalar(C const* const* x, index_t n, C const* a, index_t nq,
     for (index_t k = 0; k < d; ++k) {
       C acc = 0;
       for (index_t j = 0; j < n; ++j) acc += a[l * n + j] * x[j][k];
-      out[l][k] = store_as<O>(acc);
+      put(out[l][k], acc);
     }
 }
 
@@ -226,8 +244,8 @@ void merge_token(C const* b, O const* o, C lse, C const* u, index_t d, double ep
   double const s2 = dot / std::sqrt(ss / double(d) + eps);
   C const p = C(1.0 / (1.0 + std::exp(double(lse) - s2)));
   for (index_t k = 0; k < d; ++k) {
-    C const ok = load_as<C>(o[k]);
-    h[k] = store_as<H>(ok + p * (b[k] - ok));
+    C const ok = to_c<C>(o[k]);
+    put(h[k], ok + p * (b[k] - ok));
   }
 }
 
@@ -266,7 +284,9 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
     std::vector<C> buf(static_cast<std::size_t>(d));
     for (index_t t = lo; t < hi; ++t) {
       if (!has_partial) {
-        for (index_t k = 0; k < d; ++k) h(t, k) = store_as<std::remove_const_t<H>>(load_as<C>(o(t, k)));
+        auto const* K3_RESTRICT src = &o(t, 0);
+        auto* K3_RESTRICT dst = &h(t, 0);
+        for (index_t k = 0; k < d; ++k) detail::put(dst[k], detail::to_c<C>(src[k]));
         continue;
       }
       C const* bp;
@@ -317,9 +337,10 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
       auto const* K3_RESTRICT dl = &delta(t, 0);
       C* K3_RESTRICT bb = buf.data();
       for (index_t k = 0; k < d; ++k) {
-        S const v = store_as<S>(load_as<C>(pr[k]) + load_as<C>(dl[k]));
+        S v;
+        detail::put(v, detail::to_c<C>(pr[k]) + detail::to_c<C>(dl[k]));
         pr[k] = v;
-        bb[k] = load_as<C>(v);
+        bb[k] = detail::to_c<C>(v);
       }
       detail::merge_token<Ops>(bb, &o(t, 0), C(lse(t)), uc.data(), d, eps, &h(t, 0));
     }
