@@ -8,3 +8,4 @@
 #include "k3/attnres/mix.hpp"
 #include "k3/attnres/two_phase.hpp"
 #include "k3/attnres/block.hpp"
+#include "k3/attnres/pipeline.hpp"

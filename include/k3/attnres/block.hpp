@@ -223,8 +223,15 @@ class block_attn_res {
   // ---- backward (training modes) ----------------------------------------------------------
 
   void backward_begin() {
-    detail::require(training(), "block_attn_res::backward_begin: the driver was not built in a training mode");
     detail::require(output_done_, "block_attn_res::backward_begin: run the forward through output() first");
+    backward_prepare();
+    bl_ = cfg_.sublayers;
+  }
+
+  // Allocates and zeroes the gradient buffers (backward_begin does it; a pipeline stage that
+  // does not hold the output site calls it before its first backward hop).
+  void backward_prepare() {
+    detail::require(training(), "block_attn_res::backward: the driver was not built in a training mode");
     if (dbank_.extent(1) != T_) {
       dbank_ = tensor<C, 3, B>({cfg_.max_blocks(), T_, cfg_.d}, b_);
       grad_ = tensor<C, 2, B>({T_, cfg_.d}, b_);
@@ -237,7 +244,7 @@ class block_attn_res {
     fill(grad_.view());
     fill(dw_.view());
     fill(dg_.view());
-    bl_ = cfg_.sublayers;
+    bl_ = -1;
   }
 
   // Gradient of the loss w.r.t. the input the driver handed out at site l = next_backward_site().
@@ -304,16 +311,15 @@ class block_attn_res {
   bool prefix_empty() const noexcept { return prefix_empty_; }
   // Resumes a backward pass at `site` (the gradient buffers hold the caller's state).
   void resume_backward(index_t site) {
-    detail::require(training(), "block_attn_res::resume_backward: not a training mode");
-    if (dbank_.extent(1) != T_) {
-      dbank_ = tensor<C, 3, B>({cfg_.max_blocks(), T_, cfg_.d}, b_);
-      grad_ = tensor<C, 2, B>({T_, cfg_.d}, b_);
-    }
-    if (dw_.size() == 0) {
-      dw_ = tensor<C, 2, B>({cfg_.sublayers + 1, cfg_.d}, b_);
-      dg_ = tensor<C, 2, B>({cfg_.sublayers + 1, cfg_.d}, b_);
-    }
+    detail::require(training() && dbank_.extent(1) == T_ && site >= 0 && site <= cfg_.sublayers, [&] {
+      return "block_attn_res::resume_backward: call backward_prepare() first (site " + std::to_string(site) + ")";
+    });
     bl_ = site;
+  }
+  // Sets the token count of an incoming pipeline state before its rows are received.
+  void resume_tokens(index_t T) {
+    detail::require(T >= 0 && T <= cfg_.tokens, [&] { return "block_attn_res: " + std::to_string(T) + " tokens exceed the capacity"; });
+    T_ = T;
   }
   void mark_output_done() noexcept { output_done_ = true; }
 
