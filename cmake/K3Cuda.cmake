@@ -17,3 +17,20 @@ target_compile_definitions(k3_cuda INTERFACE K3_HAS_CUDA_BACKEND=1)
 # CMake 3.25.1 does not know cuda_std_20 for nvcc: pass the flag by hand.
 target_compile_options(k3_cuda INTERFACE "$<$<COMPILE_LANG_AND_ID:CUDA,NVIDIA>:-std=c++20;--extended-lambda>")
 target_sources(k3_cuda INTERFACE FILE_SET HEADERS BASE_DIRS include FILES ${K3_CUDA_HEADERS})
+
+# k3::nccl (the NCCL communicator, k3/comm/nccl.cuh): only when NCCL's header and library
+# are found (the CUDA 13 toolkit image here ships both under the toolkit root).
+find_path(K3_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${CUDAToolkit_LIBRARY_ROOT}/include)
+find_library(K3_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}/lib ${CUDAToolkit_LIBRARY_ROOT}/lib64)
+if(K3_NCCL_INCLUDE_DIR AND K3_NCCL_LIBRARY)
+  set(K3_HAVE_NCCL ON)
+  add_library(k3_nccl INTERFACE)
+  add_library(k3::nccl ALIAS k3_nccl)
+  set_target_properties(k3_nccl PROPERTIES EXPORT_NAME nccl)
+  target_include_directories(k3_nccl SYSTEM INTERFACE ${K3_NCCL_INCLUDE_DIR})
+  target_link_libraries(k3_nccl INTERFACE k3_cuda ${K3_NCCL_LIBRARY})
+  message(STATUS "k3: NCCL found (${K3_NCCL_LIBRARY}): k3::nccl enabled")
+else()
+  set(K3_HAVE_NCCL OFF)
+  message(STATUS "k3: NCCL not found: k3::nccl and k3/comm/nccl.cuh tests disabled")
+endif()

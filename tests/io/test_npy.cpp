@@ -1,6 +1,8 @@
 #include <doctest/doctest.h>
 
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -60,7 +62,8 @@ TEST_CASE("versions 2 and 3 and the bfloat16 spellings") {
   CHECK(a.type() == k3::io::dtype::bfloat16);
   CHECK_NOTHROW(a.view<k3::bfloat16, 1>("x"));
   auto u2 = make_file("{'descr': '<u2', 'fortran_order': False, 'shape': (4,), }", 8);
-  CHECK_NOTHROW(k3::io::parse_npy(u2).view<k3::bfloat16, 1>("x"));
+  auto u2_array = k3::io::parse_npy(u2);
+  CHECK_NOTHROW(u2_array.view<k3::bfloat16, 1>("x"));
 }
 
 TEST_CASE("malformed files give clear errors") {
@@ -105,3 +108,103 @@ TEST_CASE("typed views check dtype and rank by argument name") {
   }
   CHECK_THROWS_AS((a.view<float, 2>("beta")), k3::error);
 }
+
+TEST_CASE("regression: running shape products must fit int64 even when a later extent is 0") {
+  // 2^32 * 2^31 fits uint64 but not int64; npy_array::size() multiplies in int64 (UBSan
+  // reported signed overflow before the fix).
+  auto f = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 2147483648, 0), }", 0);
+  CHECK(error_of(f).find("overflows") != std::string::npos);
+  // A zero-size array whose running products stay in range is fine.
+  auto ok = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (0, 1099511627776, 4096), }", 0);
+  auto a = k3::io::parse_npy(ok);
+  CHECK(a.size() == 0);
+  CHECK(a.shape() == std::vector<k3::index_t>{0, 1099511627776, 4096});
+  auto first = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 0, 2147483648), }", 0);
+  CHECK(k3::io::parse_npy(first).size() == 0);
+}
+
+TEST_CASE("more malformed headers: each gives its own message") {
+  auto err = [](std::string const& dict, std::size_t bytes = 4) { return error_of(make_file(dict, bytes)); };
+  CHECK(err("{'descr': '<f4, 'fortran_order': False, 'shape': (1,), }").find("malformed .npy header") != std::string::npos);
+  CHECK(err("{'descr': '<f4', 'fortran_order': Maybe, 'shape': (1,), }").find("True or False") != std::string::npos);
+  CHECK(err("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': 1}").find("unknown key 'x'") != std::string::npos);
+  CHECK(err("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), } junk").find("trailing") != std::string::npos);
+  CHECK(err("{'descr': 'a\\'b', 'fortran_order': False, 'shape': (1,), }").find("escapes") != std::string::npos);
+  CHECK(err("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999,), }").find("too large") !=
+        std::string::npos);
+  std::string many = "{'descr': '<f4', 'fortran_order': False, 'shape': (";
+  for (int i = 0; i < 33; ++i) many += "1,";
+  many += "), }";
+  CHECK(err(many).find("32 dimensions") != std::string::npos);
+  CHECK(err("{'descr': '" + std::string(70, 'f') + "', 'fortran_order': False, 'shape': (1,), }").find("too long") !=
+        std::string::npos);
+  CHECK(err("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2 }").find("expected ')'") != std::string::npos);
+  CHECK(err("['descr']").find("expected '{'") != std::string::npos);
+  // Too much data is as wrong as too little.
+  CHECK(err("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", 8).find("needs 4 data bytes, file has 8") !=
+        std::string::npos);
+  // Version 2 needs a 4-byte header length.
+  std::vector<unsigned char> v2 = {0x93, 'N', 'U', 'M', 'P', 'Y', 2, 0, 10, 0};
+  CHECK(error_of(v2).find("truncated preamble") != std::string::npos);
+}
+
+TEST_CASE("accepted spellings: Python 2 longs, whitespace, key order, one-element tuples") {
+  auto a = k3::io::parse_npy(make_file("{ 'shape' : (2L, 3L) , 'fortran_order':False,\"descr\":'<i4' }", 24));
+  CHECK(a.type() == k3::io::dtype::int32);
+  CHECK(a.shape() == std::vector<k3::index_t>{2, 3});
+  auto u1 = k3::io::parse_npy(make_file("{'descr': '<u1', 'fortran_order': False, 'shape': (3,)}", 3));
+  CHECK(u1.type() == k3::io::dtype::uint8);
+}
+
+TEST_CASE("as_int refuses float arrays and as_double reads every dtype") {
+  std::vector<std::uint16_t> bits = {0x3f80, 0xc020};  // bfloat16 1.0, -2.5
+  auto b = k3::io::parse_npy(k3::io::format_npy(k3::io::dtype::bfloat16, {2}, bits.data()));
+  CHECK(b.type() == k3::io::dtype::uint16);  // written as <u2, read back as its bits
+  CHECK(b.view<k3::bfloat16, 1>("w")(1) == k3::bfloat16(-2.5f));
+  std::vector<std::uint8_t> u8 = {200, 7};
+  auto c = k3::io::parse_npy(k3::io::format_npy(k3::io::dtype::uint8, {2}, u8.data()));
+  CHECK(c.as_double(0) == 200.0);
+  CHECK(c.as_int(1) == 7);
+  std::vector<float> f = {0.5f};
+  auto d = k3::io::parse_npy(k3::io::format_npy(k3::io::dtype::float32, {1}, f.data()));
+  CHECK_THROWS_WITH_AS(d.as_int(0), doctest::Contains("expected an integer array, got float32"), k3::error);
+}
+
+TEST_CASE("write_npy gathers strided views and read_npy names the file in errors") {
+  std::string const dir = "test_npy_tmp";
+  std::vector<double> m = {0, 1, 2, 3, 4, 5};
+  auto col = k3::host_view(m.data(), 2, 3).slice(1, 2);  // {2, 5}
+  k3::io::write_npy(dir + "_col.npy", col);
+  auto a = k3::io::read_npy(dir + "_col.npy");
+  CHECK(a.shape() == std::vector<k3::index_t>{2});
+  CHECK(a.as_double(0) == 2.0);
+  CHECK(a.as_double(1) == 5.0);
+  // The header is padded so that the data starts on a 64-byte boundary (numpy's rule).
+  auto bytes = k3::io::format_npy(k3::io::dtype::float64, {2}, m.data());
+  CHECK((bytes.size() - 16) % 64 == 0);
+  std::remove((dir + "_col.npy").c_str());
+  CHECK_THROWS_WITH_AS(k3::io::read_npy(dir + "_missing.npy"), doctest::Contains("test_npy_tmp_missing.npy"), k3::error);
+  {
+    std::ofstream bad(dir + "_bad.npy", std::ios::binary);
+    bad << "not a numpy file";
+  }
+  CHECK_THROWS_WITH_AS(k3::io::read_npy(dir + "_bad.npy"), doctest::Contains("test_npy_tmp_bad.npy: malformed"), k3::error);
+  std::remove((dir + "_bad.npy").c_str());
+}
+
+static_assert(k3::io::dtype_size(k3::io::dtype::bfloat16) == 2);
+static_assert(k3::io::dtype_size(k3::io::dtype::int64) == 8);
+static_assert(k3::io::dtype_of<float>() == k3::io::dtype::float32);
+static_assert(k3::io::dtype_of<k3::bfloat16>() == k3::io::dtype::bfloat16);
+
+// A view into a temporary npy_array would dangle, so asking for one does not compile.
+template <class A>
+concept can_view_rvalue = requires(A&& a) { static_cast<A&&>(a).template view<float, 1>("x"); };
+template <class A>
+concept can_view_lvalue = requires(A& a) { a.template view<float, 1>("x"); };
+static_assert(!can_view_rvalue<k3::io::npy_array>);
+static_assert(can_view_lvalue<k3::io::npy_array>);
+static_assert(can_view_lvalue<k3::io::npy_array const>);
+static_assert(std::is_same_v<decltype(std::declval<k3::io::npy_array const&>().view<float, 2>("x")),
+                             k3::tensor_view<float const, 2>>);
+static_assert(std::is_same_v<decltype(std::declval<k3::io::npy_array&>().view<float, 2>("x")), k3::tensor_view<float, 2>>);

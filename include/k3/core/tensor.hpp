@@ -29,6 +29,15 @@ class tensor {
     n_ = static_cast<std::size_t>(n);
     p_ = backend_.template allocate<T>(n_);
     if constexpr (memory_space::host_accessible) std::fill(p_, p_ + n_, T{});
+    else if constexpr (requires { backend_.zero_fill(p_, n_); }) {
+      // Device memory: the backend zeroes it (in stream order); free it if that fails.
+      try {
+        backend_.zero_fill(p_, n_);
+      } catch (...) {
+        release();
+        throw;
+      }
+    }
   }
   tensor(tensor&& o) noexcept : backend_(o.backend_), p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)), ext_(o.ext_) {}
   tensor& operator=(tensor&& o) noexcept {

@@ -92,7 +92,7 @@ class npy_array {
   // A typed view; `name` is used in the error when the dtype or rank does not match.
   // bfloat16 accepts both of its on-disk spellings.
   template <class T, std::size_t Rank>
-  tensor_view<T const, Rank> view(std::string_view name = "array") const {
+  tensor_view<T const, Rank> view(std::string_view name = "array") const& {
     check_type<T>(name);
     detail::require(shape_.size() == Rank, [&] {
       return "argument '" + std::string(name) + "': expected rank " + std::to_string(Rank) + ", got shape " +
@@ -103,10 +103,14 @@ class npy_array {
     return {static_cast<T const*>(data()), e};
   }
   template <class T, std::size_t Rank>
-  tensor_view<T, Rank> view(std::string_view name = "array") {
+  tensor_view<T, Rank> view(std::string_view name = "array") & {
     auto v = std::as_const(*this).template view<T, Rank>(name);
     return {const_cast<T*>(v.data_handle()), v.extents()};
   }
+  // A view into a temporary (read_npy(p).view<...>()) would dangle: keep the array in a
+  // variable first.
+  template <class T, std::size_t Rank>
+  tensor_view<T, Rank> view(std::string_view name = "array") && = delete;
 
   // Element i (C order) converted to double, whatever the dtype.
   double as_double(index_t i) const noexcept {
@@ -316,9 +320,12 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
   detail::require(!fortran, "unsupported .npy file: fortran_order is True (save with np.ascontiguousarray)");
 
   std::size_t const avail = bytes.size() - pre - header_len;
+  // Every running product must fit index_t (not just uint64): npy_array::size() and views
+  // multiply the extents left to right in index_t, even when a later extent is 0.
   std::uint64_t n = 1;
+  constexpr auto max_elems = static_cast<std::uint64_t>(std::numeric_limits<index_t>::max());
   for (index_t e : shape) {
-    if (e != 0 && n > std::numeric_limits<std::uint64_t>::max() / static_cast<std::uint64_t>(e))
+    if (e != 0 && n > max_elems / static_cast<std::uint64_t>(e))
       throw k3::error("malformed .npy file: shape " + detail::format_shape(shape) + " overflows");
     n *= static_cast<std::uint64_t>(e);
   }

@@ -1,6 +1,8 @@
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <thread>
 #include <stdexcept>
 #include <vector>
 
@@ -37,4 +39,25 @@ TEST_CASE("an exception in a task reaches the caller after all tasks finish") {
   std::atomic<int> again{0};
   pool.run(5, [&](std::int64_t) { again++; });
   CHECK(again.load() == 5);
+}
+
+TEST_CASE("pool sizes, empty runs, and callers from several threads at once") {
+  k3::cpu::thread_pool def;
+  CHECK(def.size() == static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  k3::cpu::thread_pool one(1);
+  CHECK(one.size() == 1);
+  int calls = 0;
+  one.run(0, [&](std::int64_t) { ++calls; });
+  one.run(-3, [&](std::int64_t) { ++calls; });
+  CHECK(calls == 0);
+
+  k3::cpu::thread_pool pool(3);
+  std::atomic<std::int64_t> total{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 4; ++t)
+    callers.emplace_back([&] {
+      for (int r = 0; r < 50; ++r) pool.run(7, [&](std::int64_t i) { total += i + 1; });
+    });
+  for (auto& c : callers) c.join();
+  CHECK(total.load() == 4 * 50 * 28);
 }

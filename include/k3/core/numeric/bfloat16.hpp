@@ -2,7 +2,6 @@
 // nearest even; NaN stays NaN (quiet bit forced, sign kept); Inf stays Inf. Arithmetic is
 // done by converting to float: k3 accumulates in fp32 or wider.
 #pragma once
-#include <bit>
 #include <cstdint>
 #include <type_traits>
 
@@ -22,10 +21,12 @@ struct bfloat16 {
     r.bits = b;
     return r;
   }
-  K3_INLINE constexpr operator float() const noexcept { return std::bit_cast<float>(std::uint32_t(bits) << 16); }
+  // __builtin_bit_cast, not std::bit_cast: the latter is a host-only function for nvcc, and
+  // the builtin (g++ >= 11, clang++ >= 9, nvcc) keeps one definition for .cpp and .cu TUs.
+  K3_INLINE constexpr operator float() const noexcept { return __builtin_bit_cast(float, std::uint32_t(bits) << 16); }
 
   K3_INLINE static constexpr std::uint16_t from_float(float f) noexcept {
-    std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+    std::uint32_t u = __builtin_bit_cast(std::uint32_t, f);
     if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0)  // NaN: keep sign, make quiet
       return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
     u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even (overflow -> Inf is right)

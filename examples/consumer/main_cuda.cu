@@ -1,0 +1,23 @@
+// Uses the installed k3::cuda component: stream_backend, a device tensor, copies.
+#include <k3/backend/cuda/backend.cuh>
+#include <k3/core/tensor.hpp>
+
+#include <cstdio>
+#include <vector>
+
+int main() {
+  if (k3::cuda::device_count() == 0) {
+    std::printf("k3 consumer (CUDA): built; no CUDA device, skipping\n");
+    return 77;
+  }
+  k3::cuda::stream_backend be;
+  k3::tensor<float, 1, k3::cuda::stream_backend> d({1000}, be);
+  auto v = d.view();
+  be.for_each(0, 1000, [=] __device__(std::int64_t i) { v(i) = 2.0f * static_cast<float>(i); });
+  std::vector<float> h(1000);
+  be.copy(d.view(), k3::host_view(h.data(), 1000));
+  for (int i = 0; i < 1000; ++i)
+    if (h[i] != 2.0f * i) return 1;
+  std::printf("k3 consumer (CUDA): ok on device %d\n", be.device());
+  return 0;
+}

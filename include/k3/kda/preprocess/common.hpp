@@ -1,0 +1,187 @@
+// k3/kda/preprocess/common.hpp — shared plumbing of the KDA pre-processing ops: optional
+// arguments spelled `nullptr`, storage/compute type rules, row addressing of strided views,
+// deterministic blocked reductions over a backend, and the varlen sequence table.
+#pragma once
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "k3/backend/cpu/serial.hpp"
+#include "k3/core/concepts.hpp"
+#include "k3/core/error.hpp"
+#include "k3/core/numeric/bfloat16.hpp"
+#include "k3/core/tensor_view.hpp"
+#include "k3/core/validate.hpp"
+
+namespace k3::kda {
+
+// Marks an optional argument as absent; any optional view parameter also accepts nullptr.
+using none_t = std::nullptr_t;
+inline constexpr none_t none = nullptr;
+
+namespace detail {
+
+template <class V>
+inline constexpr bool pp_is_none = std::is_same_v<std::remove_cvref_t<V>, std::nullptr_t>;
+
+template <class V>
+struct pp_elem {
+  using type = std::remove_const_t<typename std::remove_cvref_t<V>::element_type>;
+};
+template <>
+struct pp_elem<std::nullptr_t> {
+  using type = float;  // an absent argument never forces double compute
+};
+template <class V>
+using pp_elem_t = typename pp_elem<std::remove_cvref_t<V>>::type;
+
+template <class S>
+inline constexpr bool pp_storage = std::is_same_v<S, float> || std::is_same_v<S, double> || std::is_same_v<S, bfloat16>;
+
+// Compute in double when any participating storage is double, otherwise in float
+// (bfloat16 storage is always widened to fp32 on load).
+template <class... V>
+using pp_compute_t = std::conditional_t<(std::is_same_v<pp_elem_t<V>, double> || ...), double, float>;
+
+// An argument that is either a host tensor_view of the given rank or nullptr (absent).
+template <class V, std::size_t Rank>
+constexpr bool pp_in_view_f() {
+  if constexpr (TensorViewOfRank<V, Rank>)
+    return std::remove_cvref_t<V>::memory_space::host_accessible;
+  else
+    return false;
+}
+template <class V, std::size_t Rank>
+inline constexpr bool pp_in_view = pp_in_view_f<V, Rank>();
+template <class V, std::size_t Rank>
+inline constexpr bool pp_opt_view = pp_is_none<V> || pp_in_view<V, Rank>;
+
+template <class V>
+inline constexpr bool pp_writable = !std::is_const_v<typename std::remove_cvref_t<V>::element_type>;
+
+template <class V>
+constexpr void pp_static_checks() {
+  if constexpr (!pp_is_none<V>) static_assert(pp_storage<pp_elem_t<V>>, "k3::kda pre-processing: storage must be float, double or k3::bfloat16");
+}
+
+// Offset of row r (a linear index over all dimensions but the last) of a strided view.
+template <class V>
+index_t pp_row_offset(V const& v, index_t r) noexcept {
+  index_t off = 0;
+  for (std::size_t d = V::rank() - 1; d-- > 0;) {
+    index_t const e = v.extent(d);
+    off += (r % e) * v.stride(d);
+    r /= e;
+  }
+  return off;
+}
+
+template <class V>
+index_t pp_rows(V const& v) noexcept {
+  index_t n = 1;
+  for (std::size_t d = 0; d + 1 < V::rank(); ++d) n *= v.extent(d);
+  return n;
+}
+
+template <class V>
+std::string pp_shape_list(V const& v) {
+  return ::k3::detail::shape_of(v);
+}
+
+// Same shape, both checked as views; `b` is an output that must not overlap `a`.
+template <class A, class B>
+void pp_check_same_shape(std::string_view name_a, A const& a, std::string_view name_b, B const& b) {
+  bool ok = true;
+  for (std::size_t r = 0; r < A::rank(); ++r) ok = ok && a.extent(r) == b.extent(r);
+  if (!ok)
+    throw ::k3::error("argument '" + std::string(name_b) + "': expected shape " + pp_shape_list(a) + " (the shape of '" +
+                      std::string(name_a) + "'), got " + pp_shape_list(b));
+}
+
+template <class V>
+void pp_check_view(std::string_view name, V const& v) {
+  if constexpr (!pp_is_none<V>) ::k3::detail::check_view(name, v);
+}
+
+template <class O, class I>
+void pp_check_no_overlap(std::string_view on, O const& o, std::string_view in, I const& i) {
+  if constexpr (!pp_is_none<O> && !pp_is_none<I>) ::k3::detail::check_no_overlap(on, o, in, i);
+}
+
+// Rows per block of a deterministic reduction: the partition depends only on the problem
+// size, never on the thread count, so every backend gives bitwise the same sums.
+inline constexpr index_t pp_reduce_block = 256;
+
+// acc[0..width) = sum over items of what item(i, acc_block) adds, in double. Items are cut
+// into fixed blocks run through the backend; blocks are summed in order afterwards.
+template <class Backend_, class Item>
+std::vector<double> pp_blocked_reduce(Backend_ const& b, index_t items, std::size_t width, Item&& item) {
+  index_t const blocks = (items + pp_reduce_block - 1) / pp_reduce_block;
+  std::vector<double> part(static_cast<std::size_t>(blocks) * width, 0.0);
+  b.for_each(0, blocks, [&](index_t blk) {
+    double* acc = part.data() + static_cast<std::size_t>(blk) * width;
+    index_t const lo = blk * pp_reduce_block, hi = std::min(items, lo + pp_reduce_block);
+    for (index_t i = lo; i < hi; ++i) item(i, acc);
+  });
+  std::vector<double> out(width, 0.0);
+  for (index_t blk = 0; blk < blocks; ++blk)
+    for (std::size_t w = 0; w < width; ++w) out[w] += part[static_cast<std::size_t>(blk) * width + w];
+  return out;
+}
+
+// One independent sequence: batch row `b`, tokens [start, start + len).
+struct pp_sequence {
+  index_t b, start, len;
+};
+
+// Sequences of a [B, T, ...] input: one per batch row, or (B == 1) the cu_seqlens segments.
+template <class Cu>
+std::vector<pp_sequence> pp_sequences(index_t B, index_t T, Cu const& cu_seqlens) {
+  std::vector<pp_sequence> seqs;
+  if constexpr (pp_is_none<Cu>) {
+    seqs.reserve(static_cast<std::size_t>(B));
+    for (index_t b = 0; b < B; ++b) seqs.push_back({b, 0, T});
+  } else {
+    using I = std::remove_const_t<typename std::remove_cvref_t<Cu>::element_type>;
+    static_assert(std::is_integral_v<I>, "cu_seqlens must hold integers (int32 or int64)");
+    ::k3::detail::check_view("cu_seqlens", cu_seqlens);
+    index_t const n = cu_seqlens.extent(0);
+    ::k3::detail::require(B == 1, [&] { return "argument 'cu_seqlens': needs batch size 1, got B = " + std::to_string(B); });
+    ::k3::detail::require(n >= 1, "argument 'cu_seqlens': needs at least one entry (0)");
+    ::k3::detail::require(static_cast<index_t>(cu_seqlens(0)) == 0, [&] {
+      return "argument 'cu_seqlens': must start at 0, got " + std::to_string(static_cast<index_t>(cu_seqlens(0)));
+    });
+    for (index_t i = 1; i < n; ++i) {
+      index_t const a = static_cast<index_t>(cu_seqlens(i - 1)), c = static_cast<index_t>(cu_seqlens(i));
+      ::k3::detail::require(c >= a, [&] {
+        return "argument 'cu_seqlens': must be non-decreasing, got " + std::to_string(a) + " then " + std::to_string(c) +
+               " at index " + std::to_string(i);
+      });
+    }
+    index_t const last = static_cast<index_t>(cu_seqlens(n - 1));
+    ::k3::detail::require(last == T, [&] {
+      return "argument 'cu_seqlens': must end at T = " + std::to_string(T) + ", got " + std::to_string(last);
+    });
+    seqs.reserve(static_cast<std::size_t>(n - 1));
+    for (index_t i = 0; i + 1 < n; ++i) {
+      index_t const s = static_cast<index_t>(cu_seqlens(i));
+      seqs.push_back({0, s, static_cast<index_t>(cu_seqlens(i + 1)) - s});
+    }
+  }
+  return seqs;
+}
+
+// Sequence index of each token position (varlen, B == 1).
+inline std::vector<index_t> pp_token_owner(std::vector<pp_sequence> const& seqs, index_t T) {
+  std::vector<index_t> own(static_cast<std::size_t>(T), 0);
+  for (std::size_t n = 0; n < seqs.size(); ++n)
+    for (index_t t = seqs[n].start; t < seqs[n].start + seqs[n].len; ++t) own[static_cast<std::size_t>(t)] = static_cast<index_t>(n);
+  return own;
+}
+
+}  // namespace detail
+}  // namespace k3::kda

@@ -1,0 +1,379 @@
+// k3/kda/preprocess/conv.hpp — the short causal depthwise convolution (+ SiLU) that KDA
+// applies to q, k and v before everything else, its backward, and its decode step.
+//
+// Shapes: x, y [B, T, C]; weight [C, W] (W = 4 in Kimi Linear, any W >= 1 works); bias [C]
+// (optional); conv state [N, C, W-1], N = B or the number of cu_seqlens sequences.
+//
+//   pre[t, c] = bias[c] + sum_{j<W} weight[c, j] * x[t - (W-1) + j, c]
+//   y[t, c]   = silu(pre[t, c])   (or pre itself with silu = false)
+//
+// weight[c, W-1] multiplies the current token (the causal-conv1d convention). Positions
+// before a sequence's first token read the initial conv state when one is given
+// (state[n, c, i] is position start - (W-1) + i, oldest first), zero otherwise: nothing
+// leaks across cu_seqlens boundaries or batch rows. The final conv state holds the last
+// W-1 inputs of each sequence (reaching into the initial state for short sequences), so
+// decoding token by token after a prefill continues the same convolution.
+#pragma once
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "k3/core/math.hpp"
+#include "k3/kda/preprocess/common.hpp"
+
+namespace k3::kda {
+
+namespace detail {
+
+template <class T>
+inline T pp_silu_grad(T z) noexcept {
+  // silu'(z) = s (1 + z (1 - s)), with 1 - s = sigmoid(-z) computed without cancellation.
+  return ::k3::detail::sigmoid(z) * (T(1) + z * ::k3::detail::sigmoid(-z));
+}
+
+// Shape checks shared by the prefill forward and backward. Returns the sequence table.
+template <class X, class Wt, class Bias, class Cu, class S0>
+std::vector<pp_sequence> pp_check_conv(X const& x, Wt const& weight, Bias const& bias, Cu const& cu_seqlens, S0 const& init) {
+  static_assert(pp_in_view<X, 3>, "x must be a rank-3 host tensor_view [B, T, C]");
+  static_assert(pp_in_view<Wt, 2>, "weight must be a rank-2 host tensor_view [C, W]");
+  static_assert(pp_opt_view<Bias, 1>, "bias must be a rank-1 host tensor_view [C] or nullptr");
+  static_assert(pp_opt_view<Cu, 1>, "cu_seqlens must be a rank-1 host tensor_view [N+1] or nullptr");
+  static_assert(pp_opt_view<S0, 3>, "initial_state must be a rank-3 host tensor_view [N, C, W-1] or nullptr");
+  pp_static_checks<X>();
+  pp_static_checks<Wt>();
+  pp_static_checks<Bias>();
+  pp_static_checks<S0>();
+  ::k3::detail::check_view("x", x);
+  ::k3::detail::check_view("weight", weight);
+  index_t const B = x.extent(0), T = x.extent(1), C = x.extent(2);
+  ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
+  index_t const W = weight.extent(1);
+  ::k3::detail::require(W >= 1, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
+  if constexpr (!pp_is_none<Bias>) {
+    ::k3::detail::check_view("bias", bias);
+    ::k3::detail::check_shape("bias", bias, {C});
+  }
+  std::vector<pp_sequence> seqs = pp_sequences(B, T, cu_seqlens);
+  if constexpr (!pp_is_none<S0>) {
+    ::k3::detail::check_view("initial_state", init);
+    ::k3::detail::check_shape("initial_state", init, {static_cast<index_t>(seqs.size()), C, W - 1});
+  }
+  return seqs;
+}
+
+// Input at position p of sequence n (batch row bb) as compute type T, reading the initial
+// state (or zero) before the sequence start.
+template <class T, class X, class S0>
+inline T pp_conv_in(X const& x, S0 const& init, pp_sequence const& sq, index_t n, index_t W, index_t p, index_t c) {
+  if (p >= sq.start) return load_as<T>(x(sq.b, p, c));
+  if constexpr (pp_is_none<S0>) {
+    (void)init, (void)n, (void)W;
+    return T(0);
+  } else {
+    return load_as<T>(init(n, c, p - sq.start + (W - 1)));
+  }
+}
+
+template <class T, class Bias>
+inline T pp_bias(Bias const& bias, index_t c) {
+  if constexpr (pp_is_none<Bias>) {
+    (void)bias, (void)c;
+    return T(0);
+  } else {
+    return load_as<T>(bias(c));
+  }
+}
+
+// The very same elements (an in-place update), as opposed to a partial overlap.
+template <class A, class B>
+bool pp_same_view(A const& a, B const& b) {
+  if constexpr (pp_is_none<A> || pp_is_none<B> || !std::is_same_v<pp_elem_t<A>, pp_elem_t<B>>) {
+    return false;
+  } else {
+    return static_cast<void const*>(a.data_handle()) == static_cast<void const*>(b.data_handle()) &&
+           a.extents() == b.extents() && a.strides() == b.strides();
+  }
+}
+
+}  // namespace detail
+
+// Prefill: y = silu(conv(x) + bias); optionally reads an initial conv state and writes the
+// final conv state (final_state may be the very same view as initial_state: in-place update).
+template <HostBackend Bk, TensorView X, TensorView Wt, class Bias, TensorView Y, class Cu = none_t, class S0 = none_t,
+          class S1 = none_t>
+void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y const& y, Cu const& cu_seqlens = nullptr,
+                S0 const& initial_state = nullptr, S1 const& final_state = nullptr, bool silu = true) {
+  static_assert(detail::pp_in_view<Y, 3>, "y must be a rank-3 host tensor_view [B, T, C]");
+  static_assert(detail::pp_writable<Y>, "y is an output");
+  static_assert(detail::pp_opt_view<S1, 3>, "final_state must be a rank-3 host tensor_view [N, C, W-1] or nullptr");
+  detail::pp_static_checks<Y>();
+  detail::pp_static_checks<S1>();
+  auto const seqs = detail::pp_check_conv(x, weight, bias, cu_seqlens, initial_state);
+  index_t const B = x.extent(0), Tn = x.extent(1), C = x.extent(2), W = weight.extent(1);
+  ::k3::detail::check_view("y", y);
+  ::k3::detail::check_shape("y", y, {B, Tn, C});
+  detail::pp_check_no_overlap("y", y, "x", x);
+  detail::pp_check_no_overlap("y", y, "weight", weight);
+  detail::pp_check_no_overlap("y", y, "bias", bias);
+  detail::pp_check_no_overlap("y", y, "initial_state", initial_state);
+  if constexpr (!detail::pp_is_none<S1>) {
+    static_assert(detail::pp_writable<S1>, "final_state is an output");
+    ::k3::detail::check_view("final_state", final_state);
+    ::k3::detail::check_shape("final_state", final_state, {static_cast<index_t>(seqs.size()), C, W - 1});
+    detail::pp_check_no_overlap("final_state", final_state, "y", y);
+    detail::pp_check_no_overlap("final_state", final_state, "x", x);
+    detail::pp_check_no_overlap("final_state", final_state, "weight", weight);
+    detail::pp_check_no_overlap("final_state", final_state, "bias", bias);
+    if (!detail::pp_same_view(initial_state, final_state))
+      detail::pp_check_no_overlap("final_state", final_state, "initial_state", initial_state);
+  }
+  using T = detail::pp_compute_t<X, Wt, Bias, Y, S0, S1>;
+  constexpr bool varlen = !detail::pp_is_none<Cu>;
+  std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
+  b.for_each(0, B * Tn, [&](index_t r) {
+    index_t const bb = r / Tn, t = r % Tn;
+    index_t const n = varlen ? own[static_cast<std::size_t>(t)] : bb;
+    detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
+    for (index_t c = 0; c < C; ++c) {
+      T acc = detail::pp_bias<T>(bias, c);
+      for (index_t j = 0; j < W; ++j)
+        acc += load_as<T>(weight(c, j)) * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c);
+      y(bb, t, c) = store_as<detail::pp_elem_t<Y>>(silu ? ::k3::detail::silu(acc) : acc);
+    }
+  });
+  if constexpr (!detail::pp_is_none<S1>) {
+    // Ascending i reads index i + len >= i of the initial state: safe when updating in place.
+    b.for_each(0, static_cast<index_t>(seqs.size()), [&](index_t n) {
+      detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
+      for (index_t c = 0; c < C; ++c)
+        for (index_t i = 0; i < W - 1; ++i)
+          final_state(n, c, i) = store_as<detail::pp_elem_t<S1>>(
+              detail::pp_conv_in<T>(x, initial_state, sq, n, W, sq.start + sq.len - (W - 1) + i, c));
+    });
+  }
+}
+
+// Backward of short_conv with respect to x, weight, bias and (optionally) the initial conv
+// state, from dy. The final conv state is treated as not differentiated (decode cache).
+template <HostBackend Bk, TensorView X, TensorView Wt, class Bias, TensorView DY, TensorView DX, class DW = none_t,
+          class DB = none_t, class Cu = none_t, class S0 = none_t, class DS0 = none_t>
+void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& bias, DY const& dy, DX const& dx,
+                         DW const& dweight = nullptr, DB const& dbias = nullptr, Cu const& cu_seqlens = nullptr,
+                         S0 const& initial_state = nullptr, DS0 const& d_initial_state = nullptr, bool silu = true) {
+  static_assert(detail::pp_in_view<DY, 3>, "dy must be a rank-3 host tensor_view [B, T, C]");
+  static_assert(detail::pp_in_view<DX, 3>, "dx must be a rank-3 host tensor_view [B, T, C]");
+  static_assert(detail::pp_writable<DX>, "dx is an output");
+  static_assert(detail::pp_opt_view<DW, 2>, "dweight must be a rank-2 host tensor_view [C, W] or nullptr");
+  static_assert(detail::pp_opt_view<DB, 1>, "dbias must be a rank-1 host tensor_view [C] or nullptr");
+  static_assert(detail::pp_opt_view<DS0, 3>, "d_initial_state must be a rank-3 host tensor_view [N, C, W-1] or nullptr");
+  detail::pp_static_checks<DY>();
+  detail::pp_static_checks<DX>();
+  detail::pp_static_checks<DW>();
+  detail::pp_static_checks<DB>();
+  detail::pp_static_checks<DS0>();
+  auto const seqs = detail::pp_check_conv(x, weight, bias, cu_seqlens, initial_state);
+  index_t const B = x.extent(0), Tn = x.extent(1), C = x.extent(2), W = weight.extent(1);
+  index_t const N = static_cast<index_t>(seqs.size());
+  ::k3::detail::check_view("dy", dy);
+  ::k3::detail::check_shape("dy", dy, {B, Tn, C});
+  ::k3::detail::check_view("dx", dx);
+  ::k3::detail::check_shape("dx", dx, {B, Tn, C});
+  if constexpr (!detail::pp_is_none<DW>) {
+    static_assert(detail::pp_writable<DW>, "dweight is an output");
+    ::k3::detail::check_view("dweight", dweight);
+    ::k3::detail::check_shape("dweight", dweight, {C, W});
+  }
+  if constexpr (!detail::pp_is_none<DB>) {
+    static_assert(detail::pp_writable<DB>, "dbias is an output");
+    ::k3::detail::check_view("dbias", dbias);
+    ::k3::detail::check_shape("dbias", dbias, {C});
+  }
+  if constexpr (!detail::pp_is_none<DS0>) {
+    static_assert(detail::pp_writable<DS0>, "d_initial_state is an output");
+    static_assert(!detail::pp_is_none<S0>, "d_initial_state needs the initial_state it differentiates");
+    ::k3::detail::check_view("d_initial_state", d_initial_state);
+    ::k3::detail::check_shape("d_initial_state", d_initial_state, {N, C, W - 1});
+  }
+  // Every output against every input and every other output.
+  auto no_overlap_inputs = [&](std::string_view on, auto const& o) {
+    detail::pp_check_no_overlap(on, o, "x", x);
+    detail::pp_check_no_overlap(on, o, "weight", weight);
+    detail::pp_check_no_overlap(on, o, "bias", bias);
+    detail::pp_check_no_overlap(on, o, "dy", dy);
+    detail::pp_check_no_overlap(on, o, "initial_state", initial_state);
+  };
+  no_overlap_inputs("dx", dx);
+  no_overlap_inputs("dweight", dweight);
+  no_overlap_inputs("dbias", dbias);
+  no_overlap_inputs("d_initial_state", d_initial_state);
+  detail::pp_check_no_overlap("dweight", dweight, "dx", dx);
+  detail::pp_check_no_overlap("dbias", dbias, "dx", dx);
+  detail::pp_check_no_overlap("d_initial_state", d_initial_state, "dx", dx);
+  detail::pp_check_no_overlap("dbias", dbias, "dweight", dweight);
+  detail::pp_check_no_overlap("d_initial_state", d_initial_state, "dweight", dweight);
+  detail::pp_check_no_overlap("d_initial_state", d_initial_state, "dbias", dbias);
+
+  using T = detail::pp_compute_t<X, Wt, Bias, DY, DX, DW, DB, S0, DS0>;
+  constexpr bool varlen = !detail::pp_is_none<Cu>;
+  std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
+  auto seq_of = [&](index_t bb, index_t t) { return varlen ? own[static_cast<std::size_t>(t)] : bb; };
+
+  // 1. dpre = dy * silu'(pre), pre recomputed.
+  std::vector<T> dpre(static_cast<std::size_t>(B * Tn * C));
+  b.for_each(0, B * Tn, [&](index_t r) {
+    index_t const bb = r / Tn, t = r % Tn, n = seq_of(bb, t);
+    detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
+    T* d = dpre.data() + r * C;
+    for (index_t c = 0; c < C; ++c) {
+      T const g = load_as<T>(dy(bb, t, c));
+      if (!silu) {
+        d[c] = g;
+        continue;
+      }
+      T acc = detail::pp_bias<T>(bias, c);
+      for (index_t j = 0; j < W; ++j)
+        acc += load_as<T>(weight(c, j)) * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c);
+      d[c] = g * detail::pp_silu_grad(acc);
+    }
+  });
+  auto dpre_at = [&](index_t bb, index_t t, index_t c) { return dpre[static_cast<std::size_t>((bb * Tn + t) * C + c)]; };
+
+  // 2. dx[t] = sum_j weight[j] * dpre[t + (W-1) - j], outputs inside the same sequence only.
+  b.for_each(0, B * Tn, [&](index_t r) {
+    index_t const bb = r / Tn, t = r % Tn;
+    detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(seq_of(bb, t))];
+    index_t const end = sq.start + sq.len;
+    for (index_t c = 0; c < C; ++c) {
+      T acc = 0;
+      for (index_t j = 0; j < W; ++j) {
+        index_t const to = t + (W - 1) - j;
+        if (to < end) acc += load_as<T>(weight(c, j)) * dpre_at(bb, to, c);
+      }
+      dx(bb, t, c) = store_as<detail::pp_elem_t<DX>>(acc);
+    }
+  });
+
+  // 3. dweight[c, j] = sum_t dpre[t, c] * in[t - (W-1) + j, c]; dbias[c] = sum_t dpre[t, c].
+  if constexpr (!detail::pp_is_none<DW> || !detail::pp_is_none<DB>) {
+    std::size_t const width = static_cast<std::size_t>(C * W + C);
+    auto const sums = detail::pp_blocked_reduce(b, B * Tn, width, [&](index_t r, double* acc) {
+      index_t const bb = r / Tn, t = r % Tn, n = seq_of(bb, t);
+      detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
+      for (index_t c = 0; c < C; ++c) {
+        T const d = dpre_at(bb, t, c);
+        for (index_t j = 0; j < W; ++j)
+          acc[c * W + j] += static_cast<double>(d * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
+        acc[C * W + c] += static_cast<double>(d);
+      }
+    });
+    if constexpr (!detail::pp_is_none<DW>)
+      for (index_t c = 0; c < C; ++c)
+        for (index_t j = 0; j < W; ++j) dweight(c, j) = store_as<detail::pp_elem_t<DW>>(sums[static_cast<std::size_t>(c * W + j)]);
+    if constexpr (!detail::pp_is_none<DB>)
+      for (index_t c = 0; c < C; ++c) dbias(c) = store_as<detail::pp_elem_t<DB>>(sums[static_cast<std::size_t>(C * W + c)]);
+  }
+
+  // 4. The initial state's slot i is position start - (W-1) + i; it feeds outputs
+  //    start + i - j for j <= i that lie inside the sequence.
+  if constexpr (!detail::pp_is_none<DS0>) {
+    b.for_each(0, N, [&](index_t n) {
+      detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
+      for (index_t c = 0; c < C; ++c)
+        for (index_t i = 0; i < W - 1; ++i) {
+          T acc = 0;
+          for (index_t j = 0; j <= i; ++j) {
+            index_t const to = i - j;  // offset of the output inside the sequence
+            if (to < sq.len) acc += load_as<T>(weight(c, j)) * dpre_at(sq.b, sq.start + to, c);
+          }
+          d_initial_state(n, c, i) = store_as<detail::pp_elem_t<DS0>>(acc);
+        }
+    });
+  }
+}
+
+// Decode: one new token per sequence. x, y [N, C]; conv_state [P, C, W-1] is a pool updated
+// in place; sequence n uses slot slots[n] (slots: [N] integers, distinct, in [0, P)), or
+// slot n when slots is nullptr (then P >= N).
+template <HostBackend Bk, TensorView X, TensorView Wt, class Bias, TensorView St, TensorView Y, class Slots = none_t>
+void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bias, St const& conv_state, Y const& y,
+                       Slots const& slots = nullptr, bool silu = true) {
+  static_assert(detail::pp_in_view<X, 2>, "x must be a rank-2 host tensor_view [N, C]");
+  static_assert(detail::pp_in_view<Wt, 2>, "weight must be a rank-2 host tensor_view [C, W]");
+  static_assert(detail::pp_opt_view<Bias, 1>, "bias must be a rank-1 host tensor_view [C] or nullptr");
+  static_assert(detail::pp_in_view<St, 3>, "conv_state must be a rank-3 host tensor_view [P, C, W-1]");
+  static_assert(detail::pp_writable<St>, "conv_state is updated in place");
+  static_assert(detail::pp_in_view<Y, 2>, "y must be a rank-2 host tensor_view [N, C]");
+  static_assert(detail::pp_writable<Y>, "y is an output");
+  static_assert(detail::pp_opt_view<Slots, 1>, "slots must be a rank-1 host tensor_view [N] or nullptr");
+  detail::pp_static_checks<X>();
+  detail::pp_static_checks<Wt>();
+  detail::pp_static_checks<Bias>();
+  detail::pp_static_checks<St>();
+  detail::pp_static_checks<Y>();
+  ::k3::detail::check_view("x", x);
+  ::k3::detail::check_view("weight", weight);
+  ::k3::detail::check_view("conv_state", conv_state);
+  ::k3::detail::check_view("y", y);
+  index_t const N = x.extent(0), C = x.extent(1);
+  ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
+  index_t const W = weight.extent(1);
+  ::k3::detail::require(W >= 1, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
+  if constexpr (!detail::pp_is_none<Bias>) {
+    ::k3::detail::check_view("bias", bias);
+    ::k3::detail::check_shape("bias", bias, {C});
+  }
+  ::k3::detail::check_shape("conv_state", conv_state, {::k3::detail::any_extent, C, W - 1});
+  ::k3::detail::check_shape("y", y, {N, C});
+  index_t const P = conv_state.extent(0);
+  std::vector<index_t> slot(static_cast<std::size_t>(N));
+  if constexpr (detail::pp_is_none<Slots>) {
+    ::k3::detail::require(P >= N, [&] {
+      return "argument 'conv_state': without slots the pool needs at least N = " + std::to_string(N) + " states, got " +
+             ::k3::detail::shape_of(conv_state);
+    });
+    for (index_t n = 0; n < N; ++n) slot[static_cast<std::size_t>(n)] = n;
+  } else {
+    using I = std::remove_const_t<typename Slots::element_type>;
+    static_assert(std::is_integral_v<I>, "slots must hold integers (int32 or int64)");
+    ::k3::detail::check_view("slots", slots);
+    ::k3::detail::check_shape("slots", slots, {N});
+    std::vector<char> used(static_cast<std::size_t>(P), 0);
+    for (index_t n = 0; n < N; ++n) {
+      index_t const s = static_cast<index_t>(slots(n));
+      ::k3::detail::require(s >= 0 && s < P, [&] {
+        return "argument 'slots': slot " + std::to_string(s) + " at index " + std::to_string(n) + " is outside the pool [0, " +
+               std::to_string(P) + ")";
+      });
+      ::k3::detail::require(!used[static_cast<std::size_t>(s)], [&] {
+        return "argument 'slots': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
+      });
+      used[static_cast<std::size_t>(s)] = 1;
+      slot[static_cast<std::size_t>(n)] = s;
+    }
+  }
+  detail::pp_check_no_overlap("y", y, "x", x);
+  detail::pp_check_no_overlap("y", y, "weight", weight);
+  detail::pp_check_no_overlap("y", y, "bias", bias);
+  detail::pp_check_no_overlap("y", y, "conv_state", conv_state);
+  detail::pp_check_no_overlap("conv_state", conv_state, "x", x);
+  detail::pp_check_no_overlap("conv_state", conv_state, "weight", weight);
+  detail::pp_check_no_overlap("conv_state", conv_state, "bias", bias);
+  detail::pp_check_no_overlap("conv_state", conv_state, "slots", slots);
+  using T = detail::pp_compute_t<X, Wt, Bias, St, Y>;
+  using SS = detail::pp_elem_t<St>;
+  b.for_each(0, N, [&](index_t n) {
+    index_t const s = slot[static_cast<std::size_t>(n)];
+    for (index_t c = 0; c < C; ++c) {
+      T const xv = load_as<T>(x(n, c));
+      // Same summation order as the prefill, so decode continues it exactly.
+      T acc = detail::pp_bias<T>(bias, c);
+      for (index_t j = 0; j + 1 < W; ++j) acc += load_as<T>(weight(c, j)) * load_as<T>(conv_state(s, c, j));
+      acc += load_as<T>(weight(c, W - 1)) * xv;
+      y(n, c) = store_as<detail::pp_elem_t<Y>>(silu ? ::k3::detail::silu(acc) : acc);
+      for (index_t j = 0; j + 2 < W; ++j) conv_state(s, c, j) = conv_state(s, c, j + 1);
+      if (W > 1) conv_state(s, c, W - 2) = store_as<SS>(xv);
+    }
+  });
+}
+
+}  // namespace k3::kda

@@ -1,0 +1,326 @@
+// k3/kda/preprocess/pointwise.hpp — the row-wise KDA pre-processing ops and their backwards:
+//
+//   l2norm:            y = x / sqrt(sum_d x_d^2 + 1e-6)            (over the last dimension)
+//   beta_sigmoid:      beta = sigmoid(x), or 2 sigmoid(x) (allow_neg_eigval: beta in (0, 2))
+//   gate_softplus:     g = -exp(A_log[h]) * softplus(x + dt_bias[h, :])
+//   gate_lower_bound:  g = lb * sigmoid(exp(A_log[h]) * (x + dt_bias[h, :])),  lb in [-5, 0)
+//
+// Gate shapes: x, g [B, T, HV, K]; A_log [HV]; dt_bias [HV, K] (fla's [HV*K] viewed as 2-D).
+// A_log and dt_bias are optional (pass nullptr): absent means A_log = 0 and dt_bias = 0, and
+// their gradients, when asked for, are then the gradients at that point.
+//
+// Storage may be float, double or k3::bfloat16, independently per argument; math runs in
+// double when any argument is double, else in float. Backwards recompute what they need from
+// the forward's inputs (cheaper than storing it). Work is spread over rows through the
+// backend; parameter gradients are reduced in fixed blocks, so results do not depend on the
+// backend or its thread count.
+#pragma once
+#include <cmath>
+#include <string>
+
+#include "k3/core/math.hpp"
+#include "k3/kda/preprocess/common.hpp"
+
+namespace k3::kda {
+
+namespace detail {
+
+template <class V>
+void pp_static_row_view() {
+  static_assert(TensorView<V> && std::remove_cvref_t<V>::rank() >= 1, "expected a tensor_view of rank >= 1");
+  static_assert(std::remove_cvref_t<V>::memory_space::host_accessible, "CPU pre-processing needs host views");
+  pp_static_checks<V>();
+}
+
+}  // namespace detail
+
+// ---- L2 norm over the last dimension ------------------------------------------------------
+
+inline constexpr double l2norm_eps = 1e-6;
+
+template <HostBackend Bk, TensorView X, TensorView Y>
+void l2norm(Bk const& b, X const& x, Y const& y) {
+  detail::pp_static_row_view<X>();
+  detail::pp_static_row_view<Y>();
+  static_assert(X::rank() == Y::rank(), "x and y must have the same rank");
+  static_assert(detail::pp_writable<Y>, "y is an output");
+  using T = detail::pp_compute_t<X, Y>;
+  ::k3::detail::check_view("x", x);
+  ::k3::detail::check_view("y", y);
+  detail::pp_check_same_shape("x", x, "y", y);
+  ::k3::detail::check_no_overlap("y", y, "x", x);
+  constexpr std::size_t L = X::rank() - 1;
+  index_t const D = x.extent(L), sx = x.stride(L), sy = y.stride(L);
+  b.for_each(0, detail::pp_rows(x), [&](index_t r) {
+    auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
+    auto* yp = y.data_handle() + detail::pp_row_offset(y, r);
+    T ss = 0;
+    for (index_t d = 0; d < D; ++d) {
+      T const v = load_as<T>(xp[d * sx]);
+      ss += v * v;
+    }
+    T const rstd = T(1) / std::sqrt(ss + T(l2norm_eps));
+    for (index_t d = 0; d < D; ++d) yp[d * sy] = store_as<detail::pp_elem_t<Y>>(load_as<T>(xp[d * sx]) * rstd);
+  });
+}
+
+// dx = rstd * (dy - (dy . y) y), with y = x * rstd recomputed from x.
+template <HostBackend Bk, TensorView X, TensorView DY, TensorView DX>
+void l2norm_backward(Bk const& b, X const& x, DY const& dy, DX const& dx) {
+  detail::pp_static_row_view<X>();
+  detail::pp_static_row_view<DY>();
+  detail::pp_static_row_view<DX>();
+  static_assert(X::rank() == DY::rank() && X::rank() == DX::rank(), "x, dy and dx must have the same rank");
+  static_assert(detail::pp_writable<DX>, "dx is an output");
+  using T = detail::pp_compute_t<X, DY, DX>;
+  ::k3::detail::check_view("x", x);
+  ::k3::detail::check_view("dy", dy);
+  ::k3::detail::check_view("dx", dx);
+  detail::pp_check_same_shape("x", x, "dy", dy);
+  detail::pp_check_same_shape("x", x, "dx", dx);
+  ::k3::detail::check_no_overlap("dx", dx, "x", x);
+  ::k3::detail::check_no_overlap("dx", dx, "dy", dy);
+  constexpr std::size_t L = X::rank() - 1;
+  index_t const D = x.extent(L), sx = x.stride(L), sg = dy.stride(L), sd = dx.stride(L);
+  b.for_each(0, detail::pp_rows(x), [&](index_t r) {
+    auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
+    auto const* gp = dy.data_handle() + detail::pp_row_offset(dy, r);
+    auto* dp = dx.data_handle() + detail::pp_row_offset(dx, r);
+    T ss = 0, gx = 0;
+    for (index_t d = 0; d < D; ++d) {
+      T const v = load_as<T>(xp[d * sx]);
+      ss += v * v;
+      gx += load_as<T>(gp[d * sg]) * v;
+    }
+    T const rstd = T(1) / std::sqrt(ss + T(l2norm_eps));
+    T const c = gx * rstd * rstd;  // (dy . y) / |x|_eps, folded so y is never formed
+    for (index_t d = 0; d < D; ++d)
+      dp[d * sd] = store_as<detail::pp_elem_t<DX>>(rstd * (load_as<T>(gp[d * sg]) - c * load_as<T>(xp[d * sx])));
+  });
+}
+
+// ---- beta = sigmoid(x) (times 2 with negative eigenvalues allowed) ------------------------
+
+template <HostBackend Bk, TensorView X, TensorView Y>
+void beta_sigmoid(Bk const& b, X const& x, Y const& beta, bool allow_neg_eigval = false) {
+  detail::pp_static_row_view<X>();
+  detail::pp_static_row_view<Y>();
+  static_assert(X::rank() == Y::rank(), "x and beta must have the same rank");
+  static_assert(detail::pp_writable<Y>, "beta is an output");
+  using T = detail::pp_compute_t<X, Y>;
+  ::k3::detail::check_view("x", x);
+  ::k3::detail::check_view("beta", beta);
+  detail::pp_check_same_shape("x", x, "beta", beta);
+  ::k3::detail::check_no_overlap("beta", beta, "x", x);
+  constexpr std::size_t L = X::rank() - 1;
+  index_t const D = x.extent(L), sx = x.stride(L), sy = beta.stride(L);
+  T const s = allow_neg_eigval ? T(2) : T(1);
+  b.for_each(0, detail::pp_rows(x), [&](index_t r) {
+    auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
+    auto* yp = beta.data_handle() + detail::pp_row_offset(beta, r);
+    for (index_t d = 0; d < D; ++d) yp[d * sy] = store_as<detail::pp_elem_t<Y>>(s * ::k3::detail::sigmoid(load_as<T>(xp[d * sx])));
+  });
+}
+
+template <HostBackend Bk, TensorView X, TensorView DY, TensorView DX>
+void beta_sigmoid_backward(Bk const& b, X const& x, DY const& dbeta, DX const& dx, bool allow_neg_eigval = false) {
+  detail::pp_static_row_view<X>();
+  detail::pp_static_row_view<DY>();
+  detail::pp_static_row_view<DX>();
+  static_assert(X::rank() == DY::rank() && X::rank() == DX::rank(), "x, dbeta and dx must have the same rank");
+  static_assert(detail::pp_writable<DX>, "dx is an output");
+  using T = detail::pp_compute_t<X, DY, DX>;
+  ::k3::detail::check_view("x", x);
+  ::k3::detail::check_view("dbeta", dbeta);
+  ::k3::detail::check_view("dx", dx);
+  detail::pp_check_same_shape("x", x, "dbeta", dbeta);
+  detail::pp_check_same_shape("x", x, "dx", dx);
+  ::k3::detail::check_no_overlap("dx", dx, "x", x);
+  ::k3::detail::check_no_overlap("dx", dx, "dbeta", dbeta);
+  constexpr std::size_t L = X::rank() - 1;
+  index_t const D = x.extent(L), sx = x.stride(L), sg = dbeta.stride(L), sd = dx.stride(L);
+  T const s = allow_neg_eigval ? T(2) : T(1);
+  b.for_each(0, detail::pp_rows(x), [&](index_t r) {
+    auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
+    auto const* gp = dbeta.data_handle() + detail::pp_row_offset(dbeta, r);
+    auto* dp = dx.data_handle() + detail::pp_row_offset(dx, r);
+    for (index_t d = 0; d < D; ++d) {
+      // sigmoid'(x) = sigmoid(x) sigmoid(-x): no cancellation in 1 - sigmoid(x) for large x.
+      T const xv = load_as<T>(xp[d * sx]);
+      T const ds = ::k3::detail::sigmoid(xv) * ::k3::detail::sigmoid(-xv);
+      dp[d * sd] = store_as<detail::pp_elem_t<DX>>(load_as<T>(gp[d * sg]) * s * ds);
+    }
+  });
+}
+
+// ---- the two KDA gates ----------------------------------------------------------------------
+
+namespace detail {
+
+enum class pp_gate { softplus, lower_bound };
+
+template <class X, class A, class Bias, class G>
+void pp_check_gate(std::string_view gname, X const& x, A const& A_log, Bias const& dt_bias, G const& g) {
+  static_assert(TensorViewOfRank<X, 4>, "x must be a rank-4 tensor_view [B, T, HV, K]");
+  static_assert(TensorViewOfRank<G, 4>, "the gate tensor must be a rank-4 tensor_view [B, T, HV, K]");
+  static_assert(pp_opt_view<A, 1>, "A_log must be a rank-1 host tensor_view [HV] or nullptr");
+  static_assert(pp_opt_view<Bias, 2>, "dt_bias must be a rank-2 host tensor_view [HV, K] or nullptr");
+  pp_static_checks<X>();
+  pp_static_checks<A>();
+  pp_static_checks<Bias>();
+  pp_static_checks<G>();
+  ::k3::detail::check_view("x", x);
+  ::k3::detail::check_view(gname, g);
+  index_t const HV = x.extent(2), K = x.extent(3);
+  ::k3::detail::check_shape(gname, g, {x.extent(0), x.extent(1), HV, K});
+  if constexpr (!pp_is_none<A>) {
+    ::k3::detail::check_view("A_log", A_log);
+    ::k3::detail::check_shape("A_log", A_log, {HV});
+  }
+  if constexpr (!pp_is_none<Bias>) {
+    ::k3::detail::check_view("dt_bias", dt_bias);
+    ::k3::detail::check_shape("dt_bias", dt_bias, {HV, K});
+  }
+}
+
+inline void pp_check_lower_bound(double lb) {
+  ::k3::detail::require(lb >= -5.0 && lb < 0.0, [&] {
+    return "argument 'lower_bound': must lie in [-5, 0), got " + std::to_string(lb);
+  });
+}
+
+template <pp_gate Kind, class Bk, class X, class A, class Bias, class G>
+void pp_gate_forward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lb, G const& g) {
+  static_assert(pp_writable<G>, "g is an output");
+  pp_check_gate("g", x, A_log, dt_bias, g);
+  if constexpr (Kind == pp_gate::lower_bound) pp_check_lower_bound(lb);
+  pp_check_no_overlap("g", g, "x", x);
+  pp_check_no_overlap("g", g, "A_log", A_log);
+  pp_check_no_overlap("g", g, "dt_bias", dt_bias);
+  using T = pp_compute_t<X, A, Bias, G>;
+  index_t const B = x.extent(0), Tn = x.extent(1), HV = x.extent(2), K = x.extent(3);
+  b.for_each(0, B * Tn * HV, [&](index_t r) {
+    index_t const h = r % HV, bt = r / HV, t = bt % Tn, bb = bt / Tn;
+    T a = 1;
+    if constexpr (!pp_is_none<A>) a = std::exp(load_as<T>(A_log(h)));
+    for (index_t k = 0; k < K; ++k) {
+      T u = load_as<T>(x(bb, t, h, k));
+      if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
+      T out;
+      if constexpr (Kind == pp_gate::softplus)
+        out = -a * ::k3::detail::softplus(u);
+      else
+        out = T(lb) * ::k3::detail::sigmoid(a * u);
+      g(bb, t, h, k) = store_as<pp_elem_t<G>>(out);
+    }
+  });
+}
+
+template <pp_gate Kind, class Bk, class X, class A, class Bias, class DG, class DX, class DA, class DB>
+void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lb, DG const& dg, DX const& dx,
+                      DA const& dA_log, DB const& ddt_bias) {
+  static_assert(TensorViewOfRank<DX, 4>, "dx must be a rank-4 tensor_view [B, T, HV, K]");
+  static_assert(pp_writable<DX>, "dx is an output");
+  static_assert(pp_opt_view<DA, 1>, "dA_log must be a rank-1 host tensor_view [HV] or nullptr");
+  static_assert(pp_opt_view<DB, 2>, "ddt_bias must be a rank-2 host tensor_view [HV, K] or nullptr");
+  pp_static_checks<DX>();
+  pp_static_checks<DA>();
+  pp_static_checks<DB>();
+  pp_check_gate("dg", x, A_log, dt_bias, dg);
+  if constexpr (Kind == pp_gate::lower_bound) pp_check_lower_bound(lb);
+  index_t const B = x.extent(0), Tn = x.extent(1), HV = x.extent(2), K = x.extent(3);
+  ::k3::detail::check_view("dx", dx);
+  ::k3::detail::check_shape("dx", dx, {B, Tn, HV, K});
+  if constexpr (!pp_is_none<DA>) {
+    static_assert(pp_writable<DA>, "dA_log is an output");
+    ::k3::detail::check_view("dA_log", dA_log);
+    ::k3::detail::check_shape("dA_log", dA_log, {HV});
+  }
+  if constexpr (!pp_is_none<DB>) {
+    static_assert(pp_writable<DB>, "ddt_bias is an output");
+    ::k3::detail::check_view("ddt_bias", ddt_bias);
+    ::k3::detail::check_shape("ddt_bias", ddt_bias, {HV, K});
+  }
+  pp_check_no_overlap("dx", dx, "x", x);
+  pp_check_no_overlap("dx", dx, "dg", dg);
+  pp_check_no_overlap("dx", dx, "A_log", A_log);
+  pp_check_no_overlap("dx", dx, "dt_bias", dt_bias);
+  pp_check_no_overlap("dA_log", dA_log, "dx", dx);
+  pp_check_no_overlap("ddt_bias", ddt_bias, "dx", dx);
+  pp_check_no_overlap("dA_log", dA_log, "ddt_bias", ddt_bias);
+  pp_check_no_overlap("dA_log", dA_log, "x", x);
+  pp_check_no_overlap("dA_log", dA_log, "dg", dg);
+  pp_check_no_overlap("ddt_bias", ddt_bias, "x", x);
+  pp_check_no_overlap("ddt_bias", ddt_bias, "dg", dg);
+  using T = pp_compute_t<X, A, Bias, DG, DX, DA, DB>;
+  constexpr bool want_params = !pp_is_none<DA> || !pp_is_none<DB>;
+  std::size_t const width = static_cast<std::size_t>(HV * (K + 1));
+  // Per row (b, t, h): writes dx and adds this row's parameter gradients into acc
+  // (acc[h*K + k] for dt_bias, acc[HV*K + h] for A_log) when acc is not null.
+  auto row = [&](index_t r, double* acc) {
+    index_t const h = r % HV, bt = r / HV, t = bt % Tn, bb = bt / Tn;
+    T a = 1;
+    if constexpr (!pp_is_none<A>) a = std::exp(load_as<T>(A_log(h)));
+    T da = 0;
+    for (index_t k = 0; k < K; ++k) {
+      T u = load_as<T>(x(bb, t, h, k));
+      if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
+      T const gy = load_as<T>(dg(bb, t, h, k));
+      T du;
+      if constexpr (Kind == pp_gate::softplus) {
+        // g = -a softplus(u): dg/du = -a sigmoid(u), dg/dA_log = g.
+        du = -a * ::k3::detail::sigmoid(u) * gy;
+        da += gy * (-a * ::k3::detail::softplus(u));
+      } else {
+        // g = lb sigmoid(z), z = a u: dg/dz = lb s (1 - s), dz/du = a, dz/dA_log = z.
+        T const z = a * u;
+        T const dz = gy * T(lb) * ::k3::detail::sigmoid(z) * ::k3::detail::sigmoid(-z);
+        du = dz * a;
+        da += dz * z;
+      }
+      dx(bb, t, h, k) = store_as<pp_elem_t<DX>>(du);
+      if (acc) acc[h * K + k] += static_cast<double>(du);
+    }
+    if (acc) acc[HV * K + h] += static_cast<double>(da);
+  };
+  if constexpr (want_params) {
+    std::vector<double> const sums = pp_blocked_reduce(b, B * Tn * HV, width, row);
+    if constexpr (!pp_is_none<DB>)
+      for (index_t h = 0; h < HV; ++h)
+        for (index_t k = 0; k < K; ++k) ddt_bias(h, k) = store_as<pp_elem_t<DB>>(sums[static_cast<std::size_t>(h * K + k)]);
+    if constexpr (!pp_is_none<DA>)
+      for (index_t h = 0; h < HV; ++h) dA_log(h) = store_as<pp_elem_t<DA>>(sums[static_cast<std::size_t>(HV * K + h)]);
+  } else {
+    b.for_each(0, B * Tn * HV, [&](index_t r) { row(r, nullptr); });
+  }
+}
+
+}  // namespace detail
+
+// g = -exp(A_log[h]) * softplus(x + dt_bias[h, :]); range (-inf, 0].
+template <HostBackend Bk, TensorView X, class A, class Bias, TensorView G>
+void gate_softplus(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, G const& g) {
+  detail::pp_gate_forward<detail::pp_gate::softplus>(b, x, A_log, dt_bias, 0.0, g);
+}
+
+// dx, and optionally dA_log [HV] (sum over B, T, K) and ddt_bias [HV, K] (sum over B, T).
+template <HostBackend Bk, TensorView X, class A, class Bias, TensorView DG, TensorView DX, class DA = none_t, class DB = none_t>
+void gate_softplus_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, DG const& dg, DX const& dx,
+                            DA const& dA_log = nullptr, DB const& ddt_bias = nullptr) {
+  detail::pp_gate_backward<detail::pp_gate::softplus>(b, x, A_log, dt_bias, 0.0, dg, dx, dA_log, ddt_bias);
+}
+
+// g = lower_bound * sigmoid(exp(A_log[h]) * (x + dt_bias[h, :])); range (lower_bound, 0).
+// lower_bound must lie in [-5, 0) (the chunked kernels' dense diagonal path relies on it).
+template <HostBackend Bk, TensorView X, class A, class Bias, TensorView G>
+void gate_lower_bound(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lower_bound, G const& g) {
+  detail::pp_gate_forward<detail::pp_gate::lower_bound>(b, x, A_log, dt_bias, lower_bound, g);
+}
+
+template <HostBackend Bk, TensorView X, class A, class Bias, TensorView DG, TensorView DX, class DA = none_t, class DB = none_t>
+void gate_lower_bound_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lower_bound, DG const& dg,
+                               DX const& dx, DA const& dA_log = nullptr, DB const& ddt_bias = nullptr) {
+  detail::pp_gate_backward<detail::pp_gate::lower_bound>(b, x, A_log, dt_bias, lower_bound, dg, dx, dA_log, ddt_bias);
+}
+
+}  // namespace k3::kda

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The k3 tool's framework: help and version work; bad invocations give one clear line on
+# stderr and a non-zero exit, never a crash. Usage: cli_errors.sh /path/to/k3
+set -u
+k3=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+expect() {  # expect <exit code> <stderr substring> -- args...
+  local want=$1 needle=$2; shift 3
+  "$k3" "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  if [ "$rc" != "$want" ] || ! grep -qF -- "$needle" "$tmp/err" "$tmp/out"; then
+    echo "FAIL: k3 $* -> rc=$rc (want $want), output:"; cat "$tmp/out" "$tmp/err"; fail=1
+  elif [ "$rc" != 0 ] && [ "$(wc -l <"$tmp/err")" -gt 1 ]; then
+    echo "FAIL: k3 $* printed more than one line on stderr:"; cat "$tmp/err"; fail=1
+  fi
+}
+expect 0 "usage: k3" -- --help
+expect 0 "simd isa" -- version
+expect 2 "unknown op 'frobnicate'" -- frobnicate
+expect 2 "usage: k3" --
+ops=$("$k3" --help | awk '/^ops:/{f=1;next} f{print $1}')
+for op in $ops; do
+  [ "$op" = version ] && continue
+  expect 0 "usage: k3 $op" -- "$op" --help
+  expect 2 "missing --in" -- "$op" --out "$tmp/o"
+  expect 2 "is not a directory" -- "$op" --in "$tmp/nope" --out "$tmp/o"
+  expect 2 "unknown option '--bogus'" -- "$op" --bogus 1
+  mkdir -p "$tmp/empty"
+  expect 1 "missing input" -- "$op" --in "$tmp/empty" --out "$tmp/o"
+  # a malformed .npy for every input name the op could read
+  mkdir -p "$tmp/bad"
+  for n in q k v g beta a b gk sources w gain scores logits bias x codes scales; do printf 'garbage' >"$tmp/bad/$n.npy"; done
+  expect 1 "malformed .npy" -- "$op" --in "$tmp/bad" --out "$tmp/o"
+done
+[ $fail = 0 ] && echo "cli error handling: passed"
+exit $fail

@@ -1,0 +1,458 @@
+// Tests of the row-wise KDA pre-processing ops (k3/kda/preprocess/pointwise.hpp): L2 norm,
+// beta sigmoid and the two gates, forward against plain float64 loops written here, backward
+// against central finite differences in double, serial against threads (bitwise), float and
+// bfloat16 storage against the float64 reference, strided views, and bad input.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "k3/backend/cpu/simd.hpp"
+#include "k3/kda/preprocess.hpp"
+
+using k3::bfloat16;
+using k3::index_t;
+
+namespace {
+
+std::vector<double> randn(std::size_t n, std::uint64_t seed, double scale = 1.0, double shift = 0.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> d(0.0, 1.0);
+  std::vector<double> v(n);
+  for (auto& x : v) x = shift + scale * d(rng);
+  return v;
+}
+
+template <class S>
+std::vector<S> cast(std::vector<double> const& v) {
+  std::vector<S> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = k3::store_as<S>(v[i]);
+  return out;
+}
+
+template <class S>
+std::vector<double> widen(std::vector<S> const& v) {
+  std::vector<double> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = static_cast<double>(k3::load_as<double>(v[i]));
+  return out;
+}
+
+// max_i |a_i - b_i| / (atol + rtol |b_i|) <= 1
+void check_close(std::vector<double> const& got, std::vector<double> const& ref, double rtol, double atol, char const* what) {
+  REQUIRE(got.size() == ref.size());
+  double worst = 0;
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    double const e = std::fabs(got[i] - ref[i]) / (atol + rtol * std::fabs(ref[i]));
+    if (!(e <= worst)) {
+      worst = e;
+      at = i;
+    }
+  }
+  INFO(what << ": worst at " << at << " got " << (got.empty() ? 0.0 : got[at]) << " ref " << (ref.empty() ? 0.0 : ref[at]));
+  CHECK(worst <= 1.0);
+}
+
+// Central differences of loss() with respect to every entry of p, against grad.
+template <class Loss>
+void check_fd(std::vector<double>& p, std::vector<double> const& grad, Loss&& loss, char const* what, double h = 1e-6,
+              double tol = 2e-7) {
+  REQUIRE(p.size() == grad.size());
+  double worst = 0;
+  std::size_t at = 0;
+  double fd_at = 0;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    double const keep = p[i];
+    p[i] = keep + h;
+    double const lp = loss();
+    p[i] = keep - h;
+    double const lm = loss();
+    p[i] = keep;
+    double const fd = (lp - lm) / (2 * h);
+    double const e = std::fabs(fd - grad[i]) / (1.0 + std::fabs(grad[i]));
+    if (!(e <= worst)) {
+      worst = e;
+      at = i;
+      fd_at = fd;
+    }
+  }
+  INFO(what << ": worst at " << at << " fd " << fd_at << " analytic " << grad[at]);
+  CHECK(worst <= tol);
+}
+
+double dot(std::vector<double> const& a, std::vector<double> const& b) {
+  double s = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// ---- float64 references (plain loops, rows of length D) ----
+std::vector<double> ref_l2norm(std::vector<double> const& x, index_t D) {
+  std::vector<double> y(x.size());
+  for (std::size_t r = 0; r * D < x.size(); ++r) {
+    double ss = 0;
+    for (index_t d = 0; d < D; ++d) ss += x[r * D + d] * x[r * D + d];
+    for (index_t d = 0; d < D; ++d) y[r * D + d] = x[r * D + d] / std::sqrt(ss + 1e-6);
+  }
+  return y;
+}
+double ref_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+double ref_softplus(double x) { return x > 30 ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)); }
+
+// g[b,t,h,k] for either gate; A_log / dt_bias empty means absent.
+std::vector<double> ref_gate(bool lower, std::vector<double> const& x, std::vector<double> const& A_log,
+                             std::vector<double> const& dt_bias, double lb, index_t HV, index_t K) {
+  std::vector<double> g(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    index_t const k = static_cast<index_t>(i) % K, h = (static_cast<index_t>(i) / K) % HV;
+    double const a = A_log.empty() ? 1.0 : std::exp(A_log[h]);
+    double const u = x[i] + (dt_bias.empty() ? 0.0 : dt_bias[h * K + k]);
+    g[i] = lower ? lb * ref_sigmoid(a * u) : -a * ref_softplus(u);
+  }
+  return g;
+}
+
+k3::cpu::serial serial;
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("l2norm forward matches the float64 reference", S, double, float, bfloat16) {
+  for (auto [rows, D] : {std::pair<index_t, index_t>{1, 1}, {7, 16}, {33, 60}, {5, 128}, {0, 8}, {3, 0}}) {
+    auto xd = randn(static_cast<std::size_t>(rows * D), 11 + rows, 2.0);
+    if (rows > 2) std::fill(xd.begin(), xd.begin() + D, 0.0);  // an all-zero row: eps keeps it finite (0)
+    auto x = cast<S>(xd);
+    std::vector<S> y(x.size());
+    k3::kda::l2norm(serial, k3::host_view(x.data(), rows, D), k3::host_view(y.data(), rows, D));
+    auto ref = ref_l2norm(widen(x), D);
+    double const tol = std::is_same_v<S, double> ? 1e-14 : std::is_same_v<S, float> ? 1e-6 : 8e-3;
+    check_close(widen(y), ref, tol, 1e-30, "l2norm");
+  }
+}
+
+TEST_CASE("l2norm backward matches finite differences (double)") {
+  index_t const B = 2, T = 3, H = 2, D = 13;
+  std::size_t const n = static_cast<std::size_t>(B * T * H * D);
+  auto x = randn(n, 5, 0.7);
+  auto w = randn(n, 6);
+  std::vector<double> dx(n);
+  k3::kda::l2norm_backward(serial, k3::host_view(x.data(), B, T, H, D), k3::host_view(w.data(), B, T, H, D),
+                           k3::host_view(dx.data(), B, T, H, D));
+  auto loss = [&] { return dot(w, ref_l2norm(x, D)); };
+  check_fd(x, dx, loss, "dx");
+}
+
+TEST_CASE("l2norm on strided views equals the contiguous result") {
+  // q packed inside a wider [T, 3, D] projection buffer: rows of stride 3D.
+  index_t const T = 9, D = 20;
+  auto buf = randn(static_cast<std::size_t>(T * 3 * D), 8);
+  k3::tensor_view<double, 3> all(buf.data(), {T, 3, D});
+  auto q = all.slice(1, 1);  // [T, D], row stride 3D
+  std::vector<double> qc(static_cast<std::size_t>(T * D));
+  for (index_t t = 0; t < T; ++t)
+    for (index_t d = 0; d < D; ++d) qc[static_cast<std::size_t>(t * D + d)] = q(t, d);
+  std::vector<double> y1(qc.size()), y2(qc.size() * 2);
+  k3::kda::l2norm(serial, q, k3::host_view(y1.data(), T, D));
+  // the output strided too: every other element
+  k3::tensor_view<double, 2> ys(y2.data(), {T, D}, {2 * D, 2});
+  k3::kda::l2norm(serial, q, ys);
+  for (index_t t = 0; t < T; ++t)
+    for (index_t d = 0; d < D; ++d) REQUIRE(ys(t, d) == y1[static_cast<std::size_t>(t * D + d)]);
+  check_close(y1, ref_l2norm(qc, D), 1e-14, 1e-30, "strided");
+  std::vector<double> dy = randn(qc.size(), 9), dx1(qc.size()), dx2(qc.size());
+  k3::kda::l2norm_backward(serial, q, k3::host_view(dy.data(), T, D), k3::host_view(dx1.data(), T, D));
+  k3::kda::l2norm_backward(serial, k3::host_view(qc.data(), T, D), k3::host_view(dy.data(), T, D), k3::host_view(dx2.data(), T, D));
+  CHECK(dx1 == dx2);
+}
+
+TEST_CASE_TEMPLATE("beta sigmoid forward and backward", S, double, float, bfloat16) {
+  for (bool neg : {false, true}) {
+    index_t const B = 2, T = 37, HV = 6;
+    std::size_t const n = static_cast<std::size_t>(B * T * HV);
+    auto xd = randn(n, 21, 4.0);
+    xd[0] = 80.0;  // saturated ends stay finite
+    xd[1] = -80.0;
+    auto x = cast<S>(xd);
+    std::vector<S> beta(n);
+    k3::kda::beta_sigmoid(serial, k3::host_view(x.data(), B, T, HV), k3::host_view(beta.data(), B, T, HV), neg);
+    std::vector<double> ref(n);
+    auto xw = widen(x);
+    for (std::size_t i = 0; i < n; ++i) ref[i] = (neg ? 2.0 : 1.0) * ref_sigmoid(xw[i]);
+    double const tol = std::is_same_v<S, double> ? 1e-15 : std::is_same_v<S, float> ? 1e-6 : 8e-3;
+    check_close(widen(beta), ref, tol, std::is_same_v<S, double> ? 1e-300 : 1e-37, "beta");
+    for (auto b : widen(beta)) CHECK((b >= 0.0 && b <= (neg ? 2.0 : 1.0)));
+
+    auto dyd = randn(n, 22);
+    auto dy = cast<S>(dyd);
+    std::vector<S> dx(n);
+    k3::kda::beta_sigmoid_backward(serial, k3::host_view(x.data(), B, T, HV), k3::host_view(dy.data(), B, T, HV),
+                                   k3::host_view(dx.data(), B, T, HV), neg);
+    std::vector<double> dref(n);
+    auto dyw = widen(dy);
+    for (std::size_t i = 0; i < n; ++i) {
+      double const e = std::exp(-std::fabs(xw[i]));  // sigmoid'(x) = e^-|x| / (1 + e^-|x|)^2
+      dref[i] = dyw[i] * (neg ? 2.0 : 1.0) * e / ((1 + e) * (1 + e));
+    }
+    check_close(widen(dx), dref, tol, 1e-30, "dbeta_raw");
+  }
+}
+
+TEST_CASE("beta sigmoid backward matches finite differences (double)") {
+  for (bool neg : {false, true}) {
+    index_t const n = 40;
+    auto x = randn(n, 31, 3.0);
+    auto w = randn(n, 32);
+    std::vector<double> dx(n);
+    k3::kda::beta_sigmoid_backward(serial, k3::host_view(x.data(), n), k3::host_view(w.data(), n), k3::host_view(dx.data(), n), neg);
+    auto loss = [&] {
+      double s = 0;
+      for (index_t i = 0; i < n; ++i) s += w[i] * (neg ? 2.0 : 1.0) * ref_sigmoid(x[i]);
+      return s;
+    };
+    check_fd(x, dx, loss, "dx");
+  }
+}
+
+// ---- gates -----------------------------------------------------------------------------
+
+namespace {
+
+struct gate_case {
+  bool lower;
+  bool with_A;
+  bool with_bias;
+  double lb;
+};
+
+// Runs the forward of one gate kind on double/float/bfloat16 storage for x and g with
+// float parameters, against the float64 reference.
+template <class S>
+void gate_forward_case(gate_case gc) {
+  index_t const B = 2, T = 11, HV = 3, K = 20;
+  std::size_t const n = static_cast<std::size_t>(B * T * HV * K);
+  auto xd = randn(n, 41, 3.0);
+  xd[0] = 60.0;
+  xd[1] = -60.0;
+  auto x = cast<S>(xd);
+  auto A = cast<float>(randn(HV, 42, 0.8));
+  auto bias = cast<float>(randn(static_cast<std::size_t>(HV * K), 43, 0.5));
+  std::vector<S> g(n);
+  auto xv = k3::host_view(x.data(), B, T, HV, K);
+  auto gv = k3::host_view(g.data(), B, T, HV, K);
+  auto Av = k3::host_view(A.data(), HV);
+  auto bv = k3::host_view(bias.data(), HV, K);
+  auto run = [&](auto const& Aarg, auto const& barg) {
+    if (gc.lower)
+      k3::kda::gate_lower_bound(serial, xv, Aarg, barg, gc.lb, gv);
+    else
+      k3::kda::gate_softplus(serial, xv, Aarg, barg, gv);
+  };
+  if (gc.with_A && gc.with_bias) run(Av, bv);
+  if (gc.with_A && !gc.with_bias) run(Av, nullptr);
+  if (!gc.with_A && gc.with_bias) run(nullptr, bv);
+  if (!gc.with_A && !gc.with_bias) run(nullptr, nullptr);
+  auto ref = ref_gate(gc.lower, widen(x), gc.with_A ? widen(A) : std::vector<double>{},
+                      gc.with_bias ? widen(bias) : std::vector<double>{}, gc.lb, HV, K);
+  // double math on float parameters is exact; float math: a few ulps of exp/log1p.
+  double const tol = std::is_same_v<S, double> ? 1e-14 : std::is_same_v<S, float> ? 3e-6 : 8e-3;
+  double const atol = std::is_same_v<S, double> ? 1e-300 : 1e-37;  // below that float flushes towards 0
+  check_close(widen(g), ref, tol, atol, gc.lower ? "lower-bound gate" : "softplus gate");
+  // lb as the math sees it: exact in double, rounded to float (then to storage) otherwise
+  double const lb_seen = std::is_same_v<S, double> ? gc.lb : k3::load_as<double>(k3::store_as<S>(static_cast<float>(gc.lb)));
+  for (auto v : widen(g)) {
+    CHECK(v <= 0.0);
+    if (gc.lower) CHECK(v >= lb_seen);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("gates forward match the float64 reference", S, double, float, bfloat16) {
+  for (bool lower : {false, true})
+    for (bool A : {false, true})
+      for (bool b : {false, true})
+        for (double lb : {-5.0, -1.0, -0.001}) {
+          if (!lower && lb != -5.0) continue;
+          CAPTURE(lower);
+          CAPTURE(A);
+          CAPTURE(b);
+          CAPTURE(lb);
+          gate_forward_case<S>({lower, A, b, lb});
+        }
+}
+
+TEST_CASE("gate backwards match finite differences in x, A_log and dt_bias (double)") {
+  index_t const B = 2, T = 5, HV = 3, K = 7;
+  std::size_t const n = static_cast<std::size_t>(B * T * HV * K);
+  for (bool lower : {false, true}) {
+    CAPTURE(lower);
+    double const lb = -5.0;
+    auto x = randn(n, 51, 2.0);
+    auto A = randn(HV, 52, 0.5);
+    auto bias = randn(static_cast<std::size_t>(HV * K), 53, 0.5);
+    auto w = randn(n, 54);
+    std::vector<double> dx(n), dA(HV), db(static_cast<std::size_t>(HV * K));
+    auto xv = k3::host_view(x.data(), B, T, HV, K);
+    auto wv = k3::host_view(w.data(), B, T, HV, K);
+    auto dxv = k3::host_view(dx.data(), B, T, HV, K);
+    if (lower)
+      k3::kda::gate_lower_bound_backward(serial, xv, k3::host_view(A.data(), HV), k3::host_view(bias.data(), HV, K), lb, wv, dxv,
+                                         k3::host_view(dA.data(), HV), k3::host_view(db.data(), HV, K));
+    else
+      k3::kda::gate_softplus_backward(serial, xv, k3::host_view(A.data(), HV), k3::host_view(bias.data(), HV, K), wv, dxv,
+                                      k3::host_view(dA.data(), HV), k3::host_view(db.data(), HV, K));
+    auto loss = [&] { return dot(w, ref_gate(lower, x, A, bias, lb, HV, K)); };
+    check_fd(x, dx, loss, "dx");
+    check_fd(A, dA, loss, "dA_log");
+    check_fd(bias, db, loss, "ddt_bias");
+
+    // Without parameters: gradients at A_log = 0, dt_bias = 0.
+    std::vector<double> dx0(n), dA0(HV), db0(static_cast<std::size_t>(HV * K));
+    if (lower)
+      k3::kda::gate_lower_bound_backward(serial, xv, nullptr, nullptr, lb, wv, k3::host_view(dx0.data(), B, T, HV, K),
+                                         k3::host_view(dA0.data(), HV), k3::host_view(db0.data(), HV, K));
+    else
+      k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, wv, k3::host_view(dx0.data(), B, T, HV, K),
+                                      k3::host_view(dA0.data(), HV), k3::host_view(db0.data(), HV, K));
+    std::vector<double> A0(HV, 0.0), b0(static_cast<std::size_t>(HV * K), 0.0);
+    auto loss0 = [&] { return dot(w, ref_gate(lower, x, A0, b0, lb, HV, K)); };
+    check_fd(x, dx0, loss0, "dx (no params)");
+    check_fd(A0, dA0, loss0, "dA_log at 0");
+    check_fd(b0, db0, loss0, "ddt_bias at 0");
+  }
+}
+
+TEST_CASE("gate backward in float and bfloat16 storage against double") {
+  index_t const B = 1, T = 300, HV = 2, K = 16;  // > one reduction block of rows
+  std::size_t const n = static_cast<std::size_t>(B * T * HV * K);
+  auto xd = randn(n, 61, 2.0);
+  auto Ad = randn(HV, 62, 0.5);
+  auto bd = randn(static_cast<std::size_t>(HV * K), 63, 0.5);
+  auto wd = randn(n, 64);
+  for (bool lower : {false, true}) {
+    auto x = cast<bfloat16>(xd);
+    auto w = cast<bfloat16>(wd);
+    auto xw = widen(x), ww = widen(w);
+    auto Af = cast<float>(Ad), bf = cast<float>(bd);
+    auto Aw = widen(Af), bw = widen(bf);
+    // reference: double math on the same (bf16 / fp32 rounded) inputs
+    std::vector<double> dxr(n), dAr(HV), dbr(static_cast<std::size_t>(HV * K));
+    if (lower)
+      k3::kda::gate_lower_bound_backward(serial, k3::host_view(xw.data(), B, T, HV, K), k3::host_view(Aw.data(), HV),
+                                         k3::host_view(bw.data(), HV, K), -5.0, k3::host_view(ww.data(), B, T, HV, K),
+                                         k3::host_view(dxr.data(), B, T, HV, K), k3::host_view(dAr.data(), HV),
+                                         k3::host_view(dbr.data(), HV, K));
+    else
+      k3::kda::gate_softplus_backward(serial, k3::host_view(xw.data(), B, T, HV, K), k3::host_view(Aw.data(), HV),
+                                      k3::host_view(bw.data(), HV, K), k3::host_view(ww.data(), B, T, HV, K),
+                                      k3::host_view(dxr.data(), B, T, HV, K), k3::host_view(dAr.data(), HV),
+                                      k3::host_view(dbr.data(), HV, K));
+    std::vector<bfloat16> dxb(n);
+    std::vector<float> dAf(HV), dbf(static_cast<std::size_t>(HV * K));
+    if (lower)
+      k3::kda::gate_lower_bound_backward(serial, k3::host_view(x.data(), B, T, HV, K), k3::host_view(Af.data(), HV),
+                                         k3::host_view(bf.data(), HV, K), -5.0, k3::host_view(w.data(), B, T, HV, K),
+                                         k3::host_view(dxb.data(), B, T, HV, K), k3::host_view(dAf.data(), HV),
+                                         k3::host_view(dbf.data(), HV, K));
+    else
+      k3::kda::gate_softplus_backward(serial, k3::host_view(x.data(), B, T, HV, K), k3::host_view(Af.data(), HV),
+                                      k3::host_view(bf.data(), HV, K), k3::host_view(w.data(), B, T, HV, K),
+                                      k3::host_view(dxb.data(), B, T, HV, K), k3::host_view(dAf.data(), HV),
+                                      k3::host_view(dbf.data(), HV, K));
+    check_close(widen(dxb), dxr, 8e-3, 1e-30, "dx bf16");
+    // parameter grads are sums over tokens accumulated in double from fp32 terms
+    check_close(widen(dAf), dAr, 1e-5, 1e-6, "dA_log fp32 from bf16 storage");
+    check_close(widen(dbf), dbr, 1e-5, 1e-6, "ddt_bias fp32 from bf16 storage");
+  }
+}
+
+TEST_CASE("serial and threads give bitwise the same results, gradients included") {
+  k3::cpu::threads<> th(3);
+  index_t const B = 2, T = 333, HV = 4, K = 24;
+  std::size_t const n = static_cast<std::size_t>(B * T * HV * K);
+  auto x = cast<float>(randn(n, 71, 2.0));
+  auto w = cast<float>(randn(n, 72));
+  auto A = cast<float>(randn(HV, 73, 0.5));
+  auto bias = cast<float>(randn(static_cast<std::size_t>(HV * K), 74, 0.5));
+  auto xv = k3::host_view(x.data(), B, T, HV, K);
+  auto wv = k3::host_view(w.data(), B, T, HV, K);
+  auto Av = k3::host_view(A.data(), HV);
+  auto bv = k3::host_view(bias.data(), HV, K);
+  auto both = [&](auto&& f) {
+    std::vector<float> o1(n), o2(n), a1(HV), a2(HV), b1(bias.size()), b2(bias.size());
+    f(serial, o1, a1, b1);
+    f(th, o2, a2, b2);
+    CHECK(o1 == o2);
+    CHECK(a1 == a2);
+    CHECK(b1 == b2);
+  };
+  both([&](auto const& bk, auto& o, auto&, auto&) { k3::kda::l2norm(bk, xv, k3::host_view(o.data(), B, T, HV, K)); });
+  both([&](auto const& bk, auto& o, auto&, auto&) { k3::kda::l2norm_backward(bk, xv, wv, k3::host_view(o.data(), B, T, HV, K)); });
+  both([&](auto const& bk, auto& o, auto&, auto&) { k3::kda::beta_sigmoid(bk, xv, k3::host_view(o.data(), B, T, HV, K), true); });
+  both([&](auto const& bk, auto& o, auto&, auto&) { k3::kda::gate_softplus(bk, xv, Av, bv, k3::host_view(o.data(), B, T, HV, K)); });
+  both([&](auto const& bk, auto& o, auto& a, auto& b) {
+    k3::kda::gate_softplus_backward(bk, xv, Av, bv, wv, k3::host_view(o.data(), B, T, HV, K), k3::host_view(a.data(), HV),
+                                    k3::host_view(b.data(), HV, K));
+  });
+  both([&](auto const& bk, auto& o, auto& a, auto& b) {
+    k3::kda::gate_lower_bound_backward(bk, xv, Av, bv, -3.0, wv, k3::host_view(o.data(), B, T, HV, K), k3::host_view(a.data(), HV),
+                                       k3::host_view(b.data(), HV, K));
+  });
+}
+
+TEST_CASE("a NaN stays in its element or row") {
+  index_t const R = 4, D = 8;
+  std::vector<double> x = randn(R * D, 81), y(R * D), g(R * D);
+  x[static_cast<std::size_t>(1 * D + 3)] = std::numeric_limits<double>::quiet_NaN();
+  k3::kda::l2norm(serial, k3::host_view(x.data(), R, D), k3::host_view(y.data(), R, D));
+  for (index_t r = 0; r < R; ++r)
+    for (index_t d = 0; d < D; ++d) CHECK(std::isnan(y[static_cast<std::size_t>(r * D + d)]) == (r == 1));
+  k3::kda::gate_softplus(serial, k3::host_view(x.data(), 1, R, 1, D), nullptr, nullptr, k3::host_view(g.data(), 1, R, 1, D));
+  for (std::size_t i = 0; i < g.size(); ++i) CHECK(std::isnan(g[i]) == (i == static_cast<std::size_t>(D + 3)));
+}
+
+TEST_CASE("bad input names the argument") {
+  std::vector<float> x(2 * 3 * 4 * 5), g(2 * 3 * 4 * 5), A(4), bias(20), big(200);
+  auto xv = k3::host_view(x.data(), 2, 3, 4, 5);
+  auto gv = k3::host_view(g.data(), 2, 3, 4, 5);
+  auto msg = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (k3::error const& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  auto has = [](std::string const& m, char const* s) {
+    INFO(m);
+    CHECK(m.find(s) != std::string::npos);
+  };
+  has(msg([&] { k3::kda::l2norm(serial, xv, k3::host_view(g.data(), 2, 3, 5, 4)); }), "'y'");
+  has(msg([&] { k3::kda::l2norm(serial, xv, xv); }), "overlap");
+  has(msg([&] { k3::kda::l2norm_backward(serial, xv, k3::host_view(big.data(), 2, 3, 4, 6), gv); }), "'dy'");
+  has(msg([&] { k3::kda::beta_sigmoid(serial, k3::host_view(x.data(), 6, 4), k3::host_view(g.data(), 4, 6)); }), "'beta'");
+  has(msg([&] { k3::kda::gate_softplus(serial, xv, k3::host_view(A.data(), 3), nullptr, gv); }), "'A_log'");
+  has(msg([&] { k3::kda::gate_softplus(serial, xv, nullptr, k3::host_view(bias.data(), 5, 4), gv); }), "'dt_bias'");
+  has(msg([&] { k3::kda::gate_softplus(serial, xv, nullptr, nullptr, k3::host_view(g.data(), 2, 3, 4, 4)); }), "'g'");
+  for (double lb : {0.0, 0.5, -5.0001, -100.0, std::numeric_limits<double>::quiet_NaN()}) {
+    CAPTURE(lb);
+    has(msg([&] { k3::kda::gate_lower_bound(serial, xv, nullptr, nullptr, lb, gv); }), "'lower_bound'");
+    has(msg([&] { k3::kda::gate_lower_bound_backward(serial, xv, nullptr, nullptr, lb, xv, gv); }), "'lower_bound'");
+  }
+  CHECK_NOTHROW(k3::kda::gate_lower_bound(serial, xv, nullptr, nullptr, -5.0, gv));
+  has(msg([&] {
+        k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, xv, gv, k3::host_view(A.data(), 2));
+      }),
+      "'dA_log'");
+  has(msg([&] {
+        k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, xv, gv, nullptr, k3::host_view(bias.data(), 4, 4));
+      }),
+      "'ddt_bias'");
+  has(msg([&] { k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, k3::host_view(big.data(), 2, 3, 4, 6), gv); }), "'dg'");
+  has(msg([&] { k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, gv, xv); }), "overlap");
+}
