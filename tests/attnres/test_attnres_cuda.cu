@@ -52,10 +52,10 @@ TEST_CASE("mix forward and backward on the GPU match the CPU backend") {
   for (auto [n, T, d] : {std::tuple<i64, i64, i64>{1, 3, 5}, {8, 17, 257}, {20, 5, 7168}}) {
     CAPTURE(n);
     CAPTURE(d);
-    auto bank = randn(std::size_t(n * T * d), 1), part = randn(std::size_t(T * d), 2, 2.f), w = randn(std::size_t(d), 3, 0.05f),
-         g = randn(std::size_t(d), 4, 0.2f), dh = randn(std::size_t(T * d), 5);
+    auto bank = randn(static_cast<std::size_t>(n * T * d), 1), part = randn(static_cast<std::size_t>(T * d), 2, 2.f), w = randn(static_cast<std::size_t>(d), 3, 0.05f),
+         g = randn(static_cast<std::size_t>(d), 4, 0.2f), dh = randn(static_cast<std::size_t>(T * d), 5);
     for (auto& x : g) x += 1;
-    std::vector<float> h(std::size_t(T * d)), db(bank.size()), dp(part.size()), dw(std::size_t(d)), dg(std::size_t(d)), u(std::size_t(d));
+    std::vector<float> h(static_cast<std::size_t>(T * d)), db(bank.size()), dp(part.size()), dw(static_cast<std::size_t>(d)), dg(static_cast<std::size_t>(d)), u(static_cast<std::size_t>(d));
     attnres_cuda_ref::mix_forward(bank.data(), n, part.data(), T, d, w.data(), g.data(), 1e-5f, h.data());
     attnres_cuda_ref::mix_backward(bank.data(), n, part.data(), T, d, w.data(), g.data(), 1e-5f, dh.data(), db.data(), dp.data(), dw.data(),
                                    dg.data());
@@ -74,9 +74,9 @@ TEST_CASE("mix forward and backward on the GPU match the CPU backend") {
 
 TEST_CASE("phase 1 and the fused phase 2 on the GPU match the CPU backend") {
   i64 const n = 8, nq = 24, T = 33, d = 7168;
-  auto bank = randn(std::size_t(n * T * d), 11), u = randn(std::size_t(nq * d), 12, 0.05f), pre = randn(std::size_t(T * d), 13, 2.f),
-       delta = randn(std::size_t(T * d), 14);
-  std::vector<float> rinv(std::size_t(n * T)), o(std::size_t(nq * T * d)), lse(std::size_t(nq * T)), h(std::size_t(T * d)), pre_c = pre;
+  auto bank = randn(static_cast<std::size_t>(n * T * d), 11), u = randn(static_cast<std::size_t>(nq * d), 12, 0.05f), pre = randn(static_cast<std::size_t>(T * d), 13, 2.f),
+       delta = randn(static_cast<std::size_t>(T * d), 14);
+  std::vector<float> rinv(static_cast<std::size_t>(n * T)), o(static_cast<std::size_t>(nq * T * d)), lse(static_cast<std::size_t>(nq * T)), h(static_cast<std::size_t>(T * d)), pre_c = pre;
   attnres_cuda_ref::phase1(bank.data(), n, T, d, u.data(), nq, 1e-5f, rinv.data(), o.data(), lse.data());
   attnres_cuda_ref::phase2_add(o.data() + 5 * T * d, lse.data() + 5 * T, pre_c.data(), delta.data(), u.data() + 5 * d, T, d, 1e-5f, h.data());
   dev<float> Bk(bank), U(u), R(rinv.size()), O(o.size()), L(lse.size()), P(pre), D(delta), H(h.size());
@@ -90,7 +90,7 @@ TEST_CASE("phase 1 and the fused phase 2 on the GPU match the CPU backend") {
   CHECK(rel(P.get(), pre_c) == 0);
   CHECK(rel(H.get(), h) <= 2e-5);
   // bfloat16 storage: the same merge from rounded inputs, within bfloat16 rounding
-  std::vector<k3::bfloat16> ob(std::size_t(T * d)), pb(pre.size()), dbf(delta.size());
+  std::vector<k3::bfloat16> ob(static_cast<std::size_t>(T * d)), pb(pre.size()), dbf(delta.size());
   for (std::size_t i = 0; i < ob.size(); ++i) ob[i] = k3::bfloat16(o[5 * T * d + i]);
   for (std::size_t i = 0; i < pb.size(); ++i) {
     pb[i] = k3::bfloat16(pre[i]);
