@@ -230,6 +230,32 @@ TEST_CASE("two-phase inference equals the one-pass mix (float and double storage
   }
 }
 
+TEST_CASE("two-phase add_input (fused residual add + merge) equals add then input, bit for bit") {
+  index_t const L = 13, S = 4, d = 20, T = 3;
+  toy::model m(L, d, 44);
+  params p(L, d, 45, 3.0);
+  attnres_ref::rng r(46);
+  auto emb = toy::to<k3::bfloat16>(r.normals<double>(std::size_t(T * d)));
+  driver<k3::bfloat16, k3::cpu::threads<>> a(p, cfg(d, T, L, S, ar::mode::two_phase), k3::cpu::threads<>(2));
+  driver<k3::bfloat16, k3::cpu::threads<>> b(p, cfg(d, T, L, S, ar::mode::two_phase), k3::cpu::threads<>(2));
+  a.a.begin(k3::host_view(emb.data(), T, d));
+  b.a.begin(k3::host_view(emb.data(), T, d));
+  std::vector<k3::bfloat16> xa(std::size_t(T * d)), xb(xa.size()), ys;
+  std::vector<double> y;
+  a.a.input(k3::host_view(xa.data(), T, d));
+  b.a.input(k3::host_view(xb.data(), T, d));
+  for (index_t l = 0; l < L; ++l) {
+    m.forward(l, toy::from(xa.data(), xa.size()), y, T);
+    ys = toy::to<k3::bfloat16>(y);
+    a.a.add_input(k3::host_view(ys.data(), T, d), k3::host_view(xa.data(), T, d));
+    b.a.add(k3::host_view(ys.data(), T, d));
+    if (l + 1 == L) b.a.output(k3::host_view(xb.data(), T, d));
+    else b.a.input(k3::host_view(xb.data(), T, d));
+    CAPTURE(l);
+    CHECK(toy::from(xa.data(), xa.size()) == toy::from(xb.data(), xb.size()));
+  }
+}
+
 TEST_CASE("zero-initialised queries reproduce the PreNorm baseline up to scale") {
   index_t const L = 20, d = 12, T = 3;
   toy::model m(L, d, 70);  // every sublayer starts with a parameter-free RMSNorm (eps = 0)

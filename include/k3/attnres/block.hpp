@@ -7,6 +7,8 @@
 //     for (l = 0; l < L; ++l) { ar.input(x); y = sublayer_l(x); ar.add(y); }
 //     ar.output(out);                             // the output-head mix, before the final norm
 //
+// (add_input(y, x) = add(y) then input(x); fused into one pass in two-phase mode.)
+//
 // Sites are numbered 0..L (site L is the output head); every attention and every MLP/MoE is
 // one sublayer. At a site with l % S == 0 (S = block size in sublayers) the running sum is
 // closed and pushed to the bank first (at l = 0 that pushes the embedding, b_0); the site then
@@ -218,6 +220,30 @@ class block_attn_res {
     prefix_empty_ = false;
     awaiting_add_ = false;
     ++l_;
+  }
+
+  // add(y) followed by input(x). In two-phase mode, inside a block, this is one fused pass
+  // (phase2_add: the residual add and the merge read the running sum once).
+  template <class Y, class X>
+  void add_input(tensor_view<Y, 2> y, tensor_view<X, 2> x) {
+    index_t const next = l_ + 1;
+    bool const fusable = cfg_.run_mode == mode::two_phase && awaiting_add_ && !prefix_empty_ && next <= cfg_.sublayers &&
+                         cfg_.partial_at(next);
+    if (!fusable) {
+      add(y);
+      input(x);
+      return;
+    }
+    detail::check_view("y", y);
+    detail::check_shape("y", y, {T_, cfg_.d});
+    detail::check_view("x", x);
+    detail::check_shape("x", x, {T_, cfg_.d});
+    index_t const i = next - block_start_;
+    phase2_add(b_, tensor_view<C const, 2>(o_.view().slice(0, i).sub(0, 0, T_)), tensor_view<C const, 1>(lse_.view().slice(0, i).sub(0, 0, T_)),
+               cur_prefix(), y, tensor_view<C const, 1>(u_.view().slice(0, i)), x, cfg_.eps);
+    l_ = next;
+    if (l_ == cfg_.sublayers) output_done_ = true;
+    awaiting_add_ = l_ < cfg_.sublayers;
   }
 
   // ---- backward (training modes) ----------------------------------------------------------
