@@ -9,6 +9,10 @@
 #include "attnres/cuda_ref.hpp"
 #include "k3/attnres/cuda.cuh"
 
+// What a program does once so that its .cpp files can call the launchers of cuda.hpp.
+K3_ATTNRES_CUDA_INSTANTIATE(float)
+K3_ATTNRES_CUDA_INSTANTIATE(k3::bfloat16)
+
 namespace ka = k3::cuda::attnres;
 using i64 = std::int64_t;
 
