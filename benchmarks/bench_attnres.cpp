@@ -1,0 +1,116 @@
+// Block AttnRes two-phase inference at Kimi K3's shape: d = 7168, a block of S = 24 sites
+// (12 decoder layers) against N = 8 completed blocks (the embedding + 7 blocks: K3's largest
+// bank), T = 4096 tokens, bfloat16 storage (and bfloat16 phase-1 outputs), all threads.
+//
+// Figures, each a median over interleaved repetitions:
+//  * two-phase block forward: phase 1 for the 24 sites + 24 phase-2 steps, each fused with the
+//    sublayer's residual add (site 0: h = o_0). Bytes counted as the paper's Table 1 does:
+//    per token per site reads (N/S + 3) d and writes 2 d elements. The rate in GB/s is set
+//    against the same-run in-place pass yardstick (bytes read + written, all threads).
+//    Bar: >= 50% of the yardstick. The bytes actually moved (phase 1 also writes the 24
+//    o_l rows, which Table 1 does not count) are printed too.
+//  * overhead of the whole block over 24 plain residual adds (prefix += delta), same threads.
+//
+// Usage: bench_attnres [tokens] [repetitions]   (defaults 4096, 5)
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "common/bench.hpp"
+#include "k3/attnres.hpp"
+
+namespace ar = k3::attnres;
+using k3::bfloat16;
+using k3::index_t;
+
+int main(int argc, char** argv) {
+  using namespace k3::bench;
+  index_t const T = argc > 1 ? std::atoll(argv[1]) : 4096;
+  int const reps = argc > 2 ? std::atoi(argv[2]) : 5;
+  index_t const d = 7168, N = 8, S = 24;
+  print_header("attnres: Block AttnRes two-phase forward, K3 shape (d = 7168, N = 8 blocks, S = 24 sites, bfloat16)");
+  int const nt = hardware_threads();
+  std::printf("tokens %lld, threads %d, repetitions %d\n", (long long)T, nt, reps);
+
+  k3::cpu::threads<> b(nt);
+  using S_t = bfloat16;
+  k3::tensor<S_t, 3> bank({N, T, d});
+  k3::tensor<float, 2> rinv({N, T});
+  k3::tensor<float, 2> u({S, d});
+  k3::tensor<S_t, 3> o({S, T, d});
+  k3::tensor<float, 2> lse({S, T});
+  k3::tensor<S_t, 2> prefix({T, d}), delta({T, d}), h({T, d});
+  // deterministic pseudo-random contents (a cheap LCG; values of the size a residual has)
+  auto fill = [&](S_t* p, index_t n, std::uint64_t seed, float scale) {
+    b.for_each_task(nt, [&](index_t task) {
+      std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + std::uint64_t(task) * 0xBF58476D1CE4E5B9ull + 1;
+      index_t lo = n * task / nt, hi = n * (task + 1) / nt;
+      for (index_t i = lo; i < hi; ++i) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        p[i] = bfloat16(scale * (float((x >> 40) & 0xffffff) / 16777216.0f - 0.5f));
+      }
+    });
+  };
+  for (index_t j = 0; j < N; ++j) fill(bank.data() + j * T * d, T * d, 10 + std::uint64_t(j), 1.0f + float(j));
+  fill(prefix.data(), T * d, 1, 2.0f);
+  fill(delta.data(), T * d, 2, 0.5f);
+  for (index_t i = 0; i < S * d; ++i) u.data()[i] = 0.02f * float((i * 37) % 101 - 50) / 50.0f;
+  for (index_t j = 0; j < N; ++j)
+    ar::block_rinv(b, k3::tensor_view<S_t const, 2>(bank.view().slice(0, j)), rinv.view().slice(0, j));
+
+  auto phase1_only = [&] {
+    ar::phase1(b, k3::tensor_view<S_t const, 3>(bank.view()), k3::tensor_view<float const, 2>(rinv.view()),
+               k3::tensor_view<float const, 2>(u.view()), o.view(), lse.view());
+  };
+  auto two_phase_block = [&] {
+    ar::phase1(b, k3::tensor_view<S_t const, 3>(bank.view()), k3::tensor_view<float const, 2>(rinv.view()),
+               k3::tensor_view<float const, 2>(u.view()), o.view(), lse.view());
+    // site 0 of the block sees the completed blocks only
+    ar::phase2(b, k3::tensor_view<S_t const, 2>(o.view().slice(0, 0)), k3::tensor_view<float const, 1>(lse.view().slice(0, 0)),
+               k3::tensor_view<S_t const, 2>(prefix.view()), false, k3::tensor_view<float const, 1>(u.view().slice(0, 0)), h.view());
+    for (index_t i = 1; i < S; ++i)
+      ar::phase2_add(b, k3::tensor_view<S_t const, 2>(o.view().slice(0, i)), k3::tensor_view<float const, 1>(lse.view().slice(0, i)),
+                     prefix.view(), k3::tensor_view<S_t const, 2>(delta.view()), k3::tensor_view<float const, 1>(u.view().slice(0, i)),
+                     h.view());
+  };
+  auto residual_block = [&] {
+    for (index_t i = 0; i < S; ++i)
+      b.for_each_task(nt, [&](index_t task) {
+        index_t lo = T * d * task / nt, hi = T * d * (task + 1) / nt;
+        S_t* K3_RESTRICT p = prefix.data();
+        S_t const* K3_RESTRICT q = delta.data();
+        for (index_t k = lo; k < hi; ++k) p[k] = bfloat16(float(p[k]) + float(q[k]));
+      });
+  };
+
+  inplace_pass_yardstick pass(nt);
+  std::vector<double> t2, tr, yard, t1;
+  two_phase_block();  // warm-up (page faults)
+  residual_block();
+  for (int r = 0; r < reps; ++r) {
+    yard.push_back(pass.gbps());
+    t2.push_back(seconds(two_phase_block));
+    tr.push_back(seconds(residual_block));
+    t1.push_back(seconds(phase1_only));
+  }
+  double const e = sizeof(S_t);
+  double const table1 = double(S) * double(T) * ((double(N) / double(S) + 3.0) * double(d) + 2.0 * double(d)) * e;
+  double const actual = (double(N) * T * d + double(S) * T * d) * e     // phase 1: read the bank, write o_l
+                        + 2.0 * T * d * e                                // site 0: read o_0, write h
+                        + double(S - 1) * 5.0 * T * d * e;               // sites 1..S-1: read o, prefix, delta; write prefix, h
+  double const residual_bytes = double(S) * 3.0 * T * d * e;
+  double const ty = median(yard), tt = median(t2), trr = median(tr);
+  double const gb_table1 = table1 / tt * 1e-9, gb_actual = actual / tt * 1e-9;
+  double const ratio = gb_table1 / ty;
+  std::printf("in-place pass yardstick (%zu MiB, %d threads): median %.2f GB/s\n", pass.bytes() >> 20, nt, ty);
+  std::printf("two-phase block forward (24 sites): median %.4f s\n", tt);
+  std::printf("  of which phase 1 (24 sites x 8 blocks): median %.4f s\n", median(t1));
+  std::printf("  Table-1 bytes %.3f GB -> %.2f GB/s = %.1f%% of the in-place pass (bar >= 50%%): %s\n", table1 * 1e-9, gb_table1,
+              100 * ratio, ratio >= 0.5 ? "PASS" : "FAIL");
+  std::printf("  bytes actually moved %.3f GB -> %.2f GB/s = %.1f%% of the in-place pass\n", actual * 1e-9, gb_actual, 100 * gb_actual / ty);
+  std::printf("plain residual adds (24 x prefix += delta): median %.4f s, %.2f GB/s = %.1f%% of the in-place pass\n", trr,
+              residual_bytes / trr * 1e-9, 100 * residual_bytes / trr * 1e-9 / ty);
+  std::printf("overhead of the two-phase block over the plain residual adds: %.2fx the time (+%.0f%%); Table 1 predicts (N/S+5)/3 = %.2fx\n",
+              tt / trr, 100 * (tt / trr - 1), (double(N) / S + 5) / 3);
+  return 0;
+}

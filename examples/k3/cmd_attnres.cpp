@@ -1,0 +1,92 @@
+// k3 attnres — one AttnRes mixing site over .npy files (forward, optionally backward).
+//   in:  sources.npy [n, T, d] (float32, float64 or bfloat16), w.npy [d], gain.npy [d],
+//        optional partial.npy [T, d] (same dtype as sources), dh.npy [T, d] with --backward
+//   out: h.npy [T, d] (the sources' dtype); with --backward also dsources.npy [n, T, d],
+//        dw.npy [d], dgain.npy [d] and, when a partial was given, dpartial.npy [T, d]
+//        (gradients in float32, float64 for float64 sources)
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "k3/attnres.hpp"
+
+namespace {
+
+namespace ar = k3::attnres;
+
+template <class C>
+std::vector<C> load_vector(k3::io::npy_array const& a, std::string const& name) {
+  k3::detail::require(a.rank() == 1, [&] {
+    return "argument '" + name + "': expected rank 1 ([d]), got shape " + k3::detail::format_shape(a.shape());
+  });
+  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16,
+                      [&] { return "argument '" + name + "': expected a floating-point dtype, got " + k3::io::dtype_name(a.type()); });
+  std::vector<C> v(static_cast<std::size_t>(a.size()));
+  for (k3::index_t i = 0; i < a.size(); ++i) v[static_cast<std::size_t>(i)] = C(a.as_double(i));
+  return v;
+}
+
+template <class S>
+int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
+  using C = ar::compute_t<S>;
+  k3::cpu::threads<> b(static_cast<int>(args.integer("threads", 0)));
+  auto bank = src_arr.view<S, 3>("sources");
+  k3::index_t const T = bank.extent(1), d = bank.extent(2);
+  auto part_arr = args.load_optional("partial");
+  std::optional<k3::tensor_view<S const, 2>> part;
+  if (part_arr) part = part_arr->view<S, 2>("partial");
+  auto w = load_vector<C>(args.load("w"), "w");
+  auto g = load_vector<C>(args.load("gain"), "gain");
+  auto wv = k3::tensor_view<C const, 1>(w.data(), {static_cast<k3::index_t>(w.size())});
+  auto gv = k3::tensor_view<C const, 1>(g.data(), {static_cast<k3::index_t>(g.size())});
+  ar::options opt;
+  opt.eps = args.number("eps", 1e-5);
+  auto src = part ? ar::make_sources(bank, *part) : ar::make_sources(bank);
+  std::vector<S> h(static_cast<std::size_t>(T * d));
+  ar::mix_forward(b, src, wv, gv, k3::host_view(h.data(), T, d), opt);
+  args.save("h", k3::host_view(h.data(), T, d));
+  if (args.flag("backward")) {
+    auto dh_arr = args.load("dh");
+    k3::detail::require(dh_arr.rank() == 2 && dh_arr.shape()[0] == T && dh_arr.shape()[1] == d, [&] {
+      return "argument 'dh': expected shape [" + std::to_string(T) + ", " + std::to_string(d) + "], got " +
+             k3::detail::format_shape(dh_arr.shape());
+    });
+    std::vector<C> dh(static_cast<std::size_t>(T * d));
+    for (k3::index_t i = 0; i < T * d; ++i) dh[static_cast<std::size_t>(i)] = C(dh_arr.as_double(i));
+    k3::index_t const n = bank.extent(0);
+    std::vector<C> ds(static_cast<std::size_t>(n * T * d)), dp(static_cast<std::size_t>(T * d)), dw(w.size()), dg(g.size());
+    ar::mix_backward(b, src, wv, gv, k3::tensor_view<C const, 2>(dh.data(), {T, d}),
+                     ar::make_grads(k3::host_view(ds.data(), n, T, d), k3::host_view(dp.data(), T, d)),
+                     k3::host_view(dw.data(), static_cast<k3::index_t>(dw.size())),
+                     k3::host_view(dg.data(), static_cast<k3::index_t>(dg.size())), opt);
+    args.save("dsources", k3::host_view(ds.data(), n, T, d));
+    if (part) args.save("dpartial", k3::host_view(dp.data(), T, d));
+    args.save("dw", k3::host_view(dw.data(), static_cast<k3::index_t>(dw.size())));
+    args.save("dgain", k3::host_view(dg.data(), static_cast<k3::index_t>(dg.size())));
+  }
+  return 0;
+}
+
+int run_attnres(k3::cli::args& args) {
+  auto src = args.load("sources");
+  switch (src.type()) {
+    case k3::io::dtype::float32: return run_typed<float>(args, src);
+    case k3::io::dtype::float64: return run_typed<double>(args, src);
+    case k3::io::dtype::bfloat16: return run_typed<k3::bfloat16>(args, src);
+    default:
+      throw k3::error(std::string("argument 'sources': expected float32, float64 or bfloat16, got ") + k3::io::dtype_name(src.type()));
+  }
+}
+
+k3::cli::registrar reg({"attnres", "one AttnRes mixing site: h = sum_j softmax_j(rinv_j (g*w).v_j) v_j (and its backward)",
+                        "Reads sources.npy [n,T,d] (float32/float64/bfloat16), w.npy [d], gain.npy [d], optional partial.npy [T,d]\n"
+                        "(an extra source after the bank rows); writes h.npy [T,d]. With --backward also reads dh.npy [T,d] and\n"
+                        "writes dsources.npy, dw.npy, dgain.npy and (with a partial) dpartial.npy.",
+                        k3::cli::io_options({{"backward", false, "also compute the gradients from dh.npy"},
+                                             {"eps", true, "the key RMSNorm eps (default 1e-5)"},
+                                             {"threads", true, "worker threads (default: all hardware threads)"}}),
+                        true, run_attnres});
+
+}  // namespace

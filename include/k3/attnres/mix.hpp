@@ -1,0 +1,425 @@
+// k3/attnres/mix.hpp — one AttnRes mixing site, forward and backward, on the CPU backends.
+//
+// Per token t, over sources v_0..v_{m-1} (the n rows of a bank [n, T, d] plus, optionally, a
+// partial sum [T, d] as source n):
+//     u = g * w,   r_j = (mean_k v_j[k]^2 + eps)^-1/2,   c_j = u . v_j,
+//     alpha = softmax_j(r_j c_j),   h = sum_j alpha_j v_j.
+// The RMSNorm gain g is folded into the pseudo-query so every site of a block shares one key
+// set (spec §2.1, §4.2). Values are the raw sources. Mixing runs in float (double for double
+// storage) whatever the storage type; the cross-token sums for dw and dg run in double.
+//
+// Backward (spec §5.2): ds_j = alpha_j (dh.v_j - dh.h);
+//     dv_j = alpha_j dh + ds_j (r_j u - c_j r_j^3 v_j / d);  du = sum_t sum_j ds_j r_j v_j;
+//     dw = du * g;  dg = du * w.
+// Each token is independent: a NaN or Inf in one token's sources stays in that token's h and
+// dsources (dw and dg, being sums over tokens, do see it).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "k3/attnres/simd_ops.hpp"
+#include "k3/backend/cpu/serial.hpp"
+#include "k3/backend/cpu/simd.hpp"
+#include "k3/core/concepts.hpp"
+#include "k3/core/error.hpp"
+#include "k3/core/numeric/bfloat16.hpp"
+#include "k3/core/tensor_view.hpp"
+#include "k3/core/validate.hpp"
+
+namespace k3::attnres {
+
+struct options {
+  double eps = 1e-5;        // the key RMSNorm's eps (K3: rms_norm_eps = 1e-5)
+  bool accumulate = false;  // backward: add into dsources/dpartial/dw/dg instead of overwriting
+};
+
+// Mixing precision for a storage type: double storage mixes in double, everything else in float.
+template <class S>
+using compute_t = std::conditional_t<std::is_same_v<std::remove_cv_t<S>, double>, double, float>;
+
+template <class S>
+concept Storage = std::same_as<S, float> || std::same_as<S, double> || std::same_as<S, bfloat16>;
+
+// The sources of one site: bank rows [0, n) and, when has_partial, the partial sum as source n.
+template <class S>
+struct sources {
+  tensor_view<S const, 3> bank;     // [n, T, d]
+  tensor_view<S const, 2> partial;  // [T, d] when has_partial
+  bool has_partial = false;
+
+  index_t count() const noexcept { return bank.extent(0) + (has_partial ? 1 : 0); }
+};
+
+template <class S, std::size_t R>
+sources<std::remove_const_t<S>> make_sources(tensor_view<S, R> bank) {
+  static_assert(R == 3, "make_sources: the bank is [n, T, d]");
+  return {bank, {}, false};
+}
+template <class S, class P>
+sources<std::remove_const_t<S>> make_sources(tensor_view<S, 3> bank, tensor_view<P, 2> partial) {
+  static_assert(std::is_same_v<std::remove_const_t<S>, std::remove_const_t<P>>, "bank and partial must share a storage type");
+  return {bank, partial, true};
+}
+
+// Gradients for the sources, laid out like them.
+template <class G>
+struct source_grads {
+  tensor_view<G, 3> bank;     // [n, T, d]
+  tensor_view<G, 2> partial;  // [T, d] when the sources have a partial
+};
+
+template <class G>
+source_grads<G> make_grads(tensor_view<G, 3> bank) {
+  return {bank, {}};
+}
+template <class G>
+source_grads<G> make_grads(tensor_view<G, 3> bank, tensor_view<G, 2> partial) {
+  return {bank, partial};
+}
+
+namespace detail {
+using namespace ::k3::detail;  // the shared argument checks
+
+template <class S>
+struct rows {
+  S* bank = nullptr;
+  index_t sj = 0, st = 0, n = 0;
+  S* part = nullptr;
+  index_t pt = 0;
+  S* row(index_t j, index_t t) const noexcept { return j < n ? bank + j * sj + t * st : part + t * pt; }
+};
+
+template <class S>
+rows<S const> rows_of(sources<S> const& s) {
+  return {s.bank.data_handle(), s.bank.stride(0), s.bank.stride(1), s.bank.extent(0),
+          s.has_partial ? s.partial.data_handle() : nullptr, s.has_partial ? s.partial.stride(0) : 0};
+}
+template <class G>
+rows<G> rows_of(source_grads<G> const& g, bool has_partial) {
+  return {g.bank.data_handle(), g.bank.stride(0), g.bank.stride(1), g.bank.extent(0),
+          has_partial ? g.partial.data_handle() : nullptr, has_partial ? g.partial.stride(0) : 0};
+}
+
+// Checks the sources and returns (T, d).
+template <class S>
+void check_sources(sources<S> const& s, index_t& T, index_t& d) {
+  check_view("sources", s.bank);
+  check_inner_contiguous("sources", s.bank);
+  if (s.has_partial) {
+    check_view("partial", s.partial);
+    check_inner_contiguous("partial", s.partial);
+  }
+  require(s.count() >= 1, "argument 'sources': a mixing site needs at least one source (bank has 0 rows and no partial)");
+  if (s.bank.extent(0) > 0) {
+    T = s.bank.extent(1);
+    d = s.bank.extent(2);
+    if (s.has_partial) check_shape("partial", s.partial, {T, d});
+  } else {
+    T = s.partial.extent(0);
+    d = s.partial.extent(1);
+  }
+}
+
+template <class G>
+void check_grads(source_grads<G> const& g, index_t n, bool has_partial, index_t T, index_t d) {
+  check_view("dsources", g.bank);
+  check_inner_contiguous("dsources", g.bank);
+  check_shape("dsources", g.bank, {n, T, d});
+  if (has_partial) {
+    check_view("dpartial", g.partial);
+    check_inner_contiguous("dpartial", g.partial);
+    check_shape("dpartial", g.partial, {T, d});
+  }
+}
+
+// Which backends get the xsimd token kernels.
+template <class B>
+struct simd_arch {
+  static constexpr bool value = false;
+  using type = void;
+};
+template <class A>
+struct simd_arch<cpu::simd<A>> {
+  static constexpr bool value = true;
+  using type = A;
+};
+template <class A>
+struct simd_arch<cpu::threads<A>> {
+  static constexpr bool value = true;
+  using type = A;
+};
+
+// Runs f(lo, hi, task) over contiguous token ranges; returns the task count (task < count).
+template <class B>
+index_t token_tasks(B const& b, index_t T) {
+  if constexpr (requires { b.for_each_task(index_t{1}, [](index_t) {}); }) {
+    if (T <= 0) return 0;
+    return std::min<index_t>(T, 4 * index_t(b.concurrency()));
+  } else {
+    return T > 0 ? 1 : 0;
+  }
+}
+template <class B, class F>
+void for_token_ranges(B const& b, index_t T, index_t tasks, F&& f) {
+  if (tasks <= 0) return;
+  if constexpr (requires { b.for_each_task(index_t{1}, [](index_t) {}); }) {
+    b.for_each_task(tasks, [&](index_t i) { f(T * i / tasks, T * (i + 1) / tasks, i); });
+  } else {
+    for (index_t i = 0; i < tasks; ++i) f(T * i / tasks, T * (i + 1) / tasks, i);
+  }
+}
+
+// Per-thread scratch for one token: the m source rows in compute precision (only when the
+// storage differs), the stats, and a row accumulator.
+template <class C>
+struct token_scratch {
+  std::vector<C> rowbuf, acc, r, c, a;
+  std::vector<double> s, da;
+  std::vector<C const*> p;
+  void reserve(index_t m, index_t d, bool convert) {
+    if (convert) rowbuf.resize(std::size_t(m * d));
+    acc.resize(std::size_t(d));
+    r.resize(std::size_t(m));
+    c.resize(std::size_t(m));
+    a.resize(std::size_t(m));
+    s.resize(std::size_t(m));
+    da.resize(std::size_t(m));
+    p.resize(std::size_t(m));
+  }
+};
+
+// Loads the m source rows of token t as compute-type pointers (converting when needed).
+template <class C, class S>
+void load_rows(rows<S const> const& src, index_t m, index_t t, index_t d, token_scratch<C>& w) {
+  for (index_t j = 0; j < m; ++j) {
+    S const* row = src.row(j, t);
+    if constexpr (std::is_same_v<S, C>) {
+      w.p[j] = row;
+    } else {
+      C* out = w.rowbuf.data() + j * d;
+      convert_row(row, out, d);
+      w.p[j] = out;
+    }
+  }
+}
+
+// r, c, alpha of one token from its rows. Ops selects scalar or xsimd reductions; both are
+// deterministic, so re-running this (recompute mode) reproduces the stored stats bit for bit.
+template <class Ops, class C>
+void token_stats(index_t m, index_t d, C const* u, C eps, token_scratch<C>& w) {
+  // The per-source scalars (r, logits, softmax) are computed in double and rounded once.
+  double mx = -std::numeric_limits<double>::infinity();
+  bool nan = false;
+  for (index_t j = 0; j < m; ++j) {
+    double dot, ss;
+    Ops::dot_ss(w.p[j], u, d, dot, ss);
+    double const r = 1.0 / std::sqrt(ss / double(d) + double(eps));
+    w.c[j] = C(dot);
+    w.r[j] = C(r);
+    w.s[j] = r * dot;
+    nan |= std::isnan(w.s[j]);
+    mx = std::max(mx, w.s[j]);
+  }
+  double z = 0;
+  for (index_t j = 0; j < m; ++j) {
+    w.s[j] = std::exp(w.s[j] - mx);
+    z += w.s[j];
+  }
+  // A NaN logit turns the whole token (and only it) into NaN.
+  if (nan) z = std::numeric_limits<double>::quiet_NaN();
+  for (index_t j = 0; j < m; ++j) w.a[j] = C(w.s[j] / z);
+}
+
+template <class C>
+void token_combine(index_t m, index_t d, token_scratch<C>& w) {
+  C* K3_RESTRICT acc = w.acc.data();
+  {
+    C const a0 = w.a[0];
+    C const* K3_RESTRICT v = w.p[0];
+    for (index_t k = 0; k < d; ++k) acc[k] = a0 * v[k];
+  }
+  for (index_t j = 1; j < m; ++j) {
+    C const aj = w.a[j];
+    C const* K3_RESTRICT v = w.p[j];
+    for (index_t k = 0; k < d; ++k) acc[k] += aj * v[k];
+  }
+}
+
+// The backward of one token: writes dsources rows, adds ds_j r_j v_j into du (double).
+template <class Ops, class C, class G, class DH>
+void token_backward(index_t m, index_t d, C const* u, DH const* dh_row, token_scratch<C>& w, rows<G> const& dsrc, index_t t,
+                    bool accumulate, double* K3_RESTRICT du) {
+  // dh in compute precision (acc is free here)
+  C* K3_RESTRICT dh = w.acc.data();
+  convert_row(dh_row, dh, d);
+  double dhh = 0;
+  for (index_t j = 0; j < m; ++j) {
+    w.da[j] = Ops::dot(w.p[j], dh, d);
+    dhh += double(w.a[j]) * w.da[j];
+  }
+  for (index_t j = 0; j < m; ++j) {
+    double const ds = double(w.a[j]) * (w.da[j] - dhh), r = w.r[j];
+    C const cu = C(ds * r);                                  // coefficient of u (and of v in du)
+    C const cv = C(ds * double(w.c[j]) * r * r * r / double(d));  // coefficient of v through the RMSNorm
+    C const aj = w.a[j];
+    C const* K3_RESTRICT v = w.p[j];
+    G* K3_RESTRICT out = dsrc.row(j, t);
+    for (index_t k = 0; k < d; ++k) {
+      C g = aj * dh[k] + cu * u[k] - cv * v[k];
+      if (accumulate) g += to_c<C>(out[k]);
+      put(out[k], g);
+    }
+    for (index_t k = 0; k < d; ++k) du[k] += double(cu * v[k]);
+  }
+}
+
+template <class B>
+struct ops_for {
+  template <class C>
+  using type = std::conditional_t<simd_arch<B>::value, simd_reduce<typename simd_arch<B>::type>, scalar_reduce>;
+};
+
+template <class C, class WV, class GV>
+std::vector<C> fold_query(WV w, GV g, index_t d) {
+  std::vector<C> u(static_cast<std::size_t>(d));
+  for (index_t k = 0; k < d; ++k) u[k] = load_as<C>(w(k)) * load_as<C>(g(k));
+  return u;
+}
+
+}  // namespace detail
+
+// Token-local statistics a stored-mode forward can keep for the backward: [T, m, 3] holding
+// (r_j, c_j, alpha_j) in compute precision. Pass an empty view when not wanted.
+template <class C>
+using stats_view = tensor_view<C, 3>;
+
+// h[T, d] = the mix of `src` with pseudo-query w[d] and key-norm gain g[d].
+template <HostBackend B, class S, class W1, class W2, class H>
+void mix_forward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor_view<W2, 1> g, tensor_view<H, 2> h,
+                 options const& opt = {}, stats_view<compute_t<S>> stats = {}) {
+  static_assert(Storage<S>, "attnres: sources must be float, double or bfloat16");
+  static_assert(!std::is_const_v<H>, "attnres: h is written");
+  using C = compute_t<S>;
+  index_t T = 0, d = 0;
+  detail::check_sources(src, T, d);
+  detail::check_view("w", w);
+  detail::check_view("gain", g);
+  detail::check_view("h", h);
+  detail::check_shape("w", w, {d});
+  detail::check_shape("gain", g, {d});
+  detail::check_shape("h", h, {T, d});
+  detail::check_inner_contiguous("h", h);
+  detail::check_no_overlap("h", h, "sources", src.bank);
+  if (src.has_partial) detail::check_no_overlap("h", h, "partial", src.partial);
+  detail::require(opt.eps >= 0 && std::isfinite(opt.eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
+  index_t const m = src.count();
+  bool const keep = stats.size() > 0;
+  if (keep) {
+    detail::check_shape("stats", stats, {T, m, 3});
+    detail::require(stats.is_contiguous(), "argument 'stats': must be contiguous");
+  }
+  if (T == 0 || d == 0) return;
+  auto const u = detail::fold_query<C>(w, g, d);
+  auto const rows = detail::rows_of(src);
+  C const eps = C(opt.eps);
+  using Ops = typename detail::ops_for<B>::template type<C>;
+  index_t const tasks = detail::token_tasks(b, T);
+  detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
+    detail::token_scratch<C> ws;
+    ws.reserve(m, d, !std::is_same_v<S, C>);
+    for (index_t t = lo; t < hi; ++t) {
+      detail::load_rows(rows, m, t, d, ws);
+      detail::token_stats<Ops>(m, d, u.data(), eps, ws);
+      detail::token_combine(m, d, ws);
+      detail::store_row(ws.acc.data(), &h(t, 0), d);
+      if (keep) {
+        C* st = &stats(t, 0, 0);
+        for (index_t j = 0; j < m; ++j) {
+          st[3 * j] = ws.r[j];
+          st[3 * j + 1] = ws.c[j];
+          st[3 * j + 2] = ws.a[j];
+        }
+      }
+    }
+  });
+}
+
+// Gradients of the mix: dsources (and dpartial), dw[d], dgain[d], given dh[T, d]. With
+// `stats` from the forward the token statistics are taken from there (stored mode); without,
+// they are recomputed (recompute mode) — bit-identical either way.
+template <HostBackend B, class S, class W1, class W2, class DH, class G, class DW>
+void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor_view<W2, 1> g, tensor_view<DH, 2> dh,
+                  source_grads<G> const& dsrc, tensor_view<DW, 1> dw, tensor_view<DW, 1> dg, options const& opt = {},
+                  stats_view<compute_t<S> const> stats = {}) {
+  static_assert(Storage<S>, "attnres: sources must be float, double or bfloat16");
+  using C = compute_t<S>;
+  index_t T = 0, d = 0;
+  detail::check_sources(src, T, d);
+  index_t const n = src.bank.extent(0), m = src.count();
+  detail::check_view("w", w);
+  detail::check_view("gain", g);
+  detail::check_shape("w", w, {d});
+  detail::check_shape("gain", g, {d});
+  detail::check_view("dh", dh);
+  detail::check_inner_contiguous("dh", dh);
+  detail::check_shape("dh", dh, {T, d});
+  detail::check_grads(dsrc, n, src.has_partial, T, d);
+  detail::check_view("dw", dw);
+  detail::check_view("dgain", dg);
+  detail::check_shape("dw", dw, {d});
+  detail::check_shape("dgain", dg, {d});
+  detail::check_no_overlap("dsources", dsrc.bank, "sources", src.bank);
+  if (src.has_partial) detail::check_no_overlap("dpartial", dsrc.partial, "partial", src.partial);
+  detail::require(opt.eps >= 0 && std::isfinite(opt.eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
+  bool const have_stats = stats.size() > 0;
+  if (have_stats) {
+    detail::check_shape("stats", stats, {T, m, 3});
+    detail::require(stats.is_contiguous(), "argument 'stats': must be contiguous");
+  }
+  if (d == 0) return;
+  auto const u = detail::fold_query<C>(w, g, d);
+  auto const rows = detail::rows_of(src);
+  auto const grows = detail::rows_of(dsrc, src.has_partial);
+  C const eps = C(opt.eps);
+  using Ops = typename detail::ops_for<B>::template type<C>;
+  index_t const tasks = detail::token_tasks(b, T);
+  std::vector<double> du(std::size_t(std::max<index_t>(tasks, 1) * d), 0.0);
+  detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t task) {
+    detail::token_scratch<C> ws;
+    ws.reserve(m, d, !std::is_same_v<S, C>);
+    double* dut = du.data() + task * d;
+    for (index_t t = lo; t < hi; ++t) {
+      detail::load_rows(rows, m, t, d, ws);
+      if (have_stats) {
+        C const* st = &stats(t, 0, 0);
+        for (index_t j = 0; j < m; ++j) {
+          ws.r[j] = st[3 * j];
+          ws.c[j] = st[3 * j + 1];
+          ws.a[j] = st[3 * j + 2];
+        }
+      } else {
+        detail::token_stats<Ops>(m, d, u.data(), eps, ws);
+      }
+      detail::token_backward<Ops>(m, d, u.data(), &dh(t, 0), ws, grows, t, opt.accumulate, dut);
+    }
+  });
+  for (index_t k = 0; k < d; ++k) {
+    double s = 0;
+    for (index_t i = 0; i < tasks; ++i) s += du[i * d + k];
+    double const gw = s * double(load_as<C>(g(k))), gg = s * double(load_as<C>(w(k)));
+    if (opt.accumulate) {
+      dw(k) = store_as<DW>(double(load_as<double>(dw(k))) + gw);
+      dg(k) = store_as<DW>(double(load_as<double>(dg(k))) + gg);
+    } else {
+      dw(k) = store_as<DW>(gw);
+      dg(k) = store_as<DW>(gg);
+    }
+  }
+}
+
+}  // namespace k3::attnres

@@ -1,0 +1,119 @@
+// k3/attnres/simd_ops.hpp — the row primitives of the AttnRes CPU kernels: conversion between
+// storage and compute precision, and the two reductions (u.v and v.v) every source needs.
+// The xsimd policy is a template on Arch (ODR: the ISA is part of the type).
+#pragma once
+#include <bit>
+#include <cstdint>
+#include <type_traits>
+#include <xsimd/xsimd.hpp>
+
+#include "k3/backend/cpu/simd.hpp"
+#include "k3/core/config.hpp"
+#include "k3/core/numeric/bfloat16.hpp"
+#include "k3/core/tensor_view.hpp"
+
+namespace k3::attnres::detail {
+
+// Element conversions the compiler can vectorise: bfloat16 <-> float without branches
+// (bfloat16's own constructor returns early for NaN, which keeps loops scalar). Same results:
+// round to nearest even, NaN kept quiet with its sign, Inf kept.
+inline std::uint16_t bf16_bits(float f) noexcept {
+  std::uint32_t const u = std::bit_cast<std::uint32_t>(f);
+  std::uint32_t const rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  std::uint32_t const quiet = (u >> 16) | 0x40u;
+  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+template <class C, class S>
+inline C to_c(S x) noexcept {
+  if constexpr (std::is_same_v<std::remove_cv_t<S>, bfloat16>)
+    return static_cast<C>(std::bit_cast<float>(std::uint32_t(x.bits) << 16));
+  else
+    return static_cast<C>(x);
+}
+
+template <class S, class C>
+inline void put(S& out, C v) noexcept {
+  if constexpr (std::is_same_v<S, bfloat16>)
+    out.bits = bf16_bits(static_cast<float>(v));
+  else
+    out = static_cast<S>(v);
+}
+
+// Storage -> compute.
+template <class S, class C>
+inline void convert_row(S const* K3_RESTRICT in, C* K3_RESTRICT out, index_t d) noexcept {
+  for (index_t k = 0; k < d; ++k) out[k] = to_c<C>(in[k]);
+}
+
+template <class C, class H>
+inline void store_row(C const* K3_RESTRICT in, H* K3_RESTRICT out, index_t d) noexcept {
+  for (index_t k = 0; k < d; ++k) put(out[k], in[k]);
+}
+
+// The reductions accumulate in double even for float mixing: the logits are r_j (u . v_j) with
+// d up to 7168, and float accumulation alone costs about 1e-6 relative in h and the gradients.
+// Reference reductions: one running double sum, in index order.
+struct scalar_reduce {
+  template <class C>
+  static void dot_ss(C const* K3_RESTRICT v, C const* K3_RESTRICT u, index_t d, double& dot, double& ss) noexcept {
+    double a = 0, b = 0;
+    for (index_t k = 0; k < d; ++k) {
+      a += double(u[k]) * double(v[k]);
+      b += double(v[k]) * double(v[k]);
+    }
+    dot = a;
+    ss = b;
+  }
+  template <class C>
+  static double dot(C const* K3_RESTRICT v, C const* K3_RESTRICT u, index_t d) noexcept {
+    double a = 0;
+    for (index_t k = 0; k < d; ++k) a += double(u[k]) * double(v[k]);
+    return a;
+  }
+};
+
+// Lane-parallel double reductions: L independent partial sums per quantity, which the
+// compiler turns into vector registers of doubles (no reassociation needed, so no fast-math).
+// A template on Arch because the code generated depends on the ISA (ODR, see simd.hpp); L is
+// two registers' worth of doubles.
+template <class Arch>
+struct simd_reduce {
+  static constexpr index_t L = 2 * index_t(xsimd::batch<double, Arch>::size);
+
+  template <class C>
+  static void dot_ss(C const* K3_RESTRICT v, C const* K3_RESTRICT u, index_t d, double& dot, double& ss) noexcept {
+    double a[L] = {}, b[L] = {};
+    index_t k = 0;
+    for (; k + L <= d; k += L)
+      for (index_t i = 0; i < L; ++i) {
+        double const x = double(v[k + i]);
+        a[i] += double(u[k + i]) * x;
+        b[i] += x * x;
+      }
+    double sa = 0, sb = 0;
+    for (index_t i = 0; i < L; ++i) {
+      sa += a[i];
+      sb += b[i];
+    }
+    for (; k < d; ++k) {
+      sa += double(u[k]) * double(v[k]);
+      sb += double(v[k]) * double(v[k]);
+    }
+    dot = sa;
+    ss = sb;
+  }
+  template <class C>
+  static double dot(C const* K3_RESTRICT v, C const* K3_RESTRICT u, index_t d) noexcept {
+    double a[L] = {};
+    index_t k = 0;
+    for (; k + L <= d; k += L)
+      for (index_t i = 0; i < L; ++i) a[i] += double(u[k + i]) * double(v[k + i]);
+    double sa = 0;
+    for (index_t i = 0; i < L; ++i) sa += a[i];
+    for (; k < d; ++k) sa += double(u[k]) * double(v[k]);
+    return sa;
+  }
+};
+
+}  // namespace k3::attnres::detail

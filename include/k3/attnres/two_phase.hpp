@@ -1,0 +1,350 @@
+// k3/attnres/two_phase.hpp — two-phase Block AttnRes inference (spec §4.2, paper Algorithm 1).
+//
+// The pseudo-queries do not depend on the input, so all sites of a block can be scored against
+// the completed blocks b_0..b_{n-1} at once (phase 1), before any sublayer of the block runs:
+//     s_{l,j} = rinv_j (u_l . b_j),  o_l = sum_j softmax_j(s_l) b_j,  lse_l = logsumexp_j s_l.
+// Phase 2 then merges the intra-block partial sum b (one extra source) site by site with the
+// exact online-softmax step in its sigmoid form:
+//     p = sigmoid(r_b (u . b) - lse_l),   h = o_l + p (b - o_l)        (h = o_l at a block's first site)
+// and can fuse the preceding residual add (prefix += delta).
+//
+// rinv_j, the inverse RMS of a completed block, is computed once when the block is closed
+// (block_rinv) and stored with it. Queries arrive folded: u_l = g_l * w_l.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+#include <xsimd/xsimd.hpp>
+
+#include "k3/attnres/mix.hpp"
+
+namespace k3::attnres {
+
+namespace detail {
+
+// Phase-1 scores of one token: dots[l * n + j] = u_l . x_j, in double. The xsimd version
+// tiles 2 sites x 8 sources in float registers (a GEMM micro-kernel) and rounds each tile's
+// lanes into double once.
+template <class Arch, class C>
+void phase1_dots_simd(C const* const* x, index_t n, C const* u, index_t su, index_t nq, index_t d, C const* zero_row,
+                      double* dots) {
+  using batch = xsimd::batch<C, Arch>;
+  constexpr index_t N = index_t(batch::size);
+  constexpr index_t TJ = 8, TL = 2;
+  index_t const dv = d / N * N;
+  for (index_t l0 = 0; l0 < nq; l0 += TL) {
+    C const* ul[TL];
+    for (index_t l = 0; l < TL; ++l) ul[l] = l0 + l < nq ? u + (l0 + l) * su : zero_row;
+    for (index_t j0 = 0; j0 < n; j0 += TJ) {
+      C const* xj[TJ];
+      for (index_t j = 0; j < TJ; ++j) xj[j] = j0 + j < n ? x[j0 + j] : zero_row;
+      batch acc[TL][TJ];
+      for (index_t l = 0; l < TL; ++l)
+        for (index_t j = 0; j < TJ; ++j) acc[l][j] = batch(C(0));
+      for (index_t k = 0; k < dv; k += N) {
+        batch xv[TJ];
+        for (index_t j = 0; j < TJ; ++j) xv[j] = batch::load_unaligned(xj[j] + k);
+        for (index_t l = 0; l < TL; ++l) {
+          batch const uv = batch::load_unaligned(ul[l] + k);
+          for (index_t j = 0; j < TJ; ++j) acc[l][j] = xsimd::fma(uv, xv[j], acc[l][j]);
+        }
+      }
+      for (index_t l = 0; l < TL && l0 + l < nq; ++l)
+        for (index_t j = 0; j < TJ && j0 + j < n; ++j) {
+          double s = double(k3::simd::reduce_add(acc[l][j]));
+          for (index_t k = dv; k < d; ++k) s += double(ul[l][k]) * double(xj[j][k]);
+          dots[(l0 + l) * n + j0 + j] = s;
+        }
+    }
+  }
+}
+
+template <class C>
+void phase1_dots_scalar(C const* const* x, index_t n, C const* u, index_t su, index_t nq, index_t d, double* dots) {
+  for (index_t l = 0; l < nq; ++l)
+    for (index_t j = 0; j < n; ++j) dots[l * n + j] = scalar_reduce::dot(x[j], u + l * su, d);
+}
+
+// o_l = sum_j a[l * n + j] x_j for every site, stored as O. Works on column tiles of KB
+// elements so the n source tiles stay in L1 while all sites are formed from them; the
+// conversion to the storage type runs as one long (vectorisable) loop per tile.
+template <class Arch, class C, class O>
+void phase1_combine_simd(C const* const* x, index_t n, C const* a, index_t nq, index_t d, O* const* out) {
+  using batch = xsimd::batch<C, Arch>;
+  constexpr index_t N = index_t(batch::size);
+  constexpr index_t KB = 256;
+  alignas(64) C tile[KB];
+  for (index_t k0 = 0; k0 < d; k0 += KB) {
+    index_t const kn = std::min(KB, d - k0), kv = kn / N * N;
+    index_t const k4 = kn / (4 * N) * (4 * N);
+    for (index_t l = 0; l < nq; ++l) {
+      C const* al = a + l * n;
+      // four independent accumulators hide the FMA latency of the sum over sources
+      for (index_t k = 0; k < k4; k += 4 * N) {
+        batch acc0(C(0)), acc1(C(0)), acc2(C(0)), acc3(C(0));
+        for (index_t j = 0; j < n; ++j) {
+          batch const aj(al[j]);
+          C const* xj = x[j] + k0 + k;
+          acc0 = xsimd::fma(aj, batch::load_unaligned(xj), acc0);
+          acc1 = xsimd::fma(aj, batch::load_unaligned(xj + N), acc1);
+          acc2 = xsimd::fma(aj, batch::load_unaligned(xj + 2 * N), acc2);
+          acc3 = xsimd::fma(aj, batch::load_unaligned(xj + 3 * N), acc3);
+        }
+        acc0.store_aligned(tile + k);
+        acc1.store_aligned(tile + k + N);
+        acc2.store_aligned(tile + k + 2 * N);
+        acc3.store_aligned(tile + k + 3 * N);
+      }
+      for (index_t k = k4; k < kv; k += N) {
+        batch acc(C(0));
+        for (index_t j = 0; j < n; ++j) acc = xsimd::fma(batch(al[j]), batch::load_unaligned(x[j] + k0 + k), acc);
+        acc.store_aligned(tile + k);
+      }
+      for (index_t k = kv; k < kn; ++k) {
+        C acc = 0;
+        for (index_t j = 0; j < n; ++j) acc += al[j] * x[j][k0 + k];
+        tile[k] = acc;
+      }
+      store_row(tile, out[l] + k0, kn);
+    }
+  }
+}
+
+template <class C, class O>
+void phase1_combine_scalar(C const* const* x, index_t n, C const* a, index_t nq, index_t d, O* const* out) {
+  for (index_t l = 0; l < nq; ++l)
+    for (index_t k = 0; k < d; ++k) {
+      C acc = 0;
+      for (index_t j = 0; j < n; ++j) acc += a[l * n + j] * x[j][k];
+      put(out[l][k], acc);
+    }
+}
+
+template <class Ops, class C, class S>
+double row_rinv(S const* row, index_t d, double eps, std::vector<C>& buf) {
+  C const* p;
+  if constexpr (std::is_same_v<S, C>) {
+    p = row;
+  } else {
+    convert_row(row, buf.data(), d);
+    p = buf.data();
+  }
+  double const ss = Ops::dot(p, p, d);
+  return 1.0 / std::sqrt(ss / double(d) + eps);
+}
+
+}  // namespace detail
+
+// rinv[t] = (mean_k block[t, k]^2 + eps)^-1/2: computed once when a block is closed.
+template <HostBackend B, class S, class R>
+void block_rinv(B const& b, tensor_view<S, 2> block, tensor_view<R, 1> rinv, double eps = 1e-5) {
+  using SS = std::remove_const_t<S>;
+  using C = compute_t<SS>;
+  static_assert(std::is_same_v<R, C>, "block_rinv: rinv has the compute type (float, or double for double storage)");
+  detail::check_view("block", block);
+  detail::check_inner_contiguous("block", block);
+  index_t const T = block.extent(0), d = block.extent(1);
+  detail::check_view("rinv", rinv);
+  detail::check_shape("rinv", rinv, {T});
+  detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
+  using Ops = typename detail::ops_for<B>::template type<C>;
+  index_t const tasks = detail::token_tasks(b, T);
+  detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
+    std::vector<C> buf(static_cast<std::size_t>(std::is_same_v<SS, C> ? 0 : d));
+    for (index_t t = lo; t < hi; ++t) rinv(t) = C(detail::row_rinv<Ops, C>(&block(t, 0), d, eps, buf));
+  });
+}
+
+// Phase 1 for nq sites against the n completed blocks of `bank` ([n, T, d], their inverse RMS
+// in bank_rinv [n, T]); u [nq, d] holds the folded queries g_l * w_l. Writes o [nq, T, d]
+// (normalised inter-block mix) and lse [nq, T]. With n = 0, o = 0 and lse = -inf.
+template <HostBackend B, class S, class R, class U, class O, class L>
+void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, tensor_view<U, 2> u, tensor_view<O, 3> o,
+            tensor_view<L, 2> lse) {
+  using SS = std::remove_const_t<S>;
+  using C = compute_t<SS>;
+  static_assert(std::is_same_v<std::remove_const_t<R>, C> && std::is_same_v<std::remove_const_t<U>, C> && std::is_same_v<L, C>,
+                "phase1: bank_rinv, u and lse have the compute type");
+  static_assert(!std::is_const_v<O>, "phase1: o is written");
+  detail::check_view("bank", bank);
+  detail::check_inner_contiguous("bank", bank);
+  index_t const n = bank.extent(0), T = bank.extent(1), d = bank.extent(2);
+  detail::check_view("u", u);
+  detail::check_inner_contiguous("u", u);
+  index_t const nq = u.extent(0);
+  detail::check_shape("u", u, {nq, d});
+  detail::check_view("bank_rinv", bank_rinv);
+  detail::check_shape("bank_rinv", bank_rinv, {n, T});
+  detail::check_view("o", o);
+  detail::check_inner_contiguous("o", o);
+  detail::check_shape("o", o, {nq, T, d});
+  detail::check_view("lse", lse);
+  detail::check_shape("lse", lse, {nq, T});
+  detail::check_no_overlap("o", o, "bank", bank);
+  if (T == 0 || nq == 0) return;
+  constexpr bool simd = detail::simd_arch<B>::value;
+  index_t const tasks = detail::token_tasks(b, T);
+  detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
+    std::vector<C> rowbuf(static_cast<std::size_t>(std::is_same_v<SS, C> ? 0 : n * d)), zero(static_cast<std::size_t>(d), C(0)), a(static_cast<std::size_t>(nq * n));
+    std::vector<double> dots(static_cast<std::size_t>(nq * n));
+    std::vector<C const*> x(static_cast<std::size_t>(n));
+    std::vector<O*> out(static_cast<std::size_t>(nq));
+    for (index_t t = lo; t < hi; ++t) {
+      for (index_t j = 0; j < n; ++j) {
+        if constexpr (std::is_same_v<SS, C>) {
+          x[j] = &bank(j, t, 0);
+        } else {
+          detail::convert_row(&bank(j, t, 0), rowbuf.data() + j * d, d);
+          x[j] = rowbuf.data() + j * d;
+        }
+      }
+      for (index_t l = 0; l < nq; ++l) out[l] = &o(l, t, 0);
+      if (n == 0) {
+        for (index_t l = 0; l < nq; ++l) {
+          for (index_t k = 0; k < d; ++k) out[l][k] = store_as<O>(C(0));
+          lse(l, t) = -std::numeric_limits<C>::infinity();
+        }
+        continue;
+      }
+      if constexpr (simd)
+        detail::phase1_dots_simd<typename detail::simd_arch<B>::type>(x.data(), n, &u(0, 0), u.stride(0), nq, d, zero.data(), dots.data());
+      else
+        detail::phase1_dots_scalar(x.data(), n, &u(0, 0), u.stride(0), nq, d, dots.data());
+      for (index_t l = 0; l < nq; ++l) {
+        double* s = dots.data() + l * n;
+        double mx = -std::numeric_limits<double>::infinity();
+        bool nan = false;
+        for (index_t j = 0; j < n; ++j) {
+          s[j] *= double(bank_rinv(j, t));
+          nan |= std::isnan(s[j]);
+          mx = std::max(mx, s[j]);
+        }
+        double z = 0;
+        for (index_t j = 0; j < n; ++j) z += (s[j] = std::exp(s[j] - mx));
+        if (nan) z = mx = std::numeric_limits<double>::quiet_NaN();
+        for (index_t j = 0; j < n; ++j) a[l * n + j] = C(s[j] / z);
+        lse(l, t) = C(mx + std::log(z));
+      }
+      if constexpr (simd)
+        detail::phase1_combine_simd<typename detail::simd_arch<B>::type>(x.data(), n, a.data(), nq, d, out.data());
+      else
+        detail::phase1_combine_scalar(x.data(), n, a.data(), nq, d, out.data());
+    }
+  });
+}
+
+namespace detail {
+
+// One token of phase 2: b (compute-precision row), o (stored row) -> h.
+template <class Ops, class C, class O, class H>
+void merge_token(C const* b, O const* o, C lse, C const* u, index_t d, double eps, H* h) {
+  double dot, ss;
+  Ops::dot_ss(b, u, d, dot, ss);
+  double const s2 = dot / std::sqrt(ss / double(d) + eps);
+  C const p = C(1.0 / (1.0 + std::exp(double(lse) - s2)));
+  for (index_t k = 0; k < d; ++k) {
+    C const ok = to_c<C>(o[k]);
+    put(h[k], ok + p * (b[k] - ok));
+  }
+}
+
+}  // namespace detail
+
+// Phase 2 at one site. With has_partial: h = o + p (partial - o), p = sigmoid(s2 - lse);
+// without (the block's first site): h = o.
+template <HostBackend B, class O, class L, class S, class U, class H>
+void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<S, 2> partial, bool has_partial,
+            tensor_view<U, 1> u, tensor_view<H, 2> h, double eps = 1e-5) {
+  using SS = std::remove_const_t<S>;
+  using C = compute_t<SS>;
+  static_assert(!std::is_const_v<H>, "phase2: h is written");
+  detail::check_view("o", o);
+  detail::check_inner_contiguous("o", o);
+  index_t const T = o.extent(0), d = o.extent(1);
+  detail::check_view("lse", lse);
+  detail::check_shape("lse", lse, {T});
+  detail::check_view("u", u);
+  detail::check_shape("u", u, {d});
+  detail::check_view("h", h);
+  detail::check_inner_contiguous("h", h);
+  detail::check_shape("h", h, {T, d});
+  if (has_partial) {
+    detail::check_view("partial", partial);
+    detail::check_inner_contiguous("partial", partial);
+    detail::check_shape("partial", partial, {T, d});
+    detail::check_no_overlap("h", h, "partial", partial);
+  }
+  detail::check_no_overlap("h", h, "o", o);
+  using Ops = typename detail::ops_for<B>::template type<C>;
+  std::vector<C> uc(static_cast<std::size_t>(d));
+  for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
+  index_t const tasks = detail::token_tasks(b, T);
+  detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
+    std::vector<C> buf(static_cast<std::size_t>(d));
+    for (index_t t = lo; t < hi; ++t) {
+      if (!has_partial) {
+        auto const* K3_RESTRICT src = &o(t, 0);
+        auto* K3_RESTRICT dst = &h(t, 0);
+        for (index_t k = 0; k < d; ++k) detail::put(dst[k], detail::to_c<C>(src[k]));
+        continue;
+      }
+      C const* bp;
+      if constexpr (std::is_same_v<SS, C>) {
+        bp = &partial(t, 0);
+      } else {
+        detail::convert_row(&partial(t, 0), buf.data(), d);
+        bp = buf.data();
+      }
+      detail::merge_token<Ops>(bp, &o(t, 0), C(lse(t)), uc.data(), d, eps, &h(t, 0));
+    }
+  });
+}
+
+// The fused step the sublayer loop runs (spec §4.5): prefix += delta (the residual add, in
+// place, rounded to the storage type as a plain add would be), then phase 2 with b = prefix.
+template <HostBackend B, class O, class L, class S, class D, class U, class H>
+void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<S, 2> prefix, tensor_view<D, 2> delta,
+                tensor_view<U, 1> u, tensor_view<H, 2> h, double eps = 1e-5) {
+  using C = compute_t<S>;
+  static_assert(!std::is_const_v<S> && !std::is_const_v<H>, "phase2_add: prefix and h are written");
+  detail::check_view("o", o);
+  detail::check_inner_contiguous("o", o);
+  index_t const T = o.extent(0), d = o.extent(1);
+  detail::check_view("prefix", prefix);
+  detail::check_inner_contiguous("prefix", prefix);
+  detail::check_shape("prefix", prefix, {T, d});
+  detail::check_view("delta", delta);
+  detail::check_inner_contiguous("delta", delta);
+  detail::check_shape("delta", delta, {T, d});
+  detail::check_view("lse", lse);
+  detail::check_shape("lse", lse, {T});
+  detail::check_view("u", u);
+  detail::check_shape("u", u, {d});
+  detail::check_view("h", h);
+  detail::check_inner_contiguous("h", h);
+  detail::check_shape("h", h, {T, d});
+  detail::check_no_overlap("h", h, "prefix", prefix);
+  detail::check_no_overlap("h", h, "o", o);
+  using Ops = typename detail::ops_for<B>::template type<C>;
+  std::vector<C> uc(static_cast<std::size_t>(d));
+  for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
+  index_t const tasks = detail::token_tasks(b, T);
+  detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
+    std::vector<C> buf(static_cast<std::size_t>(d));
+    for (index_t t = lo; t < hi; ++t) {
+      S* K3_RESTRICT pr = &prefix(t, 0);
+      auto const* K3_RESTRICT dl = &delta(t, 0);
+      C* K3_RESTRICT bb = buf.data();
+      for (index_t k = 0; k < d; ++k) {
+        S v;
+        detail::put(v, detail::to_c<C>(pr[k]) + detail::to_c<C>(dl[k]));
+        pr[k] = v;
+        bb[k] = detail::to_c<C>(v);
+      }
+      detail::merge_token<Ops>(bb, &o(t, 0), C(lse(t)), uc.data(), d, eps, &h(t, 0));
+    }
+  });
+}
+
+}  // namespace k3::attnres

@@ -1,0 +1,43 @@
+#include "attnres/cuda_ref.hpp"
+
+#include "k3/attnres.hpp"
+
+namespace ar = k3::attnres;
+using k3::tensor_view;
+
+namespace attnres_cuda_ref {
+
+static ar::sources<float> src(float const* bank, i64 n, float const* partial, i64 T, i64 d) {
+  tensor_view<float const, 3> b(bank, {n, T, d});
+  return partial ? ar::make_sources(b, tensor_view<float const, 2>(partial, {T, d})) : ar::make_sources(b);
+}
+
+void mix_forward(float const* bank, i64 n, float const* partial, i64 T, i64 d, float const* w, float const* g, float eps, float* h) {
+  ar::options o;
+  o.eps = eps;
+  ar::mix_forward(k3::cpu::serial{}, src(bank, n, partial, T, d), tensor_view<float const, 1>(w, {d}), tensor_view<float const, 1>(g, {d}),
+                  k3::host_view(h, T, d), o);
+}
+
+void mix_backward(float const* bank, i64 n, float const* partial, i64 T, i64 d, float const* w, float const* g, float eps, float const* dh,
+                  float* dbank, float* dpartial, float* dw, float* dg) {
+  ar::options o;
+  o.eps = eps;
+  ar::mix_backward(k3::cpu::serial{}, src(bank, n, partial, T, d), tensor_view<float const, 1>(w, {d}), tensor_view<float const, 1>(g, {d}),
+                   tensor_view<float const, 2>(dh, {T, d}), ar::make_grads(k3::host_view(dbank, n, T, d), k3::host_view(dpartial, T, d)),
+                   k3::host_view(dw, d), k3::host_view(dg, d), o);
+}
+
+void phase1(float const* bank, i64 n, i64 T, i64 d, float const* u, i64 nq, float eps, float* rinv, float* o, float* lse) {
+  k3::cpu::serial b;
+  for (i64 j = 0; j < n; ++j) ar::block_rinv(b, tensor_view<float const, 2>(bank + j * T * d, {T, d}), k3::host_view(rinv + j * T, T), eps);
+  ar::phase1(b, tensor_view<float const, 3>(bank, {n, T, d}), tensor_view<float const, 2>(rinv, {n, T}), tensor_view<float const, 2>(u, {nq, d}),
+             k3::host_view(o, nq, T, d), k3::host_view(lse, nq, T));
+}
+
+void phase2_add(float const* o, float const* lse, float* prefix, float const* delta, float const* u, i64 T, i64 d, float eps, float* h) {
+  ar::phase2_add(k3::cpu::serial{}, tensor_view<float const, 2>(o, {T, d}), tensor_view<float const, 1>(lse, {T}), k3::host_view(prefix, T, d),
+                 tensor_view<float const, 2>(delta, {T, d}), tensor_view<float const, 1>(u, {d}), k3::host_view(h, T, d), eps);
+}
+
+}  // namespace attnres_cuda_ref

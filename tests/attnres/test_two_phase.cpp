@@ -1,0 +1,163 @@
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attnres/reference.hpp"
+#include "k3/attnres.hpp"
+
+namespace ar = k3::attnres;
+using attnres_ref::rel_err;
+using k3::index_t;
+
+namespace {
+
+template <class S>
+std::vector<S> cast(std::vector<double> const& v) {
+  std::vector<S> o(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) o[i] = S(v[i]);
+  return o;
+}
+template <class S>
+std::vector<double> widen(std::vector<S> const& v) {
+  std::vector<double> o(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) o[i] = double(v[i]);
+  return o;
+}
+
+// n completed blocks, nq sites, and a partial; compares phase 1 + phase 2 with the one-pass mix.
+template <class S, class B>
+double two_phase_vs_one_pass(B const& b, index_t n, index_t nq, index_t T, index_t d, std::uint64_t seed, bool check_lse) {
+  using C = ar::compute_t<S>;
+  attnres_ref::rng r(seed);
+  std::vector<double> bankd(std::size_t(n * T * d));
+  for (index_t j = 0; j < n; ++j) {
+    double sc = std::exp(r.uniform(-1, 1));
+    for (index_t i = 0; i < T * d; ++i) bankd[std::size_t(j * T * d + i)] = sc * r.normal();
+  }
+  auto bank = cast<S>(bankd), part = cast<S>(r.normals<double>(std::size_t(T * d), 3.0));
+  std::vector<double> wd = r.normals<double>(std::size_t(nq * d), 4.0 / std::sqrt(double(d))), gd = r.normals<double>(std::size_t(nq * d), 0.3);
+  for (auto& x : gd) x += 1;
+  auto w = cast<C>(wd), g = cast<C>(gd);
+  std::vector<C> u(std::size_t(nq * d));
+  for (std::size_t i = 0; i < u.size(); ++i) u[i] = w[i] * g[i];
+  std::vector<C> rinv(std::size_t(n * T)), o(std::size_t(nq * T * d)), lse(std::size_t(nq * T));
+  auto bv = k3::host_view(bank.data(), n, T, d);
+  for (index_t j = 0; j < n; ++j)
+    ar::block_rinv(b, k3::tensor_view<S const, 2>(bv.slice(0, j)), k3::host_view(rinv.data() + j * T, T), 1e-5);
+  ar::phase1(b, k3::tensor_view<S const, 3>(bv), k3::tensor_view<C const, 2>(rinv.data(), {n, T}),
+             k3::tensor_view<C const, 2>(u.data(), {nq, d}), k3::host_view(o.data(), nq, T, d), k3::host_view(lse.data(), nq, T));
+  double err = 0;
+  for (index_t l = 0; l < nq; ++l) {
+    auto wl = k3::host_view(w.data() + l * d, d), gl = k3::host_view(g.data() + l * d, d);
+    auto ul = k3::tensor_view<C const, 1>(u.data() + l * d, {d});
+    auto ol = k3::tensor_view<C const, 2>(o.data() + l * T * d, {T, d});
+    auto ll = k3::tensor_view<C const, 1>(lse.data() + l * T, {T});
+    std::vector<S> h1(std::size_t(T * d)), h2(h1.size()), h3(h1.size()), h4(h1.size());
+    // first site of a block: bank only
+    if (n > 0) {
+      ar::mix_forward(b, ar::make_sources(bv), wl, gl, k3::host_view(h1.data(), T, d));
+      ar::phase2(b, ol, ll, k3::tensor_view<S const, 2>(part.data(), {T, d}), false, ul, k3::host_view(h2.data(), T, d));
+      err = std::max(err, rel_err(widen(h2), widen(h1)));
+    }
+    // later sites: bank + partial
+    ar::mix_forward(b, ar::make_sources(bv, k3::host_view(part.data(), T, d)), wl, gl, k3::host_view(h3.data(), T, d));
+    ar::phase2(b, ol, ll, k3::tensor_view<S const, 2>(part.data(), {T, d}), true, ul, k3::host_view(h4.data(), T, d));
+    err = std::max(err, rel_err(widen(h4), widen(h3)));
+    if (check_lse && n > 0) {
+      for (index_t t = 0; t < T; ++t) {
+        std::vector<attnres_ref::vec> V;
+        for (index_t j = 0; j < n; ++j) V.emplace_back(bankd.begin() + (j * T + t) * d, bankd.begin() + (j * T + t + 1) * d);
+        auto f = attnres_ref::forward(V, attnres_ref::vec(wd.begin() + l * d, wd.begin() + (l + 1) * d),
+                                      attnres_ref::vec(gd.begin() + l * d, gd.begin() + (l + 1) * d), 1e-5);
+        // lse = log sum_j exp(s_j); alpha_j = exp(s_j - lse) -> lse = s_0 - log alpha_0
+        double s0 = f.r[0] * f.c[0];
+        err = std::max(err, std::abs(double(lse[std::size_t(l * T + t)]) - (s0 - std::log(f.alpha[0]))) / (1 + std::abs(s0)));
+      }
+    }
+  }
+  return err;
+}
+
+}  // namespace
+
+TEST_CASE("phase 1 + phase 2 equal the one-pass mix at every site (double: 1e-12, float: 1e-6)") {
+  struct cs {
+    index_t n, nq, T, d;
+  };
+  std::uint64_t seed = 1;
+  for (cs c : {cs{1, 1, 1, 1}, cs{3, 5, 4, 33}, cs{8, 24, 3, 71}, cs{9, 3, 5, 16}, cs{2, 2, 0, 8}, cs{12, 7, 2, 40}, cs{0, 3, 3, 8}}) {
+    CAPTURE(c.n);
+    CAPTURE(c.nq);
+    CAPTURE(c.d);
+    CHECK(two_phase_vs_one_pass<double>(k3::cpu::serial{}, c.n, c.nq, c.T, c.d, seed, true) <= 1e-12);
+    CHECK(two_phase_vs_one_pass<double>(k3::cpu::threads<>(2), c.n, c.nq, c.T, c.d, seed, true) <= 1e-12);
+    CHECK(two_phase_vs_one_pass<float>(k3::cpu::serial{}, c.n, c.nq, c.T, c.d, seed, false) <= 1e-6);
+    CHECK(two_phase_vs_one_pass<float>(k3::cpu::threads<>(2), c.n, c.nq, c.T, c.d, seed, false) <= 1e-6);
+    CHECK(two_phase_vs_one_pass<k3::bfloat16>(k3::cpu::threads<>(2), c.n, c.nq, c.T, c.d, seed, false) <= 8e-3);  // h rounded to bf16
+    ++seed;
+  }
+}
+
+TEST_CASE("block_rinv is the inverse RMS of each token; phase2_add fuses the residual add") {
+  index_t const T = 5, d = 19;
+  attnres_ref::rng r(3);
+  auto x = r.normals<double>(std::size_t(T * d), 0.01);
+  std::vector<double> rinv(static_cast<std::size_t>(T));
+  ar::block_rinv(k3::cpu::threads<>(2), k3::host_view(x.data(), T, d), k3::host_view(rinv.data(), T), 1e-5);
+  for (index_t t = 0; t < T; ++t) {
+    double ss = 0;
+    for (index_t k = 0; k < d; ++k) ss += x[std::size_t(t * d + k)] * x[std::size_t(t * d + k)];
+    CHECK(std::abs(rinv[std::size_t(t)] - 1 / std::sqrt(ss / d + 1e-5)) <= 1e-12 * rinv[std::size_t(t)]);
+  }
+  // phase2_add(prefix, delta) == (prefix += delta; phase2(prefix))
+  auto o = cast<float>(r.normals<double>(std::size_t(T * d))), pre = cast<float>(r.normals<double>(std::size_t(T * d))),
+       del = cast<float>(r.normals<double>(std::size_t(T * d))), u = cast<float>(r.normals<double>(std::size_t(d)));
+  std::vector<float> lse = {0.1f, -2.f, 3.f, 0.f, 1.f}, pre2 = pre, h1(std::size_t(T * d)), h2(h1.size());
+  k3::cpu::threads<> b(2);
+  ar::phase2_add(b, k3::tensor_view<float const, 2>(o.data(), {T, d}), k3::tensor_view<float const, 1>(lse.data(), {T}),
+                 k3::host_view(pre.data(), T, d), k3::tensor_view<float const, 2>(del.data(), {T, d}),
+                 k3::tensor_view<float const, 1>(u.data(), {d}), k3::host_view(h1.data(), T, d));
+  for (std::size_t i = 0; i < pre2.size(); ++i) pre2[i] += del[i];
+  CHECK(pre == pre2);
+  ar::phase2(b, k3::tensor_view<float const, 2>(o.data(), {T, d}), k3::tensor_view<float const, 1>(lse.data(), {T}),
+             k3::tensor_view<float const, 2>(pre2.data(), {T, d}), true, k3::tensor_view<float const, 1>(u.data(), {d}),
+             k3::host_view(h2.data(), T, d));
+  CHECK(h1 == h2);
+}
+
+TEST_CASE("two-phase: a NaN in one token stays there; shape errors name the argument") {
+  index_t const n = 3, nq = 4, T = 6, d = 10;
+  attnres_ref::rng r(9);
+  auto bank = cast<float>(r.normals<double>(std::size_t(n * T * d)));
+  bank[std::size_t((1 * T + 3) * d + 2)] = std::numeric_limits<float>::quiet_NaN();  // token 3
+  std::vector<float> rinv(std::size_t(n * T)), u = cast<float>(r.normals<double>(std::size_t(nq * d))), o(std::size_t(nq * T * d)),
+      lse(std::size_t(nq * T));
+  k3::cpu::threads<> b(3);
+  auto bv = k3::host_view(bank.data(), n, T, d);
+  for (index_t j = 0; j < n; ++j) ar::block_rinv(b, bv.slice(0, j), k3::host_view(rinv.data() + j * T, T));
+  ar::phase1(b, bv, k3::host_view(rinv.data(), n, T), k3::host_view(u.data(), nq, d), k3::host_view(o.data(), nq, T, d),
+             k3::host_view(lse.data(), nq, T));
+  for (index_t l = 0; l < nq; ++l)
+    for (index_t t = 0; t < T; ++t) {
+      bool fin = true;
+      for (index_t k = 0; k < d; ++k) fin &= std::isfinite(o[std::size_t((l * T + t) * d + k)]);
+      CHECK(fin == (t != 3));
+      CHECK(std::isfinite(lse[std::size_t(l * T + t)]) == (t != 3));
+    }
+  std::vector<float> u5(std::size_t(nq * (d + 1)));
+  try {
+    ar::phase1(b, bv, k3::host_view(rinv.data(), n, T), k3::host_view(u5.data(), nq, d + 1), k3::host_view(o.data(), nq, T, d),
+               k3::host_view(lse.data(), nq, T));
+    FAIL("no throw");
+  } catch (k3::error const& e) {
+    std::string m = e.what();
+    CHECK(m.find("'u'") != std::string::npos);
+    CHECK(m.find("[4, 10]") != std::string::npos);
+    CHECK(m.find("[4, 11]") != std::string::npos);
+  }
+  CHECK_THROWS_AS(ar::phase1(b, bv, k3::host_view(rinv.data(), n - 1, T), k3::host_view(u.data(), nq, d), k3::host_view(o.data(), nq, T, d),
+                             k3::host_view(lse.data(), nq, T)),
+                  k3::error);
+}
