@@ -7,3 +7,5 @@
 #include "k3/dplr/serial.hpp"
 #include "k3/dplr/chunked.hpp"
 #include "k3/dplr/iplr.hpp"
+#include "k3/dplr/maps.hpp"
+#include "k3/dplr/kda_map.hpp"
