@@ -9,3 +9,4 @@
 #include "k3/dplr/iplr.hpp"
 #include "k3/dplr/maps.hpp"
 #include "k3/dplr/kda_map.hpp"
+#include "k3/dplr/context_parallel.hpp"
