@@ -13,7 +13,8 @@
 // end come from folding (M^T, G) from the last rank down, then the ordinary chunked backward.
 // Communication: B*H*K*(K+V) (forward) or B*H*K*(K+2V) (backward) state-type elements per
 // rank, independent of T. A shape header is exchanged first, so a rank whose B, H, K, V,
-// element type or h0/dht presence differs makes every rank throw k3::error naming it.
+// element type or h0/dht presence differs makes every rank throw k3::error naming it. With
+// one rank both calls are the ordinary chunked ones.
 #pragma once
 #include <string>
 #include <vector>
@@ -81,6 +82,10 @@ void dplr_cp_forward(C const& comm, dplr_inputs<T> const& in, dplr_outputs<T> co
   if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
   d::check_outputs(p, local_in, out);
   d::cp_agree(comm, "dplr_cp_forward", d::cp_header<T>(p, !d::absent(h0), false), d::cp_header_names());
+  if (comm.size() == 1) {  // nothing to fold: the ordinary forward
+    dplr_chunked_forward(bk, in, out, opt);
+    return;
+  }
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   auto par = d::make_par(bk);
   index_t const W = p.K + p.V, BH = p.B * p.H, P = comm.size(), me = comm.rank();
@@ -126,6 +131,10 @@ void dplr_cp_backward(C const& comm, dplr_inputs<T> const& in, dplr_grad_inputs<
   if (!d::absent(gin.dht)) detail::check_shape("dht", gin.dht, {p.B, p.H, p.K, p.V});
   if (!d::absent(g.dh0)) detail::check_shape("dh0", g.dh0, {p.B, p.H, p.K, p.V});
   d::cp_agree(comm, "dplr_cp_backward", d::cp_header<T>(p, !d::absent(h0), !d::absent(gin.dht)), d::cp_header_names());
+  if (comm.size() == 1) {
+    dplr_chunked_backward(bk, in, gin, g, opt);
+    return;
+  }
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   auto par = d::make_par(bk);
   index_t const W = p.K + 2 * p.V, BH = p.B * p.H, P = comm.size(), me = comm.rank();
