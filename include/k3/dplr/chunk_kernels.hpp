@@ -70,6 +70,10 @@ struct chunk_pre {
   mat<R> kh, bh;                 // c x K, factored form only: k e^{-gi}, b e^{-gi}
   mat<R> Aqk, Aqb, Aak, Tm;      // c x c
   vec<R> dC;                     // e^{gi_c}
+  // The forward state pass as three GEMMs over the stacked operand Z = [S; V; X]:
+  //   X = [w | Tm Aak] [S; V],  O = [Qe | Aqk | Aqb] Z,  S' = e^{gi_c} S + [Kd^T | Bd^T] [V; X]
+  mat<R> P1, P2, P3;
+  mat<R> g_, e_, Aab_;  // scratch, kept to avoid reallocating per chunk
 };
 
 template <class T, class R>
@@ -81,7 +85,7 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   load_rows(hv.k, t0, c, p.k);
   load_rows(hv.a, t0, c, p.a);
   load_rows(hv.b, t0, c, p.b);
-  mat<R> g;
+  mat<R>& g = p.g_;
   load_rows(hv.gk, t0, c, g);
   index_t const K = g.cols();
   p.gi = g;
@@ -91,16 +95,17 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   p.dC = last.transpose().array().exp();
   p.Qe = scale * (p.q.array() * p.gi.array().exp()).matrix();
   p.Ae = (p.a.array() * p.ge.array().exp()).matrix();
-  mat<R> Eend = (p.gi.rowwise() - last).array().operator-().exp().matrix();  // e^{gi_c - gi}
-  p.Kd = (p.k.array() * Eend.array()).matrix();
-  p.Bd = (p.b.array() * Eend.array()).matrix();
+  mat<R>& E = p.e_;
+  E = (p.gi.rowwise() - last).array().operator-().exp().matrix();  // e^{gi_c - gi}
+  p.Kd = (p.k.array() * E.array()).matrix();
+  p.Bd = (p.b.array() * E.array()).matrix();
   R span = K > 0 ? (-last.array()).maxCoeff() : R(0);
   p.factored = mode == dplr_intra::factored || (mode == dplr_intra::automatic && span <= factored_decay_limit<R>());
-  mat<R> Aab;
+  mat<R>& Aab = p.Aab_;
   if (p.factored) {
-    mat<R> Einv = (-p.gi.array()).exp().matrix();
-    p.kh = (p.k.array() * Einv.array()).matrix();
-    p.bh = (p.b.array() * Einv.array()).matrix();
+    E = (-p.gi.array()).exp().matrix();
+    p.kh = (p.k.array() * E.array()).matrix();
+    p.bh = (p.b.array() * E.array()).matrix();
     p.Aqk = (p.Qe * p.kh.transpose()).template triangularView<Eigen::Lower>();
     p.Aqb = (p.Qe * p.bh.transpose()).template triangularView<Eigen::Lower>();
     p.Aak = (p.Ae * p.kh.transpose()).template triangularView<Eigen::StrictlyLower>();
@@ -132,26 +137,35 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
       }
     }
   }
-  mat<R> L = -Aab;
-  L.diagonal().setOnes();
-  p.Tm = L.template triangularView<Eigen::UnitLower>().solve(mat<R>::Identity(c, c));
+  Aab = -Aab;
+  Aab.diagonal().setOnes();  // I - Aab, unit lower triangular
+  p.Tm.setIdentity(c, c);
+  Aab.template triangularView<Eigen::UnitLower>().solveInPlace(p.Tm);
   p.w = p.Tm * p.Ae;
+  p.P1.resize(c, K + c);
+  p.P1.leftCols(K) = p.w;
+  p.P1.rightCols(c).noalias() = p.Tm * p.Aak;
+  p.P2.resize(c, K + 2 * c);
+  p.P2.leftCols(K) = p.Qe;
+  p.P2.middleCols(K, c) = p.Aqk;
+  p.P2.rightCols(c) = p.Aqb;
+  p.P3.resize(K, 2 * c);
+  p.P3.leftCols(c) = p.Kd.transpose();
+  p.P3.rightCols(c) = p.Bd.transpose();
 }
 
 // Forward over one chunk for a block of state columns: S (K x w) is advanced in place; O (c x w)
 // is written when non-null.
 template <class R>
 void chunk_forward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R>& S, mat<R>* O) {
-  mat<R> X = p.Tm * (p.Aak * Vc);
-  X.noalias() += p.w * S;
-  if (O) {
-    O->noalias() = p.Aqk * Vc;
-    O->noalias() += p.Aqb * X;
-    O->noalias() += p.Qe * S;
-  }
+  index_t const K = S.rows(), c = p.c;
+  mat<R> Z(K + 2 * c, S.cols());
+  Z.topRows(K) = S;
+  Z.middleRows(K, c) = Vc;
+  Z.bottomRows(c).noalias() = p.P1 * Z.topRows(K + c);
+  if (O) O->noalias() = p.P2 * Z;
   S.array().colwise() *= p.dC.array();
-  S.noalias() += p.Kd.transpose() * Vc;
-  S.noalias() += p.Bd.transpose() * X;
+  S.noalias() += p.P3 * Z.bottomRows(2 * c);
 }
 
 // Gradients of the V- and S-contracted products of one chunk, summed over state columns.
