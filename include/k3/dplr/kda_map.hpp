@@ -133,13 +133,7 @@ void kda_segment_maps(kda_inputs<T> const& in, tensor_view<dplr_state_t<T>, 4> c
   kda_as_dplr<T> m(in);
   auto din = m.inputs();
   din.h0 = {};
-  if (!opt.scale) {
-    auto o = opt;
-    o.scale = 1.0;  // maps do not depend on the scale
-    dplr_segment_maps(din, M, N, o, bk);
-  } else {
-    dplr_segment_maps(din, M, N, opt, bk);
-  }
+  dplr_segment_maps(din, M, N, opt, bk);
 }
 
 }  // namespace k3
