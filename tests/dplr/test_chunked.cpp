@@ -113,3 +113,20 @@ TEST_CASE("threaded paths equal the single-thread result") {
     }
   }
 }
+
+TEST_CASE("context-parallel entry points on a single-process communicator") {
+  std::mt19937_64 rng(16);
+  auto p = make<double>(rng, 2, 70, 2, 8, 6);
+  auto dO = randn<double>(rng, p.nv());
+  auto dht = randn<double>(rng, p.ns());
+  k3::single_process one;
+  auto ref = run_fwd(p, recurrent_fwd(p.options()));
+  auto got = run_fwd(p, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(one, in, out, p.options(16)); });
+  CHECK(max_err(got, ref) < 1e-12);
+  auto gref = run_bwd(p, dO, dht, recurrent_bwd(p.options()));
+  auto g = run_bwd(p, dO, dht, [&](auto const& in, auto const& gin, auto const& gg) { k3::dplr_cp_backward(one, in, gin, gg, p.options(16)); });
+  CHECK(max_err(g, gref) < 1e-12);
+  auto p1 = make<double>(rng, 1, 70, 1, 4, 4, {0, 70});
+  CHECK_THROWS_WITH_AS(run_fwd(p1, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(one, in, out, p1.options()); }),
+                       doctest::Contains("cu_seqlens"), k3::error);
+}
