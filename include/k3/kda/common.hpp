@@ -33,14 +33,15 @@ enum class algorithm { chunk, recurrent };
 class cu_seqlens_view {
  public:
   cu_seqlens_view() = default;
-  cu_seqlens_view(tensor_view<std::int32_t const, 1> v) : p32_(v.data_handle()), n_(v.extent(0)), s_(v.stride(0)) {}
+  cu_seqlens_view(tensor_view<std::int32_t const, 1> v) : p32_(v.data_handle()), n_(v.extent(0)), s_(v.stride(0)), on_(true) {}
   cu_seqlens_view(tensor_view<std::int32_t, 1> v) : cu_seqlens_view(tensor_view<std::int32_t const, 1>(v)) {}
-  cu_seqlens_view(tensor_view<std::int64_t const, 1> v) : p64_(v.data_handle()), n_(v.extent(0)), s_(v.stride(0)) {}
+  cu_seqlens_view(tensor_view<std::int64_t const, 1> v) : p64_(v.data_handle()), n_(v.extent(0)), s_(v.stride(0)), on_(true) {}
   cu_seqlens_view(tensor_view<std::int64_t, 1> v) : cu_seqlens_view(tensor_view<std::int64_t const, 1>(v)) {}
-  cu_seqlens_view(std::vector<std::int64_t> const& v) : p64_(v.data()), n_(static_cast<index_t>(v.size())), s_(1) {}
-  cu_seqlens_view(std::vector<std::int32_t> const& v) : p32_(v.data()), n_(static_cast<index_t>(v.size())), s_(1) {}
+  cu_seqlens_view(std::vector<std::int64_t> const& v) : p64_(v.data()), n_(static_cast<index_t>(v.size())), s_(1), on_(true) {}
+  cu_seqlens_view(std::vector<std::int32_t> const& v) : p32_(v.data()), n_(static_cast<index_t>(v.size())), s_(1), on_(true) {}
 
-  bool present() const noexcept { return p32_ != nullptr || p64_ != nullptr; }
+  // Any explicitly given offsets (even an empty list, which is then rejected) mean packed.
+  bool present() const noexcept { return on_; }
   index_t size() const noexcept { return n_; }
   index_t operator[](index_t i) const noexcept { return p32_ ? index_t(p32_[i * s_]) : index_t(p64_[i * s_]); }
   void const* data() const noexcept { return p32_ ? static_cast<void const*>(p32_) : static_cast<void const*>(p64_); }
@@ -49,6 +50,7 @@ class cu_seqlens_view {
   std::int32_t const* p32_ = nullptr;
   std::int64_t const* p64_ = nullptr;
   index_t n_ = 0, s_ = 1;
+  bool on_ = false;
 };
 
 struct options {
