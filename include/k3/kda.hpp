@@ -19,10 +19,15 @@
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
+#include "k3/kda/recurrent_simd.hpp"
 
 namespace k3::kda {
 
 namespace detail {
+
+// The vectorised kernels need the backend's SIMD architecture (simd<Arch>, threads<Arch>).
+template <class B>
+concept SimdBackend = requires { typename B::arch_type; };
 
 template <class B, class F>
 void run_tasks(B const& be, index_t n, F&& f) {
@@ -40,6 +45,14 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
   detail::problem const p = detail::validate(a, opt);
   index_t const tasks = p.N * p.HV;
   if (opt.mode == algorithm::recurrent) {
+    if constexpr (detail::SimdBackend<B>) {
+      if (detail::simd_recurrent_ok<typename B::arch_type, S>(p.V)) {
+        detail::run_tasks(be, tasks, [&](index_t i) {
+          detail::recurrent_forward_simd_task<typename B::arch_type, S>(p, a, i / p.HV, i % p.HV);
+        });
+        return;
+      }
+    }
     detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_forward_task<S>(p, a, i / p.HV, i % p.HV); });
   } else {
     detail::run_tasks(be, tasks, [&](index_t i) { detail::chunk_forward_task<S>(p, a, i / p.HV, i % p.HV); });
@@ -65,6 +78,12 @@ void decode(B const& be, decode_args<In, S> const& a, options const& opt = {}) {
   detail::run_tasks(be, p.N * p.HV, [&](index_t i) {
     index_t const n = i / p.HV, hv = i % p.HV;
     index_t const slot = s32 ? index_t(a.slots32(n)) : index_t(a.slots64(n));
+    if constexpr (detail::SimdBackend<B>) {
+      if (detail::simd_recurrent_ok<typename B::arch_type, S>(p.V)) {
+        detail::decode_simd_task<typename B::arch_type, S>(p, a, n, slot, hv);
+        return;
+      }
+    }
     detail::decode_task<S>(p, a, n, slot, hv);
   });
 }

@@ -241,7 +241,7 @@ void decode_token(typed_data<double> const& d, index_t t, std::vector<double>& p
 }  // namespace
 
 TEST_CASE("decode after a chunked prefill matches the whole sequence chunked") {
-  kda_case c{.B = 2, .T = 90, .H = 1, .HV = 2, .K = 20, .V = 12, .seed = 100};
+  kda_case c{.B = 2, .T = 90, .H = 1, .HV = 2, .K = 20, .V = 40, .seed = 100};  // V: SIMD path and remainder
   kda_data64 d64 = make_data(c);
   typed_data<double> full(d64);
   auto whole = run_forward(full, kda::algorithm::chunk);
