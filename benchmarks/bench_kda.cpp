@@ -41,7 +41,7 @@ struct inputs {
     for (auto& x : v) x = nd(rng);
     d_o = v;
     g.resize(std::size_t(T * H * K));
-    for (auto& x : g) x = -std::log1p(std::exp(-nd(rng))) / 8;
+    for (auto& x : g) x = -5.0f / (1.0f + std::exp(-nd(rng)));  // fla's lower-bounded gate, lb = -5
     beta.resize(std::size_t(T * H));
     for (auto& x : beta) x = 1 / (1 + std::exp(-nd(rng)));
     o.resize(v.size());
@@ -116,6 +116,7 @@ int main(int argc, char** argv) {
     int const reps = T <= 8192 ? 5 : 3;
     std::vector<double> tc, ts, tb;
     k3::kda::options chunk_opt, serial_opt;
+    chunk_opt.gate_lower_bound = -5.0;
     serial_opt.mode = k3::kda::algorithm::recurrent;
     auto fa = in.fwd();
     auto ba = in.bwd();

@@ -85,7 +85,6 @@ void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view
 // Aqk (lower, diagonal included) and KK (strictly lower) of a chunk of c rows.
 template <class Acc>
 void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
-  using Mat = typename chunk_workspace<Acc>::Mat;
   index_t const K = w.K, BC = sub_chunk;
   w.Aqk.topLeftCorner(c, c).setZero();
   w.KK.topLeftCorner(c, c).setZero();
@@ -125,30 +124,20 @@ void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<do
       Qa.array() = w.Q.middleRows(i0, ci).array() * EI.array();
       Ka.array() = w.Kc.middleRows(i0, ci).array() * EI.array();
       Kb.array() = w.Kc.middleRows(i0, ci).array() * EJ.array();
-      Mat tq = scale * Qa * Kb.transpose();
-      Mat tk = Ka * Kb.transpose();
-      for (index_t i = 0; i < ci; ++i)
-        for (index_t j = 0; j <= i; ++j) {
-          w.Aqk(i0 + i, i0 + j) = tq(i, j);
-          if (j < i) w.KK(i0 + i, i0 + j) = tk(i, j);
-        }
+      auto tq = w.Aqk.block(i0, i0, ci, ci);
+      auto tk = w.KK.block(i0, i0, ci, ci);
+      tq.noalias() = scale * Qa * Kb.transpose();
+      tk.noalias() = Ka * Kb.transpose();
+      tq.template triangularView<Eigen::StrictlyUpper>().setZero();  // mask after the product: factors are bounded
+      tk.template triangularView<Eigen::Upper>().setZero();
     } else {
+      // Row i against columns i0..i only: every exponent G_i - G_j is causal (<= 0).
       for (index_t i = i0; i < i0 + ci; ++i) {
-        Acc const* qi = w.Q.row(i).data();
-        Acc const* ki = w.Kc.row(i).data();
-        Acc const* Gi = w.G.row(i).data();
-        for (index_t j = i0; j <= i; ++j) {
-          Acc const* kj = w.Kc.row(j).data();
-          Acc const* Gj = w.G.row(j).data();
-          Acc sq = 0, sk = 0;
-          for (index_t d = 0; d < K; ++d) {
-            Acc const e = kj[d] * std::exp(Gi[d] - Gj[d]);
-            sq += qi[d] * e;
-            sk += ki[d] * e;
-          }
-          w.Aqk(i, j) = scale * sq;
-          if (j < i) w.KK(i, j) = sk;
-        }
+        index_t const m = i - i0 + 1;
+        auto Kt = w.Kb.topRows(m);
+        Kt.array() = w.Kc.middleRows(i0, m).array() * ((-w.G.middleRows(i0, m)).rowwise() + w.G.row(i)).array().exp();
+        w.Aqk.row(i).segment(i0, m).noalias() = scale * (Kt * w.Q.row(i).transpose()).transpose();
+        w.KK.row(i).segment(i0, m - 1).noalias() = (Kt.topRows(m - 1) * w.Kc.row(i).transpose()).transpose();
       }
     }
   }
@@ -280,32 +269,25 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
       w.dK.middleRows(i0, ci).array() += dKa.array() * EI.array() + dKb.array() * EJ.array();
       w.dG.middleRows(i0, ci).array() += dQa.array() * Qa.array() + dKa.array() * Ka.array() - dKb.array() * Kb.array();
     } else {
+      typename chunk_workspace<Acc>::RowVec aq(BC), ak(BC);
       for (index_t i = i0; i < i0 + ci; ++i) {
-        Acc const* qi = w.Q.row(i).data();
-        Acc const* ki = w.Kc.row(i).data();
-        Acc const* Gi = w.G.row(i).data();
-        Acc* dqi = w.dQ.row(i).data();
-        Acc* dki = w.dK.row(i).data();
-        Acc* dGi = w.dG.row(i).data();
-        for (index_t j = i0; j <= i; ++j) {
-          Acc const aq = scale * w.dAqk(i, j);
-          Acc const ak = j < i ? w.dKK(i, j) : Acc(0);
-          Acc const* kj = w.Kc.row(j).data();
-          Acc const* Gj = w.G.row(j).data();
-          Acc* dkj = w.dK.row(j).data();
-          Acc* dGj = w.dG.row(j).data();
-          for (index_t d = 0; d < K; ++d) {
-            Acc const e = std::exp(Gi[d] - Gj[d]);
-            Acc const kje = kj[d] * e;
-            dqi[d] += aq * kje;
-            dki[d] += ak * kje;
-            Acc const x = (aq * qi[d] + ak * ki[d]) * e;
-            dkj[d] += x;
-            Acc const pr = x * kj[d];
-            dGi[d] += pr;
-            dGj[d] -= pr;
-          }
-        }
+        index_t const m = i - i0 + 1;
+        auto E = w.EJ.topRows(m);
+        auto Kt = w.Kb.topRows(m);
+        auto X = w.dKb.topRows(m);
+        E.array() = ((-w.G.middleRows(i0, m)).rowwise() + w.G.row(i)).array().exp();
+        Kt.array() = w.Kc.middleRows(i0, m).array() * E.array();
+        aq.head(m) = scale * w.dAqk.row(i).segment(i0, m);
+        ak.head(m) = w.dKK.row(i).segment(i0, m);  // its diagonal entry is zero
+        w.dQ.row(i).noalias() += aq.head(m) * Kt;
+        w.dK.row(i).noalias() += ak.head(m) * Kt;
+        X.noalias() = aq.head(m).transpose() * w.Q.row(i);
+        X.noalias() += ak.head(m).transpose() * w.Kc.row(i);
+        X.array() *= E.array();
+        w.dK.middleRows(i0, m) += X;
+        X.array() *= w.Kc.middleRows(i0, m).array();
+        w.dG.row(i) += X.colwise().sum();
+        w.dG.middleRows(i0, m) -= X;
       }
     }
   }
