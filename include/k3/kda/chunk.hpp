@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "k3/kda/common.hpp"
@@ -63,6 +64,17 @@ struct chunk_workspace {
   }
 };
 
+// In-place e^x over the rows of a row-major block. Eigen evaluates .exp() with SIMD packets
+// on plain rows, but falls back to scalar libm on broadcast (rowwise) expressions.
+template <class Block>
+inline void exp_rows(Block&& b) {
+  using Acc = typename std::remove_cvref_t<Block>::Scalar;
+  for (Eigen::Index r = 0; r < b.rows(); ++r) {
+    Eigen::Map<Eigen::Array<Acc, 1, Eigen::Dynamic>> m(b.row(r).data(), b.cols());
+    m = m.exp();
+  }
+}
+
 // Loads chunk rows [t0, t0+c) of sequence batch row b, heads h (q/k) and hv, and the gate cumsum.
 template <class Acc, class In>
 void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view<In const, 4> k, tensor_view<In const, 4> v,
@@ -95,13 +107,15 @@ void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<do
     // Off-diagonal tiles, anchored at row i0.
     if (i0 > 0) {
       auto EI = w.EI.topRows(ci);
-      EI.array() = (GI.rowwise() - Gn).array().exp();
+      EI = GI.rowwise() - Gn;
+      exp_rows(EI);
       w.Qa.topRows(ci).array() = w.Q.middleRows(i0, ci).array() * EI.array();
       w.Ka.topRows(ci).array() = w.Kc.middleRows(i0, ci).array() * EI.array();
       auto& EJ = w.EJ;
       for (index_t j0 = 0; j0 < i0; j0 += BC) {
         auto GJ = w.G.middleRows(j0, BC);
-        EJ.array() = ((-GJ).rowwise() + Gn).array().exp();
+        EJ = (-GJ).rowwise() + Gn;
+        exp_rows(EJ);
         w.Kb.array() = w.Kc.middleRows(j0, BC).array() * EJ.array();
         w.Aqk.block(i0, j0, ci, BC).noalias() = scale * w.Qa.topRows(ci) * w.Kb.transpose();
         w.KK.block(i0, j0, ci, BC).noalias() = w.Ka.topRows(ci) * w.Kb.transpose();
@@ -116,8 +130,10 @@ void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<do
         cv = w.G.row(i0 - 1).array() + Acc(8 * *lb);
       auto EI = w.EI.topRows(ci);
       auto EJ = w.EJ.topRows(ci);
-      EI.array() = (GI.rowwise() - cv).array().exp();
-      EJ.array() = ((-GI).rowwise() + cv).array().exp();
+      EI = GI.rowwise() - cv;
+      exp_rows(EI);
+      EJ = (-GI).rowwise() + cv;
+      exp_rows(EJ);
       auto Qa = w.Qa.topRows(ci);
       auto Ka = w.Ka.topRows(ci);
       auto Kb = w.Kb.topRows(ci);
@@ -135,7 +151,10 @@ void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<do
       for (index_t i = i0; i < i0 + ci; ++i) {
         index_t const m = i - i0 + 1;
         auto Kt = w.Kb.topRows(m);
-        Kt.array() = w.Kc.middleRows(i0, m).array() * ((-w.G.middleRows(i0, m)).rowwise() + w.G.row(i)).array().exp();
+        auto E = w.EJ.topRows(m);
+        E = (-w.G.middleRows(i0, m)).rowwise() + w.G.row(i);
+        exp_rows(E);
+        Kt.array() = w.Kc.middleRows(i0, m).array() * E.array();
         w.Aqk.row(i).segment(i0, m).noalias() = scale * (Kt * w.Q.row(i).transpose()).transpose();
         w.KK.row(i).segment(i0, m - 1).noalias() = (Kt.topRows(m - 1) * w.Kc.row(i).transpose()).transpose();
       }
@@ -167,10 +186,12 @@ void chunk_prepare(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<
   chunk_inverse(w, c);
   auto G = w.G.topRows(c);
   auto gl = w.G.row(c - 1);
-  w.tmpK.topRows(c).array() = G.array().exp();  // e^G
+  w.tmpK.topRows(c) = G;
+  exp_rows(w.tmpK.topRows(c));  // e^G
   w.Qe.topRows(c).array() = w.Q.topRows(c).array() * w.tmpK.topRows(c).array();
   w.Ke.topRows(c).array() = w.Kc.topRows(c).array() * w.tmpK.topRows(c).array();
-  w.tmpK2.topRows(c).array() = ((-G).rowwise() + gl).array().exp();  // e^{G_last - G}
+  w.tmpK2.topRows(c) = (-G).rowwise() + gl;
+  exp_rows(w.tmpK2.topRows(c));  // e^{G_last - G}
   w.Kd.topRows(c).array() = w.Kc.topRows(c).array() * w.tmpK2.topRows(c).array();
   w.R.topRows(c) = w.Vc.topRows(c);
   w.R.topRows(c).noalias() -= w.Ke.topRows(c) * w.S;
@@ -218,7 +239,8 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
     auto dKa = w.dKa.topRows(ci);
     if (i0 > 0) {
       auto EI = w.EI.topRows(ci);
-      EI.array() = (GI.rowwise() - Gn).array().exp();
+      EI = GI.rowwise() - Gn;
+      exp_rows(EI);
       auto Qa = w.Qa.topRows(ci);
       auto Ka = w.Ka.topRows(ci);
       Qa.array() = w.Q.middleRows(i0, ci).array() * EI.array();
@@ -227,7 +249,8 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
       dKa.setZero();
       for (index_t j0 = 0; j0 < i0; j0 += BC) {
         auto GJ = w.G.middleRows(j0, BC);
-        w.EJ.array() = ((-GJ).rowwise() + Gn).array().exp();
+        w.EJ = (-GJ).rowwise() + Gn;
+        exp_rows(w.EJ);
         w.Kb.array() = w.Kc.middleRows(j0, BC).array() * w.EJ.array();
         auto dAq = w.dAqk.block(i0, j0, ci, BC);
         auto dAk = w.dKK.block(i0, j0, ci, BC);
@@ -250,8 +273,10 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
         cv = w.G.row(i0 - 1).array() + Acc(8 * *lb);
       auto EI = w.EI.topRows(ci);
       auto EJ = w.EJ.topRows(ci);
-      EI.array() = (GI.rowwise() - cv).array().exp();
-      EJ.array() = ((-GI).rowwise() + cv).array().exp();
+      EI = GI.rowwise() - cv;
+      exp_rows(EI);
+      EJ = (-GI).rowwise() + cv;
+      exp_rows(EJ);
       auto Qa = w.Qa.topRows(ci);
       auto Ka = w.Ka.topRows(ci);
       auto Kb = w.Kb.topRows(ci);
@@ -275,7 +300,8 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
         auto E = w.EJ.topRows(m);
         auto Kt = w.Kb.topRows(m);
         auto X = w.dKb.topRows(m);
-        E.array() = ((-w.G.middleRows(i0, m)).rowwise() + w.G.row(i)).array().exp();
+        E = (-w.G.middleRows(i0, m)).rowwise() + w.G.row(i);
+        exp_rows(E);
         Kt.array() = w.Kc.middleRows(i0, m).array() * E.array();
         aq.head(m) = scale * w.dAqk.row(i).segment(i0, m);
         ak.head(m) = w.dKK.row(i).segment(i0, m);  // its diagonal entry is zero
