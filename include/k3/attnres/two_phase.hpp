@@ -10,6 +10,9 @@
 //
 // rinv_j, the inverse RMS of a completed block, is computed once when the block is closed
 // (block_rinv) and stored with it. Queries arrive folded: u_l = g_l * w_l.
+// Precision: float rows; phase-1 scores from float register tiles rounded into double, softmax
+// and lse in double; the phase-2 weight p from float lane sums (the step is bandwidth-bound).
+// Both agree with the one-pass mix to float rounding (tests: 1e-6 relative per site).
 #pragma once
 #include <algorithm>
 #include <cmath>
