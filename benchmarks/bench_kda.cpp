@@ -1,0 +1,194 @@
+// KDA forward/backward/decode throughput on the CPU, as ratios against same-run yardsticks:
+//   - chunked and serial forward in GFLOP/s (Kimi Linear's count, 6Td^2 + 3TCd + TC^2 per head,
+//     d = 128, C = 64) over the median of >= 7 interleaved 1024^3 Eigen float GEMMs (all threads);
+//   - chunked backward time over chunked forward time;
+//   - decode state bytes (read + write) per second over an in-place pass over a pool of the
+//     same size (>= 128 MB, beyond the last-level cache).
+// B = 1, H = 16, K = V = 128, float32, T from 4096 to 32768 (--quick: T = 4096 only).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/bench.hpp"
+#include "k3/kda.hpp"
+
+using k3::index_t;
+
+namespace {
+
+struct inputs {
+  index_t T, H, K, V;
+  std::vector<float> q, k, v, g, beta, o, d_o, dq, dk, dv, dg, db, ht, dh0;
+  inputs(index_t T_, index_t H_, index_t K_, index_t V_) : T(T_), H(H_), K(K_), V(V_) {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd;
+    auto fill_normed = [&](std::vector<float>& x) {
+      x.resize(std::size_t(T * H * K));
+      for (index_t r = 0; r < T * H; ++r) {
+        float s = 0;
+        for (index_t i = 0; i < K; ++i) s += (x[std::size_t(r * K + i)] = nd(rng)) * x[std::size_t(r * K + i)];
+        for (index_t i = 0; i < K; ++i) x[std::size_t(r * K + i)] /= std::sqrt(s);
+      }
+    };
+    fill_normed(q);
+    fill_normed(k);
+    v.resize(std::size_t(T * H * V));
+    for (auto& x : v) x = nd(rng);
+    d_o = v;
+    g.resize(std::size_t(T * H * K));
+    for (auto& x : g) x = -5.0f / (1.0f + std::exp(-nd(rng)));  // fla's lower-bounded gate, lb = -5
+    beta.resize(std::size_t(T * H));
+    for (auto& x : beta) x = 1 / (1 + std::exp(-nd(rng)));
+    o.resize(v.size());
+    dq.resize(q.size());
+    dk.resize(k.size());
+    dv.resize(v.size());
+    dg.resize(g.size());
+    db.resize(beta.size());
+    ht.resize(std::size_t(H * K * V));
+    dh0.resize(ht.size());
+  }
+  k3::kda::forward_args<float> fwd() {
+    k3::kda::forward_args<float> a;
+    a.q = k3::host_view(q.data(), 1, T, H, K);
+    a.k = k3::host_view(k.data(), 1, T, H, K);
+    a.v = k3::host_view(v.data(), 1, T, H, V);
+    a.g = k3::host_view(g.data(), 1, T, H, K);
+    a.beta = k3::host_view(beta.data(), 1, T, H);
+    a.o = k3::host_view(o.data(), 1, T, H, V);
+    a.ht = k3::host_view(ht.data(), 1, H, K, V);
+    return a;
+  }
+  k3::kda::backward_args<float> bwd() {
+    k3::kda::backward_args<float> a;
+    a.q = k3::host_view(q.data(), 1, T, H, K);
+    a.k = k3::host_view(k.data(), 1, T, H, K);
+    a.v = k3::host_view(v.data(), 1, T, H, V);
+    a.g = k3::host_view(g.data(), 1, T, H, K);
+    a.beta = k3::host_view(beta.data(), 1, T, H);
+    a.d_o = k3::host_view(d_o.data(), 1, T, H, V);
+    a.dq = k3::host_view(dq.data(), 1, T, H, K);
+    a.dk = k3::host_view(dk.data(), 1, T, H, K);
+    a.dv = k3::host_view(dv.data(), 1, T, H, V);
+    a.dg = k3::host_view(dg.data(), 1, T, H, K);
+    a.dbeta = k3::host_view(db.data(), 1, T, H);
+    a.dh0 = k3::host_view(dh0.data(), 1, H, K, V);
+    return a;
+  }
+};
+
+char const* verdict(bool ok) { return ok ? "PASS" : "FAIL"; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0)
+      quick = true;
+    else {
+      std::fprintf(stderr, "usage: bench_kda [--quick]\n");
+      return 2;
+    }
+  }
+  k3::bench::print_header("KDA (B=1, H=16, K=V=128, float32, chunk 64)");
+  int const threads = k3::bench::hardware_threads();
+  k3::cpu::threads<> be(threads);
+  k3::bench::gemm_yardstick gemm(threads);
+  std::vector<double> gemm_rates;
+  auto yard = [&] { gemm_rates.push_back(gemm.gflops()); };
+  yard();
+
+  index_t const H = 16, d = 128, C = 64;
+  std::vector<index_t> Ts = quick ? std::vector<index_t>{4096} : std::vector<index_t>{4096, 8192, 16384, 32768};
+  struct row {
+    index_t T;
+    double chunk_s, serial_s, bwd_s;
+  };
+  std::vector<row> rows;
+  for (index_t T : Ts) {
+    inputs in(T, H, d, d);
+    int const reps = T <= 8192 ? 5 : 3;
+    std::vector<double> tc, ts, tb;
+    k3::kda::options chunk_opt, serial_opt;
+    chunk_opt.gate_lower_bound = -5.0;
+    serial_opt.mode = k3::kda::algorithm::recurrent;
+    auto fa = in.fwd();
+    auto ba = in.bwd();
+    k3::kda::forward(be, fa, chunk_opt);  // warm-up
+    for (int r = 0; r < reps; ++r) {
+      tc.push_back(k3::bench::seconds([&] { k3::kda::forward(be, fa, chunk_opt); }));
+      yard();
+      ts.push_back(k3::bench::seconds([&] { k3::kda::forward(be, fa, serial_opt); }));
+      yard();
+      tb.push_back(k3::bench::seconds([&] { k3::kda::backward(be, ba, chunk_opt); }));
+      yard();
+    }
+    rows.push_back({T, k3::bench::median(tc), k3::bench::median(ts), k3::bench::median(tb)});
+  }
+
+  // Decode: one token for 256 sequences whose 1 MiB states (HV=16 x 128 x 128 fp32) sit in a
+  // 256 MiB pool, slots shuffled.
+  index_t const P = 256, N = 256;
+  std::vector<float> pool(std::size_t(P * H * d * d), 0.01f);
+  std::vector<float> dq_(std::size_t(N * H * d)), dk_(dq_.size()), dv_(dq_.size()), dg_(dq_.size(), -0.05f), db_(std::size_t(N * H), 0.5f),
+      do_(dq_.size());
+  {
+    std::mt19937 rng(2);
+    std::normal_distribution<float> nd;
+    for (auto* x : {&dq_, &dk_, &dv_}) {
+      for (auto& y : *x) y = nd(rng) * 0.09f;
+    }
+  }
+  std::vector<std::int64_t> slots(static_cast<std::size_t>(N));
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), std::mt19937(3));
+  k3::kda::decode_args<float> da;
+  da.q = k3::host_view(dq_.data(), N, H, d);
+  da.k = k3::host_view(dk_.data(), N, H, d);
+  da.v = k3::host_view(dv_.data(), N, H, d);
+  da.g = k3::host_view(dg_.data(), N, H, d);
+  da.beta = k3::host_view(db_.data(), N, H);
+  da.o = k3::host_view(do_.data(), N, H, d);
+  da.state_pool = k3::host_view(pool.data(), P, H, d, d);
+  da.slots64 = k3::host_view(slots.data(), N);
+  double const pool_bytes = double(pool.size()) * sizeof(float);
+  k3::bench::inplace_pass_yardstick pass(threads, std::size_t(pool_bytes));
+  std::vector<double> dec, pas;
+  k3::kda::decode(be, da);
+  for (int r = 0; r < 7; ++r) {
+    dec.push_back(2.0 * pool_bytes / k3::bench::seconds([&] { k3::kda::decode(be, da); }) * 1e-9);
+    pas.push_back(pass.gbps());
+  }
+  yard();
+  while (gemm_rates.size() < 7) yard();
+
+  double const gemm_med = k3::bench::median(gemm_rates);
+  std::printf("# gemm yardstick: median %.1f GFLOP/s over %zu interleaved 1024^3 Eigen float GEMMs (%d threads)\n", gemm_med,
+              gemm_rates.size(), threads);
+  std::printf("%7s %12s %8s %12s %8s %10s %10s %8s\n", "T", "chunk GF/s", "ratio", "serial GF/s", "ratio", "fwd ms", "bwd ms", "bwd/fwd");
+  bool ok_chunk = true, ok_serial = true, ok_bwd = true;
+  for (auto const& r : rows) {
+    double const flops = double(H) * (6.0 * r.T * d * d + 3.0 * r.T * C * d + double(r.T) * C * C);
+    double const gc = flops / r.chunk_s * 1e-9, gs = flops / r.serial_s * 1e-9;
+    double const rc = gc / gemm_med, rs = gs / gemm_med, rb = r.bwd_s / r.chunk_s;
+    ok_chunk &= rc >= 0.8;
+    ok_serial &= rs >= 0.8;
+    ok_bwd &= rb <= 2.5;
+    std::printf("%7lld %12.1f %8.2f %12.1f %8.2f %10.1f %10.1f %8.2f\n", static_cast<long long>(r.T), gc, rc, gs, rs, r.chunk_s * 1e3,
+                r.bwd_s * 1e3, rb);
+  }
+  double const dm = k3::bench::median(dec), pm = k3::bench::median(pas);
+  std::printf("decode: %.1f GB/s state traffic vs in-place pass %.1f GB/s over %.0f MiB: ratio %.2f\n", dm, pm, pool_bytes / (1 << 20),
+              dm / pm);
+  std::printf("bar chunked forward >= 0.80 x GEMM: %s\n", verdict(ok_chunk));
+  std::printf("bar serial forward  >= 0.80 x GEMM: %s\n", verdict(ok_serial));
+  std::printf("bar backward <= 2.5 x forward:      %s\n", verdict(ok_bwd));
+  std::printf("bar decode >= 0.85 x in-place pass: %s\n", verdict(dm / pm >= 0.85));
+  return 0;
+}

@@ -1,0 +1,102 @@
+// Block quantization throughput against same-run yardsticks (all threads):
+//   * 1x128 E4M3 (DeepSeek activations), MXFP8 (E4M3, RCEIL) and MXFP4 (E2M1, FLOOR) of a
+//     [16384, 7168] bfloat16 tensor, as bytes (in + out) per second next to the in-place
+//     read-then-write pass over a 256 MiB buffer (inplace_pass_yardstick). Bar: 1x128 E4M3 >= 60%.
+//   * The block-scaled FP8 GEMM (2048^3, 1x128 A tiles, 128x128 B blocks) next to the median of
+//     Eigen float GEMMs (gemm_yardstick). Bar: >= 50%.
+// Each figure is a median over 7 repetitions interleaved with its yardstick.
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "common/bench.hpp"
+#include "k3/quant.hpp"
+
+int main() {
+  using namespace k3::bench;
+  using k3::index_t;
+  print_header("bench_quant: block quantization and block-scaled FP8 GEMM");
+  int const nt = hardware_threads();
+  k3::cpu::threads<> be(nt);
+  int const reps = 7;
+
+  index_t const m = 16384, k = 7168;
+  std::vector<k3::bfloat16> x(static_cast<std::size_t>(m * k));
+  be.for_each_task(m, [&](index_t i) {
+    std::mt19937 rng(static_cast<std::uint32_t>(i));
+    std::normal_distribution<float> nd;
+    for (index_t j = 0; j < k; ++j) x[static_cast<std::size_t>(i * k + j)] = k3::bfloat16(nd(rng));
+  });
+  std::vector<std::uint8_t> q8(static_cast<std::size_t>(m * k)), q4(static_cast<std::size_t>(m * k / 2));
+  std::vector<float> s128(static_cast<std::size_t>(m * (k / 128)));
+  std::vector<std::uint8_t> smx(static_cast<std::size_t>(m * (k / 32)));
+  auto xv = k3::host_view(x.data(), m, k);
+  double const in_bytes = double(m) * k * 2;
+  double const b128 = in_bytes + double(m) * k + double(s128.size()) * 4;
+  double const bmx8 = in_bytes + double(m) * k + double(smx.size());
+  double const bmx4 = in_bytes + double(m) * k / 2 + double(smx.size());
+
+  inplace_pass_yardstick pass(nt);
+  std::vector<double> yp, y128, ymx8, ymx4;
+  for (int r = 0; r < reps + 1; ++r) {  // the first round warms up (page faults) and is dropped
+    double p = pass.gbps();
+    double t1 = seconds([&] {
+      k3::quant::fp8_quantize(be, xv, k3::host_view(q8.data(), m, k), k3::host_view(s128.data(), m, k / 128), k3::quant::tile_1x128);
+    });
+    double t2 = seconds([&] {
+      k3::quant::mx_quantize(be, xv, k3::host_view(q8.data(), m, k), k3::host_view(smx.data(), m, k / 32), k3::quant::mx_element::e4m3,
+                             k3::quant::mx_rule::rceil);
+    });
+    double t3 = seconds([&] {
+      k3::quant::mx_quantize(be, xv, k3::host_view(q4.data(), m, k / 2), k3::host_view(smx.data(), m, k / 32),
+                             k3::quant::mx_element::e2m1, k3::quant::mx_rule::floor);
+    });
+    if (r == 0) continue;
+    yp.push_back(p);
+    y128.push_back(b128 / t1 * 1e-9);
+    ymx8.push_back(bmx8 / t2 * 1e-9);
+    ymx4.push_back(bmx4 / t3 * 1e-9);
+  }
+  double const pm = median(yp);
+  std::printf("in-place pass yardstick (%zu MiB): median %.2f GB/s\n", pass.bytes() >> 20, pm);
+  std::printf("1x128 E4M3 quantize [16384, 7168] bf16: median %.2f GB/s (in+out) = %.1f%% of the pass  [bar 60%%: %s]\n",
+              median(y128), 100 * median(y128) / pm, median(y128) >= 0.6 * pm ? "PASS" : "FAIL");
+  std::printf("MXFP8 (E4M3, RCEIL) quantize:           median %.2f GB/s (in+out) = %.1f%% of the pass\n", median(ymx8),
+              100 * median(ymx8) / pm);
+  std::printf("MXFP4 (E2M1, FLOOR) quantize:           median %.2f GB/s (in+out) = %.1f%% of the pass\n", median(ymx4),
+              100 * median(ymx4) / pm);
+  x = {};
+  q8 = {};
+  q4 = {};
+
+  // ---- block-scaled GEMM ----
+  index_t const gm = 2048, gn = 2048, gk = 2048;
+  std::vector<float> a(static_cast<std::size_t>(gm * gk)), b(static_cast<std::size_t>(gn * gk)), c(static_cast<std::size_t>(gm * gn));
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (auto& v : a) v = nd(rng);
+  for (auto& v : b) v = nd(rng);
+  std::vector<std::uint8_t> qa(a.size()), qb(b.size());
+  std::vector<float> sa(static_cast<std::size_t>(gm * (gk / 128))), sb(static_cast<std::size_t>((gn / 128) * (gk / 128)));
+  k3::quant::fp8_quantize(be, k3::host_view(a.data(), gm, gk), k3::host_view(qa.data(), gm, gk), k3::host_view(sa.data(), gm, gk / 128));
+  k3::quant::fp8_quantize(be, k3::host_view(b.data(), gn, gk), k3::host_view(qb.data(), gn, gk), k3::host_view(sb.data(), gn / 128, gk / 128),
+                          k3::quant::tile_128x128);
+  gemm_yardstick eig(nt);
+  std::vector<double> ye, yg;
+  for (int r = 0; r < reps + 1; ++r) {
+    double e = eig.gflops();
+    double t = seconds([&] {
+      k3::quant::fp8_block_gemm(be, k3::host_view(qa.data(), gm, gk), k3::host_view(sa.data(), gm, gk / 128), k3::host_view(qb.data(), gn, gk),
+                                k3::host_view(sb.data(), gn / 128, gk / 128), k3::host_view(c.data(), gm, gn));
+    });
+    if (r == 0) continue;
+    ye.push_back(e);
+    yg.push_back(2.0 * gm * gn * gk / t * 1e-9);
+  }
+  do_not_optimize(c[0]);
+  double const em = median(ye), gmed = median(yg);
+  std::printf("Eigen float GEMM yardstick (1024^3 x %d threads): median %.1f GFLOP/s\n", nt, em);
+  std::printf("FP8 block-scaled GEMM %lldx%lldx%lld: median %.1f GFLOP/s = %.1f%% of Eigen  [bar 50%%: %s]\n", (long long)gm,
+              (long long)gn, (long long)gk, gmed, 100 * gmed / em, gmed >= 0.5 * em ? "PASS" : "FAIL");
+  return 0;
+}

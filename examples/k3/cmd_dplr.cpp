@@ -1,0 +1,92 @@
+// k3 dplr — DPLR forward (and backward) on .npy files:
+//   in:  q k v a b gk (.npy, float32 or float64, [B,T,H,K] / v [B,T,H,V]), optional h0
+//        [N,H,K,V] (float32 for float32 inputs, float64 for float64) and cu_seqlens (int32 or
+//        int64, [N+1], B = 1); with --backward also do [B,T,H,V] and optional dht [N,H,K,V]
+//   out: o ht; with --backward also dq dk dv da db dgk dh0
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wuninitialized"  // GCC bug 105593 in AVX-512 intrinsics via Eigen
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include "cli.hpp"
+#include "k3/core/tensor.hpp"
+#include "k3/dplr.hpp"
+
+namespace {
+
+using k3::index_t;
+
+template <class T>
+int run_typed(k3::cli::args& args, k3::io::npy_array const& q) {
+  using S = k3::dplr_state_t<T>;
+  auto k = args.load("k"), v = args.load("v"), a = args.load("a"), b = args.load("b"), gk = args.load("gk");
+  auto h0 = args.load_optional("h0");
+  auto cu = args.load_optional("cu_seqlens");
+  k3::dplr_inputs<T> in{q.view<T, 4>("q"), k.view<T, 4>("k"), v.view<T, 4>("v"), a.view<T, 4>("a"), b.view<T, 4>("b"), gk.view<T, 4>("gk"), {}};
+  if (h0) in.h0 = h0->view<S, 4>("h0");
+  k3::dplr_options opt;
+  if (args.has("scale")) opt.scale = args.number("scale", 0);
+  opt.chunk_size = args.integer("chunk-size", 64);
+  opt.long_sequence = args.choice("long-sequence", {"value-split", "segment-maps"}) == "segment-maps" ? k3::dplr_long_sequence::segment_maps
+                                                                                                       : k3::dplr_long_sequence::value_split;
+  if (cu) {
+    if (cu->type() == k3::io::dtype::int32) opt.cu_seqlens32 = cu->view<std::int32_t, 1>("cu_seqlens");
+    else opt.cu_seqlens = cu->view<std::int64_t, 1>("cu_seqlens");
+  }
+  std::string const mode = args.choice("mode", {"chunked", "recurrent"});
+  std::int64_t const threads = args.integer("threads", 1);
+  if (threads < 0) throw k3::error("option '--threads': must be >= 0 (0 = one per hardware thread), got " + std::to_string(threads));
+  k3::cpu::threads<> th(static_cast<int>(threads));
+  index_t B = in.q.extent(0), T_ = in.q.extent(1), H = in.q.extent(2), K = in.q.extent(3), V = in.v.extent(3);
+  index_t N = cu ? std::max<index_t>(cu->size() - 1, 0) : B;
+  k3::tensor<T, 4> o({B, T_, H, V});
+  k3::tensor<S, 4> ht({N, H, K, V});
+  k3::dplr_outputs<T> out{o.view(), ht.view()};
+  if (mode == "recurrent") k3::dplr_recurrent_forward(in, out, opt);
+  else k3::dplr_chunked_forward(th, in, out, opt);
+  args.save("o", o.view());
+  args.save("ht", ht.view());
+  if (args.flag("backward")) {
+    auto dO = args.load("do");
+    auto dht = args.load_optional("dht");
+    k3::dplr_grad_inputs<T> gin{dO.view<T, 4>("do"), {}};
+    if (dht) gin.dht = dht->view<S, 4>("dht");
+    k3::tensor<T, 4> dq({B, T_, H, K}), dk({B, T_, H, K}), dv({B, T_, H, V}), da({B, T_, H, K}), db({B, T_, H, K}), dg({B, T_, H, K});
+    k3::tensor<S, 4> dh0({N, H, K, V});
+    k3::dplr_grads<T> g{dq.view(), dk.view(), dv.view(), da.view(), db.view(), dg.view(), dh0.view()};
+    if (mode == "recurrent") k3::dplr_recurrent_backward(in, gin, g, opt);
+    else k3::dplr_chunked_backward(th, in, gin, g, opt);
+    args.save("dq", dq.view());
+    args.save("dk", dk.view());
+    args.save("dv", dv.view());
+    args.save("da", da.view());
+    args.save("db", db.view());
+    args.save("dgk", dg.view());
+    args.save("dh0", dh0.view());
+  }
+  return 0;
+}
+
+int run_dplr(k3::cli::args& args) {
+  auto q = args.load("q");
+  if (q.type() == k3::io::dtype::float32) return run_typed<float>(args, q);
+  if (q.type() == k3::io::dtype::float64) return run_typed<double>(args, q);
+  throw k3::error(std::string("argument 'q': expected dtype float32 or float64, got ") + k3::io::dtype_name(q.type()));
+}
+
+k3::cli::registrar reg({"dplr", "DPLR state update (forward, --backward for gradients)",
+                        "S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).\n"
+                        "Reads q k v a b gk [B,T,H,K] (v [B,T,H,V]) and optional h0 [N,H,K,V], cu_seqlens [N+1];\n"
+                        "writes o ht. --backward also reads do (and optional dht), writes dq dk dv da db dgk dh0.",
+                        k3::cli::io_options({{"scale", true, "query scale (default K^-1/2)"},
+                                             {"chunk-size", true, "chunk length of the chunked form (default 64)"},
+                                             {"mode", true, "chunked (default) or recurrent (token by token)"},
+                                             {"threads", true, "threads (default 1; 0 = one per hardware thread)"},
+                                             {"long-sequence", true, "value-split (default) or segment-maps: how one sequence uses all threads"},
+                                             {"backward", false, "also compute gradients from do (and dht)"}}),
+                        true, run_dplr});
+
+}  // namespace

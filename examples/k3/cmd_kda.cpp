@@ -1,0 +1,118 @@
+// k3 kda — KDA forward (and optionally backward) on .npy files.
+//   in:  q k v g beta [h0] [cu_seqlens]  (+ do [dht] with --backward)
+//   out: o ht                            (+ dq dk dv dg dbeta dh0 with --backward)
+// Computes in the inputs' dtype (float32 or float64; the state in the same type).
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "k3/kda.hpp"
+
+namespace {
+
+using k3::index_t;
+
+template <class T>
+int run_typed(k3::cli::args& args, k3::kda::options opt) {
+  auto q = args.load("q"), k = args.load("k"), v = args.load("v"), g = args.load("g"), beta = args.load("beta");
+  auto h0 = args.load_optional("h0");
+  bool const backward = args.flag("backward");
+  auto qv = q.view<T, 4>("q");
+  auto vv = v.view<T, 4>("v");
+  index_t const B = qv.extent(0), T_ = qv.extent(1), H = qv.extent(2), K = qv.extent(3), HV = vv.extent(2), V = vv.extent(3);
+  (void)H;
+  index_t const N = opt.cu_seqlens.present() ? opt.cu_seqlens.size() - 1 : B;
+  std::vector<T> o(std::size_t(std::max<index_t>(0, B * T_ * HV * V)));
+  std::vector<T> ht(std::size_t(std::max<index_t>(0, N * HV * K * V)));
+  k3::kda::forward_args<T, T> a;
+  a.q = qv;
+  a.k = k.view<T, 4>("k");
+  a.v = vv;
+  a.g = g.view<T, 4>("g");
+  a.beta = beta.view<T, 3>("beta");
+  a.o = k3::host_view(o.data(), B, T_, HV, V);
+  if (h0) a.h0 = h0->view<T, 4>("h0");
+  a.ht = k3::host_view(ht.data(), std::max<index_t>(N, 0), HV, K, V);
+  k3::cpu::threads<> be;
+  k3::kda::forward(be, a, opt);
+  args.save("o", a.o);
+  args.save("ht", a.ht);
+  if (!backward) return 0;
+  auto d_o = args.load("do");
+  auto dht = args.load_optional("dht");
+  std::vector<T> dq(std::size_t(qv.size())), dk(dq.size()), dv(std::size_t(vv.size())), dg(std::size_t(a.g.size())),
+      dbeta(std::size_t(a.beta.size())), dh0(ht.size());
+  k3::kda::backward_args<T, T> b;
+  b.q = a.q;
+  b.k = a.k;
+  b.v = a.v;
+  b.g = a.g;
+  b.beta = a.beta;
+  b.h0 = a.h0;
+  b.d_o = d_o.view<T, 4>("do");
+  if (dht) b.dht = dht->view<T, 4>("dht");
+  b.dq = k3::host_view(dq.data(), B, T_, qv.extent(2), K);
+  b.dk = k3::host_view(dk.data(), B, T_, qv.extent(2), K);
+  b.dv = k3::host_view(dv.data(), B, T_, HV, V);
+  b.dg = k3::host_view(dg.data(), B, T_, HV, K);
+  b.dbeta = k3::host_view(dbeta.data(), B, T_, HV);
+  b.dh0 = k3::host_view(dh0.data(), std::max<index_t>(N, 0), HV, K, V);
+  k3::kda::backward(be, b, opt);
+  args.save("dq", b.dq);
+  args.save("dk", b.dk);
+  args.save("dv", b.dv);
+  args.save("dg", b.dg);
+  args.save("dbeta", b.dbeta);
+  args.save("dh0", b.dh0);
+  return 0;
+}
+
+int run_kda(k3::cli::args& args) {
+  k3::kda::options opt;
+  opt.mode = args.choice("mode", {"chunk", "recurrent"}) == "chunk" ? k3::kda::algorithm::chunk : k3::kda::algorithm::recurrent;
+  if (args.has("scale")) opt.scale = args.number("scale", 0);
+  if (args.has("gate-lower-bound")) opt.gate_lower_bound = args.number("gate-lower-bound", -5);
+  auto q = args.load("q");
+  k3::io::dtype const t = q.type();
+  if (t != k3::io::dtype::float32 && t != k3::io::dtype::float64)
+    throw k3::error(std::string("argument 'q': expected dtype float32 or float64, got ") + k3::io::dtype_name(t));
+  std::vector<std::string> names = {"k", "v", "g", "beta"};
+  if (args.flag("backward")) names.push_back("do");
+  for (auto const& extra : {"h0", "dht"})
+    if (auto x = args.load_optional(extra)) {
+      if (x->type() != t)
+        throw k3::error("argument '" + std::string(extra) + "': expected dtype " + k3::io::dtype_name(t) + " (the dtype of q), got " +
+                        k3::io::dtype_name(x->type()));
+    }
+  for (auto const& n : names) {
+    auto x = args.load(n);
+    if (x.type() != t)
+      throw k3::error("argument '" + n + "': expected dtype " + k3::io::dtype_name(t) + " (the dtype of q), got " +
+                      k3::io::dtype_name(x.type()));
+  }
+  std::vector<std::int64_t> cu;
+  if (auto c = args.load_optional("cu_seqlens")) {
+    if (c->type() != k3::io::dtype::int32 && c->type() != k3::io::dtype::int64)
+      throw k3::error(std::string("argument 'cu_seqlens': expected dtype int32 or int64, got ") + k3::io::dtype_name(c->type()));
+    if (c->rank() != 1) throw k3::error("argument 'cu_seqlens': expected rank 1, got shape " + k3::detail::format_shape(c->shape()));
+    for (index_t i = 0; i < c->size(); ++i) cu.push_back(c->as_int(i));
+    opt.cu_seqlens = cu;
+  }
+  return t == k3::io::dtype::float32 ? run_typed<float>(args, opt) : run_typed<double>(args, opt);
+}
+
+k3::cli::registrar reg({"kda",
+                        "Kimi Delta Attention forward (and backward) on .npy files",
+                        "Reads q k v g beta [h0] [cu_seqlens] from --in (q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K];\n"
+                        "beta [B,T,HV]; h0 [N,HV,K,V]; cu_seqlens int32/int64 [N+1] with B = 1) and writes o, ht.\n"
+                        "With --backward also reads do [dht] and writes dq dk dv dg dbeta dh0.\n"
+                        "g and beta are used as given (already gated). Computes in the inputs' dtype.",
+                        k3::cli::io_options({{"mode", true, "chunk (default) or recurrent"},
+                                             {"scale", true, "query scale (default K^-1/2)"},
+                                             {"gate-lower-bound", true, "promise g >= this bound (in [-5, 0)): dense diagonal tiles"},
+                                             {"backward", false, "also compute the gradients from do.npy [dht.npy]"}}),
+                        true, run_kda});
+
+}  // namespace

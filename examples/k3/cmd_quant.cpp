@@ -1,0 +1,197 @@
+// k3 quant / k3 dequant — block quantization of an .npy tensor and its inverse.
+//
+//   k3 quant   --format F [--block B] [--scale S] --in DIR --out DIR
+//       reads DIR/x.npy (float32 or bfloat16, any rank >= 1; quantised along the last axis, the
+//       leading axes are rows) and writes codes.npy (uint8), scales.npy, dequant.npy (float32,
+//       x's shape) and, for nvfp4, tensor_scale.npy (float32 [1]).
+//   k3 dequant --format F [--block B] --in DIR --out DIR
+//       reads codes.npy, scales.npy (and tensor_scale.npy for nvfp4), writes x.npy (float32).
+//
+// Formats: e4m3 with --block 1x128 (default) | 128x128 | 128x1 and --scale fp32 (default) |
+// ue8m0 is DeepSeek-V3's FP8 (scales.npy float32 [ceil(rows/tr), ceil(K/tc)]);
+// mxfp8 (E4M3), mxfp8_e5m2, mxfp6 (E3M2), mxfp6_e2m3, mxfp4 (E2M1), or an element name
+// e4m3|e5m2|e3m2|e2m3|e2m1 with --block 32, is OCP MX with --scale floor (default) | rceil
+// (scales.npy uint8 E8M0 [rows, K/32]); nvfp4 (--block 16) gives UE4M3 scales [rows, K/16].
+// FP4 codes are packed two per byte (even element in the low nibble): codes.npy has K/2 columns.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "k3/backend/cpu/simd.hpp"
+#include "k3/quant.hpp"
+
+namespace {
+
+using k3::index_t;
+namespace q = k3::quant;
+
+enum class family { deepseek, mx, nvfp4 };
+
+struct spec {
+  family fam;
+  q::mx_element elem = q::mx_element::e4m3;
+  q::tile tile = q::tile_1x128;
+  q::scale_format ds_scale = q::scale_format::fp32;
+  q::mx_rule rule = q::mx_rule::floor;
+};
+
+std::vector<std::string> const formats = {"e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "mxfp8", "mxfp8_e5m2", "mxfp6", "mxfp6_e2m3", "mxfp4", "nvfp4"};
+
+spec parse(k3::cli::args const& a, bool quantizing) {
+  if (!a.has("format")) throw k3::cli::usage_error("missing --format (one of e4m3|e5m2|e3m2|e2m3|e2m1|mxfp8|mxfp8_e5m2|mxfp6|mxfp6_e2m3|mxfp4|nvfp4)");
+  std::string const f = a.choice("format", formats);
+  spec s{family::mx};
+  if (f == "nvfp4") {
+    s.fam = family::nvfp4;
+    std::string const b = a.value("block", "16");
+    if (b != "16") throw k3::cli::usage_error("--format nvfp4 uses --block 16, got '" + b + "'");
+    if (a.has("scale") && a.value("scale") != "ue4m3") throw k3::cli::usage_error("--format nvfp4 has UE4M3 block scales (--scale ue4m3)");
+    return s;
+  }
+  if (f == "mxfp8" || f == "e4m3") s.elem = q::mx_element::e4m3;
+  if (f == "mxfp8_e5m2" || f == "e5m2") s.elem = q::mx_element::e5m2;
+  if (f == "mxfp6" || f == "e3m2") s.elem = q::mx_element::e3m2;
+  if (f == "mxfp6_e2m3" || f == "e2m3") s.elem = q::mx_element::e2m3;
+  if (f == "mxfp4" || f == "e2m1") s.elem = q::mx_element::e2m1;
+  bool const mx_name = f.rfind("mx", 0) == 0;
+  std::string const block = a.value("block", f == "e4m3" ? "1x128" : "32");
+  if (block == "32") {
+    s.fam = family::mx;
+    if (quantizing) {
+      std::string const sc = a.value("scale", "floor");
+      if (sc != "floor" && sc != "rceil") throw k3::cli::usage_error("MX scales are --scale floor|rceil, got '" + sc + "'");
+      s.rule = sc == "floor" ? q::mx_rule::floor : q::mx_rule::rceil;
+    }
+    return s;
+  }
+  if (mx_name || f != "e4m3")
+    throw k3::cli::usage_error("--format " + f + " uses --block 32 (OCP MX); DeepSeek tiles (--block 1x128|128x128|128x1) are E4M3");
+  s.fam = family::deepseek;
+  if (block == "1x128")
+    s.tile = q::tile_1x128;
+  else if (block == "128x128")
+    s.tile = q::tile_128x128;
+  else if (block == "128x1")
+    s.tile = q::tile_128x1;
+  else
+    throw k3::cli::usage_error("--block must be one of 1x128|128x128|128x1|32|16, got '" + block + "'");
+  std::string const sc = a.value("scale", "fp32");
+  if (sc != "fp32" && sc != "ue8m0") throw k3::cli::usage_error("DeepSeek FP8 scales are --scale fp32|ue8m0, got '" + sc + "'");
+  s.ds_scale = sc == "fp32" ? q::scale_format::fp32 : q::scale_format::ue8m0;
+  return s;
+}
+
+// rows x last view over an array of any rank >= 1.
+std::pair<index_t, index_t> matrix_shape(std::vector<index_t> const& shape, char const* name) {
+  if (shape.empty()) throw k3::error(std::string("argument '") + name + "': expected rank >= 1, got a scalar");
+  index_t rows = 1;
+  for (std::size_t r = 0; r + 1 < shape.size(); ++r) rows *= shape[r];
+  return {rows, shape.back()};
+}
+
+std::vector<index_t> with_last(std::vector<index_t> shape, index_t last) {
+  shape.back() = last;
+  return shape;
+}
+
+template <class T>
+int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
+  k3::cpu::threads<> be;
+  auto [m, k] = matrix_shape(xa.shape(), "x");
+  k3::tensor_view<T const, 2> x(static_cast<T const*>(xa.data()), {m, k});
+  std::vector<float> y(static_cast<std::size_t>(m * k));
+  auto yv = k3::host_view(y.data(), m, k);
+  if (s.fam == family::deepseek) {
+    index_t const sr = (m + s.tile.rows - 1) / s.tile.rows, sc = (k + s.tile.cols - 1) / s.tile.cols;
+    std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k));
+    std::vector<float> scales(static_cast<std::size_t>(sr * sc));
+    q::fp8_quantize(be, x, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), s.tile, s.ds_scale);
+    q::fp8_dequantize(be, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), yv, s.tile);
+    k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, xa.shape(), codes.data());
+    a.save("scales", k3::host_view(scales.data(), sr, sc));
+  } else if (s.fam == family::mx) {
+    index_t const qc = q::mx_code_columns(s.elem, k);
+    if (k % q::mx_block != 0)
+      throw k3::error("argument 'x': MX needs the last extent (" + std::to_string(k) + ") to be a multiple of 32");
+    std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * qc)), scales(static_cast<std::size_t>(m * (k / 32)));
+    q::mx_quantize(be, x, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), s.elem, s.rule);
+    q::mx_dequantize(be, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), yv, s.elem);
+    k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, with_last(xa.shape(), qc), codes.data());
+    k3::io::write_npy(a.out_path("scales"), k3::io::dtype::uint8, with_last(xa.shape(), k / 32), scales.data());
+  } else {
+    if (k % q::nvfp4_block != 0)
+      throw k3::error("argument 'x': NVFP4 needs the last extent (" + std::to_string(k) + ") to be a multiple of 16");
+    std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k / 2)), scales(static_cast<std::size_t>(m * (k / 16)));
+    float g = q::nvfp4_tensor_scale(be, x);
+    q::nvfp4_quantize(be, x, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g);
+    q::nvfp4_dequantize(be, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g, yv);
+    k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, with_last(xa.shape(), k / 2), codes.data());
+    k3::io::write_npy(a.out_path("scales"), k3::io::dtype::uint8, with_last(xa.shape(), k / 16), scales.data());
+    a.save("tensor_scale", k3::host_view(&g, 1));
+  }
+  k3::io::write_npy(a.out_path("dequant"), k3::io::dtype::float32, xa.shape(), y.data());
+  return 0;
+}
+
+int run_quant(k3::cli::args& a) {
+  spec const s = parse(a, true);
+  auto xa = a.load("x");
+  if (xa.type() == k3::io::dtype::float32) return quantize_as<float>(a, s, xa);
+  if (xa.type() == k3::io::dtype::bfloat16 || xa.type() == k3::io::dtype::uint16) return quantize_as<k3::bfloat16>(a, s, xa);
+  throw k3::error(std::string("argument 'x': expected float32 or bfloat16, got ") + k3::io::dtype_name(xa.type()));
+}
+
+int run_dequant(k3::cli::args& a) {
+  spec const s = parse(a, false);
+  k3::cpu::threads<> be;
+  auto ca = a.load("codes");
+  auto sa = a.load("scales");
+  auto [m, qc] = matrix_shape(ca.shape(), "codes");
+  bool const packed = s.fam == family::nvfp4 || (s.fam == family::mx && s.elem == q::mx_element::e2m1);
+  index_t const k = packed ? 2 * qc : qc;
+  std::vector<float> y(static_cast<std::size_t>(m * k));
+  auto yv = k3::host_view(y.data(), m, k);
+  auto const sshape = matrix_shape(sa.shape(), "scales");
+  auto flat = [&](k3::io::npy_array const& arr, char const* name, auto tag, index_t rows, index_t cols) {
+    using E = decltype(tag);
+    if (arr.shape().empty()) throw k3::error(std::string("argument '") + name + "': expected rank >= 1");
+    auto const* p = static_cast<E const*>(arr.data());
+    return k3::tensor_view<E const, 2>(p, {rows, cols});
+  };
+  if (ca.type() != k3::io::dtype::uint8) throw k3::error(std::string("argument 'codes': expected uint8, got ") + k3::io::dtype_name(ca.type()));
+  auto cv = flat(ca, "codes", std::uint8_t{}, m, qc);
+  if (s.fam == family::deepseek) {
+    if (sa.type() != k3::io::dtype::float32) throw k3::error("argument 'scales': expected float32 DeepSeek scales");
+    auto sv = flat(sa, "scales", float{}, sshape.first, sshape.second);
+    q::fp8_dequantize(be, cv, sv, yv, s.tile);
+  } else {
+    if (sa.type() != k3::io::dtype::uint8) throw k3::error("argument 'scales': expected uint8 E8M0/UE4M3 scales");
+    auto sv = flat(sa, "scales", std::uint8_t{}, sshape.first, sshape.second);
+    if (s.fam == family::mx) {
+      q::mx_dequantize(be, cv, sv, yv, s.elem);
+    } else {
+      auto ga = a.load("tensor_scale");
+      if (ga.type() != k3::io::dtype::float32 || ga.size() != 1) throw k3::error("argument 'tensor_scale': expected one float32");
+      q::nvfp4_dequantize(be, cv, sv, *static_cast<float const*>(ga.data()), yv);
+    }
+  }
+  k3::io::write_npy(a.out_path("x"), k3::io::dtype::float32, with_last(ca.shape(), k), y.data());
+  return 0;
+}
+
+std::vector<k3::cli::option_spec> options() {
+  return k3::cli::io_options({{"format", true, "e4m3|e5m2|e3m2|e2m3|e2m1|mxfp8|mxfp8_e5m2|mxfp6|mxfp6_e2m3|mxfp4|nvfp4"},
+                              {"block", true, "1x128|128x128|128x1 (DeepSeek E4M3), 32 (MX), 16 (NVFP4)"},
+                              {"scale", true, "fp32|ue8m0 (DeepSeek), floor|rceil (MX), ue4m3 (NVFP4)"}});
+}
+
+k3::cli::registrar reg_q({"quant", "block-quantize x.npy (FP8/MX/NVFP4): codes.npy, scales.npy, dequant.npy",
+                          "Quantises DIR/x.npy along its last axis. Outputs codes.npy (uint8; FP4 packed two per byte, even element in\n"
+                          "the low nibble), scales.npy (float32 DeepSeek scales or uint8 E8M0/UE4M3), dequant.npy (float32) and, for\n"
+                          "nvfp4, tensor_scale.npy.",
+                          options(), true, run_quant});
+k3::cli::registrar reg_d({"dequant", "dequantize codes.npy + scales.npy back to x.npy (float32)",
+                          "The reverse of k3 quant with the same --format/--block.", options(), true, run_dequant});
+
+}  // namespace

@@ -1,0 +1,126 @@
+// k3 route — MoE routing with Quantile Balancing on .npy files.
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "k3/moe.hpp"
+
+namespace {
+
+// float32 as is; float64 / bfloat16 converted (a float32 copy).
+std::vector<float> as_float(k3::io::npy_array const& a, std::string const& name, std::size_t rank) {
+  k3::detail::require(a.rank() == rank, [&] {
+    return "argument '" + name + "': expected rank " + std::to_string(rank) + ", got shape " + k3::detail::format_shape(a.shape());
+  });
+  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16, [&] {
+    return "argument '" + name + "': expected a float32/float64/bfloat16 array";
+  });
+  std::vector<float> v(static_cast<std::size_t>(a.size()));
+  for (k3::index_t i = 0; i < a.size(); ++i) v[static_cast<std::size_t>(i)] = static_cast<float>(a.as_double(i));
+  return v;
+}
+
+int run_route(k3::cli::args& args) {
+  namespace moe = k3::moe;
+  moe::router_options opt;
+  opt.k = args.integer("k", 16);
+  opt.routed_scale = static_cast<float>(args.number("scale", 1.0));
+  opt.n_groups = args.integer("groups", 1);
+  opt.topk_groups = args.integer("topk-groups", 1);
+  auto scores_file = args.load_optional("scores");
+  std::optional<k3::io::npy_array> input = scores_file;
+  std::string in_name = "scores";
+  if (!input) {
+    input = args.load_optional("logits");
+    in_name = "logits";
+    opt.input = moe::score_kind::logits;
+  }
+  if (!input) throw k3::error("missing input: need scores.npy or logits.npy [m, n] in " + args.value("in"));
+  std::vector<float> s = as_float(*input, in_name, 2);
+  k3::index_t const m = input->shape()[0], n = input->shape()[1];
+  std::vector<float> bias(static_cast<std::size_t>(n), 0.f);
+  if (auto b = args.load_optional("bias")) {
+    bias = as_float(*b, "bias", 1);
+    k3::detail::require(static_cast<k3::index_t>(bias.size()) == n, [&] {
+      return "argument 'bias': expected shape [" + std::to_string(n) + "] (one entry per expert), got [" + std::to_string(bias.size()) + "]";
+    });
+  }
+  std::vector<std::uint8_t> mask;
+  if (auto mk = args.load_optional("mask")) {
+    k3::detail::require(mk->rank() == 1 && mk->shape()[0] == m, [&] {
+      return "argument 'mask': expected shape [" + std::to_string(m) + "], got " + k3::detail::format_shape(mk->shape());
+    });
+    mask.resize(static_cast<std::size_t>(m));
+    for (k3::index_t i = 0; i < m; ++i) mask[static_cast<std::size_t>(i)] = mk->as_double(i) != 0 ? 1 : 0;
+  }
+  k3::const_view<std::uint8_t, 1> mv = mask.empty() ? k3::const_view<std::uint8_t, 1>{} : k3::const_view<std::uint8_t, 1>(mask.data(), {m});
+  k3::const_view<float, 2> sv(s.data(), {m, n});
+  k3::index_t const bins = args.integer("bins", 1000);
+  std::string const update = args.choice("update", {"histogram", "exact"});
+  double const ema = args.number("ema", 0.0);
+  k3::cpu::threads<> backend(static_cast<int>(args.integer("threads", 0)));
+
+  std::vector<float> new_bias = bias;
+  if (args.flag("solve")) {
+    // Offline solver on this batch; then route with the solved bias.
+    k3::index_t const it = args.integer("iterations", 12);
+    moe::qb_offline_solve(sv, opt, it, k3::host_view(new_bias.data(), n), mv);
+    bias = new_bias;
+  }
+  std::vector<std::int32_t> idx(static_cast<std::size_t>(m * opt.k));
+  std::vector<float> w(idx.size()), cut(static_cast<std::size_t>(m));
+  std::vector<std::int64_t> load(static_cast<std::size_t>(n));
+  moe::route_outputs out{k3::host_view(idx.data(), m, opt.k), k3::host_view(w.data(), m, opt.k), k3::host_view(cut.data(), m),
+                         k3::host_view(load.data(), n)};
+  k3::const_view<float, 1> bv(bias.data(), {n});
+  if (!args.flag("solve")) {
+    if (opt.n_groups > 1) {
+      // QB does not cover group-limited routing: route only, the bias is kept.
+      moe::route(backend, sv, bv, out, opt, mv);
+    } else if (update == "histogram") {
+      auto hist = moe::qb_histogram::for_bias(bv, bins);
+      moe::route(backend, sv, bv, out, opt, mv, &hist);
+      moe::qb_histogram_update(hist, opt.k, k3::host_view(new_bias.data(), n), ema);
+    } else {
+      moe::route(backend, sv, bv, out, opt, mv);
+      moe::qb_exact_update(sv, k3::const_view<float, 1>(cut.data(), {m}), opt, k3::host_view(new_bias.data(), n), mv, ema);
+    }
+  } else {
+    moe::route(backend, sv, bv, out, opt, mv);
+  }
+  args.save("indices", out.indices);
+  args.save("weights", out.weights);
+  args.save("load", out.load);
+  args.save("new_bias", k3::host_view(new_bias.data(), n));
+  double q = 0, worst = 0;
+  std::int64_t real = mask.empty() ? m : 0;
+  for (auto x : mask) real += x;
+  q = double(real) * double(opt.k) / double(n);
+  for (auto l : load) worst = std::max(worst, std::abs(double(l) - q));
+  std::printf("routed %lld tokens to %lld of %lld experts; max |load - q| = %.1f (q = %.1f)\n", static_cast<long long>(real),
+              static_cast<long long>(opt.k), static_cast<long long>(n), worst, q);
+  return 0;
+}
+
+k3::cli::registrar reg({"route", "MoE top-k routing with Quantile Balancing (sigmoid scores + bias)",
+                        "Reads <in>/scores.npy [m, n] (router probabilities) or <in>/logits.npy (sigmoid applied), optional\n"
+                        "bias.npy [n] (default 0) and mask.npy [m] (nonzero = real token). Routes with top-k of s + b\n"
+                        "(ties: lower expert index), weights from s renormalised x scale. Writes indices.npy [m, k] int32\n"
+                        "(-1 for padding), weights.npy [m, k], load.npy [n] int64 and new_bias.npy [n]: the Quantile-\n"
+                        "Balancing bias for the NEXT batch (this batch is routed with the old one). With --solve, runs the\n"
+                        "offline solver on this batch, routes with its bias and writes it as new_bias.npy.",
+                        k3::cli::io_options({{"k", true, "experts per token (default 16)"},
+                                             {"scale", true, "routed scaling factor (default 1.0)"},
+                                             {"bins", true, "histogram bins (default 1000)"},
+                                             {"update", true, "histogram|exact (default histogram)"},
+                                             {"ema", true, "EMA coefficient for the bias update in [0, 1) (default 0)"},
+                                             {"groups", true, "expert groups for group-limited routing (default 1: off; no QB)"},
+                                             {"topk-groups", true, "groups kept per token (default 1)"},
+                                             {"solve", false, "run the offline QB solver on this batch"},
+                                             {"iterations", true, "offline solver iterations (default 12)"},
+                                             {"threads", true, "worker threads (default: all)"}}),
+                        true, run_route});
+
+}  // namespace

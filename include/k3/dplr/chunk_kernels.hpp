@@ -1,0 +1,325 @@
+// k3/dplr/chunk_kernels.hpp — the per-chunk algebra of chunked DPLR (one sequence, one head).
+//
+// For a chunk of c tokens with start state S, gi the inclusive and ge = gi - gk the exclusive
+// chunk-local cumsum of gk (ge appears because a_t contracts with S_{t-1}, before token t's
+// decay):
+//   Aqk[i,j] = s q_i.(k_j e^{gi_i-gi_j}), Aqb likewise with b   (j <= i)
+//   Aak[i,j] = a_i.(k_j e^{ge_i-gi_j}),   Aab likewise with b   (j <  i)
+//   Tm = (I - Aab)^{-1},  w = Tm (a e^{ge})
+//   X  = Tm Aak V + w S               (X_i = S_{i-1}^T a_i)
+//   O  = Aqk V + Aqb X + (s q e^{gi}) S
+//   S' = Diag(e^{gi_c}) S + (k e^{gi_c-gi})^T V + (b e^{gi_c-gi})^T X
+// Everything that does not touch V or S ("pre") is independent across chunks and across
+// state columns, which is what the threaded paths exploit.
+#pragma once
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "k3/dplr/common.hpp"
+
+namespace k3::detail::dplr {
+
+template <class R>
+using mat = Eigen::Matrix<R, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class R>
+using vec = Eigen::Matrix<R, Eigen::Dynamic, 1>;
+
+// Largest total in-chunk decay (nats) for which the factored form e^{gi_i} * e^{-gi_j} stays
+// far from overflow; beyond it the pairwise form is used.
+template <class R>
+constexpr R factored_decay_limit() {
+  return std::is_same_v<R, double> ? R(200) : R(30);
+}
+
+template <class T, class R>
+void load_rows(const_view<T, 2> const& x, index_t t0, index_t c, mat<R>& m) {
+  index_t const D = x.extent(1);
+  m.resize(c, D);
+  for (index_t r = 0; r < c; ++r) {
+    T const* row = x.data_handle() + (t0 + r) * x.stride(0);
+    for (index_t d = 0; d < D; ++d) m(r, d) = R(row[d]);
+  }
+}
+
+template <class T, class R>
+void load_cols(const_view<T, 2> const& x, index_t t0, index_t c, index_t c0, index_t w, mat<R>& m) {
+  m.resize(c, w);
+  for (index_t r = 0; r < c; ++r) {
+    T const* row = x.data_handle() + (t0 + r) * x.stride(0) + c0;
+    for (index_t d = 0; d < w; ++d) m(r, d) = R(row[d]);
+  }
+}
+
+template <class T, class R>
+void store_cols(tensor_view<T, 2> const& x, index_t t0, index_t c0, mat<R> const& m) {
+  for (index_t r = 0; r < m.rows(); ++r) {
+    T* row = x.data_handle() + (t0 + r) * x.stride(0) + c0;
+    for (index_t d = 0; d < m.cols(); ++d) row[d] = static_cast<T>(m(r, d));
+  }
+}
+
+template <class R>
+struct chunk_pre {
+  index_t t0 = 0, c = 0;
+  bool factored = true;
+  R scale = 1;
+  mat<R> q, k, a, b, gi, ge;     // raw rows and cumsums (backward)
+  mat<R> Qe, Ae, Kd, Bd, w;      // c x K
+  mat<R> kh, bh;                 // c x K, factored form only: k e^{-gi}, b e^{-gi}
+  mat<R> Aqk, Aqb, Aak, Tm;      // c x c
+  vec<R> dC;                     // e^{gi_c}
+  // The forward state pass as three GEMMs over the stacked operand Z = [S; V; X]:
+  //   X = [w | Tm Aak] [S; V],  O = [Qe | Aqk | Aqb] Z,  S' = e^{gi_c} S + [Kd^T | Bd^T] [V; X]
+  mat<R> P1, P2, P3;
+  mat<R> g_, e_, Aab_;  // scratch, kept to avoid reallocating per chunk
+};
+
+template <class T, class R>
+void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p) {
+  p.t0 = t0;
+  p.c = c;
+  p.scale = scale;
+  load_rows(hv.q, t0, c, p.q);
+  load_rows(hv.k, t0, c, p.k);
+  load_rows(hv.a, t0, c, p.a);
+  load_rows(hv.b, t0, c, p.b);
+  mat<R>& g = p.g_;
+  load_rows(hv.gk, t0, c, g);
+  index_t const K = g.cols();
+  p.gi = g;
+  for (index_t r = 1; r < c; ++r) p.gi.row(r) += p.gi.row(r - 1);
+  p.ge = p.gi - g;
+  auto last = p.gi.row(c - 1);
+  p.dC = last.transpose().array().exp();
+  p.Qe = scale * (p.q.array() * p.gi.array().exp()).matrix();
+  p.Ae = (p.a.array() * p.ge.array().exp()).matrix();
+  mat<R>& E = p.e_;
+  E = (p.gi.rowwise() - last).array().operator-().exp().matrix();  // e^{gi_c - gi}
+  p.Kd = (p.k.array() * E.array()).matrix();
+  p.Bd = (p.b.array() * E.array()).matrix();
+  R span = K > 0 ? (-last.array()).maxCoeff() : R(0);
+  p.factored = mode == dplr_intra::factored || (mode == dplr_intra::automatic && span <= factored_decay_limit<R>());
+  mat<R>& Aab = p.Aab_;
+  if (p.factored) {
+    E = (-p.gi.array()).exp().matrix();
+    p.kh = (p.k.array() * E.array()).matrix();
+    p.bh = (p.b.array() * E.array()).matrix();
+    p.Aqk = (p.Qe * p.kh.transpose()).template triangularView<Eigen::Lower>();
+    p.Aqb = (p.Qe * p.bh.transpose()).template triangularView<Eigen::Lower>();
+    p.Aak = (p.Ae * p.kh.transpose()).template triangularView<Eigen::StrictlyLower>();
+    Aab = (p.Ae * p.bh.transpose()).template triangularView<Eigen::StrictlyLower>();
+  } else {
+    p.Aqk.setZero(c, c);
+    p.Aqb.setZero(c, c);
+    p.Aak.setZero(c, c);
+    Aab.setZero(c, c);
+    for (index_t i = 0; i < c; ++i) {
+      for (index_t j = 0; j <= i; ++j) {
+        R sqk = 0, sqb = 0, sak = 0, sab = 0;
+        for (index_t d = 0; d < K; ++d) {
+          R e = std::exp(p.gi(i, d) - p.gi(j, d));
+          sqk += p.q(i, d) * p.k(j, d) * e;
+          sqb += p.q(i, d) * p.b(j, d) * e;
+          if (j < i) {
+            R f = std::exp(p.ge(i, d) - p.gi(j, d));
+            sak += p.a(i, d) * p.k(j, d) * f;
+            sab += p.a(i, d) * p.b(j, d) * f;
+          }
+        }
+        p.Aqk(i, j) = scale * sqk;
+        p.Aqb(i, j) = scale * sqb;
+        if (j < i) {
+          p.Aak(i, j) = sak;
+          Aab(i, j) = sab;
+        }
+      }
+    }
+  }
+  Aab = -Aab;
+  Aab.diagonal().setOnes();  // I - Aab, unit lower triangular
+  p.Tm.setIdentity(c, c);
+  Aab.template triangularView<Eigen::UnitLower>().solveInPlace(p.Tm);
+  p.w = p.Tm * p.Ae;
+  p.P1.resize(c, K + c);
+  p.P1.leftCols(K) = p.w;
+  p.P1.rightCols(c).noalias() = p.Tm * p.Aak;
+  p.P2.resize(c, K + 2 * c);
+  p.P2.leftCols(K) = p.Qe;
+  p.P2.middleCols(K, c) = p.Aqk;
+  p.P2.rightCols(c) = p.Aqb;
+  p.P3.resize(K, 2 * c);
+  p.P3.leftCols(c) = p.Kd.transpose();
+  p.P3.rightCols(c) = p.Bd.transpose();
+}
+
+// Forward over one chunk for a block of state columns: S (K x w) is advanced in place; O (c x w)
+// is written when non-null.
+template <class R>
+void chunk_forward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R>& S, mat<R>* O) {
+  index_t const K = S.rows(), c = p.c;
+  mat<R> Z(K + 2 * c, S.cols());
+  Z.topRows(K) = S;
+  Z.middleRows(K, c) = Vc;
+  Z.bottomRows(c).noalias() = p.P1 * Z.topRows(K + c);
+  if (O) O->noalias() = p.P2 * Z;
+  S.array().colwise() *= p.dC.array();
+  S.noalias() += p.P3 * Z.bottomRows(2 * c);
+}
+
+// Gradients of the V- and S-contracted products of one chunk, summed over state columns.
+template <class R>
+struct chunk_acc {
+  mat<R> Aqk, Aqb, Aak, Aab;  // c x c
+  mat<R> Qe, Ae, Kd, Bd;      // c x K
+  vec<R> dC;                  // K
+  void reset(index_t c, index_t K) {
+    Aqk.setZero(c, c);
+    Aqb.setZero(c, c);
+    Aak.setZero(c, c);
+    Aab.setZero(c, c);
+    Qe.setZero(c, K);
+    Ae.setZero(c, K);
+    Kd.setZero(c, K);
+    Bd.setZero(c, K);
+    dC.setZero(K);
+  }
+  void add(chunk_acc const& o) {
+    Aqk += o.Aqk;
+    Aqb += o.Aqb;
+    Aak += o.Aak;
+    Aab += o.Aab;
+    Qe += o.Qe;
+    Ae += o.Ae;
+    Kd += o.Kd;
+    Bd += o.Bd;
+    dC += o.dC;
+  }
+};
+
+// Backward over one chunk for a block of columns. S: chunk-start state; dS: on entry the
+// gradient of the chunk-end state, on exit that of the chunk-start state. dV (c x w) written.
+template <class R>
+void chunk_backward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R> const& S, mat<R>& dS, mat<R> const& dO, mat<R>& dV, chunk_acc<R>& acc) {
+  mat<R> X = p.Tm * (p.Aak * Vc);
+  X.noalias() += p.w * S;
+  mat<R> dX = p.Aqb.transpose() * dO;
+  dX.noalias() += p.Bd * dS;
+  mat<R> Y = p.Tm.transpose() * dX;
+  dV.noalias() = p.Aqk.transpose() * dO;
+  dV.noalias() += p.Kd * dS;
+  dV.noalias() += p.Aak.transpose() * Y;
+  acc.Aqk.noalias() += dO * Vc.transpose();
+  acc.Aqb.noalias() += dO * X.transpose();
+  acc.Aak.noalias() += Y * Vc.transpose();
+  acc.Aab.noalias() += Y * X.transpose();
+  acc.Qe.noalias() += dO * S.transpose();
+  acc.Ae.noalias() += Y * S.transpose();
+  acc.Kd.noalias() += Vc * dS.transpose();
+  acc.Bd.noalias() += X * dS.transpose();
+  acc.dC += (S.array() * dS.array()).rowwise().sum().matrix();
+  mat<R> dSp = p.Qe.transpose() * dO;
+  dSp.noalias() += p.Ae.transpose() * Y;
+  dSp.array() += dS.array().colwise() * p.dC.array();
+  dS.swap(dSp);
+}
+
+// The state-gradient chain alone (the transposed map): no S, no V needed.
+template <class R>
+void chunk_dstate(chunk_pre<R> const& p, mat<R> const& dO, mat<R>& dS) {
+  mat<R> dX = p.Aqb.transpose() * dO;
+  dX.noalias() += p.Bd * dS;
+  mat<R> Y = p.Tm.transpose() * dX;
+  mat<R> dSp = p.Qe.transpose() * dO;
+  dSp.noalias() += p.Ae.transpose() * Y;
+  dSp.array() += dS.array().colwise() * p.dC.array();
+  dS.swap(dSp);
+}
+
+// From the summed accumulators to dq dk da db dgk of the chunk's tokens (rows t0..t0+c).
+template <class T, class R>
+void chunk_param_grads(chunk_pre<R> const& p, chunk_acc<R> const& acc, tensor_view<T, 2> const& dq, tensor_view<T, 2> const& dk,
+                       tensor_view<T, 2> const& da, tensor_view<T, 2> const& db, tensor_view<T, 2> const& dgk) {
+  index_t const c = p.c, K = p.q.cols();
+  mat<R> gAqk = acc.Aqk.template triangularView<Eigen::Lower>();
+  mat<R> gAqb = acc.Aqb.template triangularView<Eigen::Lower>();
+  mat<R> gAak = acc.Aak.template triangularView<Eigen::StrictlyLower>();
+  mat<R> gAab = acc.Aab.template triangularView<Eigen::StrictlyLower>();
+  mat<R> dQe = acc.Qe, dAe = acc.Ae;
+  mat<R> Dq = mat<R>::Zero(c, K), Dk = Dq, Da = Dq, Db = Dq, dgi = Dq, dge = Dq;
+  vec<R> dlast = (acc.dC.array() * p.dC.array()).matrix();
+  auto last = p.gi.row(c - 1);
+  mat<R> Eend = (p.gi.rowwise() - last).array().operator-().exp().matrix();
+  {
+    mat<R> t1 = (acc.Kd.array() * p.Kd.array()).matrix(), t2 = (acc.Bd.array() * p.Bd.array()).matrix();
+    Dk.array() += acc.Kd.array() * Eend.array();
+    Db.array() += acc.Bd.array() * Eend.array();
+    dgi -= t1 + t2;
+    dlast += (t1 + t2).colwise().sum().transpose();
+  }
+  if (p.factored) {
+    dQe.noalias() += gAqk * p.kh;
+    dQe.noalias() += gAqb * p.bh;
+    dAe.noalias() += gAak * p.kh;
+    dAe.noalias() += gAab * p.bh;
+    mat<R> dkh = gAqk.transpose() * p.Qe;
+    dkh.noalias() += gAak.transpose() * p.Ae;
+    mat<R> dbh = gAqb.transpose() * p.Qe;
+    dbh.noalias() += gAab.transpose() * p.Ae;
+    mat<R> Einv = (-p.gi.array()).exp().matrix();
+    Dk.array() += dkh.array() * Einv.array();
+    Db.array() += dbh.array() * Einv.array();
+    dgi.array() -= dkh.array() * p.kh.array() + dbh.array() * p.bh.array();
+  } else {
+    R const s = p.scale;
+    for (index_t i = 0; i < c; ++i) {
+      for (index_t j = 0; j <= i; ++j) {
+        R gqk = gAqk(i, j), gqb = gAqb(i, j), gak = j < i ? gAak(i, j) : R(0), gab = j < i ? gAab(i, j) : R(0);
+        if (gqk == R(0) && gqb == R(0) && gak == R(0) && gab == R(0)) continue;
+        for (index_t d = 0; d < K; ++d) {
+          R e = std::exp(p.gi(i, d) - p.gi(j, d));
+          R sq = s * p.q(i, d);
+          R side = (gqk * p.k(j, d) + gqb * p.b(j, d)) * e;
+          Dq(i, d) += s * side;
+          Dk(j, d) += gqk * sq * e;
+          Db(j, d) += gqb * sq * e;
+          R term = side * sq;
+          dgi(i, d) += term;
+          dgi(j, d) -= term;
+          if (j < i) {
+            R f = std::exp(p.ge(i, d) - p.gi(j, d));
+            R aside = (gak * p.k(j, d) + gab * p.b(j, d)) * f;
+            Da(i, d) += aside;
+            Dk(j, d) += gak * p.a(i, d) * f;
+            Db(j, d) += gab * p.a(i, d) * f;
+            R t2 = aside * p.a(i, d);
+            dge(i, d) += t2;
+            dgi(j, d) -= t2;
+          }
+        }
+      }
+    }
+  }
+  // Qe = s q e^{gi}, Ae = a e^{ge}
+  Dq.array() += p.scale * dQe.array() * p.gi.array().exp();
+  dgi.array() += dQe.array() * p.Qe.array();
+  Da.array() += dAe.array() * p.ge.array().exp();
+  dge.array() += dAe.array() * p.Ae.array();
+  dgi.row(c - 1) += dlast.transpose();
+  // ge = gi - gk, gi = cumsum(gk)
+  dgi += dge;
+  mat<R> Dg = -dge;
+  vec<R> run = vec<R>::Zero(K);
+  for (index_t r = c; r-- > 0;) {
+    run += dgi.row(r).transpose();
+    Dg.row(r) += run.transpose();
+  }
+  store_cols(dq, p.t0, 0, Dq);
+  store_cols(dk, p.t0, 0, Dk);
+  store_cols(da, p.t0, 0, Da);
+  store_cols(db, p.t0, 0, Db);
+  store_cols(dgk, p.t0, 0, Dg);
+}
+
+}  // namespace k3::detail::dplr

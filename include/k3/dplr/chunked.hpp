@@ -1,0 +1,409 @@
+// k3/dplr/chunked.hpp — chunked DPLR forward and backward on the CPU backends.
+//
+// Work split: with at least as many (sequence, head) pairs as threads, each pair runs on one
+// thread. With fewer (a single long sequence), each pair uses every thread: either
+//  - value_split: the intra-chunk precomputation of a block of chunks runs chunk-parallel,
+//    then the state pass runs with the V state columns split across threads (columns of the
+//    state evolve independently; the K-side quantities are shared), or
+//  - segment_maps: the tokens are split into one segment per thread; each segment's affine
+//    map S -> M S + N is computed, an exclusive scan composes them, and each segment is then
+//    finished from its true initial state (see maps.hpp).
+#pragma once
+#include <algorithm>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "k3/backend/cpu/serial.hpp"
+#include "k3/backend/cpu/simd.hpp"
+#include "k3/dplr/chunk_kernels.hpp"
+#include "k3/dplr/serial.hpp"
+
+namespace k3 {
+namespace detail::dplr {
+
+// Executors: run(n, f) calls f(i) for i in [0, n).
+struct serial_par {
+  int size() const { return 1; }
+  template <class F>
+  void run(index_t n, F&& f) const {
+    for (index_t i = 0; i < n; ++i) f(i);
+  }
+};
+struct pool_par {
+  cpu::thread_pool* pool;
+  int size() const { return pool->size(); }
+  template <class F>
+  void run(index_t n, F&& f) const {
+    pool->run(n, f);
+  }
+};
+
+template <class Bk>
+auto make_par(Bk const& bk) {
+  if constexpr (requires { bk.pool(); }) return pool_par{&bk.pool()};
+  else return serial_par{};
+}
+
+template <class R>
+struct head_cfg {
+  R scale;
+  index_t C;
+  dplr_intra mode;
+  index_t K, V;
+};
+
+inline index_t num_chunks(index_t L, index_t C) { return (L + C - 1) / C; }
+
+// Column ranges for a split of `w` columns into `parts`.
+inline std::pair<index_t, index_t> col_range(index_t w, index_t parts, index_t p) { return {w * p / parts, w * (p + 1) / parts}; }
+
+// Forward over one (sequence, head). W = width of the state columns; load(t0, c, c0, w, m)
+// fills m (c x w) with the value columns [c0, c0+w) of tokens t0..t0+c. S (K x W) is advanced
+// in place. emit(t0, c0, O) receives outputs (when non-null). states, when non-null, receives
+// the start state of every chunk.
+template <class T, class R, class Par, class Load, class Emit>
+void head_forward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, index_t W, mat<R>& S, Load&& load, Emit* emit,
+                  std::vector<mat<R>>* states) {
+  index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C);
+  int const P = par.size();
+  index_t const ns = P > 1 ? std::max<index_t>(1, std::min<index_t>(P, W)) : 1;
+  index_t const nb = P > 1 ? std::max<index_t>(4 * P, 16) : 1;
+  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(std::min(nb, std::max<index_t>(nch, 1))));
+  std::vector<mat<R>> Ss(static_cast<std::size_t>(ns));
+  for (index_t p = 0; p < ns; ++p) {
+    auto [c0, c1] = col_range(W, ns, p);
+    Ss[p] = S.middleCols(c0, c1 - c0);
+  }
+  if (states) states->assign(static_cast<std::size_t>(nch), mat<R>(cfg.K, W));
+  for (index_t b0 = 0; b0 < nch; b0 += nb) {
+    index_t const m = std::min(nb, nch - b0);
+    par.run(m, [&](index_t i) {
+      index_t t0 = (b0 + i) * C;
+      make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[i]);
+    });
+    auto cols = [&](index_t p) {
+      auto [c0, c1] = col_range(W, ns, p);
+      mat<R> Vc, O;
+      for (index_t i = 0; i < m; ++i) {
+        auto const& pr = pres[i];
+        if (states) (*states)[b0 + i].middleCols(c0, c1 - c0) = Ss[p];
+        load(pr.t0, pr.c, c0, c1 - c0, Vc);
+        chunk_forward(pr, Vc, Ss[p], emit ? &O : nullptr);
+        if (emit) (*emit)(pr.t0, c0, O);
+      }
+    };
+    if (ns == 1) cols(0);
+    else par.run(ns, cols);
+  }
+  for (index_t p = 0; p < ns; ++p) {
+    auto [c0, c1] = col_range(W, ns, p);
+    S.middleCols(c0, c1 - c0) = Ss[p];
+  }
+}
+
+template <class T>
+struct head_grad_views {
+  tensor_view<T, 2> dq, dk, dv, da, db, dgk;
+};
+
+// Backward over one (sequence, head). S0: initial state; dS: in = gradient of the final state,
+// out = gradient of the initial state.
+template <class T, class R, class Par>
+void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, mat<R> const& S0, mat<R>& dS, const_view<T, 2> const& dO,
+                   head_grad_views<T> const& g) {
+  index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C), V = cfg.V, K = cfg.K;
+  int const P = par.size();
+  std::vector<mat<R>> states;
+  {
+    mat<R> S = S0;
+    auto load = [&](index_t t0, index_t c, index_t c0, index_t w, mat<R>& m) { load_cols(hv.v, t0, c, c0, w, m); };
+    using E = void (*)(index_t, index_t, mat<R> const&);
+    head_forward<T, R>(par, hv, cfg, V, S, load, static_cast<E*>(nullptr), &states);
+  }
+  index_t const ns = P > 1 ? std::max<index_t>(1, std::min<index_t>(P, V)) : 1;
+  index_t const nb = P > 1 ? std::max<index_t>(4 * P, 16) : 1;
+  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(std::min(nb, std::max<index_t>(nch, 1))));
+  std::vector<std::vector<chunk_acc<R>>> acc(static_cast<std::size_t>(ns), std::vector<chunk_acc<R>>(pres.size()));
+  std::vector<mat<R>> dSs(static_cast<std::size_t>(ns));
+  for (index_t p = 0; p < ns; ++p) {
+    auto [c0, c1] = col_range(V, ns, p);
+    dSs[p] = dS.middleCols(c0, c1 - c0);
+  }
+  for (index_t e0 = nch; e0 > 0;) {
+    index_t const m = std::min(nb, e0), b0 = e0 - m;
+    par.run(m, [&](index_t i) {
+      index_t t0 = (b0 + i) * C;
+      make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[i]);
+    });
+    auto cols = [&](index_t p) {
+      auto [c0, c1] = col_range(V, ns, p);
+      mat<R> Vc, dOc, dVc;
+      for (index_t i = m; i-- > 0;) {
+        auto const& pr = pres[i];
+        acc[p][i].reset(pr.c, K);
+        load_cols(hv.v, pr.t0, pr.c, c0, c1 - c0, Vc);
+        load_cols(dO, pr.t0, pr.c, c0, c1 - c0, dOc);
+        mat<R> Sc = states[b0 + i].middleCols(c0, c1 - c0);
+        chunk_backward(pr, Vc, Sc, dSs[p], dOc, dVc, acc[p][i]);
+        store_cols(g.dv, pr.t0, c0, dVc);
+      }
+    };
+    if (ns == 1) cols(0);
+    else par.run(ns, cols);
+    par.run(m, [&](index_t i) {
+      for (index_t p = 1; p < ns; ++p) acc[0][i].add(acc[p][i]);
+      chunk_param_grads<T, R>(pres[i], acc[0][i], g.dq, g.dk, g.da, g.db, g.dgk);
+    });
+    e0 = b0;
+  }
+  for (index_t p = 0; p < ns; ++p) {
+    auto [c0, c1] = col_range(V, ns, p);
+    dS.middleCols(c0, c1 - c0) = dSs[p];
+  }
+}
+
+// Gradient chain alone over a span: dS in = gradient at the span end, out = at its start.
+// W-wide columns; loadO(t0, c, c0, w, m) gives the output-gradient columns.
+template <class T, class R, class Par, class LoadO>
+void head_dstate(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, index_t W, mat<R>& dS, LoadO&& loadO) {
+  index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C);
+  int const P = par.size();
+  index_t const ns = P > 1 ? std::max<index_t>(1, std::min<index_t>(P, W)) : 1;
+  index_t const nb = P > 1 ? std::max<index_t>(4 * P, 16) : 1;
+  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(std::min(nb, std::max<index_t>(nch, 1))));
+  std::vector<mat<R>> dSs(static_cast<std::size_t>(ns));
+  for (index_t p = 0; p < ns; ++p) {
+    auto [c0, c1] = col_range(W, ns, p);
+    dSs[p] = dS.middleCols(c0, c1 - c0);
+  }
+  for (index_t e0 = nch; e0 > 0;) {
+    index_t const m = std::min(nb, e0), b0 = e0 - m;
+    par.run(m, [&](index_t i) {
+      index_t t0 = (b0 + i) * C;
+      make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[i]);
+    });
+    auto cols = [&](index_t p) {
+      auto [c0, c1] = col_range(W, ns, p);
+      mat<R> dOc;
+      for (index_t i = m; i-- > 0;) {
+        loadO(pres[i].t0, pres[i].c, c0, c1 - c0, dOc);
+        chunk_dstate(pres[i], dOc, dSs[p]);
+      }
+    };
+    if (ns == 1) cols(0);
+    else par.run(ns, cols);
+    e0 = b0;
+  }
+  for (index_t p = 0; p < ns; ++p) {
+    auto [c0, c1] = col_range(W, ns, p);
+    dS.middleCols(c0, c1 - c0) = dSs[p];
+  }
+}
+
+template <class S, class R>
+void load_state_mat(const_view<S, 4> const& h0, index_t n, index_t h, index_t K, index_t V, mat<R>& m) {
+  m.setZero(K, V);
+  if (absent(h0)) return;
+  for (index_t i = 0; i < K; ++i)
+    for (index_t j = 0; j < V; ++j) m(i, j) = R(h0(n, h, i, j));
+}
+
+template <class S, class R>
+void store_state_mat(tensor_view<S, 4> const& ht, index_t n, index_t h, mat<R> const& m) {
+  if (absent(ht)) return;
+  for (index_t i = 0; i < m.rows(); ++i)
+    for (index_t j = 0; j < m.cols(); ++j) ht(n, h, i, j) = static_cast<S>(m(i, j));
+}
+
+// Forward of one (sequence, head) on par: value columns, outputs into o.
+template <class T, class R, class Par>
+void head_forward_values(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, mat<R>& S, tensor_view<T, 2> const& o) {
+  auto load = [&](index_t t0, index_t c, index_t c0, index_t w, mat<R>& m) { load_cols(hv.v, t0, c, c0, w, m); };
+  auto emit = [&](index_t t0, index_t c0, mat<R> const& O) { store_cols(o, t0, c0, O); };
+  head_forward<T, R>(par, hv, cfg, cfg.V, S, load, &emit, nullptr);
+}
+
+// The affine map of a whole span: [M | N] = run the homogeneous recurrence from [I | 0] with
+// values [0 | V] (the augmented state has K + V columns).
+template <class T, class R, class Par>
+void head_map(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, mat<R>& MN) {
+  index_t const K = cfg.K, V = cfg.V;
+  MN.setZero(K, K + V);
+  MN.leftCols(K).setIdentity();
+  auto load = [&](index_t t0, index_t c, index_t c0, index_t w, mat<R>& m) {
+    m.setZero(c, w);
+    index_t lo = std::max(c0, K), hi = c0 + w;
+    for (index_t r = 0; r < c && lo < hi; ++r)
+      for (index_t j = lo; j < hi; ++j) m(r, j - c0) = R(hv.v(t0 + r, j - K));
+  };
+  using E = void (*)(index_t, index_t, mat<R> const&);
+  head_forward<T, R>(par, hv, cfg, K + V, MN, load, static_cast<E*>(nullptr), nullptr);
+}
+
+// The transposed map of a span: [Mt | G] with dS_in = Mt dS_out + G(dO).
+template <class T, class R, class Par>
+void head_map_transposed(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, const_view<T, 2> const& dO, mat<R>& MtG) {
+  index_t const K = cfg.K, V = cfg.V;
+  MtG.setZero(K, K + V);
+  MtG.leftCols(K).setIdentity();
+  auto loadO = [&](index_t t0, index_t c, index_t c0, index_t w, mat<R>& m) {
+    m.setZero(c, w);
+    index_t lo = std::max(c0, K), hi = c0 + w;
+    for (index_t r = 0; r < c && lo < hi; ++r)
+      for (index_t j = lo; j < hi; ++j) m(r, j - c0) = R(dO(t0 + r, j - K));
+  };
+  head_dstate<T, R>(par, hv, cfg, K + V, MtG, loadO);
+}
+
+template <class T>
+head_views<T> sub_span(head_views<T> const& hv, index_t t0, index_t n) {
+  return {hv.q.sub(0, t0, n), hv.k.sub(0, t0, n), hv.v.sub(0, t0, n), hv.a.sub(0, t0, n), hv.b.sub(0, t0, n), hv.gk.sub(0, t0, n), n};
+}
+
+// Segment boundaries for splitting L tokens across P workers, aligned to chunks so that each
+// segment's chunking is the single-thread chunking.
+inline std::vector<index_t> segment_bounds(index_t L, index_t C, index_t P) {
+  index_t nch = num_chunks(L, C);
+  std::vector<index_t> b(static_cast<std::size_t>(P + 1));
+  for (index_t p = 0; p <= P; ++p) b[p] = std::min(L, (nch * p / P) * C);
+  b[P] = L;
+  return b;
+}
+
+// Segment-map context parallelism on threads, forward.
+template <class T, class R, class Par>
+void head_forward_segments(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, mat<R>& S, tensor_view<T, 2> const& o) {
+  index_t const P = par.size(), K = cfg.K, V = cfg.V;
+  auto bnd = segment_bounds(hv.len, cfg.C, P);
+  std::vector<mat<R>> MN(static_cast<std::size_t>(P)), Sin(static_cast<std::size_t>(P + 1));
+  Sin[0] = S;
+  serial_par one;
+  par.run(P, [&](index_t p) {
+    auto seg = sub_span(hv, bnd[p], bnd[p + 1] - bnd[p]);
+    if (p == 0) {
+      Sin[1] = Sin[0];
+      head_forward_values<T, R>(one, seg, cfg, Sin[1], o.sub(0, bnd[0], bnd[1] - bnd[0]));
+    } else {
+      head_map<T, R>(one, seg, cfg, MN[p]);
+    }
+  });
+  for (index_t p = 1; p < P; ++p) {
+    Sin[p + 1] = MN[p].rightCols(V);
+    Sin[p + 1].noalias() += MN[p].leftCols(K) * Sin[p];
+  }
+  par.run(P - 1, [&](index_t i) {
+    index_t p = i + 1;
+    auto seg = sub_span(hv, bnd[p], bnd[p + 1] - bnd[p]);
+    mat<R> Sp = Sin[p];
+    head_forward_values<T, R>(one, seg, cfg, Sp, o.sub(0, bnd[p], bnd[p + 1] - bnd[p]));
+  });
+  S = Sin[P];
+}
+
+template <class T>
+head_grad_views<T> sub_grads(head_grad_views<T> const& g, index_t t0, index_t n) {
+  return {g.dq.sub(0, t0, n), g.dk.sub(0, t0, n), g.dv.sub(0, t0, n), g.da.sub(0, t0, n), g.db.sub(0, t0, n), g.dgk.sub(0, t0, n)};
+}
+
+// Segment-map context parallelism on threads, backward: the forward scan gives each
+// segment's initial state, the mirrored scan with the transposed maps gives the gradient at
+// each segment's end, then every segment runs its ordinary backward.
+template <class T, class R, class Par>
+void head_backward_segments(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, mat<R> const& S0, mat<R>& dS,
+                            const_view<T, 2> const& dO, head_grad_views<T> const& g) {
+  index_t const P = par.size(), K = cfg.K, V = cfg.V;
+  auto bnd = segment_bounds(hv.len, cfg.C, P);
+  std::vector<mat<R>> MN(static_cast<std::size_t>(P)), G(static_cast<std::size_t>(P));
+  serial_par one;
+  par.run(P, [&](index_t p) {
+    auto seg = sub_span(hv, bnd[p], bnd[p + 1] - bnd[p]);
+    head_map<T, R>(one, seg, cfg, MN[p]);
+    if (p > 0) {
+      // G: the state gradient the segment's own outputs send back (zero gradient at its end).
+      G[p].setZero(K, V);
+      auto dOs = dO.sub(0, bnd[p], bnd[p + 1] - bnd[p]);
+      auto loadO = [&](index_t t0, index_t c, index_t c0, index_t w, mat<R>& m) { load_cols(dOs, t0, c, c0, w, m); };
+      head_dstate<T, R>(one, seg, cfg, V, G[p], loadO);
+    }
+  });
+  std::vector<mat<R>> Sin(static_cast<std::size_t>(P)), dSout(static_cast<std::size_t>(P));
+  Sin[0] = S0;
+  for (index_t p = 0; p + 1 < P; ++p) {
+    Sin[p + 1] = MN[p].rightCols(V);
+    Sin[p + 1].noalias() += MN[p].leftCols(K) * Sin[p];
+  }
+  dSout[P - 1] = dS;
+  for (index_t p = P - 1; p > 0; --p) {
+    dSout[p - 1] = G[p];
+    dSout[p - 1].noalias() += MN[p].leftCols(K).transpose() * dSout[p];
+  }
+  par.run(P, [&](index_t p) {
+    auto seg = sub_span(hv, bnd[p], bnd[p + 1] - bnd[p]);
+    head_backward<T, R>(one, seg, cfg, Sin[p], dSout[p], dO.sub(0, bnd[p], bnd[p + 1] - bnd[p]), sub_grads(g, bnd[p], bnd[p + 1] - bnd[p]));
+  });
+  dS = dSout[0];
+}
+
+}  // namespace detail::dplr
+}  // namespace k3
+
+namespace k3 {
+
+// Chunked forward. Backends: cpu::serial, cpu::simd<>, cpu::threads<> (threads fan out over
+// (sequence, head) pairs, or inside each pair when there are fewer pairs than threads).
+template <class T, class Bk>
+void dplr_chunked_forward(Bk const& bk, dplr_inputs<T> const& in, dplr_outputs<T> const& out, dplr_options const& opt = {}) {
+  using R = dplr_state_t<T>;
+  namespace d = detail::dplr;
+  auto p = d::make_problem(in, opt);
+  d::check_outputs(p, in, out);
+  d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
+  auto par = d::make_par(bk);
+  index_t const tasks = p.N * p.H;
+  auto one = [&](auto const& ex, index_t task) {
+    index_t n = task / p.H, h = task % p.H;
+    d::mat<R> S;
+    d::load_state_mat(in.h0, n, h, p.K, p.V, S);
+    auto hv = d::head_of(in, p.seqs[n], h);
+    auto o = d::head_slice<T>(out.o, p.seqs[n], h);
+    if (ex.size() > 1 && opt.long_sequence == dplr_long_sequence::segment_maps) d::head_forward_segments<T, R>(ex, hv, cfg, S, o);
+    else d::head_forward_values<T, R>(ex, hv, cfg, S, o);
+    d::store_state_mat(out.ht, n, h, S);
+  };
+  if (par.size() == 1 || tasks >= par.size()) par.run(tasks, [&](index_t i) { one(d::serial_par{}, i); });
+  else
+    for (index_t i = 0; i < tasks; ++i) one(par, i);
+}
+
+// Chunked backward: dq dk dv da db dgk (and dh0 when given) from do (and dht when given).
+template <class T, class Bk>
+void dplr_chunked_backward(Bk const& bk, dplr_inputs<T> const& in, dplr_grad_inputs<T> const& gin, dplr_grads<T> const& g,
+                           dplr_options const& opt = {}) {
+  using R = dplr_state_t<T>;
+  namespace d = detail::dplr;
+  auto p = d::make_problem(in, opt);
+  d::check_grads(p, in, gin, g);
+  d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
+  auto par = d::make_par(bk);
+  index_t const tasks = p.N * p.H;
+  auto one = [&](auto const& ex, index_t task) {
+    index_t n = task / p.H, h = task % p.H;
+    auto const& s = p.seqs[n];
+    d::mat<R> S0, dS;
+    d::load_state_mat(in.h0, n, h, p.K, p.V, S0);
+    d::load_state_mat(gin.dht, n, h, p.K, p.V, dS);
+    auto hv = d::head_of(in, s, h);
+    d::head_grad_views<T> hg = {d::head_slice<T>(g.dq, s, h), d::head_slice<T>(g.dk, s, h), d::head_slice<T>(g.dv, s, h),
+                                d::head_slice<T>(g.da, s, h), d::head_slice<T>(g.db, s, h), d::head_slice<T>(g.dgk, s, h)};
+    auto dO = d::head_slice<T>(gin.do_, s, h);
+    if (ex.size() > 1 && opt.long_sequence == dplr_long_sequence::segment_maps) d::head_backward_segments<T, R>(ex, hv, cfg, S0, dS, dO, hg);
+    else d::head_backward<T, R>(ex, hv, cfg, S0, dS, dO, hg);
+    d::store_state_mat(g.dh0, n, h, dS);
+  };
+  if (par.size() == 1 || tasks >= par.size()) par.run(tasks, [&](index_t i) { one(d::serial_par{}, i); });
+  else
+    for (index_t i = 0; i < tasks; ++i) one(par, i);
+}
+
+}  // namespace k3

@@ -1,0 +1,212 @@
+// k3/dplr/common.hpp — argument bundles, validation and the sequence list shared by the
+// recurrent, chunked, segment-map and context-parallel DPLR paths.
+//
+// Convention (fla's): S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,
+// o_t = S_t^T (scale * q_t), the state after token t. Token-major q k a b gk [B,T,H,K],
+// v and o [B,T,H,V]; states [N,H,K,V] in float for float inputs and double for double.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "k3/core/error.hpp"
+#include "k3/core/tensor_view.hpp"
+#include "k3/core/validate.hpp"
+
+namespace k3 {
+
+// The state and every accumulation use double for double inputs and float otherwise.
+template <class T>
+using dplr_state_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <class T>
+struct dplr_inputs {
+  const_view<T, 4> q, k, v, a, b, gk;
+  const_view<dplr_state_t<T>, 4> h0;  // absent (default) = zero initial state
+};
+
+template <class T>
+struct dplr_outputs {
+  tensor_view<T, 4> o;                       // [B,T,H,V]
+  tensor_view<dplr_state_t<T>, 4> ht;        // [N,H,K,V]; absent = not wanted
+};
+
+template <class T>
+struct dplr_grad_inputs {
+  const_view<T, 4> do_;                      // [B,T,H,V]
+  const_view<dplr_state_t<T>, 4> dht;        // absent = zero
+};
+
+template <class T>
+struct dplr_grads {
+  tensor_view<T, 4> dq, dk, dv, da, db, dgk;
+  tensor_view<dplr_state_t<T>, 4> dh0;       // absent = not wanted
+};
+
+// How a single sequence (fewer (sequence, head) pairs than threads) uses every core.
+enum class dplr_long_sequence {
+  value_split,   // chunk-parallel intra-chunk work + state columns split across threads
+  segment_maps,  // tokens split across threads; segment maps composed by a scan
+};
+
+// How the four intra-chunk matrices are formed: factored GEMMs anchored at the chunk start
+// (fast, valid while the chunk's total decay stays in exp's range) or pairwise exponentials
+// (always safe). automatic picks per chunk.
+enum class dplr_intra { automatic, factored, pairwise };
+
+struct dplr_options {
+  std::optional<double> scale;      // default K^-1/2
+  index_t chunk_size = 64;
+  dplr_intra intra = dplr_intra::automatic;
+  dplr_long_sequence long_sequence = dplr_long_sequence::value_split;
+  // Packed variable-length sequences (B must be 1): one of these, N+1 offsets.
+  const_view<std::int64_t, 1> cu_seqlens;
+  const_view<std::int32_t, 1> cu_seqlens32;
+};
+
+namespace detail::dplr {
+
+template <class V>
+bool absent(V const& v) {
+  if (v.data_handle() != nullptr) return false;
+  for (std::size_t r = 0; r < V::rank(); ++r)
+    if (v.extent(r) != 0) return false;
+  return true;
+}
+
+struct sequence {
+  index_t batch, bos, eos;
+  index_t len() const { return eos - bos; }
+};
+
+struct problem {
+  index_t B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;
+  double scale = 1;
+  index_t chunk = 64;
+  std::vector<sequence> seqs;
+};
+
+inline bool has_varlen(dplr_options const& o) { return !absent(o.cu_seqlens) || !absent(o.cu_seqlens32); }
+
+template <class I>
+void read_offsets(const_view<I, 1> cu, index_t B, index_t T, std::vector<sequence>& seqs) {
+  check_view("cu_seqlens", cu);
+  require(B == 1, [&] { return "argument 'cu_seqlens': packed sequences need batch size 1, got B = " + std::to_string(B); });
+  require(cu.extent(0) >= 1, "argument 'cu_seqlens': needs at least one offset (N+1 entries)");
+  require(cu(0) == 0, [&] { return "argument 'cu_seqlens': must start at 0, got " + std::to_string(cu(0)); });
+  for (index_t i = 0; i + 1 < cu.extent(0); ++i) {
+    index_t lo = static_cast<index_t>(cu(i)), hi = static_cast<index_t>(cu(i + 1));
+    require(hi >= lo, [&] {
+      return "argument 'cu_seqlens': offsets must be non-decreasing, got " + std::to_string(lo) + " then " + std::to_string(hi) +
+             " at index " + std::to_string(i + 1);
+    });
+    seqs.push_back({0, lo, hi});
+  }
+  index_t last = static_cast<index_t>(cu(cu.extent(0) - 1));
+  require(last == T, [&] {
+    return "argument 'cu_seqlens': must end at T = " + std::to_string(T) + ", got " + std::to_string(last);
+  });
+}
+
+template <class T>
+problem make_problem(dplr_inputs<T> const& in, dplr_options const& opt) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "k3 dplr: inputs must be float or double");
+  problem p;
+  check_view("q", in.q);
+  p.B = in.q.extent(0);
+  p.T = in.q.extent(1);
+  p.H = in.q.extent(2);
+  p.K = in.q.extent(3);
+  check_view("v", in.v);
+  p.V = in.v.extent(3);
+  check_shape("k", in.k, {p.B, p.T, p.H, p.K});
+  check_shape("a", in.a, {p.B, p.T, p.H, p.K});
+  check_shape("b", in.b, {p.B, p.T, p.H, p.K});
+  check_shape("gk", in.gk, {p.B, p.T, p.H, p.K});
+  check_shape("v", in.v, {p.B, p.T, p.H, any_extent});
+  for (auto [name, v] : {std::pair<char const*, const_view<T, 4>>{"q", in.q}, {"k", in.k}, {"v", in.v}, {"a", in.a}, {"b", in.b}, {"gk", in.gk}}) {
+    check_view(name, v);
+    check_inner_contiguous(name, v);
+  }
+  require(opt.chunk_size >= 1, [&] { return "option 'chunk_size': must be >= 1, got " + std::to_string(opt.chunk_size); });
+  p.chunk = opt.chunk_size;
+  p.scale = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
+  require(std::isfinite(p.scale), [&] { return "option 'scale': must be finite, got " + std::to_string(p.scale); });
+  require(absent(opt.cu_seqlens) || absent(opt.cu_seqlens32), "argument 'cu_seqlens': give the int64 or the int32 offsets, not both");
+  if (!absent(opt.cu_seqlens)) read_offsets(opt.cu_seqlens, p.B, p.T, p.seqs);
+  else if (!absent(opt.cu_seqlens32)) read_offsets(opt.cu_seqlens32, p.B, p.T, p.seqs);
+  else
+    for (index_t b = 0; b < p.B; ++b) p.seqs.push_back({b, 0, p.T});
+  p.N = static_cast<index_t>(p.seqs.size());
+  if (!absent(in.h0)) {
+    check_view("h0", in.h0);
+    check_shape("h0", in.h0, {p.N, p.H, p.K, p.V});
+  }
+  return p;
+}
+
+template <class T>
+void check_outputs(problem const& p, dplr_inputs<T> const& in, dplr_outputs<T> const& out) {
+  check_view("o", out.o);
+  check_shape("o", out.o, {p.B, p.T, p.H, p.V});
+  check_inner_contiguous("o", out.o);
+  for (auto [name, v] : {std::pair<char const*, const_view<T, 4>>{"q", in.q}, {"k", in.k}, {"v", in.v}, {"a", in.a}, {"b", in.b}, {"gk", in.gk}})
+    check_no_overlap("o", out.o, name, v);
+  if (!absent(out.ht)) {
+    check_view("ht", out.ht);
+    check_shape("ht", out.ht, {p.N, p.H, p.K, p.V});
+    check_no_overlap("ht", out.ht, "o", out.o);
+    if (!absent(in.h0)) check_no_overlap("ht", out.ht, "h0", in.h0);
+  }
+}
+
+template <class T>
+void check_grads(problem const& p, dplr_inputs<T> const& in, dplr_grad_inputs<T> const& gin, dplr_grads<T> const& g) {
+  check_view("do", gin.do_);
+  check_shape("do", gin.do_, {p.B, p.T, p.H, p.V});
+  check_inner_contiguous("do", gin.do_);
+  if (!absent(gin.dht)) {
+    check_view("dht", gin.dht);
+    check_shape("dht", gin.dht, {p.N, p.H, p.K, p.V});
+  }
+  std::pair<char const*, tensor_view<T, 4>> outs[] = {{"dq", g.dq}, {"dk", g.dk}, {"dv", g.dv}, {"da", g.da}, {"db", g.db}, {"dgk", g.dgk}};
+  for (auto& [name, v] : outs) {
+    check_view(name, v);
+    check_inner_contiguous(name, v);
+    check_shape(name, v, {p.B, p.T, p.H, std::string_view(name) == "dv" ? p.V : p.K});
+  }
+  std::pair<char const*, const_view<T, 4>> ins[] = {{"q", in.q}, {"k", in.k}, {"v", in.v}, {"a", in.a}, {"b", in.b}, {"gk", in.gk}, {"do", gin.do_}};
+  for (std::size_t i = 0; i < 6; ++i) {
+    for (auto& [iname, iv] : ins) check_no_overlap(outs[i].first, outs[i].second, iname, iv);
+    for (std::size_t j = i + 1; j < 6; ++j) check_no_overlap(outs[i].first, outs[i].second, outs[j].first, outs[j].second);
+  }
+  if (!absent(g.dh0)) {
+    check_view("dh0", g.dh0);
+    check_shape("dh0", g.dh0, {p.N, p.H, p.K, p.V});
+    for (auto& [name, v] : outs) check_no_overlap("dh0", g.dh0, name, v);
+  }
+}
+
+// One (sequence, head): [len, D] views of its tokens.
+template <class T>
+struct head_views {
+  const_view<T, 2> q, k, v, a, b, gk;
+  index_t len = 0;
+};
+
+template <class T, class View>
+auto head_slice(View const& x, sequence const& s, index_t h) {
+  return x.slice(0, s.batch).slice(1, h).sub(0, s.bos, s.len());
+}
+
+template <class T>
+head_views<T> head_of(dplr_inputs<T> const& in, sequence const& s, index_t h) {
+  return {head_slice<T>(in.q, s, h),  head_slice<T>(in.k, s, h), head_slice<T>(in.v, s, h),
+          head_slice<T>(in.a, s, h),  head_slice<T>(in.b, s, h), head_slice<T>(in.gk, s, h), s.len()};
+}
+
+}  // namespace detail::dplr
+}  // namespace k3

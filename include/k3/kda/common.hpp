@@ -1,0 +1,361 @@
+// k3/kda/common.hpp — KDA argument bundles, options, validation and the sequence map shared
+// by the serial reference, the chunked form and the decode step.
+//
+// Conventions are fla's (token-major): q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] natural-log
+// per-channel decay; beta [B,T,HV]; states [N,HV,K,V] in the state type S (float, or double
+// when computing in double). Value head hv reads q/k head hv / (HV/H).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "k3/core/error.hpp"
+#include "k3/core/numeric/bfloat16.hpp"
+#include "k3/core/tensor_view.hpp"
+#include "k3/core/validate.hpp"
+
+namespace k3::kda {
+
+// fp32 state for float and bfloat16 storage, double for double.
+template <class In>
+using default_state_t = std::conditional_t<std::is_same_v<In, double>, double, float>;
+
+template <class T>
+concept Storage = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, bfloat16>;
+
+enum class algorithm { chunk, recurrent };
+
+// Packed variable-length sequences: N+1 offsets into T, int32 or int64. Empty = not packed.
+class cu_seqlens_view {
+ public:
+  cu_seqlens_view() = default;
+  cu_seqlens_view(tensor_view<std::int32_t const, 1> v) : p32_(v.data_handle()), n_(v.extent(0)), s_(v.stride(0)), on_(true) {}
+  cu_seqlens_view(tensor_view<std::int32_t, 1> v) : cu_seqlens_view(tensor_view<std::int32_t const, 1>(v)) {}
+  cu_seqlens_view(tensor_view<std::int64_t const, 1> v) : p64_(v.data_handle()), n_(v.extent(0)), s_(v.stride(0)), on_(true) {}
+  cu_seqlens_view(tensor_view<std::int64_t, 1> v) : cu_seqlens_view(tensor_view<std::int64_t const, 1>(v)) {}
+  cu_seqlens_view(std::vector<std::int64_t> const& v) : p64_(v.data()), n_(static_cast<index_t>(v.size())), s_(1), on_(true) {}
+  cu_seqlens_view(std::vector<std::int32_t> const& v) : p32_(v.data()), n_(static_cast<index_t>(v.size())), s_(1), on_(true) {}
+
+  // Any explicitly given offsets (even an empty list, which is then rejected) mean packed.
+  bool present() const noexcept { return on_; }
+  index_t size() const noexcept { return n_; }
+  index_t operator[](index_t i) const noexcept { return p32_ ? index_t(p32_[i * s_]) : index_t(p64_[i * s_]); }
+  void const* data() const noexcept { return p32_ ? static_cast<void const*>(p32_) : static_cast<void const*>(p64_); }
+
+ private:
+  std::int32_t const* p32_ = nullptr;
+  std::int64_t const* p64_ = nullptr;
+  index_t n_ = 0, s_ = 1;
+  bool on_ = false;
+};
+
+struct options {
+  algorithm mode = algorithm::chunk;
+  std::optional<double> scale;  // default K^-1/2; multiplies q only
+  // When set (in [-5, 0)), every g must be >= it: the chunked form then evaluates its 16x16
+  // diagonal tiles as dense products (the bound keeps both exponential factors < e^40).
+  // Without it the diagonal tiles are evaluated pair by pair, exact for any gate.
+  std::optional<double> gate_lower_bound;
+  cu_seqlens_view cu_seqlens;
+};
+
+// Absent optional tensors are default-constructed views (null data, zero extents).
+template <class V>
+bool present(V const& v) noexcept {
+  return v.data_handle() != nullptr;
+}
+
+template <Storage In, class S = default_state_t<In>>
+struct forward_args {
+  tensor_view<In const, 4> q, k, v, g;
+  tensor_view<In const, 3> beta;
+  tensor_view<In, 4> o;
+  tensor_view<S const, 4> h0 = {};  // optional initial state [N,HV,K,V]
+  tensor_view<S, 4> ht = {};        // optional final state [N,HV,K,V]
+};
+
+template <Storage In, class S = default_state_t<In>>
+struct backward_args {
+  tensor_view<In const, 4> q, k, v, g;
+  tensor_view<In const, 3> beta;
+  tensor_view<S const, 4> h0 = {};
+  tensor_view<In const, 4> d_o;      // gradient of o
+  tensor_view<S const, 4> dht = {};  // optional gradient of the final state
+  tensor_view<In, 4> dq, dk, dv, dg;
+  tensor_view<In, 3> dbeta;
+  tensor_view<S, 4> dh0 = {};  // optional
+};
+
+// One decode step for N independent sequences whose states live in a pool, addressed by slot.
+template <Storage In, class S = default_state_t<In>>
+struct decode_args {
+  tensor_view<In const, 3> q, k;  // [N,H,K]
+  tensor_view<In const, 3> v;     // [N,HV,V]
+  tensor_view<In const, 3> g;     // [N,HV,K]
+  tensor_view<In const, 2> beta;  // [N,HV]
+  tensor_view<In, 3> o;           // [N,HV,V]
+  tensor_view<S, 4> state_pool;   // [P,HV,K,V], updated in place
+  tensor_view<std::int32_t const, 1> slots32 = {};  // exactly one of slots32 / slots64
+  tensor_view<std::int64_t const, 1> slots64 = {};
+};
+
+namespace detail {
+
+using ::k3::detail::check_inner_contiguous;
+using ::k3::detail::check_no_overlap;
+using ::k3::detail::check_shape;
+using ::k3::detail::check_view;
+
+// Problem dimensions and the sequence map: sequence n covers tokens [bos(n), eos(n)) of
+// batch row batch(n).
+struct problem {
+  index_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, N = 0, G = 1;
+  double scale = 1;
+  bool varlen = false;
+  std::vector<index_t> offsets;  // N+1 when varlen
+  std::optional<double> lower_bound;
+
+  index_t batch(index_t n) const noexcept { return varlen ? 0 : n; }
+  index_t bos(index_t n) const noexcept { return varlen ? offsets[std::size_t(n)] : 0; }
+  index_t eos(index_t n) const noexcept { return varlen ? offsets[std::size_t(n) + 1] : T; }
+};
+
+template <class V>
+void check_input(char const* name, V const& v, std::initializer_list<index_t> shape) {
+  check_view(name, v);
+  check_shape(name, v, shape);
+  check_inner_contiguous(name, v);
+}
+
+template <class V>
+void check_optional(char const* name, V const& v, std::initializer_list<index_t> shape) {
+  if (!present(v)) return;
+  check_input(name, v, shape);
+}
+
+inline std::string fmt(double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
+template <class In>
+problem make_problem(tensor_view<In const, 4> q, tensor_view<In const, 4> v, options const& opt) {
+  problem p;
+  check_view("q", q);
+  check_view("v", v);
+  p.B = q.extent(0);
+  p.T = q.extent(1);
+  p.H = q.extent(2);
+  p.K = q.extent(3);
+  p.HV = v.extent(2);
+  p.V = v.extent(3);
+  ::k3::detail::require(p.H >= 1, [&] { return "argument 'q': expected at least one head, got shape " + ::k3::detail::shape_of(q); });
+  ::k3::detail::require(p.HV >= 1 && p.HV % p.H == 0, [&] {
+    return "argument 'v': the number of value heads HV (" + std::to_string(p.HV) + ") must be a positive multiple of the q/k heads H (" +
+           std::to_string(p.H) + ")";
+  });
+  p.G = p.HV / p.H;
+  double const sc = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
+  ::k3::detail::require(std::isfinite(sc), [&] { return "option 'scale': must be finite, got " + fmt(sc); });
+  p.scale = sc;
+  if (opt.gate_lower_bound) {
+    double lb = *opt.gate_lower_bound;
+    ::k3::detail::require(lb >= -5.0 && lb < 0.0,
+                          [&] { return "option 'gate_lower_bound': expected a value in [-5, 0), got " + fmt(lb); });
+    p.lower_bound = lb;
+  }
+  auto const& cs = opt.cu_seqlens;
+  if (cs.present()) {
+    p.varlen = true;
+    ::k3::detail::require(p.B == 1, [&] {
+      return "argument 'cu_seqlens': packed sequences need batch size B = 1, got q of shape " + ::k3::detail::shape_of(q);
+    });
+    ::k3::detail::require(cs.size() >= 1, "argument 'cu_seqlens': expected at least one offset (N+1 values), got 0");
+    p.N = cs.size() - 1;
+    p.offsets.resize(std::size_t(cs.size()));
+    for (index_t i = 0; i < cs.size(); ++i) p.offsets[std::size_t(i)] = cs[i];
+    ::k3::detail::require(p.offsets.front() == 0, [&] {
+      return "argument 'cu_seqlens': expected the first offset to be 0, got " + std::to_string(p.offsets.front());
+    });
+    for (index_t i = 1; i < cs.size(); ++i)
+      ::k3::detail::require(p.offsets[std::size_t(i)] >= p.offsets[std::size_t(i - 1)], [&] {
+        return "argument 'cu_seqlens': offsets must be non-decreasing, got " + std::to_string(p.offsets[std::size_t(i - 1)]) +
+               " then " + std::to_string(p.offsets[std::size_t(i)]) + " at index " + std::to_string(i);
+      });
+    ::k3::detail::require(p.offsets.back() == p.T, [&] {
+      return "argument 'cu_seqlens': expected the last offset to equal T = " + std::to_string(p.T) + ", got " +
+             std::to_string(p.offsets.back());
+    });
+  } else {
+    p.N = p.B;
+  }
+  return p;
+}
+
+template <class In>
+void check_gate_bound(problem const& p, tensor_view<In const, 4> g) {
+  if (!p.lower_bound) return;
+  float const lb = static_cast<float>(*p.lower_bound);
+  for (index_t b = 0; b < p.B; ++b)
+    for (index_t t = 0; t < p.T; ++t)
+      for (index_t h = 0; h < p.HV; ++h) {
+        In const* row = &g(b, t, h, 0);
+        for (index_t d = 0; d < p.K; ++d) {
+          double x = load_as<double>(row[d]);
+          // Compare in the storage precision's terms: a float g equal to lb rounded is fine.
+          if (x < static_cast<double>(lb) && x < *p.lower_bound)
+            throw ::k3::error("argument 'g': value " + fmt(x) + " at [" + std::to_string(b) + ", " + std::to_string(t) + ", " +
+                              std::to_string(h) + ", " + std::to_string(d) + "] is below option 'gate_lower_bound' = " +
+                              fmt(*p.lower_bound));
+        }
+      }
+}
+
+template <class In, class S>
+problem validate(forward_args<In, S> const& a, options const& opt) {
+  problem p = make_problem<In>(a.q, a.v, opt);
+  index_t const B = p.B, T = p.T, H = p.H, HV = p.HV, K = p.K, V = p.V, N = p.N;
+  check_input("q", a.q, {B, T, H, K});
+  check_input("k", a.k, {B, T, H, K});
+  check_input("v", a.v, {B, T, HV, V});
+  check_input("g", a.g, {B, T, HV, K});
+  check_input("beta", a.beta, {B, T, HV});
+  check_input("o", a.o, {B, T, HV, V});
+  check_optional("h0", a.h0, {N, HV, K, V});
+  check_optional("ht", a.ht, {N, HV, K, V});
+  check_no_overlap("o", a.o, "q", a.q);
+  check_no_overlap("o", a.o, "k", a.k);
+  check_no_overlap("o", a.o, "v", a.v);
+  check_no_overlap("o", a.o, "g", a.g);
+  check_no_overlap("o", a.o, "beta", a.beta);
+  check_no_overlap("o", a.o, "h0", a.h0);
+  check_no_overlap("ht", a.ht, "q", a.q);
+  check_no_overlap("ht", a.ht, "k", a.k);
+  check_no_overlap("ht", a.ht, "v", a.v);
+  check_no_overlap("ht", a.ht, "g", a.g);
+  check_no_overlap("ht", a.ht, "beta", a.beta);
+  check_no_overlap("ht", a.ht, "h0", a.h0);
+  check_no_overlap("ht", a.ht, "o", a.o);
+  check_gate_bound<In>(p, a.g);
+  return p;
+}
+
+template <class In, class S>
+problem validate(backward_args<In, S> const& a, options const& opt) {
+  problem p = make_problem<In>(a.q, a.v, opt);
+  index_t const B = p.B, T = p.T, H = p.H, HV = p.HV, K = p.K, V = p.V, N = p.N;
+  check_input("q", a.q, {B, T, H, K});
+  check_input("k", a.k, {B, T, H, K});
+  check_input("v", a.v, {B, T, HV, V});
+  check_input("g", a.g, {B, T, HV, K});
+  check_input("beta", a.beta, {B, T, HV});
+  check_optional("h0", a.h0, {N, HV, K, V});
+  check_input("do", a.d_o, {B, T, HV, V});
+  check_optional("dht", a.dht, {N, HV, K, V});
+  check_input("dq", a.dq, {B, T, H, K});
+  check_input("dk", a.dk, {B, T, H, K});
+  check_input("dv", a.dv, {B, T, HV, V});
+  check_input("dg", a.dg, {B, T, HV, K});
+  check_input("dbeta", a.dbeta, {B, T, HV});
+  check_optional("dh0", a.dh0, {N, HV, K, V});
+  auto outs = [&](auto&& f) {
+    f("dq", a.dq);
+    f("dk", a.dk);
+    f("dv", a.dv);
+    f("dg", a.dg);
+    f("dbeta", a.dbeta);
+    f("dh0", a.dh0);
+  };
+  auto ins = [&](auto&& f) {
+    f("q", a.q);
+    f("k", a.k);
+    f("v", a.v);
+    f("g", a.g);
+    f("beta", a.beta);
+    f("h0", a.h0);
+    f("do", a.d_o);
+    f("dht", a.dht);
+  };
+  outs([&](char const* on, auto const& ov) { ins([&](char const* in, auto const& iv) { check_no_overlap(on, ov, in, iv); }); });
+  outs([&](char const* o1, auto const& v1) {
+    outs([&](char const* o2, auto const& v2) {
+      if (static_cast<void const*>(o1) < static_cast<void const*>(o2)) check_no_overlap(o1, v1, o2, v2);
+    });
+  });
+  check_gate_bound<In>(p, a.g);
+  return p;
+}
+
+template <class In, class S>
+problem validate(decode_args<In, S> const& a, options const& opt) {
+  ::k3::detail::require(!opt.cu_seqlens.present(), "option 'cu_seqlens': not used by the decode step (one token per sequence)");
+  check_view("q", a.q);
+  check_view("v", a.v);
+  problem p;
+  p.B = a.q.extent(0);
+  p.N = p.B;
+  p.T = 1;
+  p.H = a.q.extent(1);
+  p.K = a.q.extent(2);
+  p.HV = a.v.extent(1);
+  p.V = a.v.extent(2);
+  ::k3::detail::require(p.H >= 1, [&] { return "argument 'q': expected at least one head, got shape " + ::k3::detail::shape_of(a.q); });
+  ::k3::detail::require(p.HV >= 1 && p.HV % p.H == 0, [&] {
+    return "argument 'v': the number of value heads HV (" + std::to_string(p.HV) + ") must be a positive multiple of the q/k heads H (" +
+           std::to_string(p.H) + ")";
+  });
+  p.G = p.HV / p.H;
+  p.scale = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
+  ::k3::detail::require(std::isfinite(p.scale), [&] { return "option 'scale': must be finite, got " + fmt(p.scale); });
+  index_t const N = p.N, H = p.H, HV = p.HV, K = p.K, V = p.V;
+  check_input("q", a.q, {N, H, K});
+  check_input("k", a.k, {N, H, K});
+  check_input("v", a.v, {N, HV, V});
+  check_input("g", a.g, {N, HV, K});
+  check_input("beta", a.beta, {N, HV});
+  check_input("o", a.o, {N, HV, V});
+  check_view("state_pool", a.state_pool);
+  check_shape("state_pool", a.state_pool, {::k3::detail::any_extent, HV, K, V});
+  check_inner_contiguous("state_pool", a.state_pool);
+  bool const has32 = present(a.slots32), has64 = present(a.slots64);
+  ::k3::detail::require(has32 != has64 || (N == 0 && !has32),
+                        "argument 'slots': give exactly one of slots32 (int32) or slots64 (int64)");
+  if (has32) check_shape("slots", a.slots32, {N});
+  if (has64) check_shape("slots", a.slots64, {N});
+  index_t const P = a.state_pool.extent(0);
+  std::vector<char> used(std::size_t(P), 0);
+  for (index_t n = 0; n < N; ++n) {
+    index_t s = has32 ? index_t(a.slots32(n)) : index_t(a.slots64(n));
+    ::k3::detail::require(s >= 0 && s < P, [&] {
+      return "argument 'slots': slot " + std::to_string(s) + " at index " + std::to_string(n) + " is out of range for a pool of " +
+             std::to_string(P) + " states";
+    });
+    ::k3::detail::require(!used[std::size_t(s)], [&] {
+      return "argument 'slots': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
+    });
+    used[std::size_t(s)] = 1;
+  }
+  auto ins = [&](auto&& f) {
+    f("q", a.q);
+    f("k", a.k);
+    f("v", a.v);
+    f("g", a.g);
+    f("beta", a.beta);
+    f("slots", a.slots32);
+    f("slots", a.slots64);
+  };
+  ins([&](char const* in, auto const& iv) {
+    check_no_overlap("o", a.o, in, iv);
+    check_no_overlap("state_pool", a.state_pool, in, iv);
+  });
+  check_no_overlap("o", a.o, "state_pool", a.state_pool);
+  return p;
+}
+
+}  // namespace detail
+}  // namespace k3::kda

@@ -1,0 +1,181 @@
+// k3/moe.hpp — MoE routing with Quantile Balancing (Kimi K3), SiTU-GLU and the expert FFN
+// backward without stored expert outputs, and expert placement (EPLB, MoonEP).
+//
+//   k3::moe::route(backend, scores, bias, out, opt, mask, &hist)   route (+ fused histogram)
+//   k3::moe::quantile_balancer                                     per-step causal QB state
+//   k3::moe::qb_offline_solve / qb_exact_update / qb_histogram     (quantile_balancing.hpp)
+//   k3::moe::situ_glu / expert_ffn_*                               (situ.hpp)
+//   k3::moe::eplb_rebalance / moonep_rebalance / check_*           (placement.hpp)
+//   k3::moe::cuda::route_launch                                    (cuda.hpp / cuda.cuh, nvcc)
+//
+// Training loop, one MoE layer (bias is the only persistent state; freeze it for inference):
+//
+//   k3::cpu::threads<> cpu;
+//   k3::moe::router_options opt;  opt.k = 16;                  // n = 896 experts
+//   k3::moe::quantile_balancer qb(896, opt);                   // histogram mode, 1000 bins
+//   for each micro-batch:  qb.route(cpu, scores, {indices, weights});   // old bias, counts added
+//   at the optimizer step: qb.step(comm);                       // all-reduce counts, new bias
+//   inference:             k3::moe::route(cpu, scores, qb.bias(), out, opt);
+#pragma once
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "k3/backend/cpu/serial.hpp"
+#include "k3/backend/cpu/simd.hpp"
+#include "k3/comm/communicator.hpp"
+#include "k3/core/concepts.hpp"
+#include "k3/moe/placement.hpp"
+#include "k3/moe/quantile_balancing.hpp"
+#include "k3/moe/router.hpp"
+#include "k3/moe/situ.hpp"
+#include "k3/moe/threads.hpp"
+
+namespace k3::moe {
+
+namespace detail {
+template <class B>
+struct is_threads_backend : std::false_type {};
+template <class A>
+struct is_threads_backend<cpu::threads<A>> : std::true_type {};
+}  // namespace detail
+
+// Routes m tokens with `bias` (see router.hpp for the exact definition and tie-breaking).
+// If `hist` is given, the margins alpha_i - s_ij of the real tokens are ADDED to it in the same
+// pass (training only); build it with qb_histogram::for_bias(bias) so its bounds come from the
+// bias used here. cpu::threads<Arch> runs the fused SIMD pass; other host backends the reference.
+template <HostBackend B>
+void route(B const& backend, const_view<float, 2> scores, const_view<float, 1> bias, route_outputs const& out,
+           router_options const& opt, const_view<std::uint8_t, 1> mask = {}, qb_histogram* hist = nullptr) {
+  detail::validate_route(scores, bias, out, opt, mask);
+  if (hist) {
+    detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+    detail::require(hist->experts() == scores.extent(1), [&] {
+      return "argument 'hist': built for " + std::to_string(hist->experts()) + " experts, scores have " +
+             std::to_string(scores.extent(1));
+    });
+    detail::require(hist->experts() * hist->bins() <= index_t(0x7fffffff), [&] {
+      return "argument 'hist': experts x bins = " + std::to_string(hist->experts() * hist->bins()) + " exceeds 2^31 - 1";
+    });
+  }
+  if constexpr (detail::is_threads_backend<B>::value) {
+    detail::route_threads_impl(backend, scores, bias, out, opt, mask, hist);
+  } else {
+    (void)backend;
+    if (!hist) {
+      route_serial(scores, bias, out, opt, mask);
+      return;
+    }
+    std::vector<float> cut;
+    route_outputs o = out;
+    if (o.cutoff.empty()) {
+      cut.resize(static_cast<std::size_t>(scores.extent(0)));
+      o.cutoff = host_view(cut.data(), scores.extent(0));
+    }
+    route_serial(scores, bias, o, opt, mask);
+    qb_accumulate(scores, o.cutoff, *hist, opt, mask);
+  }
+}
+
+enum class qb_mode { exact, histogram };
+
+struct qb_options {
+  qb_mode mode = qb_mode::histogram;
+  index_t bins = 1000;  // K3 / Megatron default
+  double ema = 0.0;     // 0 = replace each step (Megatron default); K3 reports EMA helps
+};
+
+// Per-step causal Quantile Balancing for one MoE layer. route() uses the current bias and, in
+// training, accumulates this micro-batch's statistics; step() (once per optimizer step, after
+// every micro-batch) turns the pooled statistics into the bias for the NEXT batches. The batch
+// that produced an update is never routed with it. Only bias() is persistent state; the
+// statistics are dropped by step() and discard() (a failed or retried step).
+class quantile_balancer {
+ public:
+  quantile_balancer(std::vector<float> bias, router_options ropt, qb_options qopt = {})
+      : bias_(std::move(bias)), ropt_(ropt), qopt_(qopt) {
+    detail::require(!bias_.empty(), "quantile_balancer: argument 'bias' is empty");
+    detail::require(ropt_.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+    detail::check_ema(qopt_.ema);
+    reset_stats();
+  }
+  quantile_balancer(index_t experts, router_options ropt, qb_options qopt = {})
+      : quantile_balancer(std::vector<float>(static_cast<std::size_t>(experts > 0 ? experts : 0), 0.f), ropt, qopt) {}
+
+  const_view<float, 1> bias() const noexcept { return {bias_.data(), {static_cast<index_t>(bias_.size())}}; }
+  router_options const& options() const noexcept { return ropt_; }
+  qb_histogram const& histogram() const noexcept { return hist_; }
+  std::int64_t pending_tokens() const noexcept { return qopt_.mode == qb_mode::histogram ? hist_.tokens() : exact_rows_; }
+
+  template <HostBackend B>
+  void route(B const& backend, const_view<float, 2> scores, route_outputs const& out, const_view<std::uint8_t, 1> mask = {},
+             bool training = true) {
+    if (!training) {
+      moe::route(backend, scores, bias(), out, ropt_, mask);
+      return;
+    }
+    if (qopt_.mode == qb_mode::histogram) {
+      moe::route(backend, scores, bias(), out, ropt_, mask, &hist_);
+      return;
+    }
+    std::vector<float> cut;
+    route_outputs o = out;
+    if (o.cutoff.empty()) {
+      cut.resize(static_cast<std::size_t>(scores.extent(0)));
+      o.cutoff = host_view(cut.data(), scores.extent(0));
+    }
+    moe::route(backend, scores, bias(), o, ropt_, mask);
+    index_t const n = scores.extent(1);
+    for (index_t i = 0; i < scores.extent(0); ++i) {
+      if (!mask.empty() && mask(i) == 0) continue;
+      for (index_t j = 0; j < n; ++j) exact_s_.push_back(detail::load_score(scores(i, j), ropt_.input));
+      exact_a_.push_back(o.cutoff(i));
+      ++exact_rows_;
+    }
+  }
+
+  // Applies the update from everything routed since the last step. Histogram mode all-reduces
+  // the counts over `comm` first (every rank must call step). Returns whether the bias changed.
+  template <Communicator C = single_process>
+  bool step(C const& comm = C{}) {
+    bool changed = false;
+    auto b = tensor_view<float, 1>(bias_.data(), {static_cast<index_t>(bias_.size())});
+    if (qopt_.mode == qb_mode::histogram) {
+      hist_.all_reduce(comm);
+      changed = qb_histogram_update(hist_, ropt_.k, b, qopt_.ema);
+    } else {
+      detail::require(comm.size() == 1, "quantile_balancer: exact mode is single-process; use qb_mode::histogram across ranks");
+      if (exact_rows_ > 0) {
+        router_options o = ropt_;
+        o.input = score_kind::scores;
+        index_t const n = static_cast<index_t>(bias_.size());
+        changed = qb_exact_update(const_view<float, 2>(exact_s_.data(), {exact_rows_, n}),
+                                  const_view<float, 1>(exact_a_.data(), {exact_rows_}), o, b, {}, qopt_.ema);
+      }
+    }
+    reset_stats();
+    return changed;
+  }
+
+  void discard() { reset_stats(); }
+
+ private:
+  void reset_stats() {
+    if (qopt_.mode == qb_mode::histogram) {
+      if (hist_.bins() == qopt_.bins) hist_.reset_for_bias(bias());
+      else hist_ = qb_histogram::for_bias(bias(), qopt_.bins);
+    }
+    exact_s_.clear();
+    exact_a_.clear();
+    exact_rows_ = 0;
+  }
+  std::vector<float> bias_;
+  router_options ropt_;
+  qb_options qopt_;
+  qb_histogram hist_;
+  std::vector<float> exact_s_, exact_a_;
+  index_t exact_rows_ = 0;
+};
+
+}  // namespace k3::moe

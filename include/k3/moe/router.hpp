@@ -1,0 +1,215 @@
+// k3/moe/router.hpp — the MoE router of DeepSeek-V3 / Kimi K3 (sigmoid scores, additive
+// selection bias, weights from the unbiased scores), reference implementation.
+//
+//   z_ij   = s_ij + b_j                     (selection only; FP32)
+//   T_i    = argtop_k(z_i)                  (optionally group-limited, DeepSeek-V3)
+//   p_ij   = scale * s_ij / (sum_{r in T_i} s_ir + 1e-20)
+//   alpha_i = the (k+1)-th largest z_ij     (the Quantile-Balancing cut-off; never dispatched)
+//
+// Tie-breaking (deterministic, identical on every backend): experts are ranked by biased
+// score descending and, on equal biased score, by expert index ascending. The same order is
+// used for the output columns, so indices(i, 0) is the best expert of token i. Masked groups
+// carry -inf and rank after every unmasked expert.
+//
+// Padding tokens (mask[i] == 0) get indices -1 and weights 0 (never dispatched), cut-off 0,
+// and are excluded from the load counts and from every Quantile-Balancing statistic.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "k3/core/error.hpp"
+#include "k3/core/math.hpp"
+#include "k3/core/tensor_view.hpp"
+#include "k3/core/validate.hpp"
+
+namespace k3::moe {
+
+// What the [m, n] input holds: router probabilities in (0, 1) or the raw logits (the router
+// applies a FP32 sigmoid). Histogram Quantile Balancing needs sigmoid scores; a bias learned
+// on logits is not valid on scores, so never mix the two.
+enum class score_kind { scores, logits };
+
+struct router_options {
+  index_t k = 16;              // experts per token (K3: 16 of 896)
+  float routed_scale = 1.0f;   // K3 1.0, DeepSeek-V3 2.5, Kimi K2 2.827
+  score_kind input = score_kind::scores;
+  index_t n_groups = 1;        // DeepSeek-V3 group-limited routing: 8 groups ...
+  index_t topk_groups = 1;     // ... of which 4 are kept. 1/1 = off (K3)
+};
+
+// Outputs of one routing call. indices and weights are required; cutoff and load are
+// filled when non-empty.
+struct route_outputs {
+  tensor_view<std::int32_t, 2> indices;  // [m, k]
+  tensor_view<float, 2> weights;         // [m, k]
+  tensor_view<float, 1> cutoff{};        // [m]  alpha_i, the (k+1)-th biased score
+  tensor_view<std::int64_t, 1> load{};   // [n]  tokens per expert (padding excluded)
+};
+
+namespace detail {
+
+// k3::moe::detail shadows k3::detail; re-export the shared validators.
+using ::k3::detail::any_extent;
+using ::k3::detail::check_inner_contiguous;
+using ::k3::detail::check_no_overlap;
+using ::k3::detail::check_shape;
+using ::k3::detail::check_view;
+using ::k3::detail::require;
+using ::k3::detail::shape_of;
+
+// Ranking order of (biased score, expert): higher score first, then lower index.
+struct ranked {
+  float z;
+  std::int32_t j;
+};
+inline bool ranks_before(float za, std::int32_t ja, float zb, std::int32_t jb) noexcept {
+  return za > zb || (za == zb && ja < jb);
+}
+
+inline float load_score(float x, score_kind kind) noexcept {
+  return kind == score_kind::logits ? ::k3::detail::sigmoid(x) : x;
+}
+
+inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bias, route_outputs const& out,
+                           router_options const& opt, const_view<std::uint8_t, 1> mask) {
+  using ::k3::detail::check_shape;
+  using ::k3::detail::require;
+  ::k3::detail::check_view("scores", scores);
+  index_t const m = scores.extent(0), n = scores.extent(1);
+  require(m > 0, [&] { return "argument 'scores': zero tokens (shape " + ::k3::detail::shape_of(scores) + "); need m >= 1"; });
+  require(n >= 2, [&] { return "argument 'scores': need at least 2 experts, got shape " + ::k3::detail::shape_of(scores); });
+  ::k3::detail::check_inner_contiguous("scores", scores);
+  require(opt.k >= 1 && opt.k < n, [&] {
+    return "argument 'k': need 1 <= k < n (the cut-off is the (k+1)-th expert), got k = " + std::to_string(opt.k) +
+           ", n = " + std::to_string(n);
+  });
+  require(std::isfinite(opt.routed_scale), "argument 'routed_scale': must be finite");
+  ::k3::detail::check_view("bias", bias);
+  require(bias.extent(0) == n, [&] {
+    return "argument 'bias': expected shape [" + std::to_string(n) + "] (one entry per expert), got " + ::k3::detail::shape_of(bias);
+  });
+  for (index_t j = 0; j < n; ++j)
+    require(std::isfinite(bias(j)), [&] { return "argument 'bias': non-finite value at expert " + std::to_string(j); });
+  require(opt.n_groups >= 1 && n % opt.n_groups == 0, [&] {
+    return "argument 'n_groups': must divide n = " + std::to_string(n) + ", got " + std::to_string(opt.n_groups);
+  });
+  require(opt.topk_groups >= 1 && opt.topk_groups <= opt.n_groups, [&] {
+    return "argument 'topk_groups': need 1 <= topk_groups <= n_groups = " + std::to_string(opt.n_groups) + ", got " +
+           std::to_string(opt.topk_groups);
+  });
+  if (opt.n_groups > 1)
+    require(opt.k <= opt.topk_groups * (n / opt.n_groups), [&] {
+      return "argument 'k': group-limited routing keeps " + std::to_string(opt.topk_groups * (n / opt.n_groups)) +
+             " experts, fewer than k = " + std::to_string(opt.k);
+    });
+  ::k3::detail::check_view("indices", out.indices);
+  check_shape("indices", out.indices, {m, opt.k});
+  ::k3::detail::check_view("weights", out.weights);
+  check_shape("weights", out.weights, {m, opt.k});
+  ::k3::detail::check_no_overlap("indices", out.indices, "weights", out.weights);
+  if (!out.cutoff.empty()) {
+    check_shape("cutoff", out.cutoff, {m});
+    ::k3::detail::check_no_overlap("cutoff", out.cutoff, "weights", out.weights);
+    ::k3::detail::check_no_overlap("cutoff", out.cutoff, "indices", out.indices);
+  }
+  if (!out.load.empty()) check_shape("load", out.load, {n});
+  if (!mask.empty()) check_shape("mask", mask, {m});
+}
+
+inline std::string nonfinite_message(index_t i, index_t j, score_kind kind) {
+  return std::string("argument '") + (kind == score_kind::logits ? "logits" : "scores") + "': non-finite value at token " +
+         std::to_string(i) + ", expert " + std::to_string(j);
+}
+
+// The reference per-token routine: fills z (n), returns the k+1 best in ranking order in
+// `best` (k+1 entries). Used by the serial backend and as the fallback of faster ones.
+inline void rank_token(float const* s, const_view<float, 1> bias, router_options const& opt, index_t n,
+                       std::vector<ranked>& z, std::vector<ranked>& best) {
+  z.resize(static_cast<std::size_t>(n));
+  for (index_t j = 0; j < n; ++j) z[j] = {s[j] + bias(j), static_cast<std::int32_t>(j)};
+  if (opt.n_groups > 1) {
+    // DeepSeek-V3: a group's score is the sum of its two best biased scores; the experts of
+    // every group outside the top `topk_groups` get -inf (a multiplicative 0 mask would leave
+    // them competing with negative biased scores).
+    index_t const gs = n / opt.n_groups;
+    std::vector<ranked> gscore(static_cast<std::size_t>(opt.n_groups));
+    for (index_t g = 0; g < opt.n_groups; ++g) {
+      float a = -std::numeric_limits<float>::infinity(), b = a;
+      for (index_t j = g * gs; j < (g + 1) * gs; ++j) {
+        float v = z[j].z;
+        if (v > a) {
+          b = a;
+          a = v;
+        } else if (v > b) {
+          b = v;
+        }
+      }
+      gscore[g] = {gs >= 2 ? a + b : a, static_cast<std::int32_t>(g)};
+    }
+    auto cmp = [](ranked const& x, ranked const& y) { return ranks_before(x.z, x.j, y.z, y.j); };
+    std::partial_sort(gscore.begin(), gscore.begin() + opt.topk_groups, gscore.end(), cmp);
+    std::vector<char> keep(static_cast<std::size_t>(opt.n_groups), 0);
+    for (index_t g = 0; g < opt.topk_groups; ++g) keep[gscore[g].j] = 1;
+    for (index_t j = 0; j < n; ++j)
+      if (!keep[j / gs]) z[j].z = -std::numeric_limits<float>::infinity();
+  }
+  auto cmp = [](ranked const& x, ranked const& y) { return ranks_before(x.z, x.j, y.z, y.j); };
+  std::partial_sort(z.begin(), z.begin() + opt.k + 1, z.end(), cmp);
+  best.assign(z.begin(), z.begin() + opt.k + 1);
+}
+
+// Writes indices / weights / cut-off of token i from its ranked k+1 best.
+inline void emit_token(index_t i, float const* s, ranked const* best, router_options const& opt, route_outputs const& out) {
+  float sum = 0.f;
+  for (index_t r = 0; r < opt.k; ++r) sum += s[best[r].j];
+  float const denom = sum + 1e-20f;  // Megatron's guard; sigmoid scores make sum > 0 anyway
+  for (index_t r = 0; r < opt.k; ++r) {
+    out.indices(i, r) = best[r].j;
+    out.weights(i, r) = s[best[r].j] / denom * opt.routed_scale;
+  }
+  if (!out.cutoff.empty()) out.cutoff(i) = best[opt.k].z;
+}
+
+inline void emit_padding(index_t i, router_options const& opt, route_outputs const& out) {
+  for (index_t r = 0; r < opt.k; ++r) {
+    out.indices(i, r) = -1;
+    out.weights(i, r) = 0.f;
+  }
+  if (!out.cutoff.empty()) out.cutoff(i) = 0.f;
+}
+
+}  // namespace detail
+
+// The serial reference router over tokens [0, m). `mask` (optional, [m], nonzero = real
+// token) marks padding.
+inline void route_serial(const_view<float, 2> scores, const_view<float, 1> bias, route_outputs const& out,
+                         router_options const& opt, const_view<std::uint8_t, 1> mask = {}) {
+  detail::validate_route(scores, bias, out, opt, mask);
+  index_t const m = scores.extent(0), n = scores.extent(1);
+  std::vector<float> s(static_cast<std::size_t>(n));
+  std::vector<detail::ranked> z, best;
+  if (!out.load.empty())
+    for (index_t j = 0; j < n; ++j) out.load(j) = 0;
+  for (index_t i = 0; i < m; ++i) {
+    for (index_t j = 0; j < n; ++j) {
+      float x = scores(i, j);
+      if (!std::isfinite(x)) throw k3::error(detail::nonfinite_message(i, j, opt.input));
+      s[j] = detail::load_score(x, opt.input);
+    }
+    if (!mask.empty() && mask(i) == 0) {
+      detail::emit_padding(i, opt, out);
+      continue;
+    }
+    detail::rank_token(s.data(), bias, opt, n, z, best);
+    detail::emit_token(i, s.data(), best.data(), opt, out);
+    if (!out.load.empty())
+      for (index_t r = 0; r < opt.k; ++r) ++out.load(best[r].j);
+  }
+}
+
+}  // namespace k3::moe

@@ -1,0 +1,241 @@
+// k3/moe/situ.hpp — SiTU-GLU (Kimi K3's expert activation) and a reference routed-expert FFN
+// whose backward gets the router-probability gradient without stored expert outputs
+// (SonicMoE identity).
+//
+//   softcap(x, c)  = c tanh(x / c)
+//   SiTU-GLU(g, u) = softcap(g, beta1) * sigmoid(g) * softcap(u, beta2),   K3: beta1 = 4, beta2 = 25
+//
+// The sigmoid sees the UNCAPPED gate (silu(softcap(g)) is a different function that differs in
+// the negative tail). |SiTU-GLU| < beta1 * beta2.
+//
+// Expert FFN per token t and selected expert e (slot r): h_g = x W_g[e], h_u = x W_u[e],
+// a = SiTU(h_g, h_u), y = a W_d[e] + b_d[e], o_t = sum_r p_tr y. The naive backward needs the
+// cached y for dL/dp_tr = <dL/do_t, y>. Since y = a W_d + b_d,
+//   dL/dp_tr = <W_d[e] dL/do_t, a> + <dL/do_t, b_d[e]>,
+// and W_d[e] dL/do_t is needed anyway for dL/da; a is recomputed from the cached
+// pre-activations. So only x, h_g, h_u and the routing are kept, never y or a.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "k3/core/error.hpp"
+#include "k3/core/math.hpp"
+#include "k3/core/tensor_view.hpp"
+#include "k3/core/validate.hpp"
+
+namespace k3::moe {
+
+template <class T>
+struct situ_params {
+  T beta1 = T(4);   // gate soft-cap (config: activation_situ_beta)
+  T beta2 = T(25);  // linear soft-cap (config: activation_situ_linear_beta)
+};
+
+template <class T>
+struct situ_grad {
+  T value, d_gate, d_up, d_beta1, d_beta2;
+};
+
+template <class T>
+inline T situ_glu(T g, T u, situ_params<T> const& c = {}) noexcept {
+  return c.beta1 * std::tanh(g / c.beta1) * ::k3::detail::sigmoid(g) * c.beta2 * std::tanh(u / c.beta2);
+}
+
+// Value and partial derivatives with respect to g, u and the two caps.
+template <class T>
+inline situ_grad<T> situ_glu_grad(T g, T u, situ_params<T> const& c = {}) noexcept {
+  T const tg = std::tanh(g / c.beta1), tu = std::tanh(u / c.beta2), sg = ::k3::detail::sigmoid(g);
+  T const cg = c.beta1 * tg, cu = c.beta2 * tu;
+  situ_grad<T> r;
+  r.value = cg * sg * cu;
+  r.d_gate = cu * ((T(1) - tg * tg) * sg + cg * sg * (T(1) - sg));
+  r.d_up = cg * sg * (T(1) - tu * tu);
+  // d/dc [c tanh(x/c)] = tanh(x/c) - (x/c)(1 - tanh^2(x/c))
+  r.d_beta1 = (tg - (g / c.beta1) * (T(1) - tg * tg)) * sg * cu;
+  r.d_beta2 = cg * sg * (tu - (u / c.beta2) * (T(1) - tu * tu));
+  return r;
+}
+
+template <class T>
+struct expert_ffn_weights {
+  const_view<T, 3> w_gate;  // [E, d, f]
+  const_view<T, 3> w_up;    // [E, d, f]
+  const_view<T, 3> w_down;  // [E, f, d]
+  const_view<T, 2> b_down;  // [E, d]  (may be empty: no bias)
+  situ_params<T> act{};
+};
+
+template <class T>
+struct expert_ffn_grads {
+  tensor_view<T, 2> dx;       // [Tn, d]
+  tensor_view<T, 2> dp;       // [Tn, K]
+  tensor_view<T, 3> dw_gate;  // [E, d, f]  (accumulated: zero it first)
+  tensor_view<T, 3> dw_up;    // [E, d, f]
+  tensor_view<T, 3> dw_down;  // [E, f, d]
+  tensor_view<T, 2> db_down;  // [E, d] (empty if no bias)
+  T d_beta1 = T(0), d_beta2 = T(0);
+};
+
+namespace detail {
+
+template <class T>
+void check_ffn(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w) {
+  using ::k3::detail::check_shape;
+  using ::k3::detail::require;
+  index_t const Tn = x.extent(0), d = x.extent(1), K = idx.extent(1);
+  index_t const E = w.w_gate.extent(0), f = w.w_gate.extent(2);
+  check_shape("idx", idx, {Tn, ::k3::detail::any_extent});
+  check_shape("p", p, {Tn, K});
+  check_shape("w_gate", w.w_gate, {E, d, f});
+  check_shape("w_up", w.w_up, {E, d, f});
+  check_shape("w_down", w.w_down, {E, f, d});
+  if (!w.b_down.empty()) check_shape("b_down", w.b_down, {E, d});
+  for (index_t t = 0; t < Tn; ++t)
+    for (index_t r = 0; r < K; ++r)
+      require(idx(t, r) >= -1 && idx(t, r) < E, [&] {
+        return "argument 'idx': expert id " + std::to_string(idx(t, r)) + " at (" + std::to_string(t) + ", " + std::to_string(r) +
+               ") outside [-1, " + std::to_string(E) + ")";
+      });
+}
+
+}  // namespace detail
+
+// Forward. Writes o [Tn, d] and the pre-activations h_gate, h_up [Tn, K, f] (the backward's
+// only per-expert cache). If `y` [Tn, K, d] is non-empty the expert outputs are stored too
+// (the naive scheme). Slots with idx = -1 (padding / dropped) contribute nothing.
+template <class T>
+void expert_ffn_forward(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w,
+                        tensor_view<T, 2> o, tensor_view<T, 3> h_gate, tensor_view<T, 3> h_up, tensor_view<T, 3> y = {}) {
+  detail::check_ffn(x, idx, p, w);
+  index_t const Tn = x.extent(0), d = x.extent(1), K = idx.extent(1), f = w.w_gate.extent(2);
+  ::k3::detail::check_shape("o", o, {Tn, d});
+  ::k3::detail::check_shape("h_gate", h_gate, {Tn, K, f});
+  ::k3::detail::check_shape("h_up", h_up, {Tn, K, f});
+  if (!y.empty()) ::k3::detail::check_shape("y", y, {Tn, K, d});
+  std::vector<T> a(static_cast<std::size_t>(f)), ye(static_cast<std::size_t>(d));
+  for (index_t t = 0; t < Tn; ++t) {
+    for (index_t c = 0; c < d; ++c) o(t, c) = T(0);
+    for (index_t r = 0; r < K; ++r) {
+      index_t const e = idx(t, r);
+      if (e < 0) {
+        for (index_t c = 0; c < f; ++c) h_gate(t, r, c) = h_up(t, r, c) = T(0);
+        if (!y.empty())
+          for (index_t c = 0; c < d; ++c) y(t, r, c) = T(0);
+        continue;
+      }
+      for (index_t c = 0; c < f; ++c) {
+        T hg = 0, hu = 0;
+        for (index_t i = 0; i < d; ++i) {
+          hg += x(t, i) * w.w_gate(e, i, c);
+          hu += x(t, i) * w.w_up(e, i, c);
+        }
+        h_gate(t, r, c) = hg;
+        h_up(t, r, c) = hu;
+        a[c] = situ_glu(hg, hu, w.act);
+      }
+      for (index_t c = 0; c < d; ++c) {
+        T v = w.b_down.empty() ? T(0) : w.b_down(e, c);
+        for (index_t i = 0; i < f; ++i) v += a[i] * w.w_down(e, i, c);
+        ye[c] = v;
+        if (!y.empty()) y(t, r, c) = v;
+        o(t, c) += p(t, r) * v;
+      }
+    }
+  }
+}
+
+namespace detail {
+
+// Shared backward; `y` empty = the memory-efficient identity, else the naive dp = <dO, y>.
+template <class T>
+void expert_ffn_backward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w,
+                              const_view<T, 3> h_gate, const_view<T, 3> h_up, const_view<T, 3> y, const_view<T, 2> d_o,
+                              expert_ffn_grads<T>& g) {
+  check_ffn(x, idx, p, w);
+  index_t const Tn = x.extent(0), d = x.extent(1), K = idx.extent(1), f = w.w_gate.extent(2), E = w.w_gate.extent(0);
+  using ::k3::detail::check_shape;
+  check_shape("h_gate", h_gate, {Tn, K, f});
+  check_shape("h_up", h_up, {Tn, K, f});
+  check_shape("d_o", d_o, {Tn, d});
+  if (!y.empty()) check_shape("y", y, {Tn, K, d});
+  check_shape("dx", g.dx, {Tn, d});
+  check_shape("dp", g.dp, {Tn, K});
+  check_shape("dw_gate", g.dw_gate, {E, d, f});
+  check_shape("dw_up", g.dw_up, {E, d, f});
+  check_shape("dw_down", g.dw_down, {E, f, d});
+  if (!w.b_down.empty()) check_shape("db_down", g.db_down, {E, d});
+  std::vector<T> dA(static_cast<std::size_t>(f)), a(static_cast<std::size_t>(f)), dhg(static_cast<std::size_t>(f)),
+      dhu(static_cast<std::size_t>(f));
+  for (index_t t = 0; t < Tn; ++t) {
+    for (index_t c = 0; c < d; ++c) g.dx(t, c) = T(0);
+    for (index_t r = 0; r < K; ++r) {
+      index_t const e = idx(t, r);
+      if (e < 0) {
+        g.dp(t, r) = T(0);
+        continue;
+      }
+      T const pr = p(t, r);
+      // dA' = W_d[e] dO_t  (the down-projection's input gradient before the p scaling)
+      T dp_a = 0;
+      for (index_t i = 0; i < f; ++i) {
+        T v = 0;
+        for (index_t c = 0; c < d; ++c) v += w.w_down(e, i, c) * d_o(t, c);
+        dA[i] = v;
+        auto gr = situ_glu_grad(h_gate(t, r, i), h_up(t, r, i), w.act);
+        a[i] = gr.value;
+        dp_a += v * gr.value;
+        dhg[i] = gr.d_gate * pr * v;
+        dhu[i] = gr.d_up * pr * v;
+        g.d_beta1 += gr.d_beta1 * pr * v;
+        g.d_beta2 += gr.d_beta2 * pr * v;
+      }
+      if (y.empty()) {
+        T dpb = 0;
+        if (!w.b_down.empty())
+          for (index_t c = 0; c < d; ++c) dpb += d_o(t, c) * w.b_down(e, c);
+        g.dp(t, r) = dp_a + dpb;
+      } else {
+        T v = 0;
+        for (index_t c = 0; c < d; ++c) v += d_o(t, c) * y(t, r, c);
+        g.dp(t, r) = v;
+      }
+      for (index_t i = 0; i < f; ++i)
+        for (index_t c = 0; c < d; ++c) g.dw_down(e, i, c) += pr * a[i] * d_o(t, c);
+      if (!w.b_down.empty())
+        for (index_t c = 0; c < d; ++c) g.db_down(e, c) += pr * d_o(t, c);
+      for (index_t c = 0; c < d; ++c) {
+        T v = 0;
+        for (index_t i = 0; i < f; ++i) v += dhg[i] * w.w_gate(e, c, i) + dhu[i] * w.w_up(e, c, i);
+        g.dx(t, c) += v;
+        for (index_t i = 0; i < f; ++i) {
+          g.dw_gate(e, c, i) += x(t, c) * dhg[i];
+          g.dw_up(e, c, i) += x(t, c) * dhu[i];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+// Backward without stored expert outputs: dp from <W_d dO, a> (+ <dO, b_d>), a recomputed
+// from h. Weight gradients and d_beta are ACCUMULATED into g (zero them first); dx and dp are
+// overwritten. A selected expert with p = 0 keeps its id and gets its dp.
+template <class T>
+void expert_ffn_backward(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w,
+                         const_view<T, 3> h_gate, const_view<T, 3> h_up, const_view<T, 2> d_o, expert_ffn_grads<T>& g) {
+  detail::expert_ffn_backward_impl<T>(x, idx, p, w, h_gate, h_up, {}, d_o, g);
+}
+
+// The naive backward that reads the stored expert outputs y for dp (for comparison).
+template <class T>
+void expert_ffn_backward_naive(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p,
+                               expert_ffn_weights<T> const& w, const_view<T, 3> h_gate, const_view<T, 3> h_up, const_view<T, 3> y,
+                               const_view<T, 2> d_o, expert_ffn_grads<T>& g) {
+  ::k3::detail::require(!y.empty(), "argument 'y': the naive backward needs the stored expert outputs");
+  detail::expert_ffn_backward_impl<T>(x, idx, p, w, h_gate, h_up, y, d_o, g);
+}
+
+}  // namespace k3::moe

@@ -1,0 +1,390 @@
+// k3/moe/threads.hpp — the router on k3::cpu::threads<Arch>: one pass over each token's
+// scores does the top-(k+1) selection (SIMD threshold filter + a small sorted buffer), then,
+// while the row is still in L1, scatters its margins into the calling thread's private
+// histogram. Per-thread histograms (integer, exact) are summed into the int64 result at the end,
+// so the counts are bit-identical to the serial reference whatever the thread count.
+//
+// Results are identical to route_serial (same float operations, same tie-breaking: lower
+// expert index wins on equal biased score). Group-limited routing and logit input use the
+// reference per-token routine inside the threaded loop.
+#pragma once
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <type_traits>
+#include <cstdint>
+#include <limits>
+#include <vector>
+#include <xsimd/xsimd.hpp>
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+#include "k3/backend/cpu/simd.hpp"
+#include "k3/moe/quantile_balancing.hpp"
+#include "k3/moe/router.hpp"
+
+namespace k3::moe::detail {
+
+// Top-(k+1) of z = s + b for one token, in ranking order, by a guessed threshold g carried
+// from token to token: one SIMD pass collects the candidates z >= g (in index order). If at
+// least k+1 qualify, the k+1 best overall are among them (anything below g has k+1 candidates
+// ranked before it), so a stable sort of the few candidates finishes the job; otherwise the
+// exact insertion filter runs as a fallback. Either way the result is the exact top-(k+1) with
+// the documented tie-breaking; g only affects speed. g is then set to the biased score of rank
+// 2 (k+1) so that the next token usually has a few more than k+1 candidates.
+// Bit l set iff lane l of b is true (xsimd 8.1 has no batch_bool::mask()).
+template <class Arch>
+inline std::uint64_t lane_mask(xsimd::batch_bool<float, Arch> const& b) noexcept {
+  using bb = xsimd::batch_bool<float, Arch>;
+  using reg = typename bb::register_type;
+  if constexpr (std::is_integral_v<reg>) {
+    return static_cast<std::uint64_t>(static_cast<reg>(b));  // AVX-512 mask register
+  }
+#if defined(__AVX__)
+  else if constexpr (std::is_same_v<reg, __m256>) {
+    return static_cast<std::uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(static_cast<reg>(b))));
+  }
+#endif
+#if defined(__SSE__)
+  else if constexpr (std::is_same_v<reg, __m128>) {
+    return static_cast<std::uint64_t>(static_cast<unsigned>(_mm_movemask_ps(static_cast<reg>(b))));
+  }
+#endif
+  else {
+    alignas(64) bool t[bb::size];
+    b.store_aligned(t);
+    std::uint64_t m = 0;
+    for (std::size_t l = 0; l < bb::size; ++l) m |= std::uint64_t(t[l]) << l;
+    return m;
+  }
+}
+
+struct select_state {
+  float guess = -std::numeric_limits<float>::infinity();
+  float spread = 0.f;
+  std::vector<ranked> cand;
+  std::vector<float> cz;          // candidate biased scores (index order), padded with -inf
+  std::vector<std::int32_t> cj;   // their expert ids
+};
+
+// Exact insertion filter for the `keep` best (ranking order), scanning experts in increasing
+// index: an incoming expert loses ties against everything held, so strictly-greater inserts.
+template <class Arch>
+void insertion_filter(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, index_t keep, ranked* best) {
+  using batch = xsimd::batch<float, Arch>;
+  constexpr index_t W = static_cast<index_t>(batch::size);
+  index_t filled = 0;
+  auto insert = [&](float z, std::int32_t j) {
+    index_t p = filled < keep ? filled++ : keep - 1;
+    while (p > 0 && ranks_before(z, j, best[p - 1].z, best[p - 1].j)) {
+      best[p] = best[p - 1];
+      --p;
+    }
+    best[p] = {z, j};
+  };
+  index_t j = 0;
+  for (; j < keep; ++j) insert(s[j] + b[j], static_cast<std::int32_t>(j));
+  for (; j + W <= n; j += W) {
+    batch z = batch::load_unaligned(s + j) + batch::load_unaligned(b + j);
+    if (xsimd::any(z > batch(best[keep - 1].z))) {
+      alignas(64) float zz[W];
+      z.store_aligned(zz);
+      for (index_t l = 0; l < W; ++l)
+        if (zz[l] > best[keep - 1].z) insert(zz[l], static_cast<std::int32_t>(j + l));
+    }
+  }
+  for (; j < n; ++j) {
+    float z = s[j] + b[j];
+    if (z > best[keep - 1].z) insert(z, static_cast<std::int32_t>(j));
+  }
+}
+
+// Returns false if the row holds a non-finite score.
+template <class Arch>
+bool select_token_simd(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, index_t kk, ranked* best, select_state& st) {
+  using batch = xsimd::batch<float, Arch>;
+  constexpr index_t W = static_cast<index_t>(batch::size);
+  index_t const target = std::min<index_t>(n - 1, 2 * kk);  // rank whose score becomes the next guess
+  auto& cand = st.cand;
+  cand.resize(static_cast<std::size_t>(n));
+  st.cz.resize(static_cast<std::size_t>(n + 2 * W));
+  st.cj.resize(static_cast<std::size_t>(n + 2 * W));
+  float* K3_RESTRICT cz = st.cz.data();
+  std::int32_t* K3_RESTRICT cj = st.cj.data();
+#if defined(__AVX512F__)
+  __m512i const lane_iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+  // Candidates z >= g in index order; also checks finiteness (first pass only).
+  auto collect = [&](float g, bool check, bool& ok) {
+    auto const inf = batch(std::numeric_limits<float>::infinity());
+    auto bad = xsimd::batch_bool<float, Arch>(false);
+    bool finite = true;
+    index_t c = 0;
+    batch const vg(g);
+    index_t j = 0;
+    for (; j + W <= n; j += W) {
+      batch sv = batch::load_unaligned(s + j);
+      batch z = sv + batch::load_unaligned(b + j);
+      if (check) bad = bad | !(xsimd::abs(sv) < inf);
+#if defined(__AVX512F__)
+      if constexpr (W == 16 && std::is_integral_v<typename xsimd::batch_bool<float, Arch>::register_type>) {
+        // Branchless: compress the qualifying lanes in a register (a compress straight to memory
+        // is microcoded on some cores), store the full vector, advance by the popcount.
+        __mmask16 const mk = static_cast<__mmask16>(lane_mask<Arch>(z >= vg));
+        __m512i const ids = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)), lane_iota);
+        _mm512_storeu_ps(cz + c, _mm512_maskz_compress_ps(mk, static_cast<__m512>(z)));
+        _mm512_storeu_si512(cj + c, _mm512_maskz_compress_epi32(mk, ids));
+        c += std::popcount(static_cast<unsigned>(mk));
+        continue;
+      }
+#endif
+      if (std::uint64_t mk = lane_mask<Arch>(z >= vg)) {
+        alignas(64) float zz[W];
+        z.store_aligned(zz);
+        do {
+          int const l = std::countr_zero(mk);
+          mk &= mk - 1;
+          cz[c] = zz[l];
+          cj[c++] = static_cast<std::int32_t>(j + l);
+        } while (mk);
+      }
+    }
+    for (; j < n; ++j) {
+      if (check) finite &= std::isfinite(s[j]);
+      float z = s[j] + b[j];
+      if (z >= g) {
+        cz[c] = z;
+        cj[c++] = static_cast<std::int32_t>(j);
+      }
+    }
+    ok = finite && !xsimd::any(bad);
+    return c;
+  };
+  bool ok = true;
+  index_t c = collect(st.guess, true, ok);
+  if (!ok) return false;
+  // Too few: lower the guess by the typical spread between rank 0 and rank `target`, doubling.
+  float step = st.spread;
+  for (int tries = 0; c < kk && tries < 3 && step > 0.f; ++tries, step *= 2.f) c = collect(st.guess - step, false, ok);
+  if (c < kk) {  // exact filter for the target+1 best, which also refreshes the guess
+    insertion_filter<Arch>(s, b, n, target + 1, cand.data());
+    std::copy(cand.begin(), cand.begin() + kk, best);
+    st.guess = cand[target].z;
+    st.spread = cand[0].z - cand[target].z;
+    return true;
+  }
+  if (c <= 64) {
+    // Branchless ranking: rank(a) = #{b : z_b > z_a} + #{b < a : z_b == z_a} (candidates are in
+    // index order, so b < a means a lower expert id). Ranks are distinct, so each candidate
+    // lands in its slot directly.
+    for (index_t x = c; x < c + W; ++x) cz[x] = -std::numeric_limits<float>::infinity();
+    for (index_t a = 0; a < c; ++a) {
+      batch const za(cz[a]);
+      index_t rank = 0;
+      for (index_t o = 0; o < c; o += W) {
+        batch v = batch::load_unaligned(cz + o);
+        std::uint64_t gt = lane_mask<Arch>(v > za), eq = lane_mask<Arch>(v == za);
+        index_t const below = std::clamp<index_t>(a - o, 0, W);  // lanes with b < a
+        std::uint64_t const low = below >= 64 ? ~std::uint64_t(0) : (std::uint64_t(1) << below) - 1;
+        rank += std::popcount(gt) + std::popcount(eq & low);
+      }
+      if (rank < kk) best[rank] = {cz[a], cj[a]};
+      if (rank == target) st.guess = cz[a];
+    }
+    if (c > target) st.spread = 0.75f * st.spread + 0.25f * (best[0].z - st.guess);
+    return true;
+  }
+  auto cmp = [](ranked const& x, ranked const& y) { return ranks_before(x.z, x.j, y.z, y.j); };
+  index_t const need = std::min(c, target + 1);
+  for (index_t a = 0; a < c; ++a) cand[a] = {cz[a], cj[a]};
+  std::partial_sort(cand.begin(), cand.begin() + need, cand.begin() + c, cmp);
+  std::copy(cand.begin(), cand.begin() + kk, best);
+  if (c > target) {
+    st.guess = cand[target].z;
+    st.spread = 0.75f * st.spread + 0.25f * (cand[0].z - cand[target].z);
+  }
+  return true;
+}
+
+// Adds one token's margins alpha - s_j to a private 16-bit histogram [n][B] (half the cache
+// footprint of int32; the caller spills it before any count can reach 65535).
+template <class Arch>
+void scatter_token_simd(float const* K3_RESTRICT s, float alpha, index_t n, float lo, float inv_w, std::int32_t B,
+                        std::uint16_t* K3_RESTRICT h) {
+  using batch = xsimd::batch<float, Arch>;
+  using ibatch = xsimd::batch<std::int32_t, Arch>;
+  constexpr index_t W = static_cast<index_t>(batch::size);
+  index_t j = 0;
+  if (n >= W) {
+    alignas(64) std::int32_t off0[W];
+    for (index_t l = 0; l < W; ++l) off0[l] = static_cast<std::int32_t>(l) * B;
+    ibatch off = ibatch::load_aligned(off0);
+    ibatch const step(static_cast<std::int32_t>(W) * B);
+    batch const va(alpha), vlo(lo), vinv(inv_w), vmax(float(B - 1)), zero(0.f);
+    alignas(64) std::int32_t idx[W];
+    for (; j + W <= n; j += W) {
+      batch r = va - batch::load_unaligned(s + j);
+      batch t = xsimd::floor((r - vlo) * vinv);
+      t = xsimd::min(xsimd::max(t, zero), vmax);
+      ibatch bin = xsimd::batch_cast<std::int32_t>(t) + off;
+      bin.store_aligned(idx);
+      for (index_t l = 0; l < W; ++l) ++h[idx[l]];
+      off += step;
+    }
+  }
+  for (; j < n; ++j) ++h[j * B + qb_bin(alpha - s[j], lo, inv_w, B)];
+}
+
+// Bins of one token's margins (row-major block buffer, B <= 65536). Scattering a block of
+// tokens expert by expert afterwards keeps each expert's histogram row in L1 while its
+// increments land, instead of touching n different rows per token.
+template <class Arch>
+void bin_token_simd(float const* K3_RESTRICT s, float alpha, index_t n, float lo, float inv_w, std::int32_t B,
+                    std::uint16_t* K3_RESTRICT out) {
+  using batch = xsimd::batch<float, Arch>;
+  constexpr index_t W = static_cast<index_t>(batch::size);
+  index_t j = 0;
+  batch const va(alpha), vlo(lo), vinv(inv_w), vmax(float(B - 1)), zero(0.f);
+  alignas(64) std::int32_t idx[W];
+  for (; j + W <= n; j += W) {
+    batch r = va - batch::load_unaligned(s + j);
+    batch t = xsimd::floor((r - vlo) * vinv);
+    t = xsimd::min(xsimd::max(t, zero), vmax);
+    auto const ib = xsimd::batch_cast<std::int32_t>(t);
+#if defined(__AVX512F__)
+    if constexpr (W == 16 && sizeof(ib) == 64) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm512_cvtepi32_epi16(static_cast<__m512i>(ib)));
+      continue;
+    }
+#endif
+    ib.store_aligned(idx);
+    for (index_t l = 0; l < W; ++l) out[j + l] = static_cast<std::uint16_t>(idx[l]);
+  }
+  for (; j < n; ++j) out[j] = static_cast<std::uint16_t>(qb_bin(alpha - s[j], lo, inv_w, B));
+}
+
+inline void scatter_block(std::uint16_t const* K3_RESTRICT bins, index_t tokens, index_t n, std::int32_t B, std::uint16_t* K3_RESTRICT h) {
+  for (index_t j = 0; j < n; ++j) {
+    std::uint16_t* K3_RESTRICT row = h + j * B;
+    for (index_t t = 0; t < tokens; ++t) ++row[bins[t * n + j]];
+  }
+}
+
+template <class Arch>
+void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> scores, const_view<float, 1> bias,
+                        route_outputs const& out, router_options const& opt, const_view<std::uint8_t, 1> mask, qb_histogram* hist) {
+  index_t const m = scores.extent(0), n = scores.extent(1), kk = opt.k + 1;
+  bool const fast = opt.n_groups == 1 && opt.input == score_kind::scores;
+  // Contiguous copy of the bias for the SIMD path (the view may be strided).
+  std::vector<float> bvec(static_cast<std::size_t>(n));
+  for (index_t j = 0; j < n; ++j) bvec[j] = bias(j);
+  std::int64_t const parts = std::min<std::int64_t>(m, backend.concurrency());
+  std::int32_t const B = hist ? static_cast<std::int32_t>(hist->bins()) : 0;
+  // Private per-thread counts: uint16 (hot), spilled into int32 every 65535 tokens.
+  std::vector<std::vector<std::uint16_t>*> local_h(static_cast<std::size_t>(hist ? parts : 0));
+  if (hist) {
+    hist->scratch(static_cast<std::size_t>(parts - 1));  // grow once: later calls must not reallocate
+    for (std::int64_t p = 0; p < parts; ++p) local_h[p] = &hist->scratch(static_cast<std::size_t>(p));
+  }
+  std::vector<std::vector<std::int32_t>> spill(static_cast<std::size_t>(hist ? parts : 0));
+  std::vector<std::vector<std::int64_t>> local_load(static_cast<std::size_t>(out.load.empty() ? 0 : parts));
+  std::vector<index_t> bad_token(static_cast<std::size_t>(parts), -1);
+  backend.for_each_task(parts, [&](std::int64_t p) {
+    index_t const lo_i = m * p / parts, hi_i = m * (p + 1) / parts;
+    std::uint16_t* h = nullptr;
+    std::int64_t since_spill = 0;
+    constexpr index_t block = 16;
+    bool const blocked = B <= 65536;
+    std::vector<std::uint16_t> bins(static_cast<std::size_t>(blocked && hist ? block * n : 0));
+    index_t in_block = 0;
+    auto flush = [&] {
+      if (in_block > 0) scatter_block(bins.data(), in_block, n, B, h);
+      in_block = 0;
+    };
+    if (hist) {
+      local_h[p]->assign(static_cast<std::size_t>(n * B), 0);  // keeps capacity: no page faults after the first call
+      h = local_h[p]->data();
+    }
+    std::int64_t* ld = nullptr;
+    if (!out.load.empty()) {
+      local_load[p].assign(static_cast<std::size_t>(n), 0);
+      ld = local_load[p].data();
+    }
+    std::vector<ranked> best(static_cast<std::size_t>(kk)), z;
+    select_state st;
+    std::vector<float> srow(static_cast<std::size_t>(n));
+    for (index_t i = lo_i; i < hi_i; ++i) {
+      float const* s = &scores(i, 0);
+      if (fast) {
+        if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
+          bad_token[p] = i;
+          return;
+        }
+      } else {
+        for (index_t j = 0; j < n; ++j) {
+          if (!std::isfinite(s[j])) {
+            bad_token[p] = i;
+            return;
+          }
+          srow[j] = load_score(s[j], opt.input);
+        }
+        s = srow.data();
+      }
+      if (!mask.empty() && mask(i) == 0) {
+        emit_padding(i, opt, out);
+        continue;
+      }
+      if (!fast) rank_token(s, bias, opt, n, z, best);
+      emit_token(i, s, best.data(), opt, out);
+      if (ld)
+        for (index_t r = 0; r < opt.k; ++r) ++ld[best[r].j];
+      if (h) {
+        if (since_spill == 65535) {
+          flush();
+          auto& sp = spill[p];
+          if (sp.empty()) sp.assign(local_h[p]->size(), 0);
+          for (std::size_t x = 0; x < sp.size(); ++x) sp[x] += h[x];
+          std::fill(local_h[p]->begin(), local_h[p]->end(), std::uint16_t(0));
+          since_spill = 0;
+        }
+        if (blocked) {
+          bin_token_simd<Arch>(s, best[opt.k].z, n, hist->lo(), hist->inv_width(), B, bins.data() + in_block * n);
+          if (++in_block == block) flush();
+        } else {
+          scatter_token_simd<Arch>(s, best[opt.k].z, n, hist->lo(), hist->inv_width(), B, h);
+        }
+        ++since_spill;
+      }
+    }
+    if (h) flush();
+  });
+  for (std::int64_t p = 0; p < parts; ++p)
+    if (bad_token[p] >= 0) {
+      index_t i = bad_token[p];
+      for (index_t j = 0; j < n; ++j)
+        if (!std::isfinite(scores(i, j))) throw k3::error(nonfinite_message(i, j, opt.input));
+    }
+  if (!out.load.empty())
+    for (index_t j = 0; j < n; ++j) {
+      std::int64_t c = 0;
+      for (std::int64_t p = 0; p < parts; ++p) c += local_load[p][j];
+      out.load(j) = c;
+    }
+  if (hist) {
+    std::int64_t* H = hist->data();
+    std::int64_t const total = n * B;
+    std::int64_t const chunks = std::min<std::int64_t>(total, 4 * backend.concurrency());
+    backend.for_each_task(chunks, [&](std::int64_t c) {
+      std::int64_t a = total * c / chunks, e = total * (c + 1) / chunks;
+      for (std::int64_t p = 0; p < parts; ++p) {
+        std::uint16_t const* src = local_h[p]->data();
+        for (std::int64_t x = a; x < e; ++x) H[x] += src[x];
+        if (!spill[p].empty())
+          for (std::int64_t x = a; x < e; ++x) H[x] += spill[p][x];
+      }
+    });
+  }
+}
+
+}  // namespace k3::moe::detail

@@ -1,0 +1,132 @@
+// Chunked DPLR (forward and all gradients) against the recurrent reference, in double to
+// 1e-12 on awkward shapes; both intra-chunk forms; float sanity; threaded paths.
+#include <doctest/doctest.h>
+
+#include "dplr_test_util.hpp"
+
+using namespace dplr_test;
+using k3::index_t;
+
+namespace {
+
+void compare(problem<double> const& p, index_t chunk, k3::dplr_intra mode, double tol = 1e-12) {
+  std::mt19937_64 rng(static_cast<std::uint64_t>(p.T_ * 131 + p.K * 7 + p.V + chunk));
+  auto o = p.options(chunk);
+  o.intra = mode;
+  auto ref = run_fwd(p, recurrent_fwd(p.options()));
+  auto got = run_fwd(p, chunked_fwd(k3::cpu::serial{}, o));
+  CHECK(max_err(got, ref) < tol);
+  auto dO = randn<double>(rng, p.nv());
+  auto dht = randn<double>(rng, p.ns());
+  auto gref = run_bwd(p, dO, dht, recurrent_bwd(p.options()));
+  auto ggot = run_bwd(p, dO, dht, chunked_bwd(k3::cpu::serial{}, o));
+  double e = max_err(ggot, gref);
+  CHECK(e < tol);
+}
+
+}  // namespace
+
+TEST_CASE("chunked DPLR equals recurrent on awkward shapes (double, 1e-12)") {
+  std::mt19937_64 rng(11);
+  index_t const Ts[] = {1, 15, 63, 64, 65, 200};
+  index_t const Ds[] = {16, 60, 100, 128};
+  int i = 0;
+  for (index_t T : Ts) {
+    for (int j = 0; j < 2; ++j, ++i) {
+      index_t K = Ds[i % 4], V = Ds[(i + 1 + j) % 4];
+      INFO("T=" << T << " K=" << K << " V=" << V);
+      auto p = make<double>(rng, 1, T, 2, K, V, {}, true, gate::normal, j == 1);
+      compare(p, 64, k3::dplr_intra::automatic);
+    }
+  }
+}
+
+TEST_CASE("chunked DPLR: small chunks, both intra forms, hard resets, zero gates") {
+  std::mt19937_64 rng(12);
+  for (index_t chunk : {1, 7, 16}) {
+    auto p = make<double>(rng, 2, 37, 1, 9, 5);
+    INFO("chunk=" << chunk);
+    compare(p, chunk, k3::dplr_intra::factored);
+    compare(p, chunk, k3::dplr_intra::pairwise);
+  }
+  auto pr = make<double>(rng, 1, 70, 2, 12, 8, {}, true, gate::resets);
+  compare(pr, 32, k3::dplr_intra::automatic);  // resets push chunks onto the pairwise form
+  compare(pr, 32, k3::dplr_intra::pairwise);
+  auto pz = make<double>(rng, 1, 40, 1, 8, 8, {}, true, gate::zero);
+  compare(pz, 16, k3::dplr_intra::automatic);
+  auto ps = make<double>(rng, 1, 50, 1, 8, 6, {}, false, gate::strong);
+  compare(ps, 16, k3::dplr_intra::automatic);
+}
+
+TEST_CASE("chunked DPLR varlen with short and empty sequences") {
+  std::mt19937_64 rng(13);
+  auto p = make<double>(rng, 1, 200, 2, 16, 60, {0, 15, 15, 100, 101, 164, 200});
+  compare(p, 64, k3::dplr_intra::automatic);
+  compare(p, 16, k3::dplr_intra::pairwise);
+  auto p2 = make<double>(rng, 1, 65, 1, 60, 16, {0, 1, 64, 65}, false);
+  compare(p2, 64, k3::dplr_intra::automatic);
+}
+
+TEST_CASE("chunked DPLR in float tracks the double reference") {
+  std::mt19937_64 rng(14);
+  auto pd = make<double>(rng, 1, 130, 2, 32, 24);
+  problem<float> pf;
+  pf.B = pd.B, pf.T_ = pd.T_, pf.H = pd.H, pf.K = pd.K, pf.V = pd.V, pf.N = pd.N, pf.with_h0 = true;
+  auto cvt = [](auto const& x) { return std::vector<float>(x.begin(), x.end()); };
+  pf.q = cvt(pd.q), pf.k = cvt(pd.k), pf.v = cvt(pd.v), pf.a = cvt(pd.a), pf.b = cvt(pd.b), pf.gk = cvt(pd.gk), pf.h0 = cvt(pd.h0);
+  auto rd = run_fwd(pd, recurrent_fwd(pd.options()));
+  auto rf = run_fwd(pf, chunked_fwd(k3::cpu::serial{}, pf.options(64)));
+  CHECK(rel_err(rf.o, rd.o) < 1e-4);
+  CHECK(rel_err(rf.ht, rd.ht) < 1e-4);
+  auto dO = randn<double>(rng, pd.nv());
+  auto dht = randn<double>(rng, pd.ns());
+  auto gd = run_bwd(pd, dO, dht, recurrent_bwd(pd.options()));
+  auto gf = run_bwd(pf, cvt(dO), cvt(dht), chunked_bwd(k3::cpu::serial{}, pf.options(64)));
+  CHECK(rel_err(gf.dq, gd.dq) < 1e-3);
+  CHECK(rel_err(gf.dk, gd.dk) < 1e-3);
+  CHECK(rel_err(gf.dv, gd.dv) < 1e-3);
+  CHECK(rel_err(gf.da, gd.da) < 1e-3);
+  CHECK(rel_err(gf.db, gd.db) < 1e-3);
+  CHECK(rel_err(gf.dgk, gd.dgk) < 1e-3);
+  CHECK(rel_err(gf.dh0, gd.dh0) < 1e-3);
+}
+
+TEST_CASE("threaded paths equal the single-thread result") {
+  std::mt19937_64 rng(15);
+  k3::cpu::threads<> th(3);
+  // many (sequence, head) pairs: one pair per thread
+  auto pm = make<double>(rng, 2, 90, 3, 16, 20);
+  // one long sequence: value split and segment maps
+  auto p1 = make<double>(rng, 1, 333, 1, 24, 40);
+  auto pv = make<double>(rng, 1, 150, 1, 16, 16, {0, 3, 3, 150});
+  for (auto const* p : {&pm, &p1, &pv}) {
+    auto dO = randn<double>(rng, p->nv());
+    auto dht = randn<double>(rng, p->ns());
+    auto ref = run_fwd(*p, chunked_fwd(k3::cpu::serial{}, p->options(32)));
+    auto gref = run_bwd(*p, dO, dht, chunked_bwd(k3::cpu::serial{}, p->options(32)));
+    for (auto mode : {k3::dplr_long_sequence::value_split, k3::dplr_long_sequence::segment_maps}) {
+      auto o = p->options(32);
+      o.long_sequence = mode;
+      INFO("mode=" << int(mode) << " T=" << p->T_);
+      CHECK(max_err(run_fwd(*p, chunked_fwd(th, o)), ref) < 1e-12);
+      CHECK(max_err(run_bwd(*p, dO, dht, chunked_bwd(th, o)), gref) < 1e-12);
+    }
+  }
+}
+
+TEST_CASE("context-parallel entry points on a single-process communicator") {
+  std::mt19937_64 rng(16);
+  auto p = make<double>(rng, 2, 70, 2, 8, 6);
+  auto dO = randn<double>(rng, p.nv());
+  auto dht = randn<double>(rng, p.ns());
+  k3::single_process one;
+  auto ref = run_fwd(p, recurrent_fwd(p.options()));
+  auto got = run_fwd(p, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(one, in, out, p.options(16)); });
+  CHECK(max_err(got, ref) < 1e-12);
+  auto gref = run_bwd(p, dO, dht, recurrent_bwd(p.options()));
+  auto g = run_bwd(p, dO, dht, [&](auto const& in, auto const& gin, auto const& gg) { k3::dplr_cp_backward(one, in, gin, gg, p.options(16)); });
+  CHECK(max_err(g, gref) < 1e-12);
+  auto p1 = make<double>(rng, 1, 70, 1, 4, 4, {0, 70});
+  CHECK_THROWS_WITH_AS(run_fwd(p1, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(one, in, out, p1.options()); }),
+                       doctest::Contains("cu_seqlens"), k3::error);
+}

@@ -1,0 +1,281 @@
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "moe/moe_test_util.hpp"
+
+using namespace moe_test;
+namespace moe = k3::moe;
+
+namespace {
+
+// Independent brute force: k+1 rounds of "best remaining expert" (highest z, lowest index
+// first); weights in double.
+void brute_route(std::vector<float> const& s, std::vector<float> const& b, index_t m, index_t n, index_t k, double scale,
+                 std::vector<std::int32_t>& idx, std::vector<double>& w, std::vector<float>& cut) {
+  idx.assign(static_cast<std::size_t>(m * k), 0);
+  w.assign(static_cast<std::size_t>(m * k), 0);
+  cut.assign(static_cast<std::size_t>(m), 0);
+  for (index_t i = 0; i < m; ++i) {
+    std::vector<char> taken(static_cast<std::size_t>(n), 0);
+    double sum = 0;
+    for (index_t r = 0; r <= k; ++r) {
+      index_t best = -1;
+      float bz = 0;
+      for (index_t j = 0; j < n; ++j) {
+        if (taken[j]) continue;
+        float z = s[i * n + j] + b[j];
+        if (best < 0 || z > bz) best = j, bz = z;
+      }
+      taken[best] = 1;
+      if (r < k) {
+        idx[i * k + r] = static_cast<std::int32_t>(best);
+        sum += s[i * n + best];
+      } else {
+        cut[i] = bz;
+      }
+    }
+    for (index_t r = 0; r < k; ++r) w[i * k + r] = s[i * n + idx[i * k + r]] / sum * scale;
+  }
+}
+
+template <class B>
+void check_against_brute(B const& backend, index_t m, index_t n, index_t k, std::uint64_t seed, bool ties) {
+  auto s = uniform(m * n, 0.0, 1.0, seed);
+  auto b = uniform(n, -0.2, 0.2, seed + 1);
+  if (ties) {  // coarse grid: many exact ties in s + b
+    for (auto& x : s) x = std::round(x * 8.f) / 8.f;
+    for (auto& x : b) x = std::round(x * 8.f) / 8.f;
+  }
+  moe::router_options opt;
+  opt.k = k;
+  opt.routed_scale = 2.5f;
+  routed r(m, k, n);
+  moe::route(backend, cview(s, m, n), cview(b), r.out(), opt);
+  std::vector<std::int32_t> idx;
+  std::vector<double> w;
+  std::vector<float> cut;
+  brute_route(s, b, m, n, k, 2.5, idx, w, cut);
+  CHECK(r.idx == idx);
+  CHECK(r.cut == cut);
+  double maxerr = 0;
+  for (std::size_t x = 0; x < w.size(); ++x) maxerr = std::max(maxerr, std::fabs(r.w[x] - w[x]) / w[x]);
+  CHECK(maxerr < 1e-5);
+  std::vector<std::int64_t> load(static_cast<std::size_t>(n), 0);
+  for (auto j : idx) ++load[j];
+  CHECK(r.load == load);
+}
+
+}  // namespace
+
+TEST_CASE("serial router matches a brute-force top-k with the documented tie-breaking") {
+  k3::cpu::serial ser;
+  check_against_brute(ser, 1, 2, 1, 1, false);
+  check_against_brute(ser, 7, 13, 3, 2, false);
+  check_against_brute(ser, 33, 64, 8, 3, true);
+  check_against_brute(ser, 5, 896, 16, 4, false);
+  check_against_brute(ser, 9, 40, 39, 5, true);  // k = n - 1
+}
+
+TEST_CASE("threads router matches the brute force (odd n, ties, k = n - 1)") {
+  for (int nt : {1, 2, 3}) {
+    k3::cpu::threads<> thr(nt);
+    check_against_brute(thr, 1, 2, 1, 11, false);
+    check_against_brute(thr, 17, 37, 5, 12, true);
+    check_against_brute(thr, 31, 896, 16, 13, false);
+    check_against_brute(thr, 8, 33, 32, 14, true);
+    check_against_brute(thr, 64, 17, 16, 15, true);
+  }
+}
+
+TEST_CASE("threads router and fused histogram are bit-identical to the serial reference") {
+  for (auto [m, n, k] : {std::tuple<index_t, index_t, index_t>{1, 5, 2}, {100, 37, 4}, {257, 896, 16}, {64, 16, 15}}) {
+    auto s = skewed_scores(m, n, 3.0, std::uint64_t(m * n));
+    auto b = uniform(n, -0.3, 0.3, std::uint64_t(k));
+    for (auto& x : s) x = std::round(x * 64.f) / 64.f;  // ties
+    std::vector<std::uint8_t> mask(static_cast<std::size_t>(m), 1);
+    for (index_t i = 0; i < m; i += 3) mask[i] = 0;
+    moe::router_options opt;
+    opt.k = k;
+    k3::const_view<std::uint8_t, 1> mv(mask.data(), {m});
+    routed r1(m, k, n), r2(m, k, n);
+    auto h1 = moe::qb_histogram::for_bias(cview(b), 97), h2 = h1;
+    moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, mv, &h1);
+    k3::cpu::threads<> thr(3);
+    moe::route(thr, cview(s, m, n), cview(b), r2.out(), opt, mv, &h2);
+    CHECK(r1.idx == r2.idx);
+    CHECK(std::memcmp(r1.w.data(), r2.w.data(), r1.w.size() * sizeof(float)) == 0);
+    CHECK(r1.cut == r2.cut);
+    CHECK(r1.load == r2.load);
+    CHECK(h1 == h2);
+    std::int64_t real = std::count(mask.begin(), mask.end(), 1);
+    CHECK(h1.tokens() == real);
+  }
+}
+
+TEST_CASE("padding tokens are never dispatched and not counted") {
+  index_t const m = 6, n = 8, k = 2;
+  auto s = uniform(m * n, 0, 1, 7);
+  std::vector<float> b(n, 0.f);
+  std::vector<std::uint8_t> mask = {1, 0, 1, 1, 0, 1};
+  moe::router_options opt;
+  opt.k = k;
+  for (int backend = 0; backend < 2; ++backend) {
+    routed r(m, k, n);
+    k3::const_view<std::uint8_t, 1> mv(mask.data(), {m});
+    if (backend == 0) moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r.out(), opt, mv);
+    else moe::route(k3::cpu::threads<>(2), cview(s, m, n), cview(b), r.out(), opt, mv);
+    std::int64_t total = 0;
+    for (auto l : r.load) total += l;
+    CHECK(total == 4 * k);
+    for (index_t i : {1, 4})
+      for (index_t x = 0; x < k; ++x) {
+        CHECK(r.idx[i * k + x] == -1);
+        CHECK(r.w[i * k + x] == 0.f);
+      }
+  }
+}
+
+TEST_CASE("weights come from the unbiased scores, renormalised and scaled") {
+  // Bias flips the choice to experts 2 and 3, but weights use s only.
+  std::vector<float> s = {0.9f, 0.8f, 0.2f, 0.1f};
+  std::vector<float> b = {-1.f, -1.f, 1.f, 1.f};
+  moe::router_options opt;
+  opt.k = 2;
+  opt.routed_scale = 2.0f;
+  routed r(1, 2, 4);
+  moe::route(k3::cpu::serial{}, cview(s, 1, 4), cview(b), r.out(), opt);
+  CHECK(r.idx == std::vector<std::int32_t>{2, 3});
+  CHECK(r.w[0] == doctest::Approx(2.0 * 0.2 / 0.3));
+  CHECK(r.w[1] == doctest::Approx(2.0 * 0.1 / 0.3));
+  CHECK(r.cut[0] == doctest::Approx(0.9f - 1.f));
+}
+
+TEST_CASE("logit input applies a FP32 sigmoid") {
+  index_t const m = 5, n = 12, k = 3;
+  auto x = uniform(m * n, -4, 4, 21);
+  std::vector<float> s(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) s[i] = k3::detail::sigmoid(x[i]);
+  auto b = uniform(n, -0.1, 0.1, 22);
+  moe::router_options opt;
+  opt.k = k;
+  routed r1(m, k, n), r2(m, k, n), r3(m, k, n);
+  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt);
+  opt.input = moe::score_kind::logits;
+  moe::route(k3::cpu::serial{}, cview(x, m, n), cview(b), r2.out(), opt);
+  moe::route(k3::cpu::threads<>(2), cview(x, m, n), cview(b), r3.out(), opt);
+  CHECK(r1.idx == r2.idx);
+  CHECK(r1.w == r2.w);
+  CHECK(r2.idx == r3.idx);
+  CHECK(r2.w == r3.w);
+}
+
+TEST_CASE("group-limited routing masks dropped groups with -inf, not 0") {
+  // All biased scores negative: a multiplicative 0 mask would let the dropped group win.
+  std::vector<float> s = {0.9f, 0.8f, 0.1f, 0.05f, 0.2f, 0.3f};
+  std::vector<float> b(6, -5.f);
+  moe::router_options opt;
+  opt.k = 2;
+  opt.n_groups = 3;
+  opt.topk_groups = 1;
+  for (int backend = 0; backend < 2; ++backend) {
+    routed r(1, 2, 6);
+    if (backend == 0) moe::route(k3::cpu::serial{}, cview(s, 1, 6), cview(b), r.out(), opt);
+    else moe::route(k3::cpu::threads<>(2), cview(s, 1, 6), cview(b), r.out(), opt);
+    CHECK(r.idx == std::vector<std::int32_t>{0, 1});
+    CHECK(r.cut[0] == -std::numeric_limits<float>::infinity());
+  }
+  // Group score = sum of the two best biased scores: group 1 {0.6, 0.55} beats group 0 {0.9, 0.05}.
+  std::vector<float> s2 = {0.9f, 0.05f, 0.6f, 0.55f};
+  std::vector<float> b0(4, 0.f);
+  opt.n_groups = 2;
+  routed r(1, 2, 4);
+  moe::route(k3::cpu::serial{}, cview(s2, 1, 4), cview(b0), r.out(), opt);
+  CHECK(r.idx == std::vector<std::int32_t>{2, 3});
+}
+
+TEST_CASE("bad input gives a k3::error naming the argument") {
+  index_t const m = 4, n = 8;
+  auto s = uniform(m * n, 0, 1, 3);
+  std::vector<float> b(n, 0.f);
+  auto expect_error = [&](auto&& f, char const* needle) {
+    bool thrown = false;
+    try {
+      f();
+    } catch (k3::error const& e) {
+      thrown = std::string(e.what()).find(needle) != std::string::npos;
+      if (!thrown) MESSAGE(e.what());
+    }
+    CHECK_MESSAGE(thrown, needle);
+  };
+  k3::cpu::serial ser;
+  k3::cpu::threads<> thr(2);
+  moe::router_options opt;
+  opt.k = 8;
+  routed r8(m, 8, n);
+  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b), r8.out(), opt); }, "'k'");
+  opt.k = 2;
+  routed r(m, 2, n);
+  std::vector<float> b7(7, 0.f);
+  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b7), r.out(), opt); }, "'bias': expected shape [8]");
+  expect_error([&] { moe::route(thr, cview(s, m, n), cview(b7), r.out(), opt); }, "'bias'");
+  routed r0(0, 2, n);
+  expect_error([&] { moe::route(ser, cview(s, 0, n), cview(b), r0.out(), opt); }, "zero tokens");
+  routed rbad(m, 3, n);
+  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b), rbad.out(), opt); }, "'indices'");
+  for (float badv : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    auto s2 = s;
+    s2[2 * n + 5] = badv;
+    expect_error([&] { moe::route(ser, cview(s2, m, n), cview(b), r.out(), opt); }, "token 2, expert 5");
+    expect_error([&] { moe::route(thr, cview(s2, m, n), cview(b), r.out(), opt); }, "token 2, expert 5");
+    std::vector<float> sbig = uniform(3 * 64, 0, 1, 9), bb(64, 0.f);
+    sbig[64 + 40] = badv;  // inside the SIMD body
+    routed rb(3, 2, 64);
+    expect_error([&] { moe::route(thr, cview(sbig, 3, 64), cview(bb), rb.out(), opt); }, "token 1, expert 40");
+  }
+  auto b2 = b;
+  b2[3] = std::numeric_limits<float>::quiet_NaN();
+  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b2), r.out(), opt); }, "'bias': non-finite");
+  opt.n_groups = 3;
+  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b), r.out(), opt); }, "'n_groups'");
+}
+
+TEST_CASE("threads router stays exact when the carried threshold guess is poor") {
+  // Rows alternate between very different score ranges (forces the lowered-guess retries and
+  // the exact fallback), rows of all-equal scores (every expert is a candidate: the sort path),
+  // and rows where the best experts sit at the end (ascending order).
+  index_t const m = 240, n = 300, k = 16;
+  auto base = uniform(m * n, 0, 1, 41);
+  std::vector<float> s(base.size());
+  for (index_t i = 0; i < m; ++i)
+    for (index_t j = 0; j < n; ++j) {
+      float x = base[i * n + j];
+      switch (i % 6) {
+        case 0: s[i * n + j] = x; break;
+        case 1: s[i * n + j] = 0.01f * x; break;         // far below the previous guess
+        case 2: s[i * n + j] = 0.5f; break;              // all tied
+        case 3: s[i * n + j] = float(j) / float(n); break; // ascending
+        case 4: s[i * n + j] = 0.99f + 0.01f * x; break; // far above
+        default: s[i * n + j] = std::round(x * 4.f) / 4.f; break;  // heavy ties
+      }
+    }
+  auto b = uniform(n, -0.01, 0.01, 42);
+  for (index_t j = 0; j < n; j += 7) b[j] = 0.f;
+  moe::router_options opt;
+  opt.k = k;
+  for (index_t kk : {1, 16, 40}) {
+    opt.k = kk;
+    routed r1(m, kk, n), r2(m, kk, n);
+    auto h1 = moe::qb_histogram::for_bias(cview(b), 50), h2 = h1;
+    moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, {}, &h1);
+    moe::route(k3::cpu::threads<>(2), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
+    CHECK(r1.idx == r2.idx);
+    CHECK(std::memcmp(r1.w.data(), r2.w.data(), r1.w.size() * sizeof(float)) == 0);
+    CHECK(r1.cut == r2.cut);
+    CHECK(h1 == h2);
+  }
+}
