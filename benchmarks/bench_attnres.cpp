@@ -84,11 +84,25 @@ int main(int argc, char** argv) {
   };
 
   inplace_pass_yardstick pass(nt);
-  std::vector<double> t2, tr, yard, t1;
-  two_phase_block();  // warm-up (page faults)
+  std::vector<double> t2, tr, yard, yard_long, t1;
+  double const t_warm = seconds(two_phase_block);  // warm-up (page faults)
   residual_block();
+  // The long yardstick repeats the pass for about as long as one two-phase block runs, so that
+  // on a shared machine both see the same scheduling (a 20 ms pass gets the CPUs in bursts;
+  // a second-long kernel gets its fair share). On a quiet machine the two agree.
+  int const long_passes = std::max(1, int(t_warm / std::max(1e-3, 2.0 * double(pass.bytes()) / (pass.gbps() * 1e9))));
   for (int r = 0; r < reps; ++r) {
     yard.push_back(pass.gbps());
+    {
+      double bytes = 0;
+      double const s = seconds([&] {
+        for (int i = 0; i < long_passes; ++i) {
+          pass.gbps();
+          bytes += 2.0 * double(pass.bytes());
+        }
+      });
+      yard_long.push_back(bytes / s * 1e-9);
+    }
     t2.push_back(seconds(two_phase_block));
     tr.push_back(seconds(residual_block));
     t1.push_back(seconds(phase1_only));
@@ -103,10 +117,14 @@ int main(int argc, char** argv) {
   double const gb_table1 = table1 / tt * 1e-9, gb_actual = actual / tt * 1e-9;
   double const ratio = gb_table1 / ty;
   std::printf("in-place pass yardstick (%zu MiB, %d threads): median %.2f GB/s\n", pass.bytes() >> 20, nt, ty);
+  double const tyl = median(yard_long);
+  std::printf("  the same pass repeated %d times back to back (about one block's duration): median %.2f GB/s\n", long_passes, tyl);
   std::printf("two-phase block forward (24 sites): median %.4f s\n", tt);
   std::printf("  of which phase 1 (24 sites x 8 blocks): median %.4f s\n", median(t1));
   std::printf("  Table-1 bytes %.3f GB -> %.2f GB/s = %.1f%% of the in-place pass (bar >= 50%%): %s\n", table1 * 1e-9, gb_table1,
               100 * ratio, ratio >= 0.5 ? "PASS" : "FAIL");
+  std::printf("  against the long yardstick: %.1f%% (%s); the pass/fail line above is the official figure\n", 100 * gb_table1 / tyl,
+              gb_table1 / tyl >= 0.5 ? "would pass" : "would fail");
   std::printf("  bytes actually moved %.3f GB -> %.2f GB/s = %.1f%% of the in-place pass\n", actual * 1e-9, gb_actual, 100 * gb_actual / ty);
   std::printf("plain residual adds (24 x prefix += delta): median %.4f s, %.2f GB/s = %.1f%% of the in-place pass\n", trr,
               residual_bytes / trr * 1e-9, 100 * residual_bytes / trr * 1e-9 / ty);

@@ -347,7 +347,6 @@ class block_attn_res {
     detail::require(T >= 0 && T <= cfg_.tokens, [&] { return "block_attn_res: " + std::to_string(T) + " tokens exceed the capacity"; });
     T_ = T;
   }
-  void mark_output_done() noexcept { output_done_ = true; }
 
  private:
   tensor_view<S, 2> cur_prefix() noexcept { return prefix_.view().sub(0, 0, T_); }

@@ -48,7 +48,7 @@ class pipeline_cache {
   void send_forward(block_attn_res<S, B>& ar, int peer, int tag) {
     check_peer(peer);
     using C = compute_t<S>;
-    std::int64_t const n = ar.bank_count(), k = known_[std::size_t(peer)], T = ar.tokens(), d = ar.config().d;
+    std::int64_t const n = ar.bank_count(), k = known_[std::size_t(peer)], T = ar.tokens();
     detail::require(k <= n, [&] { return "pipeline_cache: rank " + std::to_string(peer) + " holds more rows than the sender"; });
     known_[std::size_t(peer)] = n;
     known_[std::size_t(comm_.rank())] = n;
@@ -67,7 +67,6 @@ class pipeline_cache {
     sent_.push_back({k, n, ar.site()});
     rows_sent_ += n - k;
     rows_naive_ += n;
-    (void)d;
   }
 
   template <class S, class B>
@@ -109,8 +108,8 @@ class pipeline_cache {
   void send_backward(block_attn_res<S, B>& ar, int peer, int tag) {
     check_peer(peer);
     detail::require(!received_.empty(), "pipeline_cache::send_backward: no forward hop to mirror");
-    auto [k, n, site] = received_.back();
-    (void)site;
+    auto const [k, n, site_unused] = received_.back();
+    static_cast<void>(site_unused);
     received_.pop_back();
     index_t const T = ar.tokens();
     auto g = ar.grad_storage();

@@ -71,6 +71,10 @@ struct scalar_reduce {
     for (index_t k = 0; k < d; ++k) a += double(u[k]) * double(v[k]);
     return a;
   }
+  template <class C>
+  static void dot_ss_fast(C const* K3_RESTRICT v, C const* K3_RESTRICT u, index_t d, double& dot, double& ss) noexcept {
+    dot_ss(v, u, d, dot, ss);
+  }
 };
 
 // Lane-parallel double reductions: L independent partial sums per quantity, which the
@@ -113,6 +117,32 @@ struct simd_reduce {
     for (index_t i = 0; i < L; ++i) sa += a[i];
     for (; k < d; ++k) sa += double(u[k]) * double(v[k]);
     return sa;
+  }
+
+  // Lane sums in the compute type (float: 4 x 16 partial sums of d / 64 terms each), rounded
+  // into double once. For the phase-2 merge, where the sum only sets the sigmoid weight p
+  // and the double version costs a third of the bandwidth-bound step.
+  template <class C>
+  static void dot_ss_fast(C const* K3_RESTRICT v, C const* K3_RESTRICT u, index_t d, double& dot, double& ss) noexcept {
+    using batch = xsimd::batch<C, Arch>;
+    constexpr index_t N = index_t(batch::size);
+    batch a0(C(0)), a1(C(0)), b0(C(0)), b1(C(0));
+    index_t k = 0;
+    for (; k + 2 * N <= d; k += 2 * N) {
+      batch const x0 = batch::load_unaligned(v + k), x1 = batch::load_unaligned(v + k + N);
+      a0 = xsimd::fma(batch::load_unaligned(u + k), x0, a0);
+      a1 = xsimd::fma(batch::load_unaligned(u + k + N), x1, a1);
+      b0 = xsimd::fma(x0, x0, b0);
+      b1 = xsimd::fma(x1, x1, b1);
+    }
+    double sa = double(k3::simd::reduce_add(a0)) + double(k3::simd::reduce_add(a1));
+    double sb = double(k3::simd::reduce_add(b0)) + double(k3::simd::reduce_add(b1));
+    for (; k < d; ++k) {
+      sa += double(u[k]) * double(v[k]);
+      sb += double(v[k]) * double(v[k]);
+    }
+    dot = sa;
+    ss = sb;
   }
 };
 

@@ -10,6 +10,9 @@
 //
 // rinv_j, the inverse RMS of a completed block, is computed once when the block is closed
 // (block_rinv) and stored with it. Queries arrive folded: u_l = g_l * w_l.
+// Precision: float rows; phase-1 scores from float register tiles rounded into double, softmax
+// and lse in double; the phase-2 weight p from float lane sums (the step is bandwidth-bound).
+// Both agree with the one-pass mix to float rounding (tests: 1e-6 relative per site).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -237,16 +240,27 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
 namespace detail {
 
 // One token of phase 2: b (compute-precision row), o (stored row) -> h.
-template <class Ops, class C, class O, class H>
-void merge_token(C const* b, O const* o, C lse, C const* u, index_t d, double eps, H* h) {
-  double dot, ss;
-  Ops::dot_ss(b, u, d, dot, ss);
+// p = sigmoid(s2 - lse) from the partial's u-dot and sum of squares.
+template <class C>
+C merge_weight(double dot, double ss, C lse, index_t d, double eps) {
   double const s2 = dot / std::sqrt(ss / double(d) + eps);
-  C const p = C(1.0 / (1.0 + std::exp(double(lse) - s2)));
+  return C(1.0 / (1.0 + std::exp(double(lse) - s2)));
+}
+
+template <class C, class O, class H>
+void merge_row(C const* K3_RESTRICT b, O const* K3_RESTRICT o, C p, index_t d, H* K3_RESTRICT h) {
   for (index_t k = 0; k < d; ++k) {
     C const ok = to_c<C>(o[k]);
     put(h[k], ok + p * (b[k] - ok));
   }
+}
+
+// One token of phase 2: b (compute-precision row), o (stored row) -> h.
+template <class Ops, class C, class O, class H>
+void merge_token(C const* b, O const* o, C lse, C const* u, index_t d, double eps, H* h) {
+  double dot, ss;
+  Ops::dot_ss_fast(b, u, d, dot, ss);
+  merge_row(b, o, merge_weight(dot, ss, lse, d, eps), d, h);
 }
 
 }  // namespace detail
@@ -342,7 +356,9 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
         pr[k] = v;
         bb[k] = detail::to_c<C>(v);
       }
-      detail::merge_token<Ops>(bb, &o(t, 0), C(lse(t)), uc.data(), d, eps, &h(t, 0));
+      double dot, ss;
+      Ops::dot_ss_fast(bb, uc.data(), d, dot, ss);
+      detail::merge_row(bb, &o(t, 0), detail::merge_weight(dot, ss, C(lse(t)), d, eps), d, &h(t, 0));
     }
   });
 }
