@@ -29,12 +29,14 @@ for op in $ops; do
   expect 2 "missing --in" -- "$op" --out "$tmp/o"
   expect 2 "is not a directory" -- "$op" --in "$tmp/nope" --out "$tmp/o"
   expect 2 "unknown option '--bogus'" -- "$op" --bogus 1
+  # options an op requires before it reads anything
+  case $op in quant|dequant) req=(--format e4m3) ;; *) req=() ;; esac
   mkdir -p "$tmp/empty"
-  expect nz "missing input" -- "$op" --in "$tmp/empty" --out "$tmp/o"
+  expect nz "missing input" -- "$op" --in "$tmp/empty" --out "$tmp/o" "${req[@]}"
   # a malformed .npy for every input name the op could read
   mkdir -p "$tmp/bad"
   for n in q k v g beta a b gk sources w gain scores logits bias x codes scales; do printf 'garbage' >"$tmp/bad/$n.npy"; done
-  expect nz "malformed .npy" -- "$op" --in "$tmp/bad" --out "$tmp/o"
+  expect nz "malformed .npy" -- "$op" --in "$tmp/bad" --out "$tmp/o" "${req[@]}"
 done
 [ $fail = 0 ] && echo "cli error handling: passed"
 exit $fail
