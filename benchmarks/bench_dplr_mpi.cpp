@@ -4,7 +4,8 @@
 // rank 0 while the others wait), the distributed forward (slowest rank, median), their ratio,
 // and the ratio predicted from the same-run cost of the map pass m and of the forward f per
 // token: each rank runs a map pass and a forward over T/P tokens, so
-//     predicted speedup = P f / (m + f)      (communication B H K (K+V) floats per rank).
+//     predicted speedup = P f / (m + f)      (communication B H K (K+V) floats per rank;
+// one rank runs the plain forward, predicted 1).
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 #pragma GCC diagnostic ignored "-Wuninitialized"  // GCC bug 105593 in AVX-512 intrinsics via Eigen
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -69,7 +70,7 @@ int main(int argc, char** argv) {
     print_header("dplr_mpi: DPLR context-parallel forward over MPI (B=1, H=1, T=65536, K=V=128, float)");
     double f = median(fwd_local), m = median(map_local), w = median(whole), c = median(cp);
     std::printf("ranks %d: single-process forward %.3f s, distributed forward %.3f s, speedup %.2fx, predicted %.2fx (map pass / forward = %.2f)\n",
-                P, w, c, w / c, P * f / (m + f), m / f);
+                P, w, c, w / c, P == 1 ? 1.0 : P * f / (m + f), m / f);
     std::printf("communication per rank: %lld floats (B H K (K+V)), independent of T\n", (long long)(K * (K + V)));
   }
   return 0;

@@ -35,7 +35,8 @@ std::vector<index_t> random_split(std::mt19937_64& rng, index_t T, int pieces) {
 
 TEST_CASE("composed segment maps reproduce the recurrent state (double, 1e-12)") {
   std::mt19937_64 rng(21);
-  for (auto [T, K, V, chunk] : std::vector<std::array<index_t, 4>>{{200, 16, 60, 64}, {65, 60, 16, 16}, {37, 5, 7, 8}, {130, 128, 100, 64}}) {
+  for (auto const& shape : std::vector<std::array<index_t, 4>>{{200, 16, 60, 64}, {65, 60, 16, 16}, {37, 5, 7, 8}, {130, 128, 100, 64}}) {
+    index_t const T = shape[0], K = shape[1], V = shape[2], chunk = shape[3];  // (clang 14 cannot capture bindings)
     auto p = make<double>(rng, 2, T, 2, K, V);
     auto ref = run_fwd(p, recurrent_fwd(p.options()));
     auto bnd = random_split(rng, T, 4);

@@ -68,7 +68,7 @@ void head_forward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cf
   index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C);
   int const P = par.size();
   index_t const ns = P > 1 ? std::max<index_t>(1, std::min<index_t>(P, W)) : 1;
-  index_t const nb = P > 1 ? std::max<index_t>(4 * P, 16) : 1;
+  index_t const nb = P > 1 ? 2 * P : 1;  // small blocks: the shared intra-chunk data stays in cache
   std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(std::min(nb, std::max<index_t>(nch, 1))));
   std::vector<mat<R>> Ss(static_cast<std::size_t>(ns));
   for (index_t p = 0; p < ns; ++p) {
@@ -122,7 +122,7 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
     head_forward<T, R>(par, hv, cfg, V, S, load, static_cast<E*>(nullptr), &states);
   }
   index_t const ns = P > 1 ? std::max<index_t>(1, std::min<index_t>(P, V)) : 1;
-  index_t const nb = P > 1 ? std::max<index_t>(4 * P, 16) : 1;
+  index_t const nb = P > 1 ? 2 * P : 1;  // small blocks: the shared intra-chunk data stays in cache
   std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(std::min(nb, std::max<index_t>(nch, 1))));
   std::vector<std::vector<chunk_acc<R>>> acc(static_cast<std::size_t>(ns), std::vector<chunk_acc<R>>(pres.size()));
   std::vector<mat<R>> dSs(static_cast<std::size_t>(ns));
@@ -170,7 +170,7 @@ void head_dstate(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg
   index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C);
   int const P = par.size();
   index_t const ns = P > 1 ? std::max<index_t>(1, std::min<index_t>(P, W)) : 1;
-  index_t const nb = P > 1 ? std::max<index_t>(4 * P, 16) : 1;
+  index_t const nb = P > 1 ? 2 * P : 1;  // small blocks: the shared intra-chunk data stays in cache
   std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(std::min(nb, std::max<index_t>(nch, 1))));
   std::vector<mat<R>> dSs(static_cast<std::size_t>(ns));
   for (index_t p = 0; p < ns; ++p) {
