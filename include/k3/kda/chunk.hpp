@@ -181,9 +181,7 @@ void chunk_inverse(chunk_workspace<Acc>& w, index_t c) {
 // Everything the chunk needs given the loaded rows and the chunk-start state w.S:
 // Aqk, KK, A, Qe = Q e^G, Ke = K e^G, Kd = K e^{G_last - G}, R = V - Ke S, B = beta R, U = A B.
 template <class Acc>
-void chunk_prepare(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
-  chunk_intra(w, c, scale, lb);
-  chunk_inverse(w, c);
+void chunk_gates(chunk_workspace<Acc>& w, index_t c) {
   auto G = w.G.topRows(c);
   auto gl = w.G.row(c - 1);
   w.tmpK.topRows(c) = G;
@@ -193,10 +191,19 @@ void chunk_prepare(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<
   w.tmpK2.topRows(c) = (-G).rowwise() + gl;
   exp_rows(w.tmpK2.topRows(c));  // e^{G_last - G}
   w.Kd.topRows(c).array() = w.Kc.topRows(c).array() * w.tmpK2.topRows(c).array();
+}
+
+template <class Acc>
+void chunk_prepare(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
+  chunk_intra(w, c, scale, lb);
+  chunk_inverse(w, c);
+  chunk_gates(w, c);
   w.R.topRows(c) = w.Vc.topRows(c);
   w.R.topRows(c).noalias() -= w.Ke.topRows(c) * w.S;
   w.B.topRows(c) = w.beta.head(c).asDiagonal() * w.R.topRows(c);
-  w.U.topRows(c).noalias() = w.A.topLeftCorner(c, c).template triangularView<Eigen::Lower>() * w.B.topRows(c);
+  // A and Aqk keep explicit zeros above the diagonal: a dense product is faster than Eigen's
+  // triangular kernels at these sizes.
+  w.U.topRows(c).noalias() = w.A.topLeftCorner(c, c) * w.B.topRows(c);
 }
 
 template <class Acc>
@@ -218,7 +225,7 @@ void chunk_forward_task(problem const& p, forward_args<In, S> const& a, index_t 
     chunk_prepare(w, c, scale, p.lower_bound);
     auto O = w.O.topRows(c);
     O.noalias() = scale * w.Qe.topRows(c) * w.S;
-    O.noalias() += w.Aqk.topLeftCorner(c, c).template triangularView<Eigen::Lower>() * w.U.topRows(c);
+    O.noalias() += w.Aqk.topLeftCorner(c, c) * w.U.topRows(c);
     for (index_t r = 0; r < c; ++r) store_row(w.O.row(r).data(), &a.o(b, t0 + r, hv, 0), V);
     chunk_state_update(w, c);
   }
@@ -327,17 +334,34 @@ void chunk_backward_task(problem const& p, backward_args<In, S> const& a, index_
   index_t const K = p.K, V = p.V, b = p.batch(n), bos = p.bos(n), eos = p.eos(n), Tn = eos - bos;
   Acc const scale = static_cast<Acc>(p.scale);
   chunk_workspace<Acc> w(K, V, true);
-  index_t const nch = (Tn + chunk_size - 1) / chunk_size;
-  std::vector<Acc> states(std::size_t(nch * K * V));
+  index_t const nch = (Tn + chunk_size - 1) / chunk_size, C = chunk_size;
+  // Everything the first pass computes per chunk and the second pass needs (chunk-start
+  // state, Aqk, KK, A, R, U), so the second pass does not recompute the intra-chunk matrices.
+  index_t const per = K * V + 3 * C * C + 2 * C * V;
+  std::vector<Acc> saved(std::size_t(nch * per));
+  auto save = [&](Acc const* src, index_t n, Acc*& dst) {
+    std::copy(src, src + n, dst);
+    dst += n;
+  };
+  auto restore = [&](Acc* dst, index_t n, Acc const*& src) {
+    std::copy(src, src + n, dst);
+    src += n;
+  };
   Mat dq = Mat::Zero(Tn, K), dk = Mat::Zero(Tn, K);
   Vec dbeta(chunk_size), dl(K);
   for (index_t hv = h * p.G; hv < (h + 1) * p.G; ++hv) {
     load_state<Acc>(a.h0, n, hv, w.S.data(), K, V);
     for (index_t ch = 0; ch < nch; ++ch) {
       index_t const t0 = bos + ch * chunk_size, c = std::min(chunk_size, eos - t0);
-      std::copy(w.S.data(), w.S.data() + K * V, states.begin() + ch * K * V);
       load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
       chunk_prepare(w, c, scale, p.lower_bound);
+      Acc* dst = saved.data() + ch * per;
+      save(w.S.data(), K * V, dst);
+      save(w.Aqk.data(), C * C, dst);
+      save(w.KK.data(), C * C, dst);
+      save(w.A.data(), C * C, dst);
+      save(w.R.data(), C * V, dst);
+      save(w.U.data(), C * V, dst);
       chunk_state_update(w, c);
     }
     if (present(a.dht))
@@ -346,9 +370,16 @@ void chunk_backward_task(problem const& p, backward_args<In, S> const& a, index_
       w.dS.setZero();
     for (index_t ch = nch; ch-- > 0;) {
       index_t const t0 = bos + ch * chunk_size, c = std::min(chunk_size, eos - t0);
-      std::copy(states.begin() + ch * K * V, states.begin() + (ch + 1) * K * V, w.S.data());
       load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
-      chunk_prepare(w, c, scale, p.lower_bound);
+      Acc const* src = saved.data() + ch * per;
+      restore(w.S.data(), K * V, src);
+      restore(w.Aqk.data(), C * C, src);
+      restore(w.KK.data(), C * C, src);
+      restore(w.A.data(), C * C, src);
+      restore(w.R.data(), C * V, src);
+      restore(w.U.data(), C * V, src);
+      chunk_gates(w, c);
+      w.B.topRows(c) = w.beta.head(c).asDiagonal() * w.R.topRows(c);
       for (index_t r = 0; r < c; ++r) load_row(&a.d_o(b, t0 + r, hv, 0), w.dO.row(r).data(), V);
       auto dO = w.dO.topRows(c);
       auto U = w.U.topRows(c);
@@ -368,7 +399,7 @@ void chunk_backward_task(problem const& p, backward_args<In, S> const& a, index_
       // d G_last from the state decay: e^{G_last} rowsum(S .* dS).
       dl = (w.G.row(c - 1).transpose().array().exp()) * (w.S.array() * w.dS.array()).rowwise().sum();
       auto dB = w.dB.topRows(c);
-      dB.noalias() = A.transpose().template triangularView<Eigen::Upper>() * dU;
+      dB.noalias() = A.transpose() * dU;
       auto dA = w.dA.topLeftCorner(c, c);
       dA.noalias() = dU * w.B.topRows(c).transpose();
       Mat t1 = A.transpose() * dA;
