@@ -1,7 +1,10 @@
-// Quickstart: a K3-shaped KDA layer core on built-in defaults (B=1, T=2048, H=16 heads,
-// K=V=128, float32): the chunked forward, checked against the serial recurrence (relative
-// RMS), and its throughput. Pre-processing (L2 norm, gates, short conv) is applied by the
-// caller; here q, k are unit-norm, g is a lower-bounded gate in (-5, 0) and beta in (0, 1).
+// Quickstart: one K3-shaped KDA layer core on built-in defaults (B=1, T=2048, H=16 heads,
+// K=V=128, float32), the way a model runs it:
+//   1. pre-processing: short causal conv (kernel 4) + SiLU on the q/k/v projections, L2 norm of
+//      q and k, the lower-bounded gate g = -5 sigmoid(exp(A_log) (x + dt_bias)), beta = sigmoid;
+//   2. the chunked forward (dense diagonal tiles, licensed by the gate's lower bound);
+//   3. a check against the serial recurrence (relative RMS) and the throughput of both.
+// Exit status 0 when the chunked and serial forms agree.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -9,53 +12,71 @@
 #include <vector>
 
 #include "k3/kda.hpp"
+#include "k3/kda/preprocess.hpp"
 #include "k3/version.hpp"
 
 int main() {
+  using k3::host_view;
   using k3::index_t;
-  index_t const B = 1, T = 2048, H = 16, K = 128, V = 128;
+  index_t const B = 1, T = 2048, H = 16, K = 128, V = 128, W = 4;
+  double const lower_bound = -5.0;
   std::printf("k3 %s quickstart (simd isa: %s)\n", k3::version_string, k3::simd::isa_name<xsimd::default_arch>());
-  std::printf("KDA layer core: B=%lld T=%lld H=%lld K=V=%lld, float32\n", (long long)B, (long long)T, (long long)H, (long long)K);
+  std::printf("KDA layer: B=%lld T=%lld H=%lld K=V=%lld, float32, gate lower bound %.0f\n", (long long)B, (long long)T,
+              (long long)H, (long long)K, lower_bound);
 
+  // Stand-ins for the layer's input projections (what x W_q, x W_k, ... would give).
   std::mt19937 rng(0);
   std::normal_distribution<float> nd;
-  auto unit_rows = [&](index_t rows, index_t dim) {
-    std::vector<float> x(std::size_t(rows * dim));
-    for (index_t r = 0; r < rows; ++r) {
-      float s = 0;
-      for (index_t i = 0; i < dim; ++i) s += (x[std::size_t(r * dim + i)] = nd(rng)) * x[std::size_t(r * dim + i)];
-      for (index_t i = 0; i < dim; ++i) x[std::size_t(r * dim + i)] /= std::sqrt(s);
-    }
+  auto randn = [&](std::size_t n, float s) {
+    std::vector<float> x(n);
+    for (auto& e : x) e = s * nd(rng);
     return x;
   };
-  std::vector<float> q = unit_rows(B * T * H, K), k = unit_rows(B * T * H, K);
-  std::vector<float> v(std::size_t(B * T * H * V)), g(std::size_t(B * T * H * K)), beta(std::size_t(B * T * H));
-  for (auto& x : v) x = nd(rng);
-  for (auto& x : g) x = -5.0f / (1.0f + std::exp(-(nd(rng) - 4.0f)));  // lower-bounded gate, mostly close to 0
-  for (auto& x : beta) x = 1.0f / (1.0f + std::exp(-nd(rng)));
-  std::vector<float> o_chunk(v.size()), o_serial(v.size()), ht_chunk(std::size_t(B * H * K * V)), ht_serial(ht_chunk.size());
+  std::size_t const nqk = std::size_t(B * T * H * K), nv = std::size_t(B * T * H * V);
+  std::vector<float> xq = randn(nqk, 1), xk = randn(nqk, 1), xv = randn(nv, 1);
+  std::vector<float> wq = randn(std::size_t(H * K * W), 0.5f), wk = randn(std::size_t(H * K * W), 0.5f),
+                     wv = randn(std::size_t(H * V * W), 0.5f);
+  std::vector<float> xg = randn(nqk, 1), xb = randn(std::size_t(B * T * H), 1);
+  std::vector<float> A_log = randn(std::size_t(H), 0.5f), dt_bias = randn(std::size_t(H * K), 0.5f);
 
+  k3::cpu::threads<> backend;  // one thread per hardware thread
+  auto t0 = std::chrono::steady_clock::now();
+
+  // 1. pre-processing
+  std::vector<float> qc(nqk), kc(nqk), q(nqk), k(nqk), v(nv), g(nqk), beta(std::size_t(B * T * H));
+  k3::kda::short_conv(backend, host_view(xq.data(), B, T, H * K), host_view(wq.data(), H * K, W), nullptr,
+                      host_view(qc.data(), B, T, H * K));
+  k3::kda::short_conv(backend, host_view(xk.data(), B, T, H * K), host_view(wk.data(), H * K, W), nullptr,
+                      host_view(kc.data(), B, T, H * K));
+  k3::kda::short_conv(backend, host_view(xv.data(), B, T, H * V), host_view(wv.data(), H * V, W), nullptr,
+                      host_view(v.data(), B, T, H * V));
+  k3::kda::l2norm(backend, host_view(qc.data(), B, T, H, K), host_view(q.data(), B, T, H, K));
+  k3::kda::l2norm(backend, host_view(kc.data(), B, T, H, K), host_view(k.data(), B, T, H, K));
+  k3::kda::gate_lower_bound(backend, host_view(xg.data(), B, T, H, K), host_view(A_log.data(), H), host_view(dt_bias.data(), H, K),
+                            lower_bound, host_view(g.data(), B, T, H, K));
+  k3::kda::beta_sigmoid(backend, host_view(xb.data(), B, T, H), host_view(beta.data(), B, T, H));
+  auto t1 = std::chrono::steady_clock::now();
+
+  // 2. chunked forward, then 3. the serial recurrence on the same inputs
+  std::vector<float> o_chunk(nv), o_serial(nv), ht_chunk(std::size_t(B * H * K * V)), ht_serial(ht_chunk.size());
   auto args = [&](std::vector<float>& o, std::vector<float>& ht) {
     k3::kda::forward_args<float> a;
-    a.q = k3::host_view(q.data(), B, T, H, K);
-    a.k = k3::host_view(k.data(), B, T, H, K);
-    a.v = k3::host_view(v.data(), B, T, H, V);
-    a.g = k3::host_view(g.data(), B, T, H, K);
-    a.beta = k3::host_view(beta.data(), B, T, H);
-    a.o = k3::host_view(o.data(), B, T, H, V);
-    a.ht = k3::host_view(ht.data(), B, H, K, V);
+    a.q = host_view(q.data(), B, T, H, K);
+    a.k = host_view(k.data(), B, T, H, K);
+    a.v = host_view(v.data(), B, T, H, V);
+    a.g = host_view(g.data(), B, T, H, K);
+    a.beta = host_view(beta.data(), B, T, H);
+    a.o = host_view(o.data(), B, T, H, V);
+    a.ht = host_view(ht.data(), B, H, K, V);
     return a;
   };
-  k3::cpu::threads<> backend;  // one thread per hardware thread
-  k3::kda::options opt;         // chunked form, scale K^-1/2
-  opt.gate_lower_bound = -5.0;  // lets the chunked form use dense diagonal tiles
-
-  auto t0 = std::chrono::steady_clock::now();
+  k3::kda::options opt;  // chunked form, scale K^-1/2
+  opt.gate_lower_bound = lower_bound;
   k3::kda::forward(backend, args(o_chunk, ht_chunk), opt);
-  auto t1 = std::chrono::steady_clock::now();
+  auto t2 = std::chrono::steady_clock::now();
   opt.mode = k3::kda::algorithm::recurrent;
   k3::kda::forward(backend, args(o_serial, ht_serial), opt);
-  auto t2 = std::chrono::steady_clock::now();
+  auto t3 = std::chrono::steady_clock::now();
 
   auto rel_rms = [](std::vector<float> const& ref, std::vector<float> const& x) {
     double num = 0, den = 0;
@@ -65,11 +86,16 @@ int main() {
     }
     return std::sqrt(num / den);
   };
-  double const sc = std::chrono::duration<double>(t1 - t0).count(), ss = std::chrono::duration<double>(t2 - t1).count();
+  auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+  double const sp = secs(t0, t1), sc = secs(t1, t2), ss = secs(t2, t3);
   double const flops = double(H) * (6.0 * T * K * K + 3.0 * T * 64 * K + double(T) * 64 * 64);  // Kimi Linear's count
-  std::printf("chunked vs serial: rel RMS o %.2e, final state %.2e\n", rel_rms(o_serial, o_chunk), rel_rms(ht_serial, ht_chunk));
-  std::printf("chunked forward: %.1f ms, %.0f tokens/s, %.1f GFLOP/s (%d threads)\n", sc * 1e3, double(B * T) / sc, flops / sc * 1e-9,
-              backend.concurrency());
+  double const err_o = rel_rms(o_serial, o_chunk), err_h = rel_rms(ht_serial, ht_chunk);
+  std::printf("pre-processing (conv+SiLU, L2 norm, gate, beta): %.1f ms\n", sp * 1e3);
+  std::printf("chunked vs serial: rel RMS o %.2e, final state %.2e\n", err_o, err_h);
+  std::printf("chunked forward: %.1f ms, %.0f tokens/s, %.1f GFLOP/s (%d threads)\n", sc * 1e3, double(B * T) / sc,
+              flops / sc * 1e-9, backend.concurrency());
   std::printf("serial  forward: %.1f ms, %.0f tokens/s, %.1f GFLOP/s\n", ss * 1e3, double(B * T) / ss, flops / ss * 1e-9);
-  return rel_rms(o_serial, o_chunk) < 1e-4 ? 0 : 1;
+  bool const ok = err_o < 1e-4 && err_h < 1e-4;
+  std::printf("%s\n", ok ? "OK: chunked and serial forms agree" : "MISMATCH between chunked and serial forms");
+  return ok ? 0 : 1;
 }
