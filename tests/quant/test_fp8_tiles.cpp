@@ -181,6 +181,14 @@ TEST_CASE("fp8 tiles: reference vectors and special tiles") {
     for (int j = 256; j < 512; ++j) CHECK(std::isnan(y[j]));
     CHECK(y[0] == 448.0f);
   }
+  // NaN/Inf tiles with UE8M0 scales: same documented result (NaN scale, NaN codes), other tiles intact
+  for (auto const& r : {run(cpu::serial{}, x2, 2, 256, tile_1x128, scale_format::ue8m0), run(cpu::threads<>(2), x2, 2, 256, tile_1x128, scale_format::ue8m0)}) {
+    CHECK(r.s[0] == 1.0f);
+    CHECK(std::isnan(r.s[2]));
+    CHECK(std::isnan(r.s[3]));
+    for (int j = 256; j < 512; ++j) CHECK(r.q[j] == 0x7F);
+    CHECK(r.q[1] == 0x7C);
+  }
   // UE8M0: amax 448 -> s = 1 exactly; amax 449 -> s = 2.
   std::vector<float> x3(128, 1.0f);
   x3[7] = 449.0f;

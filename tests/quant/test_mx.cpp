@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include "quant_test_util.hpp"
 
@@ -76,7 +77,8 @@ TEST_CASE("mx: scale rules, codes, error bounds and backend agreement for every 
   std::uint32_t seed = 100;
   for (mx_element e : {mx_element::e4m3, mx_element::e5m2, mx_element::e3m2, mx_element::e2m3, mx_element::e2m1})
     for (mx_rule rule : {mx_rule::floor, mx_rule::rceil})
-      for (auto [m, k] : {std::pair<index_t, index_t>{1, 32}, {3, 96}, {17, 1056}, {40, 2048}}) {
+      for (auto mk : {std::pair<index_t, index_t>{1, 32}, {3, 96}, {17, 1056}, {40, 2048}}) {
+        index_t const m = mk.first, k = mk.second;  // (clang 14 cannot capture structured bindings)
         CAPTURE(name(e));
         CAPTURE(int(rule));
         CAPTURE(m);
@@ -155,6 +157,27 @@ TEST_CASE("mx: spec reference blocks") {
   CHECK(yt[1] == 0x1.8p-121f);
 }
 
+TEST_CASE("mx: FP32-subnormal and bfloat16-subnormal blocks (scale byte 0 region)") {
+  cpu::threads<> thr(2);
+  std::vector<float> x(4 * 64);
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> ud(-1, 1);
+  for (index_t i = 0; i < 4 * 64; ++i) x[i] = ud(rng) * std::ldexp(1.0f, -120 - int(i / 32) * 4);  // down to FP32 subnormals
+  x[5] = 0x1p-149f;
+  x[40] = -0x1p-133f;  // a bf16 subnormal
+  for (mx_element e : {mx_element::e4m3, mx_element::e5m2, mx_element::e3m2, mx_element::e2m3, mx_element::e2m1})
+    for (mx_rule rule : {mx_rule::floor, mx_rule::rceil}) {
+      CAPTURE(name(e));
+      CAPTURE(int(rule));
+      auto r = mx_run(cpu::serial{}, x, 4, 64, e, rule);
+      auto rt = mx_run(thr, x, 4, 64, e, rule);
+      CHECK(rt.q == r.q);
+      CHECK(rt.s == r.s);
+      visit(e, [&]<class F>(F) { check_mx_recipe<F>(x, 4, 64, rule, r); });
+      CHECK(r.s.back() == 0);  // the smallest blocks sit at the clamped exponent -127
+    }
+}
+
 TEST_CASE("mx: bad arguments") {
   std::vector<float> x(2 * 64);
   std::vector<std::uint8_t> q(2 * 64), s(4);
@@ -195,7 +218,8 @@ TEST_CASE("nvfp4: tensor and block scales, codes, error bound, backend agreement
   cpu::serial ser;
   cpu::threads<> thr(3);
   std::uint32_t seed = 300;
-  for (auto [m, k] : {std::pair<index_t, index_t>{1, 16}, {3, 48}, {33, 1040}, {20, 2048}}) {
+  for (auto mk : {std::pair<index_t, index_t>{1, 16}, {3, 48}, {33, 1040}, {20, 2048}}) {
+    index_t const m = mk.first, k = mk.second;
     auto x = qt::random_matrix(m, k, seed++, 4.0f);
     auto ref = nv_run(ser, x, m, k);
     double amax = 0;

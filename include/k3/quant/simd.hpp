@@ -179,7 +179,7 @@ struct kernels {
     bi const cs = xsimd::bitwise_cast<bi>(xsimd::bitwise_cast<bf>(a) + bf(magic)) - bi(k3::detail::bit_cast<std::int32_t>(magic));
     bi c = xsimd::select(a < bi((128 - F::bias) << 23), cs, cn);
     if constexpr (Checked) c = imin(c, bi(static_cast<std::int32_t>(F::max_code)));
-    if constexpr (F::is_signed) c = c | shl<F::bits - 1>(shr<31>(u) & bi(1));
+    if constexpr (F::is_signed) c = c | (shr<32 - F::bits>(u) & bi(static_cast<std::int32_t>(F::sign_bit)));
     if constexpr (!Checked) return c;
     return xsimd::select(a > bi(0x7F800000), bi(static_cast<std::int32_t>(F::nan_code)), c);
   }
