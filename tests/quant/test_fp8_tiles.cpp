@@ -204,6 +204,59 @@ TEST_CASE("fp8 tiles: reference vectors and special tiles") {
   CHECK(r4.q[0] == encode<e4m3_format>(std::numeric_limits<float>::max() * 0x1p-120f));
 }
 
+TEST_CASE("fp8 tiles: every bfloat16 pattern, vector 1x128 path against the reference") {
+  // Each 128-wide tile holds one anchor a (its amax, hence its scale) and 127 bf16 patterns with
+  // |x| <= a, so all 65536 patterns pass the vector encoder at every anchor: a amax-floor tile
+  // (scale 1e-4/448: most small values become E4M3 subnormals), a few ordinary scales, a tile
+  // of the largest finite bf16 (fp32-subnormal products), and all NaN/Inf patterns, each in a
+  // tile of otherwise ordinary values. The last tile of each row is partial (k % 128 != 0).
+  cpu::serial ser;
+  cpu::threads<> thr(2);
+  auto const bits_of = [](float f) { return static_cast<std::uint16_t>(k3::detail::bit_cast<std::uint32_t>(f) >> 16); };
+  auto const bf = [](std::uint16_t u) { return k3::detail::bit_cast<bfloat16>(u); };
+  std::vector<std::uint16_t> anchors = {bits_of(1e-6f), bits_of(2.0e-4f), bits_of(0.0172f), bits_of(1.0f), bits_of(448.0f),
+                                        bits_of(5.0e7f), 0x7F7F};
+  index_t const k = 128 * 6 + 100;
+  for (scale_format fmt : {scale_format::fp32, scale_format::ue8m0}) {
+    for (std::uint16_t anchor : anchors) {
+      float const a = load_as<float>(bf(anchor));
+      std::vector<bfloat16> x;
+      std::uint32_t u = 0;
+      while (u < 0x10000u) {
+        std::size_t const col = x.size() % static_cast<std::size_t>(k);
+        if (col % 128 == 0) {
+          x.push_back((col / 128) % 2 ? bf(static_cast<std::uint16_t>(anchor | 0x8000)) : bf(anchor));
+          continue;
+        }
+        bfloat16 const v = bf(static_cast<std::uint16_t>(u++));
+        float const f = load_as<float>(v);
+        if (std::isfinite(f) && std::fabs(f) <= a) x.push_back(v);
+      }
+      // non-finite patterns: one per tile, in tiles of anchor-bounded values
+      for (std::uint32_t w = 0x7F80; w < 0x10000u; w += (w == 0x7FFF ? 0xFF81 - 0x7FFF : 1)) {
+        if (w > 0x7FFF && w < 0xFF80) continue;
+        std::size_t const col = x.size() % static_cast<std::size_t>(k);
+        std::size_t const fill = std::min<std::size_t>(128 - col % 128, static_cast<std::size_t>(k) - col);
+        for (std::size_t f = 0; f < fill; ++f)
+          x.push_back(f == fill / 2 ? bf(static_cast<std::uint16_t>(w)) : bf(static_cast<std::uint16_t>(anchor - (f % 7))));
+        if (w == 0xFFFF) break;
+      }
+      while (x.size() % static_cast<std::size_t>(k)) x.push_back(bf(static_cast<std::uint16_t>(0x8000 | (x.size() % 3))));
+      index_t const m = static_cast<index_t>(x.size()) / k;
+      auto const ref = run(ser, x, m, k, tile_1x128, fmt);
+      auto const vec = run(thr, x, m, k, tile_1x128, fmt);
+      CAPTURE(a);
+      CAPTURE(static_cast<int>(fmt));
+      std::size_t bad = 0, first = ref.q.size();
+      for (std::size_t i = 0; i < ref.q.size(); ++i)
+        if (ref.q[i] != vec.q[i] && bad++ == 0) first = i;
+      CAPTURE(first);
+      CHECK(bad == 0);
+      CHECK(same_bits(ref.s, vec.s));
+    }
+  }
+}
+
 TEST_CASE("fp8 re-quantisation 1x128 -> 128x1") {
   cpu::threads<> thr(2);
   for (scale_format fmt : {scale_format::fp32, scale_format::ue8m0}) {

@@ -212,11 +212,135 @@ struct kernels {
   }
 };
 
+#if defined(__AVX512BW__)
+// ---- 1x128 E4M3 of bfloat16 rows on AVX-512BW: the DeepSeek activation hot path ------------
+// Same bytes as reference::fp8_quantize_rows, with about 10 vector instructions per 16 elements:
+//  * amax: u16 max over |x| bit patterns (bf16 is the top half of an fp32), 32 lanes at a time;
+//  * scales: 16 tiles at once with vdivps (the same IEEE divisions amax'/448 and 1/s as
+//    detail::deepseek_scale, so the same bits);
+//  * encode of y = |x| * (1/s), which lies in [0, 448·(1 + 2^-22)] (no saturation, no NaN:
+//    non-finite tiles are all-NaN and written by memset):
+//      normal (y >= 2^-6):  code = (bits(y) + 0x7FFFF + bit20(y)) >> 20 - (120 << 3)  (RNE)
+//      subnormal:           code = round(y · 2^9) via y + 2^14 in fp32 (RNE), capped at 8
+//    and code = max(normal formula, capped subnormal one): for y >= 2^-6 both give >= 8 and the
+//    capped one exactly 8; below, the normal formula rounds 8f where the subnormal one rounds
+//    4 + 4f or more (y = 2^-7(1+f)), and is negative further down.
+//  * bf16 -> fp32 by interleaving with zero words (vpunpck[lh]wd); vpackusdw undoes the
+//    in-lane interleave, so codes come back in order; signs are OR-ed in as 16-bit words.
+namespace avx512_1x128 {
+inline constexpr __mmask16 all16 = 0xFFFF;
+
+K3_INLINE std::uint16_t tile_amax(std::uint16_t const* p) noexcept {
+  __m512i const m = _mm512_set1_epi16(0x7FFF);
+  __m512i const a0 = _mm512_and_si512(_mm512_loadu_si512(p), m);
+  __m512i const a1 = _mm512_and_si512(_mm512_loadu_si512(p + 32), m);
+  __m512i const a2 = _mm512_and_si512(_mm512_loadu_si512(p + 64), m);
+  __m512i const a3 = _mm512_and_si512(_mm512_loadu_si512(p + 96), m);
+  __m512i const v = _mm512_max_epu16(_mm512_max_epu16(a0, a1), _mm512_max_epu16(a2, a3));
+  __m256i const h = _mm256_max_epu16(_mm512_castsi512_si256(v), _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), v, 1));
+  __m128i const q = _mm_max_epu16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  // phminposuw gives the minimum: of the complements, that is the complement of the maximum
+  __m128i const mn = _mm_minpos_epu16(_mm_xor_si128(q, _mm_set1_epi32(-1)));
+  return static_cast<std::uint16_t>(~_mm_cvtsi128_si32(mn));
+}
+
+// s and 1/s of n <= 16 tiles from their u16 amax patterns (as detail::deepseek_scale).
+K3_INLINE void scales(std::uint16_t const* am, int n, scale_format fmt, float* s, float* inv) noexcept {
+  __mmask16 const ld = static_cast<__mmask16>((1u << n) - 1u);
+  __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, _mm256_maskz_loadu_epi16(ld, am)), 16);
+  __mmask16 const nan = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(detail::nonfinite_bits)));
+  __m512 const af = _mm512_maskz_max_ps(all16, _mm512_castsi512_ps(a), _mm512_set1_ps(deepseek_amax_floor));
+  __m512 sv = _mm512_maskz_div_ps(all16, af, _mm512_set1_ps(448.0f));
+  if (fmt == scale_format::ue8m0)  // s is a normal float in (2^-23, 2^119): round up to a power of two
+    sv = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(sv), _mm512_set1_epi32(0x7FFFFF)),
+                                              _mm512_set1_epi32(static_cast<int>(0xFF800000u))));
+  __m512 iv = _mm512_maskz_div_ps(all16, _mm512_set1_ps(1.0f), sv);
+  __m512 const qn = _mm512_set1_ps(detail::quiet_nan());
+  _mm512_mask_storeu_ps(s, ld, _mm512_mask_mov_ps(sv, nan, qn));
+  _mm512_mask_storeu_ps(inv, ld, _mm512_mask_mov_ps(iv, nan, qn));
+}
+
+K3_INLINE __m512i encode16(__m512i xbits, __m512 vinv) noexcept {
+  __m512 const y = _mm512_mul_ps(_mm512_castsi512_ps(xbits), vinv);
+  __m512i const a = _mm512_castps_si512(y);
+  __m512i const odd = _mm512_and_si512(_mm512_maskz_srli_epi32(all16, a, 20), _mm512_set1_epi32(1));
+  __m512i const cn = _mm512_maskz_srai_epi32(all16, _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF - (0x3C0 << 20))), odd), 20);
+  __m512i cs = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, _mm512_set1_ps(16384.0f))), _mm512_set1_epi32(0x46800000));
+  cs = _mm512_maskz_min_epi32(all16, cs, _mm512_set1_epi32(8));
+  return _mm512_maskz_max_epi32(all16, cn, cs);
+}
+
+// 64 codes (sign included) of p[0, 64).
+K3_INLINE void encode64(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) noexcept {
+  __m512i const absm = _mm512_set1_epi16(0x7FFF), z = _mm512_setzero_si512(), sgn = _mm512_set1_epi16(0x80);
+  __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
+  __m512i const v0 = _mm512_and_si512(r0, absm), v1 = _mm512_and_si512(r1, absm);
+  __m512i w0 = _mm512_packus_epi32(encode16(_mm512_unpacklo_epi16(z, v0), vinv), encode16(_mm512_unpackhi_epi16(z, v0), vinv));
+  __m512i w1 = _mm512_packus_epi32(encode16(_mm512_unpacklo_epi16(z, v1), vinv), encode16(_mm512_unpackhi_epi16(z, v1), vinv));
+  w0 = _mm512_ternarylogic_epi32(w0, _mm512_srli_epi16(r0, 8), sgn, 0xF8);  // w | (sign byte & 0x80)
+  w1 = _mm512_ternarylogic_epi32(w1, _mm512_srli_epi16(r1, 8), sgn, 0xF8);
+  __m512i const b = _mm512_packus_epi16(w0, w1);  // per 128-bit lane: 8 of w0, 8 of w1
+  _mm512_storeu_si512(out, _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), b));
+}
+
+// Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
+template <class Arch>
+void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1) {
+  using K = kernels<Arch>;
+  index_t const k = x.extent(1), full = k / 128;
+  alignas(64) std::uint16_t am[16];
+  alignas(64) float sv[16], iv[16];
+  for (index_t i = i0; i < i1; ++i) {
+    std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
+    std::uint8_t* qr = &q(i, 0);
+    for (index_t g = 0; g < full; g += 16) {
+      int const n = static_cast<int>(std::min<index_t>(16, full - g));
+      for (int t = 0; t < n; ++t) am[t] = tile_amax(xr + (g + t) * 128);
+      scales(am, n, fmt, sv, iv);
+      for (int t = 0; t < n; ++t) {
+        index_t const j = (g + t) * 128;
+        s(i, g + t) = sv[t];
+        if (am[t] >= (detail::nonfinite_bits >> 16)) {
+          std::memset(qr + j, e4m3_format::nan_code, 128);
+          continue;
+        }
+        __m512 const vinv = _mm512_set1_ps(iv[t]);
+        encode64(xr + j, vinv, qr + j);
+        encode64(xr + j + 64, vinv, qr + j + 64);
+      }
+    }
+    if (index_t const j0 = full * 128; j0 < k) {
+      bfloat16 const* p = &x(i, j0);
+      index_t const n = k - j0;
+      std::uint32_t const amax = K::amax_bits(p, n);
+      auto const sc = detail::deepseek_scale(amax, fmt);
+      s(i, full) = sc.s;
+      if (amax >= detail::nonfinite_bits)
+        std::memset(qr + j0, e4m3_format::nan_code, static_cast<std::size_t>(n));
+      else
+        K::template encode_store<e4m3_format, false, false>(p, sc.inv, qr + j0, n);
+    }
+  }
+}
+}  // namespace avx512_1x128
+#endif
+
 // ---- DeepSeek tiles, rows unit-stride -----------------------------------------------------
 template <class Arch, class B, class T>
 void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, tile t, scale_format fmt) {
   using K = kernels<Arch>;
   index_t const m = x.extent(0), k = x.extent(1);
+#if defined(__AVX512BW__)
+  if constexpr (K::avx512 && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
+    if (t.rows == 1 && t.cols == 128) {
+      index_t const rows_per_task = 16;
+      run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+        avx512_1x128::rows<Arch>(x, q, s, fmt, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+      });
+      return;
+    }
+  }
+#endif
   index_t const rows_per_task = t.rows == 1 ? 16 : t.rows;
   run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
