@@ -230,22 +230,30 @@ struct kernels {
 namespace avx512_1x128 {
 inline constexpr __mmask16 all16 = 0xFFFF;
 
-K3_INLINE std::uint16_t tile_amax(std::uint16_t const* p) noexcept {
-  __m512i const m = _mm512_set1_epi16(0x7FFF);
+// amax and (minimum nonzero |x|) - 1 (0xFFFF: all zero) as u16 patterns of the tile at p.
+K3_INLINE void tile_range(std::uint16_t const* p, std::uint16_t& amax, std::uint16_t& nzmin1) noexcept {
+  __m512i const m = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
   __m512i const a0 = _mm512_and_si512(_mm512_loadu_si512(p), m);
   __m512i const a1 = _mm512_and_si512(_mm512_loadu_si512(p + 32), m);
   __m512i const a2 = _mm512_and_si512(_mm512_loadu_si512(p + 64), m);
   __m512i const a3 = _mm512_and_si512(_mm512_loadu_si512(p + 96), m);
   __m512i const v = _mm512_max_epu16(_mm512_max_epu16(a0, a1), _mm512_max_epu16(a2, a3));
+  // |x| - 1 wraps zeros to 0xFFFF, out of the way of the minimum
+  __m512i const w = _mm512_min_epu16(_mm512_min_epu16(_mm512_sub_epi16(a0, one), _mm512_sub_epi16(a1, one)),
+                                     _mm512_min_epu16(_mm512_sub_epi16(a2, one), _mm512_sub_epi16(a3, one)));
   __m256i const h = _mm256_max_epu16(_mm512_castsi512_si256(v), _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), v, 1));
+  __m256i const hw = _mm256_min_epu16(_mm512_castsi512_si256(w), _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), w, 1));
   __m128i const q = _mm_max_epu16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  __m128i const qw = _mm_min_epu16(_mm256_castsi256_si128(hw), _mm256_extracti128_si256(hw, 1));
   // phminposuw gives the minimum: of the complements, that is the complement of the maximum
-  __m128i const mn = _mm_minpos_epu16(_mm_xor_si128(q, _mm_set1_epi32(-1)));
-  return static_cast<std::uint16_t>(~_mm_cvtsi128_si32(mn));
+  amax = static_cast<std::uint16_t>(~_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(q, _mm_set1_epi32(-1)))));
+  nzmin1 = static_cast<std::uint16_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(qw)));
 }
 
-// s and 1/s of n <= 16 tiles from their u16 amax patterns (as detail::deepseek_scale).
-K3_INLINE void scales(std::uint16_t const* am, int n, scale_format fmt, float* s, float* inv) noexcept {
+// s and 1/s of n <= 16 tiles from their u16 amax patterns (as detail::deepseek_scale); returns
+// the tiles whose every nonzero y = |x|·(1/s) is >= 2^-6 (no E4M3 subnormal codes: encode16_normal
+// applies), judged on the smallest nonzero |x| with the same fp32 product (monotone).
+K3_INLINE std::uint32_t scales(std::uint16_t const* am, std::uint16_t const* nzmin1, int n, scale_format fmt, float* s, float* inv) noexcept {
   __mmask16 const ld = static_cast<__mmask16>((1u << n) - 1u);
   __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, _mm256_maskz_loadu_epi16(ld, am)), 16);
   __mmask16 const nan = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(detail::nonfinite_bits)));
@@ -255,9 +263,21 @@ K3_INLINE void scales(std::uint16_t const* am, int n, scale_format fmt, float* s
     sv = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(sv), _mm512_set1_epi32(0x7FFFFF)),
                                               _mm512_set1_epi32(static_cast<int>(0xFF800000u))));
   __m512 iv = _mm512_maskz_div_ps(all16, _mm512_set1_ps(1.0f), sv);
+  __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, _mm256_maskz_loadu_epi16(ld, nzmin1)), _mm512_set1_epi32(1));
+  __m512 const ymin = _mm512_maskz_mul_ps(all16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, mn, 16)), iv);
+  // all-zero tiles (mn = 0x10000 shifts out to 0) take the general path
+  __mmask16 const normal = _mm512_cmp_ps_mask(ymin, _mm512_set1_ps(0.015625f), _CMP_GE_OQ);
   __m512 const qn = _mm512_set1_ps(detail::quiet_nan());
   _mm512_mask_storeu_ps(s, ld, _mm512_mask_mov_ps(sv, nan, qn));
   _mm512_mask_storeu_ps(inv, ld, _mm512_mask_mov_ps(iv, nan, qn));
+  return static_cast<std::uint32_t>(normal & ~nan & ld);
+}
+
+// Codes of 16 values y = |x|·(1/s) that are 0 or >= 2^-6 (negative for 0; vpackusdw makes it 0).
+K3_INLINE __m512i encode16_normal(__m512i xbits, __m512 vinv) noexcept {
+  __m512i const a = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(xbits), vinv));
+  __m512i const odd = _mm512_and_si512(_mm512_maskz_srli_epi32(all16, a, 20), _mm512_set1_epi32(1));
+  return _mm512_maskz_srai_epi32(all16, _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF - (0x3C0 << 20))), odd), 20);
 }
 
 K3_INLINE __m512i encode16(__m512i xbits, __m512 vinv) noexcept {
@@ -271,12 +291,14 @@ K3_INLINE __m512i encode16(__m512i xbits, __m512 vinv) noexcept {
 }
 
 // 64 codes (sign included) of p[0, 64).
+template <bool Normal>
 K3_INLINE void encode64(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) noexcept {
+  auto const enc = [&](__m512i xb) { return Normal ? encode16_normal(xb, vinv) : encode16(xb, vinv); };
   __m512i const absm = _mm512_set1_epi16(0x7FFF), z = _mm512_setzero_si512(), sgn = _mm512_set1_epi16(0x80);
   __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
   __m512i const v0 = _mm512_and_si512(r0, absm), v1 = _mm512_and_si512(r1, absm);
-  __m512i w0 = _mm512_packus_epi32(encode16(_mm512_unpacklo_epi16(z, v0), vinv), encode16(_mm512_unpackhi_epi16(z, v0), vinv));
-  __m512i w1 = _mm512_packus_epi32(encode16(_mm512_unpacklo_epi16(z, v1), vinv), encode16(_mm512_unpackhi_epi16(z, v1), vinv));
+  __m512i w0 = _mm512_packus_epi32(enc(_mm512_unpacklo_epi16(z, v0)), enc(_mm512_unpackhi_epi16(z, v0)));
+  __m512i w1 = _mm512_packus_epi32(enc(_mm512_unpacklo_epi16(z, v1)), enc(_mm512_unpackhi_epi16(z, v1)));
   w0 = _mm512_ternarylogic_epi32(w0, _mm512_srli_epi16(r0, 8), sgn, 0xF8);  // w | (sign byte & 0x80)
   w1 = _mm512_ternarylogic_epi32(w1, _mm512_srli_epi16(r1, 8), sgn, 0xF8);
   __m512i const b = _mm512_packus_epi16(w0, w1);  // per 128-bit lane: 8 of w0, 8 of w1
@@ -288,15 +310,15 @@ template <class Arch>
 void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1) {
   using K = kernels<Arch>;
   index_t const k = x.extent(1), full = k / 128;
-  alignas(64) std::uint16_t am[16];
+  alignas(64) std::uint16_t am[16], nz[16];
   alignas(64) float sv[16], iv[16];
   for (index_t i = i0; i < i1; ++i) {
     std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
     std::uint8_t* qr = &q(i, 0);
     for (index_t g = 0; g < full; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, full - g));
-      for (int t = 0; t < n; ++t) am[t] = tile_amax(xr + (g + t) * 128);
-      scales(am, n, fmt, sv, iv);
+      for (int t = 0; t < n; ++t) tile_range(xr + (g + t) * 128, am[t], nz[t]);
+      std::uint32_t const normal = scales(am, nz, n, fmt, sv, iv);
       for (int t = 0; t < n; ++t) {
         index_t const j = (g + t) * 128;
         s(i, g + t) = sv[t];
@@ -305,8 +327,13 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
           continue;
         }
         __m512 const vinv = _mm512_set1_ps(iv[t]);
-        encode64(xr + j, vinv, qr + j);
-        encode64(xr + j + 64, vinv, qr + j + 64);
+        if ((normal >> t) & 1u) {
+          encode64<true>(xr + j, vinv, qr + j);
+          encode64<true>(xr + j + 64, vinv, qr + j + 64);
+        } else {
+          encode64<false>(xr + j, vinv, qr + j);
+          encode64<false>(xr + j + 64, vinv, qr + j + 64);
+        }
       }
     }
     if (index_t const j0 = full * 128; j0 < k) {
