@@ -305,6 +305,42 @@ K3_INLINE void encode64(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) 
   _mm512_storeu_si512(out, _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), b));
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// Normal-range tiles with AVX512-BF16 and VBMI: vcvtne2ps2bf16 is an integer round-to-nearest-even
+// of an fp32 pattern at bit 16 for 32 lanes at once (always RNE, MXCSR-independent). Fed with
+// p = (bits(y) >> 4) | (bits(y) & 0xF) (bit 20 moved to 16, the 4 dropped bits kept as sticky),
+// it rounds bits(y) at bit 20 exactly: the code plus 0x3C0 (y >= 2^-6 gives p the exponent field
+// 7 or 8, never a denormal or NaN pattern; y = 0 gives 0, saturated to code 0). Codes and sign
+// bytes are then gathered in element order with vpermt2b.
+K3_INLINE __m512i round_at_bit20(__m512 y) noexcept {
+  __m512i const a = _mm512_castps_si512(y);
+  return _mm512_ternarylogic_epi32(_mm512_maskz_srli_epi32(all16, a, 4), a, _mm512_set1_epi32(0xF), 0xF8);
+}
+K3_INLINE __m512i codes32_normal(__m512i raw, __m512 vinv) noexcept {
+  __m512i const v = _mm512_and_si512(raw, _mm512_set1_epi32(0x7FFF7FFF));
+  __m512 const ye = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, v, 16)), vinv);
+  __m512 const yo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))), vinv);
+  __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(round_at_bit20(yo)), _mm512_castsi512_ps(round_at_bit20(ye)));
+  // words 0..15: elements 0, 2, .., 30; words 16..31: elements 1, 3, .., 31
+  return _mm512_subs_epu16(reinterpret_cast<__m512i const&>(h), _mm512_set1_epi16(0x3C0));
+}
+inline constexpr auto byte_order = [] {
+  struct t { std::int8_t code[64], sign[64]; } r{};
+  for (int i = 0; i < 64; ++i) {
+    int const c = i / 32, e = i % 32, word = e % 2 == 0 ? e / 2 : 16 + e / 2;
+    r.code[i] = static_cast<std::int8_t>(2 * word + 64 * c);
+    r.sign[i] = static_cast<std::int8_t>(2 * e + 1 + 64 * c);
+  }
+  return r;
+}();
+K3_INLINE void encode64_normal_bf16(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) noexcept {
+  __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
+  __m512i const c = _mm512_permutex2var_epi8(codes32_normal(r0, vinv), _mm512_loadu_si512(byte_order.code), codes32_normal(r1, vinv));
+  __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
+  _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
+}
+#endif
+
 // Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
 template <class Arch>
 void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1) {
@@ -328,8 +364,13 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
         }
         __m512 const vinv = _mm512_set1_ps(iv[t]);
         if ((normal >> t) & 1u) {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+          encode64_normal_bf16(xr + j, vinv, qr + j);
+          encode64_normal_bf16(xr + j + 64, vinv, qr + j + 64);
+#else
           encode64<true>(xr + j, vinv, qr + j);
           encode64<true>(xr + j + 64, vinv, qr + j + 64);
+#endif
         } else {
           encode64<false>(xr + j, vinv, qr + j);
           encode64<false>(xr + j + 64, vinv, qr + j + 64);
