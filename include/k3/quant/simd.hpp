@@ -241,8 +241,8 @@ K3_INLINE void tile_range(std::uint16_t const* p, std::uint16_t& amax, std::uint
   // |x| - 1 wraps zeros to 0xFFFF, out of the way of the minimum
   __m512i const w = _mm512_min_epu16(_mm512_min_epu16(_mm512_sub_epi16(a0, one), _mm512_sub_epi16(a1, one)),
                                      _mm512_min_epu16(_mm512_sub_epi16(a2, one), _mm512_sub_epi16(a3, one)));
-  __m256i const h = _mm256_max_epu16(_mm512_castsi512_si256(v), _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), v, 1));
-  __m256i const hw = _mm256_min_epu16(_mm512_castsi512_si256(w), _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), w, 1));
+  __m256i const h = _mm256_max_epu16(_mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), v, 0), _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), v, 1));
+  __m256i const hw = _mm256_min_epu16(_mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), w, 0), _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), w, 1));
   __m128i const q = _mm_max_epu16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
   __m128i const qw = _mm_min_epu16(_mm256_castsi256_si128(hw), _mm256_extracti128_si256(hw, 1));
   // phminposuw gives the minimum: of the complements, that is the complement of the maximum
@@ -266,7 +266,8 @@ K3_INLINE std::uint32_t scales(std::uint16_t const* am, std::uint16_t const* nzm
   __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, _mm256_maskz_loadu_epi16(ld, nzmin1)), _mm512_set1_epi32(1));
   __m512 const ymin = _mm512_maskz_mul_ps(all16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, mn, 16)), iv);
   // all-zero tiles (mn = 0x10000 shifts out to 0) take the general path
-  __mmask16 const normal = _mm512_cmp_ps_mask(ymin, _mm512_set1_ps(0.015625f), _CMP_GE_OQ);
+  __mmask16 const normal = _mm512_cmp_ps_mask(ymin, _mm512_set1_ps(0.015625f), _CMP_GE_OQ) &
+                          _mm512_cmp_ps_mask(iv, _mm512_set1_ps(0x1p-38f), _CMP_GE_OQ);
   __m512 const qn = _mm512_set1_ps(detail::quiet_nan());
   _mm512_mask_storeu_ps(s, ld, _mm512_mask_mov_ps(sv, nan, qn));
   _mm512_mask_storeu_ps(inv, ld, _mm512_mask_mov_ps(iv, nan, qn));
@@ -307,22 +308,24 @@ K3_INLINE void encode64(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) 
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 // Normal-range tiles with AVX512-BF16 and VBMI: vcvtne2ps2bf16 is an integer round-to-nearest-even
-// of an fp32 pattern at bit 16 for 32 lanes at once (always RNE, MXCSR-independent). Fed with
-// p = (bits(y) >> 4) | (bits(y) & 0xF) (bit 20 moved to 16, the 4 dropped bits kept as sticky),
-// it rounds bits(y) at bit 20 exactly: the code plus 0x3C0 (y >= 2^-6 gives p the exponent field
-// 7 or 8, never a denormal or NaN pattern; y = 0 gives 0, saturated to code 0). Codes and sign
-// bytes are then gathered in element order with vpermt2b.
+// of an fp32 pattern at bit 16 for 32 lanes at once (always RNE, MXCSR-independent). It gets
+// p = (bits(y') >> 4) | (bits(y') & 0xF): bit 20 moved to 16, the 4 dropped bits kept as sticky,
+// so it rounds bits(y') at bit 20 exactly. y' = x · (2^-88/s) = y · 2^-88 exactly (the caller
+// ensures 1/s >= 2^-38 and every nonzero y >= 2^-6, so both are normal floats): its exponent
+// field is 88 less, which makes the rounded pattern code + 0x100 (+ 0x800 for a negative x)
+// and gives p the exponent field 2 or 18 (never a denormal or NaN pattern); x = ±0 gives a low
+// byte 0. The low bytes are the codes; they and the sign bytes are gathered in element order
+// with vpermt2b.
 K3_INLINE __m512i round_at_bit20(__m512 y) noexcept {
   __m512i const a = _mm512_castps_si512(y);
   return _mm512_ternarylogic_epi32(_mm512_maskz_srli_epi32(all16, a, 4), a, _mm512_set1_epi32(0xF), 0xF8);
 }
-K3_INLINE __m512i codes32_normal(__m512i raw, __m512 vinv) noexcept {
-  __m512i const v = _mm512_and_si512(raw, _mm512_set1_epi32(0x7FFF7FFF));
-  __m512 const ye = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, v, 16)), vinv);
-  __m512 const yo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))), vinv);
-  __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(round_at_bit20(yo)), _mm512_castsi512_ps(round_at_bit20(ye)));
+K3_INLINE __m512i codes32_normal(__m512i raw, __m512 vinv88) noexcept {
+  __m512 const ye = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, raw, 16)), vinv88);
+  __m512 const yo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))), vinv88);
   // words 0..15: elements 0, 2, .., 30; words 16..31: elements 1, 3, .., 31
-  return _mm512_subs_epu16(reinterpret_cast<__m512i const&>(h), _mm512_set1_epi16(0x3C0));
+  __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(round_at_bit20(yo)), _mm512_castsi512_ps(round_at_bit20(ye)));
+  return reinterpret_cast<__m512i const&>(h);
 }
 inline constexpr auto byte_order = [] {
   struct t { std::int8_t code[64], sign[64]; } r{};
@@ -333,9 +336,9 @@ inline constexpr auto byte_order = [] {
   }
   return r;
 }();
-K3_INLINE void encode64_normal_bf16(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) noexcept {
+K3_INLINE void encode64_normal_bf16(std::uint16_t const* p, __m512 vinv88, std::uint8_t* out) noexcept {
   __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
-  __m512i const c = _mm512_permutex2var_epi8(codes32_normal(r0, vinv), _mm512_loadu_si512(byte_order.code), codes32_normal(r1, vinv));
+  __m512i const c = _mm512_permutex2var_epi8(codes32_normal(r0, vinv88), _mm512_loadu_si512(byte_order.code), codes32_normal(r1, vinv88));
   __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
   _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
 }
@@ -365,8 +368,9 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
         __m512 const vinv = _mm512_set1_ps(iv[t]);
         if ((normal >> t) & 1u) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-          encode64_normal_bf16(xr + j, vinv, qr + j);
-          encode64_normal_bf16(xr + j + 64, vinv, qr + j + 64);
+          __m512 const vinv88 = _mm512_set1_ps(iv[t] * 0x1p-88f);
+          encode64_normal_bf16(xr + j, vinv88, qr + j);
+          encode64_normal_bf16(xr + j + 64, vinv88, qr + j + 64);
 #else
           encode64<true>(xr + j, vinv, qr + j);
           encode64<true>(xr + j + 64, vinv, qr + j + 64);
