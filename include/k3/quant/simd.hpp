@@ -230,24 +230,36 @@ struct kernels {
 namespace avx512_1x128 {
 inline constexpr __mmask16 all16 = 0xFFFF;
 
-// amax and (minimum nonzero |x|) - 1 (0xFFFF: all zero) as u16 patterns of the tile at p.
-K3_INLINE void tile_range(std::uint16_t const* p, std::uint16_t& amax, std::uint16_t& nzmin1) noexcept {
+// Per-lane max of |x| and min of |x| - 1 (zeros wrap to 0xFFFF, out of the way of the minimum)
+// over the tile at p, as 32 u16 lanes each.
+K3_INLINE void tile_lanes(std::uint16_t const* p, __m512i& vmax, __m512i& vmin1) noexcept {
   __m512i const m = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
   __m512i const a0 = _mm512_and_si512(_mm512_loadu_si512(p), m);
   __m512i const a1 = _mm512_and_si512(_mm512_loadu_si512(p + 32), m);
   __m512i const a2 = _mm512_and_si512(_mm512_loadu_si512(p + 64), m);
   __m512i const a3 = _mm512_and_si512(_mm512_loadu_si512(p + 96), m);
-  __m512i const v = _mm512_max_epu16(_mm512_max_epu16(a0, a1), _mm512_max_epu16(a2, a3));
-  // |x| - 1 wraps zeros to 0xFFFF, out of the way of the minimum
-  __m512i const w = _mm512_min_epu16(_mm512_min_epu16(_mm512_sub_epi16(a0, one), _mm512_sub_epi16(a1, one)),
-                                     _mm512_min_epu16(_mm512_sub_epi16(a2, one), _mm512_sub_epi16(a3, one)));
-  __m256i const h = _mm256_max_epu16(_mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), v, 0), _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), v, 1));
-  __m256i const hw = _mm256_min_epu16(_mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), w, 0), _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), w, 1));
-  __m128i const q = _mm_max_epu16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-  __m128i const qw = _mm_min_epu16(_mm256_castsi256_si128(hw), _mm256_extracti128_si256(hw, 1));
-  // phminposuw gives the minimum: of the complements, that is the complement of the maximum
-  amax = static_cast<std::uint16_t>(~_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(q, _mm_set1_epi32(-1)))));
-  nzmin1 = static_cast<std::uint16_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(qw)));
+  vmax = _mm512_max_epu16(_mm512_max_epu16(a0, a1), _mm512_max_epu16(a2, a3));
+  vmin1 = _mm512_min_epu16(_mm512_min_epu16(_mm512_sub_epi16(a0, one), _mm512_sub_epi16(a1, one)),
+                           _mm512_min_epu16(_mm512_sub_epi16(a2, one), _mm512_sub_epi16(a3, one)));
+}
+
+// Max (or min) over the 32 lanes of each of 16 vectors, in order, as 16 u16: a transposing
+// tree (unpack 16/32/64-bit, then 128-bit lanes) at about 3 instructions per vector.
+template <bool Max>
+K3_INLINE __m256i reduce16(__m512i const* v) noexcept {
+  auto const op = [](__m512i a, __m512i b) { return Max ? _mm512_max_epu16(a, b) : _mm512_min_epu16(a, b); };
+  __m512i x[8], z[4], q[2];
+  for (int i = 0; i < 8; ++i)  // words per 128-bit lane: t0 t1 t0 t1 ..
+    x[i] = op(_mm512_unpacklo_epi16(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi16(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // t0 t1 t2 t3 t0 t1 t2 t3
+    z[i] = op(_mm512_maskz_unpacklo_epi32(all16, x[2 * i], x[2 * i + 1]), _mm512_maskz_unpackhi_epi32(all16, x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // t0 .. t7 in each 128-bit lane
+    q[i] = op(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), z[2 * i], z[2 * i + 1]),
+              _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), z[2 * i], z[2 * i + 1]));
+  __m512i r = op(_mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                 _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  r = op(r, _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), r, r, _MM_SHUFFLE(2, 3, 0, 1)));  // t0..t7 in lane 0, t8..t15 in lane 2
+  return _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5), r), 0);
 }
 
 // s and 1/s of n <= 16 tiles from their u16 amax patterns (as detail::deepseek_scale); returns
@@ -356,7 +368,11 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
     std::uint8_t* qr = &q(i, 0);
     for (index_t g = 0; g < full; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, full - g));
-      for (int t = 0; t < n; ++t) tile_range(xr + (g + t) * 128, am[t], nz[t]);
+      __m512i vmax[16], vmin1[16];
+      for (int t = 0; t < n; ++t) tile_lanes(xr + (g + t) * 128, vmax[t], vmin1[t]);
+      for (int t = n; t < 16; ++t) vmax[t] = vmin1[t] = _mm512_setzero_si512();
+      _mm256_store_si256(reinterpret_cast<__m256i*>(am), reduce16<true>(vmax));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(nz), reduce16<false>(vmin1));
       std::uint32_t const normal = scales(am, nz, n, fmt, sv, iv);
       for (int t = 0; t < n; ++t) {
         index_t const j = (g + t) * 128;
