@@ -254,6 +254,16 @@ TEST_CASE("fp8 tiles: every bfloat16 pattern, vector 1x128 path against the refe
       CHECK(bad == 0);
       CHECK(same_bits(ref.s, vec.s));
     }
+    // every amax pattern: tile t holds pattern t and 127 smaller magnitudes of either sign
+    std::vector<bfloat16> x(static_cast<std::size_t>(0x10000) * 128);
+    for (std::uint32_t t = 0; t < 0x10000u; ++t)
+      for (std::uint32_t j = 0; j < 128; ++j)
+        x[t * 128 + j] = bf(static_cast<std::uint16_t>(j == 0 ? t : ((t & 0x7FFF) >= 0x7F80 ? 0x3F80 : (t & 0x7FFF) * (j % 5) / 5) | ((j & 1) << 15)));
+    index_t const kk = 128 * 8, m = 0x10000 * 128 / kk;
+    auto const ref = run(ser, x, m, kk, tile_1x128, fmt);
+    auto const vec = run(thr, x, m, kk, tile_1x128, fmt);
+    CHECK(ref.q == vec.q);
+    CHECK(same_bits(ref.s, vec.s));
   }
 }
 

@@ -99,6 +99,63 @@ TEST_CASE("mx: scale rules, codes, error bounds and backend agreement for every 
       }
 }
 
+TEST_CASE("mx: every bfloat16 pattern through the vector MXFP8 (E4M3) path against the reference") {
+  // Blocks of 32: one anchor (the block amax) and 31 bf16 patterns with |x| <= anchor, so every
+  // finite pattern meets every anchor's scale (RCEIL and FLOOR: the FLOOR ones saturate), plus
+  // every NaN/Inf pattern in a block of ordinary values. Codes and scale bytes compared.
+  cpu::serial ser;
+  cpu::threads<> thr(2);
+  auto const bits_of = [](float f) { return static_cast<std::uint16_t>(k3::detail::bit_cast<std::uint32_t>(f) >> 16); };
+  auto const bf = [](std::uint16_t u) { return k3::detail::bit_cast<bfloat16>(u); };
+  std::vector<std::uint16_t> anchors = {0x0001, bits_of(1e-38f), bits_of(3.1e-5f), bits_of(0.75f), bits_of(1.0f), bits_of(1.9f),
+                                        bits_of(448.0f), bits_of(500.0f), bits_of(6.0e11f), 0x7F7F};
+  index_t const k = 32 * 6;
+  for (mx_rule rule : {mx_rule::rceil, mx_rule::floor}) {
+    for (std::uint16_t anchor : anchors) {
+      float const a = load_as<float>(bf(anchor));
+      std::vector<bfloat16> x;
+      std::uint32_t u = 0;
+      while (u < 0x10000u) {
+        if (x.size() % 32 == 0) {
+          x.push_back((x.size() / 32) % 2 ? bf(static_cast<std::uint16_t>(anchor | 0x8000)) : bf(anchor));
+          continue;
+        }
+        bfloat16 const v = bf(static_cast<std::uint16_t>(u++));
+        float const f = load_as<float>(v);
+        if (std::isfinite(f) && std::fabs(f) <= a) x.push_back(v);
+      }
+      for (std::uint32_t w = 0x7F80; w < 0x10000u; ++w) {
+        if (w > 0x7FFF && w < 0xFF80) continue;
+        std::size_t const fill = 32 - x.size() % 32;
+        for (std::size_t f = 0; f < fill; ++f)
+          x.push_back(f == fill / 2 ? bf(static_cast<std::uint16_t>(w)) : bf(static_cast<std::uint16_t>(anchor > 8 ? anchor - (f % 7) : anchor)));
+      }
+      while (x.size() % static_cast<std::size_t>(k)) x.push_back(bf(static_cast<std::uint16_t>(0x8000 | (x.size() % 3))));
+      index_t const m = static_cast<index_t>(x.size()) / k;
+      auto const ref = mx_run(ser, x, m, k, mx_element::e4m3, rule);
+      auto const vec = mx_run(thr, x, m, k, mx_element::e4m3, rule);
+      CAPTURE(a);
+      CAPTURE(static_cast<int>(rule));
+      std::size_t bad = 0, first = ref.q.size();
+      for (std::size_t i = 0; i < ref.q.size(); ++i)
+        if (ref.q[i] != vec.q[i] && bad++ == 0) first = i;
+      CAPTURE(first);
+      CHECK(bad == 0);
+      CHECK(ref.s == vec.s);
+    }
+    // every amax pattern: block b holds pattern b and 31 smaller magnitudes of either sign
+    std::vector<bfloat16> x(static_cast<std::size_t>(0x10000) * 32);
+    for (std::uint32_t b = 0; b < 0x10000u; ++b)
+      for (std::uint32_t j = 0; j < 32; ++j)
+        x[b * 32 + j] = bf(static_cast<std::uint16_t>(j == 0 ? b : ((b & 0x7FFF) >= 0x7F80 ? 0x3F80 : (b & 0x7FFF) * (j % 5) / 5) | ((j & 1) << 15)));
+    index_t const m = 0x10000 * 32 / k;
+    auto const ref = mx_run(ser, x, m, k, mx_element::e4m3, rule);
+    auto const vec = mx_run(thr, x, m, k, mx_element::e4m3, rule);
+    CHECK(ref.q == vec.q);
+    CHECK(ref.s == vec.s);
+  }
+}
+
 TEST_CASE("mx: spec reference blocks") {
   cpu::threads<> thr(2);
   // microxcaling test_fp8_e4m3_fix under RNE: 400 -> 384 (416 under their ties-away default)

@@ -354,6 +354,86 @@ K3_INLINE void encode64_normal_bf16(std::uint16_t const* p, __m512 vinv88, std::
   __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
   _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
 }
+
+// OCP MXFP8 (E4M3) of bf16 blocks of 32, two blocks per call: as encode64_normal_bf16 with a
+// power-of-two multiplier per block (2^-se · 2^-88) and |y'| capped at 448 · 2^-88 with the sign
+// kept (vrangeps "min |.|, sign of the first operand"): the reference's saturating encode, since
+// every y in (448, 464) rounds to 448 anyway. Same preconditions on y (nonzero >= 2^-6, 2^-se >= 2^-38).
+K3_INLINE __m512i codes32_mx(__m512i raw, __m512 vinv88) noexcept {
+  __m512 const cap = _mm512_set1_ps(448.0f * 0x1p-88f);
+  __m512 const ye = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, raw, 16)), vinv88);
+  __m512 const yo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))), vinv88);
+  __m512 const ce = _mm512_maskz_range_ps(all16, ye, cap, 0x6), co = _mm512_maskz_range_ps(all16, yo, cap, 0x6);
+  __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(round_at_bit20(co)), _mm512_castsi512_ps(round_at_bit20(ce)));
+  return reinterpret_cast<__m512i const&>(h);
+}
+K3_INLINE void encode64_mx(std::uint16_t const* p, __m512 vinv88a, __m512 vinv88b, std::uint8_t* out) noexcept {
+  __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
+  __m512i const c = _mm512_permutex2var_epi8(codes32_mx(r0, vinv88a), _mm512_loadu_si512(byte_order.code), codes32_mx(r1, vinv88b));
+  __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
+  _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
+}
+
+// Rows [i0, i1) of an MXFP8 (E4M3) quantisation of bf16 (k a multiple of 64 here).
+template <class Arch>
+void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1) {
+  using K = kernels<Arch>;
+  index_t const k = x.extent(1), nb = k / mx_block;
+  alignas(64) std::uint16_t am[16], nz[16];
+  alignas(64) std::uint32_t code[16];
+  alignas(64) float iv[16];
+  for (index_t i = i0; i < i1; ++i) {
+    std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
+    std::uint8_t* qr = &q(i, 0);
+    for (index_t g = 0; g < nb; g += 16) {
+      int const n = static_cast<int>(std::min<index_t>(16, nb - g));  // even: nb is
+      __m512i vmax[16], vmin1[16];
+      __m512i const m = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
+      for (int t = 0; t < n; ++t) {
+        vmax[t] = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), m);
+        vmin1[t] = _mm512_sub_epi16(vmax[t], one);
+      }
+      for (int t = n; t < 16; ++t) vmax[t] = vmin1[t] = _mm512_setzero_si512();
+      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<true>(vmax)), 16);
+      __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<false>(vmin1)), _mm512_set1_epi32(1));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
+      (void)nz;
+      __m512i c;
+      if (rule == mx_rule::floor) {  // floor(log2 amax) - 8 + 127, 0 for zero and subnormal amax
+        c = _mm512_maskz_max_epi32(all16, _mm512_sub_epi32(_mm512_maskz_srli_epi32(all16, a, 23), _mm512_set1_epi32(8)), _mm512_setzero_si512());
+      } else {  // e8m0_ceil(amax / 448): d is finite and < 2^120
+        __m512i const d = _mm512_castps_si512(_mm512_maskz_div_ps(all16, _mm512_castsi512_ps(a), _mm512_set1_ps(448.0f)));
+        __m512i const e = _mm512_maskz_srli_epi32(all16, d, 23), man = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFFFF));
+        __mmask16 const up = _mm512_test_epi32_mask(man, man), sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+        c = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
+        c = _mm512_mask_mov_epi32(c, sub, _mm512_maskz_srli_epi32(all16, _mm512_add_epi32(man, _mm512_set1_epi32(0x3FFFFF)), 23));
+      }
+      // 2^(127 - code) · 2^-88, for the fast blocks (code <= 165)
+      __m512 const inv = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, _mm512_sub_epi32(_mm512_set1_epi32(254), c), 23));
+      __m512 const ymin = _mm512_maskz_mul_ps(all16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, mn, 16)), inv);
+      __mmask16 const fast = _mm512_cmp_ps_mask(ymin, _mm512_set1_ps(0.015625f), _CMP_GE_OQ) &
+                             _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(165)) &
+                             _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(detail::nonfinite_bits)));
+      _mm512_store_si512(code, c);
+      _mm512_store_ps(iv, _mm512_mul_ps(inv, _mm512_set1_ps(0x1p-88f)));
+      for (int t = 0; t < n; t += 2) {
+        index_t const j = (g + t) * mx_block;
+        if (((fast >> t) & 3u) == 3u) {
+          s(i, g + t) = static_cast<std::uint8_t>(code[t]);
+          s(i, g + t + 1) = static_cast<std::uint8_t>(code[t + 1]);
+          encode64_mx(xr + j, _mm512_set1_ps(iv[t]), _mm512_set1_ps(iv[t + 1]), qr + j);
+          continue;
+        }
+        for (int u = t; u < t + 2; ++u) {
+          index_t const jj = (g + u) * mx_block;
+          auto const sc = detail::mx_block_scale<e4m3_format>(std::uint32_t{am[u]} << 16, rule);
+          s(i, g + u) = sc.code;
+          K::template encode_store<e4m3_format>(&x(i, jj), sc.inv, qr + jj, mx_block);
+        }
+      }
+    }
+  }
+}
 #endif
 
 // Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
@@ -457,6 +537,16 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
   constexpr bool packed = F::bits == 4;
   index_t const m = x.extent(0), k = x.extent(1);
   index_t const rows_per_task = 8;
+#if defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512DQ__)
+  if constexpr (K::avx512 && std::is_same_v<F, e4m3_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
+    if (k % (2 * mx_block) == 0) {
+      run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+        avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+      });
+      return;
+    }
+  }
+#endif
   run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
     for (index_t i = r0; i < r1; ++i) {
