@@ -11,6 +11,9 @@
 //     nvfp4_tensor_scale(b, x) -> g;  nvfp4_quantize(b, x, q, s, g);  nvfp4_dequantize(b, q, s, g, y)
 //     fp8_block_gemm(b, qa, sa, qb, sb, c)              C = dequant(A) · dequant(B)^T
 //
+// CUDA: k3/quant/cuda.hpp declares the same operations on device views (k3::quant::cuda::*),
+// defined in k3/quant/cuda.cuh (include it from a .cu file); they reproduce the reference bytes.
+//
 // Backends: k3::cpu::serial runs the scalar reference (k3/quant/reference.hpp);
 // k3::cpu::simd<Arch> and k3::cpu::threads<Arch> run vectorised kernels (threads: over rows /
 // tiles) that produce the same bytes. Inputs are float or bfloat16 views of rank 2 with any

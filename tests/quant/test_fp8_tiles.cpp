@@ -181,6 +181,14 @@ TEST_CASE("fp8 tiles: reference vectors and special tiles") {
     for (int j = 256; j < 512; ++j) CHECK(std::isnan(y[j]));
     CHECK(y[0] == 448.0f);
   }
+  // NaN/Inf tiles with UE8M0 scales: same documented result (NaN scale, NaN codes), other tiles intact
+  for (auto const& r : {run(cpu::serial{}, x2, 2, 256, tile_1x128, scale_format::ue8m0), run(cpu::threads<>(2), x2, 2, 256, tile_1x128, scale_format::ue8m0)}) {
+    CHECK(r.s[0] == 1.0f);
+    CHECK(std::isnan(r.s[2]));
+    CHECK(std::isnan(r.s[3]));
+    for (int j = 256; j < 512; ++j) CHECK(r.q[j] == 0x7F);
+    CHECK(r.q[1] == 0x7C);
+  }
   // UE8M0: amax 448 -> s = 1 exactly; amax 449 -> s = 2.
   std::vector<float> x3(128, 1.0f);
   x3[7] = 449.0f;
@@ -194,6 +202,69 @@ TEST_CASE("fp8 tiles: reference vectors and special tiles") {
   auto r4 = run(cpu::serial{}, x4, 1, 128, tile_1x128, scale_format::ue8m0);
   CHECK(r4.s[0] == 0x1p120f);  // FLT_MAX/448 < 2^120
   CHECK(r4.q[0] == encode<e4m3_format>(std::numeric_limits<float>::max() * 0x1p-120f));
+}
+
+TEST_CASE("fp8 tiles: every bfloat16 pattern, vector 1x128 path against the reference") {
+  // Each 128-wide tile holds one anchor a (its amax, hence its scale) and 127 bf16 patterns with
+  // |x| <= a, so all 65536 patterns pass the vector encoder at every anchor: a amax-floor tile
+  // (scale 1e-4/448: most small values become E4M3 subnormals), a few ordinary scales, a tile
+  // of the largest finite bf16 (fp32-subnormal products), and all NaN/Inf patterns, each in a
+  // tile of otherwise ordinary values. The last tile of each row is partial (k % 128 != 0).
+  cpu::serial ser;
+  cpu::threads<> thr(2);
+  auto const bits_of = [](float f) { return static_cast<std::uint16_t>(k3::detail::bit_cast<std::uint32_t>(f) >> 16); };
+  auto const bf = [](std::uint16_t u) { return k3::detail::bit_cast<bfloat16>(u); };
+  std::vector<std::uint16_t> anchors = {bits_of(1e-6f), bits_of(2.0e-4f), bits_of(0.0172f), bits_of(1.0f), bits_of(448.0f),
+                                        bits_of(5.0e7f), 0x7F7F};
+  index_t const k = 128 * 6 + 100;
+  for (scale_format fmt : {scale_format::fp32, scale_format::ue8m0}) {
+    for (std::uint16_t anchor : anchors) {
+      float const a = load_as<float>(bf(anchor));
+      std::vector<bfloat16> x;
+      std::uint32_t u = 0;
+      while (u < 0x10000u) {
+        std::size_t const col = x.size() % static_cast<std::size_t>(k);
+        if (col % 128 == 0) {
+          x.push_back((col / 128) % 2 ? bf(static_cast<std::uint16_t>(anchor | 0x8000)) : bf(anchor));
+          continue;
+        }
+        bfloat16 const v = bf(static_cast<std::uint16_t>(u++));
+        float const f = load_as<float>(v);
+        if (std::isfinite(f) && std::fabs(f) <= a) x.push_back(v);
+      }
+      // non-finite patterns: one per tile, in tiles of anchor-bounded values
+      for (std::uint32_t w = 0x7F80; w < 0x10000u; w += (w == 0x7FFF ? 0xFF81 - 0x7FFF : 1)) {
+        if (w > 0x7FFF && w < 0xFF80) continue;
+        std::size_t const col = x.size() % static_cast<std::size_t>(k);
+        std::size_t const fill = std::min<std::size_t>(128 - col % 128, static_cast<std::size_t>(k) - col);
+        for (std::size_t f = 0; f < fill; ++f)
+          x.push_back(f == fill / 2 ? bf(static_cast<std::uint16_t>(w)) : bf(static_cast<std::uint16_t>(anchor - (f % 7))));
+        if (w == 0xFFFF) break;
+      }
+      while (x.size() % static_cast<std::size_t>(k)) x.push_back(bf(static_cast<std::uint16_t>(0x8000 | (x.size() % 3))));
+      index_t const m = static_cast<index_t>(x.size()) / k;
+      auto const ref = run(ser, x, m, k, tile_1x128, fmt);
+      auto const vec = run(thr, x, m, k, tile_1x128, fmt);
+      CAPTURE(a);
+      CAPTURE(static_cast<int>(fmt));
+      std::size_t bad = 0, first = ref.q.size();
+      for (std::size_t i = 0; i < ref.q.size(); ++i)
+        if (ref.q[i] != vec.q[i] && bad++ == 0) first = i;
+      CAPTURE(first);
+      CHECK(bad == 0);
+      CHECK(same_bits(ref.s, vec.s));
+    }
+    // every amax pattern: tile t holds pattern t and 127 smaller magnitudes of either sign
+    std::vector<bfloat16> x(static_cast<std::size_t>(0x10000) * 128);
+    for (std::uint32_t t = 0; t < 0x10000u; ++t)
+      for (std::uint32_t j = 0; j < 128; ++j)
+        x[t * 128 + j] = bf(static_cast<std::uint16_t>(j == 0 ? t : ((t & 0x7FFF) >= 0x7F80 ? 0x3F80 : (t & 0x7FFF) * (j % 5) / 5) | ((j & 1) << 15)));
+    index_t const kk = 128 * 8, m = 0x10000 * 128 / kk;
+    auto const ref = run(ser, x, m, kk, tile_1x128, fmt);
+    auto const vec = run(thr, x, m, kk, tile_1x128, fmt);
+    CHECK(ref.q == vec.q);
+    CHECK(same_bits(ref.s, vec.s));
+  }
 }
 
 TEST_CASE("fp8 re-quantisation 1x128 -> 128x1") {

@@ -42,7 +42,9 @@ std::vector<float> gemm(B const& be, operands const& o) {
 
 TEST_CASE("fp8 block GEMM: SIMD/threads == reference, close to float64 of dequantised operands") {
   std::uint32_t seed = 10;
-  for (auto [m, n, k] : {std::tuple<index_t, index_t, index_t>{1, 1, 1}, {1, 129, 128}, {7, 33, 300}, {67, 200, 257}, {130, 256, 512}, {9, 130, 129}}) {
+  for (auto mnk : {std::tuple<index_t, index_t, index_t>{1, 1, 1}, {1, 129, 128}, {7, 33, 300}, {67, 200, 257}, {130, 256, 512}, {9, 130, 129}}) {
+    auto const [m_, n_, k_] = mnk;
+    index_t const m = m_, n = n_, k = k_;  // named copies: clang 14 lambdas cannot capture bindings
     CAPTURE(m);
     CAPTURE(n);
     CAPTURE(k);

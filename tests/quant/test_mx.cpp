@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include "quant_test_util.hpp"
 
@@ -76,7 +77,8 @@ TEST_CASE("mx: scale rules, codes, error bounds and backend agreement for every 
   std::uint32_t seed = 100;
   for (mx_element e : {mx_element::e4m3, mx_element::e5m2, mx_element::e3m2, mx_element::e2m3, mx_element::e2m1})
     for (mx_rule rule : {mx_rule::floor, mx_rule::rceil})
-      for (auto [m, k] : {std::pair<index_t, index_t>{1, 32}, {3, 96}, {17, 1056}, {40, 2048}}) {
+      for (auto mk : {std::pair<index_t, index_t>{1, 32}, {3, 96}, {17, 1056}, {40, 2048}}) {
+        index_t const m = mk.first, k = mk.second;  // (clang 14 cannot capture structured bindings)
         CAPTURE(name(e));
         CAPTURE(int(rule));
         CAPTURE(m);
@@ -95,6 +97,63 @@ TEST_CASE("mx: scale rules, codes, error bounds and backend agreement for every 
         CHECK(thrb.q == refb.q);
         CHECK(thrb.s == refb.s);
       }
+}
+
+TEST_CASE("mx: every bfloat16 pattern through the vector MXFP8 (E4M3) path against the reference") {
+  // Blocks of 32: one anchor (the block amax) and 31 bf16 patterns with |x| <= anchor, so every
+  // finite pattern meets every anchor's scale (RCEIL and FLOOR: the FLOOR ones saturate), plus
+  // every NaN/Inf pattern in a block of ordinary values. Codes and scale bytes compared.
+  cpu::serial ser;
+  cpu::threads<> thr(2);
+  auto const bits_of = [](float f) { return static_cast<std::uint16_t>(k3::detail::bit_cast<std::uint32_t>(f) >> 16); };
+  auto const bf = [](std::uint16_t u) { return k3::detail::bit_cast<bfloat16>(u); };
+  std::vector<std::uint16_t> anchors = {0x0001, bits_of(1e-38f), bits_of(3.1e-5f), bits_of(0.75f), bits_of(1.0f), bits_of(1.9f),
+                                        bits_of(448.0f), bits_of(500.0f), bits_of(6.0e11f), 0x7F7F};
+  index_t const k = 32 * 6;
+  for (mx_rule rule : {mx_rule::rceil, mx_rule::floor}) {
+    for (std::uint16_t anchor : anchors) {
+      float const a = load_as<float>(bf(anchor));
+      std::vector<bfloat16> x;
+      std::uint32_t u = 0;
+      while (u < 0x10000u) {
+        if (x.size() % 32 == 0) {
+          x.push_back((x.size() / 32) % 2 ? bf(static_cast<std::uint16_t>(anchor | 0x8000)) : bf(anchor));
+          continue;
+        }
+        bfloat16 const v = bf(static_cast<std::uint16_t>(u++));
+        float const f = load_as<float>(v);
+        if (std::isfinite(f) && std::fabs(f) <= a) x.push_back(v);
+      }
+      for (std::uint32_t w = 0x7F80; w < 0x10000u; ++w) {
+        if (w > 0x7FFF && w < 0xFF80) continue;
+        std::size_t const fill = 32 - x.size() % 32;
+        for (std::size_t f = 0; f < fill; ++f)
+          x.push_back(f == fill / 2 ? bf(static_cast<std::uint16_t>(w)) : bf(static_cast<std::uint16_t>(anchor > 8 ? anchor - (f % 7) : anchor)));
+      }
+      while (x.size() % static_cast<std::size_t>(k)) x.push_back(bf(static_cast<std::uint16_t>(0x8000 | (x.size() % 3))));
+      index_t const m = static_cast<index_t>(x.size()) / k;
+      auto const ref = mx_run(ser, x, m, k, mx_element::e4m3, rule);
+      auto const vec = mx_run(thr, x, m, k, mx_element::e4m3, rule);
+      CAPTURE(a);
+      CAPTURE(static_cast<int>(rule));
+      std::size_t bad = 0, first = ref.q.size();
+      for (std::size_t i = 0; i < ref.q.size(); ++i)
+        if (ref.q[i] != vec.q[i] && bad++ == 0) first = i;
+      CAPTURE(first);
+      CHECK(bad == 0);
+      CHECK(ref.s == vec.s);
+    }
+    // every amax pattern: block b holds pattern b and 31 smaller magnitudes of either sign
+    std::vector<bfloat16> x(static_cast<std::size_t>(0x10000) * 32);
+    for (std::uint32_t b = 0; b < 0x10000u; ++b)
+      for (std::uint32_t j = 0; j < 32; ++j)
+        x[b * 32 + j] = bf(static_cast<std::uint16_t>(j == 0 ? b : ((b & 0x7FFF) >= 0x7F80 ? 0x3F80 : (b & 0x7FFF) * (j % 5) / 5) | ((j & 1) << 15)));
+    index_t const m = 0x10000 * 32 / k;
+    auto const ref = mx_run(ser, x, m, k, mx_element::e4m3, rule);
+    auto const vec = mx_run(thr, x, m, k, mx_element::e4m3, rule);
+    CHECK(ref.q == vec.q);
+    CHECK(ref.s == vec.s);
+  }
 }
 
 TEST_CASE("mx: spec reference blocks") {
@@ -155,6 +214,27 @@ TEST_CASE("mx: spec reference blocks") {
   CHECK(yt[1] == 0x1.8p-121f);
 }
 
+TEST_CASE("mx: FP32-subnormal and bfloat16-subnormal blocks (scale byte 0 region)") {
+  cpu::threads<> thr(2);
+  std::vector<float> x(4 * 64);
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> ud(-1, 1);
+  for (index_t i = 0; i < 4 * 64; ++i) x[i] = ud(rng) * std::ldexp(1.0f, -120 - int(i / 32) * 4);  // down to FP32 subnormals
+  x[5] = 0x1p-149f;
+  x[40] = -0x1p-133f;  // a bf16 subnormal
+  for (mx_element e : {mx_element::e4m3, mx_element::e5m2, mx_element::e3m2, mx_element::e2m3, mx_element::e2m1})
+    for (mx_rule rule : {mx_rule::floor, mx_rule::rceil}) {
+      CAPTURE(name(e));
+      CAPTURE(int(rule));
+      auto r = mx_run(cpu::serial{}, x, 4, 64, e, rule);
+      auto rt = mx_run(thr, x, 4, 64, e, rule);
+      CHECK(rt.q == r.q);
+      CHECK(rt.s == r.s);
+      visit(e, [&]<class F>(F) { check_mx_recipe<F>(x, 4, 64, rule, r); });
+      CHECK(r.s.back() == 0);  // the smallest blocks sit at the clamped exponent -127
+    }
+}
+
 TEST_CASE("mx: bad arguments") {
   std::vector<float> x(2 * 64);
   std::vector<std::uint8_t> q(2 * 64), s(4);
@@ -195,7 +275,8 @@ TEST_CASE("nvfp4: tensor and block scales, codes, error bound, backend agreement
   cpu::serial ser;
   cpu::threads<> thr(3);
   std::uint32_t seed = 300;
-  for (auto [m, k] : {std::pair<index_t, index_t>{1, 16}, {3, 48}, {33, 1040}, {20, 2048}}) {
+  for (auto mk : {std::pair<index_t, index_t>{1, 16}, {3, 48}, {33, 1040}, {20, 2048}}) {
+    index_t const m = mk.first, k = mk.second;
     auto x = qt::random_matrix(m, k, seed++, 4.0f);
     auto ref = nv_run(ser, x, m, k);
     double amax = 0;

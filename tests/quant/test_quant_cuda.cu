@@ -54,7 +54,8 @@ bool same_bits(std::vector<float> const& a, std::vector<float> const& b) {
 }  // namespace
 
 TEST_CASE("cuda fp8 tiles == CPU reference") {
-  for (auto [m, k] : {std::pair<index_t, index_t>{1, 1}, {5, 129}, {130, 300}, {257, 1000}})
+  for (auto mk : {std::pair<index_t, index_t>{1, 1}, {5, 129}, {130, 300}, {257, 1000}}) {
+    index_t const m = mk.first, k = mk.second;
     for (tile t : {tile_1x128, tile_128x128, tile_128x1})
       for (scale_format fmt : {scale_format::fp32, scale_format::ue8m0}) {
         auto x = random_matrix(m, k, 7);
@@ -74,6 +75,7 @@ TEST_CASE("cuda fp8 tiles == CPU reference") {
         reference::fp8_dequantize_rows<float>(host_view(q.data(), m, k), host_view(s.data(), sr, sc), host_view(y.data(), m, k), t, 0, m);
         CHECK(same_bits(dy.get(), y));
       }
+  }
 }
 
 TEST_CASE("cuda fp8 1x128 from bfloat16 == CPU reference") {
@@ -142,7 +144,9 @@ TEST_CASE("cuda MX and NVFP4 == CPU reference") {
 }
 
 TEST_CASE("cuda block-scaled GEMM == CPU reference bit for bit") {
-  for (auto [m, n, k] : {std::tuple<index_t, index_t, index_t>{1, 1, 1}, {33, 200, 300}, {130, 257, 512}}) {
+  for (auto mnk : {std::tuple<index_t, index_t, index_t>{1, 1, 1}, {33, 200, 300}, {130, 257, 512}}) {
+    auto const [m_, n_, k_] = mnk;
+    index_t const m = m_, n = n_, k = k_;  // named copies: clang 14 lambdas cannot capture bindings
     auto a = random_matrix(m, k, 1), b = random_matrix(n, k, 2);
     a[a.size() / 3] = 1.0f;  // no NaN here
     b[b.size() / 3] = 1.0f;

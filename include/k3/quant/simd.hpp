@@ -179,7 +179,7 @@ struct kernels {
     bi const cs = xsimd::bitwise_cast<bi>(xsimd::bitwise_cast<bf>(a) + bf(magic)) - bi(k3::detail::bit_cast<std::int32_t>(magic));
     bi c = xsimd::select(a < bi((128 - F::bias) << 23), cs, cn);
     if constexpr (Checked) c = imin(c, bi(static_cast<std::int32_t>(F::max_code)));
-    if constexpr (F::is_signed) c = c | shl<F::bits - 1>(shr<31>(u) & bi(1));
+    if constexpr (F::is_signed) c = c | (shr<32 - F::bits>(u) & bi(static_cast<std::int32_t>(F::sign_bit)));
     if constexpr (!Checked) return c;
     return xsimd::select(a > bi(0x7F800000), bi(static_cast<std::int32_t>(F::nan_code)), c);
   }
@@ -212,11 +212,303 @@ struct kernels {
   }
 };
 
+#if defined(__AVX512BW__)
+// ---- 1x128 E4M3 of bfloat16 rows on AVX-512BW: the DeepSeek activation hot path ------------
+// Same bytes as reference::fp8_quantize_rows, with about 10 vector instructions per 16 elements:
+//  * amax: u16 max over |x| bit patterns (bf16 is the top half of an fp32), 32 lanes at a time;
+//  * scales: 16 tiles at once with vdivps (the same IEEE divisions amax'/448 and 1/s as
+//    detail::deepseek_scale, so the same bits);
+//  * encode of y = |x| * (1/s), which lies in [0, 448·(1 + 2^-22)] (no saturation, no NaN:
+//    non-finite tiles are all-NaN and written by memset):
+//      normal (y >= 2^-6):  code = (bits(y) + 0x7FFFF + bit20(y)) >> 20 - (120 << 3)  (RNE)
+//      subnormal:           code = round(y · 2^9) via y + 2^14 in fp32 (RNE), capped at 8
+//    and code = max(normal formula, capped subnormal one): for y >= 2^-6 both give >= 8 and the
+//    capped one exactly 8; below, the normal formula rounds 8f where the subnormal one rounds
+//    4 + 4f or more (y = 2^-7(1+f)), and is negative further down.
+//  * bf16 -> fp32 by interleaving with zero words (vpunpck[lh]wd); vpackusdw undoes the
+//    in-lane interleave, so codes come back in order; signs are OR-ed in as 16-bit words.
+namespace avx512_1x128 {
+inline constexpr __mmask16 all16 = 0xFFFF;
+
+// Per-lane max of |x| and min of |x| - 1 (zeros wrap to 0xFFFF, out of the way of the minimum)
+// over the tile at p, as 32 u16 lanes each.
+K3_INLINE void tile_lanes(std::uint16_t const* p, __m512i& vmax, __m512i& vmin1) noexcept {
+  __m512i const m = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
+  __m512i const a0 = _mm512_and_si512(_mm512_loadu_si512(p), m);
+  __m512i const a1 = _mm512_and_si512(_mm512_loadu_si512(p + 32), m);
+  __m512i const a2 = _mm512_and_si512(_mm512_loadu_si512(p + 64), m);
+  __m512i const a3 = _mm512_and_si512(_mm512_loadu_si512(p + 96), m);
+  vmax = _mm512_max_epu16(_mm512_max_epu16(a0, a1), _mm512_max_epu16(a2, a3));
+  vmin1 = _mm512_min_epu16(_mm512_min_epu16(_mm512_sub_epi16(a0, one), _mm512_sub_epi16(a1, one)),
+                           _mm512_min_epu16(_mm512_sub_epi16(a2, one), _mm512_sub_epi16(a3, one)));
+}
+
+// Max (or min) over the 32 lanes of each of 16 vectors, in order, as 16 u16: a transposing
+// tree (unpack 16/32/64-bit, then 128-bit lanes) at about 3 instructions per vector.
+template <bool Max>
+K3_INLINE __m256i reduce16(__m512i const* v) noexcept {
+  auto const op = [](__m512i a, __m512i b) { return Max ? _mm512_max_epu16(a, b) : _mm512_min_epu16(a, b); };
+  __m512i x[8], z[4], q[2];
+  for (int i = 0; i < 8; ++i)  // words per 128-bit lane: t0 t1 t0 t1 ..
+    x[i] = op(_mm512_unpacklo_epi16(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi16(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // t0 t1 t2 t3 t0 t1 t2 t3
+    z[i] = op(_mm512_maskz_unpacklo_epi32(all16, x[2 * i], x[2 * i + 1]), _mm512_maskz_unpackhi_epi32(all16, x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // t0 .. t7 in each 128-bit lane
+    q[i] = op(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), z[2 * i], z[2 * i + 1]),
+              _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), z[2 * i], z[2 * i + 1]));
+  __m512i r = op(_mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                 _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  r = op(r, _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), r, r, _MM_SHUFFLE(2, 3, 0, 1)));  // t0..t7 in lane 0, t8..t15 in lane 2
+  return _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5), r), 0);
+}
+
+// s and 1/s of n <= 16 tiles from their u16 amax patterns (as detail::deepseek_scale); returns
+// the tiles whose every nonzero y = |x|·(1/s) is >= 2^-6 (no E4M3 subnormal codes: encode16_normal
+// applies), judged on the smallest nonzero |x| with the same fp32 product (monotone).
+K3_INLINE std::uint32_t scales(std::uint16_t const* am, std::uint16_t const* nzmin1, int n, scale_format fmt, float* s, float* inv) noexcept {
+  __mmask16 const ld = static_cast<__mmask16>((1u << n) - 1u);
+  __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, _mm256_maskz_loadu_epi16(ld, am)), 16);
+  __mmask16 const nan = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(detail::nonfinite_bits)));
+  __m512 const af = _mm512_maskz_max_ps(all16, _mm512_castsi512_ps(a), _mm512_set1_ps(deepseek_amax_floor));
+  __m512 sv = _mm512_maskz_div_ps(all16, af, _mm512_set1_ps(448.0f));
+  if (fmt == scale_format::ue8m0)  // s is a normal float in (2^-23, 2^119): round up to a power of two
+    sv = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(sv), _mm512_set1_epi32(0x7FFFFF)),
+                                              _mm512_set1_epi32(static_cast<int>(0xFF800000u))));
+  __m512 iv = _mm512_maskz_div_ps(all16, _mm512_set1_ps(1.0f), sv);
+  __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, _mm256_maskz_loadu_epi16(ld, nzmin1)), _mm512_set1_epi32(1));
+  __m512 const ymin = _mm512_maskz_mul_ps(all16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, mn, 16)), iv);
+  // all-zero tiles (mn = 0x10000 shifts out to 0) take the general path
+  __mmask16 const normal = _mm512_cmp_ps_mask(ymin, _mm512_set1_ps(0.015625f), _CMP_GE_OQ) &
+                          _mm512_cmp_ps_mask(iv, _mm512_set1_ps(0x1p-38f), _CMP_GE_OQ);
+  __m512 const qn = _mm512_set1_ps(detail::quiet_nan());
+  _mm512_mask_storeu_ps(s, ld, _mm512_mask_mov_ps(sv, nan, qn));
+  _mm512_mask_storeu_ps(inv, ld, _mm512_mask_mov_ps(iv, nan, qn));
+  return static_cast<std::uint32_t>(normal & ~nan & ld);
+}
+
+// Codes of 16 values y = |x|·(1/s) that are 0 or >= 2^-6 (negative for 0; vpackusdw makes it 0).
+K3_INLINE __m512i encode16_normal(__m512i xbits, __m512 vinv) noexcept {
+  __m512i const a = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(xbits), vinv));
+  __m512i const odd = _mm512_and_si512(_mm512_maskz_srli_epi32(all16, a, 20), _mm512_set1_epi32(1));
+  return _mm512_maskz_srai_epi32(all16, _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF - (0x3C0 << 20))), odd), 20);
+}
+
+K3_INLINE __m512i encode16(__m512i xbits, __m512 vinv) noexcept {
+  __m512 const y = _mm512_mul_ps(_mm512_castsi512_ps(xbits), vinv);
+  __m512i const a = _mm512_castps_si512(y);
+  __m512i const odd = _mm512_and_si512(_mm512_maskz_srli_epi32(all16, a, 20), _mm512_set1_epi32(1));
+  __m512i const cn = _mm512_maskz_srai_epi32(all16, _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF - (0x3C0 << 20))), odd), 20);
+  __m512i cs = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, _mm512_set1_ps(16384.0f))), _mm512_set1_epi32(0x46800000));
+  cs = _mm512_maskz_min_epi32(all16, cs, _mm512_set1_epi32(8));
+  return _mm512_maskz_max_epi32(all16, cn, cs);
+}
+
+// 64 codes (sign included) of p[0, 64).
+template <bool Normal>
+K3_INLINE void encode64(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) noexcept {
+  auto const enc = [&](__m512i xb) { return Normal ? encode16_normal(xb, vinv) : encode16(xb, vinv); };
+  __m512i const absm = _mm512_set1_epi16(0x7FFF), z = _mm512_setzero_si512(), sgn = _mm512_set1_epi16(0x80);
+  __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
+  __m512i const v0 = _mm512_and_si512(r0, absm), v1 = _mm512_and_si512(r1, absm);
+  __m512i w0 = _mm512_packus_epi32(enc(_mm512_unpacklo_epi16(z, v0)), enc(_mm512_unpackhi_epi16(z, v0)));
+  __m512i w1 = _mm512_packus_epi32(enc(_mm512_unpacklo_epi16(z, v1)), enc(_mm512_unpackhi_epi16(z, v1)));
+  w0 = _mm512_ternarylogic_epi32(w0, _mm512_srli_epi16(r0, 8), sgn, 0xF8);  // w | (sign byte & 0x80)
+  w1 = _mm512_ternarylogic_epi32(w1, _mm512_srli_epi16(r1, 8), sgn, 0xF8);
+  __m512i const b = _mm512_packus_epi16(w0, w1);  // per 128-bit lane: 8 of w0, 8 of w1
+  _mm512_storeu_si512(out, _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), b));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// Normal-range tiles with AVX512-BF16 and VBMI: vcvtne2ps2bf16 is an integer round-to-nearest-even
+// of an fp32 pattern at bit 16 for 32 lanes at once (always RNE, MXCSR-independent). It gets
+// p = (bits(y') >> 4) | (bits(y') & 0xF): bit 20 moved to 16, the 4 dropped bits kept as sticky,
+// so it rounds bits(y') at bit 20 exactly. y' = x · (2^-88/s) = y · 2^-88 exactly (the caller
+// ensures 1/s >= 2^-38 and every nonzero y >= 2^-6, so both are normal floats): its exponent
+// field is 88 less, which makes the rounded pattern code + 0x100 (+ 0x800 for a negative x)
+// and gives p the exponent field 2 or 18 (never a denormal or NaN pattern); x = ±0 gives a low
+// byte 0. The low bytes are the codes; they and the sign bytes are gathered in element order
+// with vpermt2b.
+K3_INLINE __m512i round_at_bit20(__m512 y) noexcept {
+  __m512i const a = _mm512_castps_si512(y);
+  return _mm512_ternarylogic_epi32(_mm512_maskz_srli_epi32(all16, a, 4), a, _mm512_set1_epi32(0xF), 0xF8);
+}
+K3_INLINE __m512i codes32_normal(__m512i raw, __m512 vinv88) noexcept {
+  __m512 const ye = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, raw, 16)), vinv88);
+  __m512 const yo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))), vinv88);
+  // words 0..15: elements 0, 2, .., 30; words 16..31: elements 1, 3, .., 31
+  __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(round_at_bit20(yo)), _mm512_castsi512_ps(round_at_bit20(ye)));
+  return reinterpret_cast<__m512i const&>(h);
+}
+inline constexpr auto byte_order = [] {
+  struct t { std::int8_t code[64], sign[64]; } r{};
+  for (int i = 0; i < 64; ++i) {
+    int const c = i / 32, e = i % 32, word = e % 2 == 0 ? e / 2 : 16 + e / 2;
+    r.code[i] = static_cast<std::int8_t>(2 * word + 64 * c);
+    r.sign[i] = static_cast<std::int8_t>(2 * e + 1 + 64 * c);
+  }
+  return r;
+}();
+K3_INLINE void encode64_normal_bf16(std::uint16_t const* p, __m512 vinv88, std::uint8_t* out) noexcept {
+  __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
+  __m512i const c = _mm512_permutex2var_epi8(codes32_normal(r0, vinv88), _mm512_loadu_si512(byte_order.code), codes32_normal(r1, vinv88));
+  __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
+  _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
+}
+
+// OCP MXFP8 (E4M3) of bf16 blocks of 32, two blocks per call: as encode64_normal_bf16 with a
+// power-of-two multiplier per block (2^-se · 2^-88) and |y'| capped at 448 · 2^-88 with the sign
+// kept (vrangeps "min |.|, sign of the first operand"): the reference's saturating encode, since
+// every y in (448, 464) rounds to 448 anyway. Same preconditions on y (nonzero >= 2^-6, 2^-se >= 2^-38).
+K3_INLINE __m512i codes32_mx(__m512i raw, __m512 vinv88) noexcept {
+  __m512 const cap = _mm512_set1_ps(448.0f * 0x1p-88f);
+  __m512 const ye = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, raw, 16)), vinv88);
+  __m512 const yo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))), vinv88);
+  __m512 const ce = _mm512_maskz_range_ps(all16, ye, cap, 0x6), co = _mm512_maskz_range_ps(all16, yo, cap, 0x6);
+  __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(round_at_bit20(co)), _mm512_castsi512_ps(round_at_bit20(ce)));
+  return reinterpret_cast<__m512i const&>(h);
+}
+K3_INLINE void encode64_mx(std::uint16_t const* p, __m512 vinv88a, __m512 vinv88b, std::uint8_t* out) noexcept {
+  __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
+  __m512i const c = _mm512_permutex2var_epi8(codes32_mx(r0, vinv88a), _mm512_loadu_si512(byte_order.code), codes32_mx(r1, vinv88b));
+  __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
+  _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
+}
+
+// Rows [i0, i1) of an MXFP8 (E4M3) quantisation of bf16 (k a multiple of 64 here).
+template <class Arch>
+void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1) {
+  using K = kernels<Arch>;
+  index_t const k = x.extent(1), nb = k / mx_block;
+  alignas(64) std::uint16_t am[16], nz[16];
+  alignas(64) std::uint32_t code[16];
+  alignas(64) float iv[16];
+  for (index_t i = i0; i < i1; ++i) {
+    std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
+    std::uint8_t* qr = &q(i, 0);
+    for (index_t g = 0; g < nb; g += 16) {
+      int const n = static_cast<int>(std::min<index_t>(16, nb - g));  // even: nb is
+      __m512i vmax[16], vmin1[16];
+      __m512i const m = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
+      for (int t = 0; t < n; ++t) {
+        vmax[t] = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), m);
+        vmin1[t] = _mm512_sub_epi16(vmax[t], one);
+      }
+      for (int t = n; t < 16; ++t) vmax[t] = vmin1[t] = _mm512_setzero_si512();
+      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<true>(vmax)), 16);
+      __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<false>(vmin1)), _mm512_set1_epi32(1));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
+      (void)nz;
+      __m512i c;
+      if (rule == mx_rule::floor) {  // floor(log2 amax) - 8 + 127, 0 for zero and subnormal amax
+        c = _mm512_maskz_max_epi32(all16, _mm512_sub_epi32(_mm512_maskz_srli_epi32(all16, a, 23), _mm512_set1_epi32(8)), _mm512_setzero_si512());
+      } else {  // e8m0_ceil(amax / 448): d is finite and < 2^120
+        __m512i const d = _mm512_castps_si512(_mm512_maskz_div_ps(all16, _mm512_castsi512_ps(a), _mm512_set1_ps(448.0f)));
+        __m512i const e = _mm512_maskz_srli_epi32(all16, d, 23), man = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFFFF));
+        __mmask16 const up = _mm512_test_epi32_mask(man, man), sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+        c = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
+        c = _mm512_mask_mov_epi32(c, sub, _mm512_maskz_srli_epi32(all16, _mm512_add_epi32(man, _mm512_set1_epi32(0x3FFFFF)), 23));
+      }
+      // 2^(127 - code) · 2^-88, for the fast blocks (code <= 165)
+      __m512 const inv = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, _mm512_sub_epi32(_mm512_set1_epi32(254), c), 23));
+      __m512 const ymin = _mm512_maskz_mul_ps(all16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, mn, 16)), inv);
+      __mmask16 const fast = _mm512_cmp_ps_mask(ymin, _mm512_set1_ps(0.015625f), _CMP_GE_OQ) &
+                             _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(165)) &
+                             _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(detail::nonfinite_bits)));
+      _mm512_store_si512(code, c);
+      _mm512_store_ps(iv, _mm512_mul_ps(inv, _mm512_set1_ps(0x1p-88f)));
+      for (int t = 0; t < n; t += 2) {
+        index_t const j = (g + t) * mx_block;
+        if (((fast >> t) & 3u) == 3u) {
+          s(i, g + t) = static_cast<std::uint8_t>(code[t]);
+          s(i, g + t + 1) = static_cast<std::uint8_t>(code[t + 1]);
+          encode64_mx(xr + j, _mm512_set1_ps(iv[t]), _mm512_set1_ps(iv[t + 1]), qr + j);
+          continue;
+        }
+        for (int u = t; u < t + 2; ++u) {
+          index_t const jj = (g + u) * mx_block;
+          auto const sc = detail::mx_block_scale<e4m3_format>(std::uint32_t{am[u]} << 16, rule);
+          s(i, g + u) = sc.code;
+          K::template encode_store<e4m3_format>(&x(i, jj), sc.inv, qr + jj, mx_block);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
+template <class Arch>
+void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1) {
+  using K = kernels<Arch>;
+  index_t const k = x.extent(1), full = k / 128;
+  alignas(64) std::uint16_t am[16], nz[16];
+  alignas(64) float sv[16], iv[16];
+  for (index_t i = i0; i < i1; ++i) {
+    std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
+    std::uint8_t* qr = &q(i, 0);
+    for (index_t g = 0; g < full; g += 16) {
+      int const n = static_cast<int>(std::min<index_t>(16, full - g));
+      __m512i vmax[16], vmin1[16];
+      for (int t = 0; t < n; ++t) tile_lanes(xr + (g + t) * 128, vmax[t], vmin1[t]);
+      for (int t = n; t < 16; ++t) vmax[t] = vmin1[t] = _mm512_setzero_si512();
+      _mm256_store_si256(reinterpret_cast<__m256i*>(am), reduce16<true>(vmax));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(nz), reduce16<false>(vmin1));
+      std::uint32_t const normal = scales(am, nz, n, fmt, sv, iv);
+      for (int t = 0; t < n; ++t) {
+        index_t const j = (g + t) * 128;
+        s(i, g + t) = sv[t];
+        if (am[t] >= (detail::nonfinite_bits >> 16)) {
+          std::memset(qr + j, e4m3_format::nan_code, 128);
+          continue;
+        }
+        __m512 const vinv = _mm512_set1_ps(iv[t]);
+        if ((normal >> t) & 1u) {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+          __m512 const vinv88 = _mm512_set1_ps(iv[t] * 0x1p-88f);
+          encode64_normal_bf16(xr + j, vinv88, qr + j);
+          encode64_normal_bf16(xr + j + 64, vinv88, qr + j + 64);
+#else
+          encode64<true>(xr + j, vinv, qr + j);
+          encode64<true>(xr + j + 64, vinv, qr + j + 64);
+#endif
+        } else {
+          encode64<false>(xr + j, vinv, qr + j);
+          encode64<false>(xr + j + 64, vinv, qr + j + 64);
+        }
+      }
+    }
+    if (index_t const j0 = full * 128; j0 < k) {
+      bfloat16 const* p = &x(i, j0);
+      index_t const n = k - j0;
+      std::uint32_t const amax = K::amax_bits(p, n);
+      auto const sc = detail::deepseek_scale(amax, fmt);
+      s(i, full) = sc.s;
+      if (amax >= detail::nonfinite_bits)
+        std::memset(qr + j0, e4m3_format::nan_code, static_cast<std::size_t>(n));
+      else
+        K::template encode_store<e4m3_format, false, false>(p, sc.inv, qr + j0, n);
+    }
+  }
+}
+}  // namespace avx512_1x128
+#endif
+
 // ---- DeepSeek tiles, rows unit-stride -----------------------------------------------------
 template <class Arch, class B, class T>
 void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, tile t, scale_format fmt) {
   using K = kernels<Arch>;
   index_t const m = x.extent(0), k = x.extent(1);
+#if defined(__AVX512BW__)
+  if constexpr (K::avx512 && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
+    if (t.rows == 1 && t.cols == 128) {
+      index_t const rows_per_task = 16;
+      run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+        avx512_1x128::rows<Arch>(x, q, s, fmt, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+      });
+      return;
+    }
+  }
+#endif
   index_t const rows_per_task = t.rows == 1 ? 16 : t.rows;
   run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
@@ -245,6 +537,16 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
   constexpr bool packed = F::bits == 4;
   index_t const m = x.extent(0), k = x.extent(1);
   index_t const rows_per_task = 8;
+#if defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512DQ__)
+  if constexpr (K::avx512 && std::is_same_v<F, e4m3_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
+    if (k % (2 * mx_block) == 0) {
+      run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+        avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+      });
+      return;
+    }
+  }
+#endif
   run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
     for (index_t i = r0; i < r1; ++i) {
