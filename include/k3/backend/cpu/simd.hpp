@@ -13,6 +13,7 @@
 #include <memory>
 #include <xsimd/xsimd.hpp>
 
+#include "k3/backend/cpu/serial.hpp"
 #include "k3/backend/cpu/thread_pool.hpp"
 #include "k3/core/concepts.hpp"
 #include "k3/core/host_memory.hpp"
@@ -37,26 +38,12 @@ constexpr char const* isa_name() noexcept {
 
 namespace k3::cpu {
 
+// One thread; the same memory and loop as cpu::serial, but algorithms pick their
+// vectorised kernels for Arch.
 template <class Arch = xsimd::default_arch>
-struct simd {
-  using memory_space = host_space;
+struct simd : serial {
   using arch_type = Arch;
   static constexpr char const* name() noexcept { return "cpu::simd"; }
-
-  template <class T>
-  T* allocate(std::size_t n) const {
-    return detail::host_allocate<T>(n);
-  }
-  template <class T>
-  void deallocate(T* p, std::size_t n) const noexcept {
-    detail::host_deallocate(p, n);
-  }
-  template <class F>
-  void for_each(std::int64_t begin, std::int64_t end, F&& f) const {
-    for (std::int64_t i = begin; i < end; ++i) f(i);
-  }
-  void fence() const noexcept {}
-  static constexpr int concurrency() noexcept { return 1; }
 };
 
 template <class Arch = xsimd::default_arch>
