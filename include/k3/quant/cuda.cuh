@@ -57,6 +57,8 @@ K3_KERNEL void fp8_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview
   }
 }
 
+// A template (with a defaulted parameter) so that every TU including this header may define it (ODR).
+template <int = 0>
 K3_KERNEL void fp8_dequantize(dview<std::uint8_t const, 2> q, dview<float const, 2> s, dview<float, 2> y, tile t) {
   index_t const k = q.extent(1), n = q.extent(0) * k;
   for (index_t e = blockIdx.x * index_t(blockDim.x) + threadIdx.x; e < n; e += index_t(gridDim.x) * blockDim.x) {
@@ -113,6 +115,8 @@ K3_KERNEL void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dvi
   if ((lane & 1) == 0) q(i, j / 2) = pack_fp4(c, odd);
 }
 
+// A template (with a defaulted parameter) so that every TU including this header may define it (ODR).
+template <int = 0>
 K3_KERNEL void nvfp4_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t const, 2> s, float g, dview<float, 2> y) {
   index_t const k = y.extent(1), n = y.extent(0) * k;
   for (index_t e = blockIdx.x * index_t(blockDim.x) + threadIdx.x; e < n; e += index_t(gridDim.x) * blockDim.x) {
@@ -136,6 +140,8 @@ K3_KERNEL void finite_amax(dview<T const, 2> x, std::uint32_t* out) {
 
 inline constexpr int gemm_tile = 16;
 
+// A template (with a defaulted parameter) so that every TU including this header may define it (ODR).
+template <int = 0>
 K3_KERNEL void fp8_block_gemm(dview<std::uint8_t const, 2> qa, dview<float const, 2> sa, dview<std::uint8_t const, 2> qb,
                               dview<float const, 2> sb, dview<float, 2> c) {
   __shared__ float as[gemm_tile][129], bs[gemm_tile][129];
@@ -188,7 +194,7 @@ inline void fp8_dequantize(dview<std::uint8_t const, 2> q, dview<float const, 2>
   k3::detail::check_shape("s", s, {detail::ceil_div(q.extent(0), t.rows), detail::ceil_div(q.extent(1), t.cols)});
   k3::detail::check_shape("y", y, {q.extent(0), q.extent(1)});
   if (y.size() == 0) return;
-  kernels::fp8_dequantize<<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, y, t);
+  kernels::fp8_dequantize<><<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, y, t);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -237,7 +243,7 @@ inline void nvfp4_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t 
   k3::detail::check_shape("q", q, {m, k / 2});
   k3::detail::check_shape("s", s, {m, k / nvfp4_block});
   if (y.size() == 0) return;
-  kernels::nvfp4_dequantize<<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, g, y);
+  kernels::nvfp4_dequantize<><<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, g, y);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -266,7 +272,7 @@ inline void fp8_block_gemm(dview<std::uint8_t const, 2> qa, dview<float const, 2
   k3::detail::check_shape("c", c, {m, n});
   if (c.size() == 0) return;
   dim3 grid(static_cast<unsigned>(detail::ceil_div(n, kernels::gemm_tile)), static_cast<unsigned>(detail::ceil_div(m, kernels::gemm_tile)));
-  kernels::fp8_block_gemm<<<grid, dim3(kernels::gemm_tile, kernels::gemm_tile), 0, stream>>>(qa, sa, qb, sb, c);
+  kernels::fp8_block_gemm<><<<grid, dim3(kernels::gemm_tile, kernels::gemm_tile), 0, stream>>>(qa, sa, qb, sb, c);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
