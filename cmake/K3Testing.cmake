@@ -1,5 +1,6 @@
 # Helpers for k3's own tests. One executable per test file (parallel builds on 2 cores,
-# isolated failures), a shared doctest main, ctest labels cpu / gpu / compile / mpi.
+# isolated failures), a shared doctest main, ctest labels cpu / gpu / compile / mpi, and cuda on everything
+# that exists only in a CUDA build.
 include(doctest)
 
 # k3_add_test(<name> <source> [LABELS l...] [LINK libs...] [TIMEOUT s])
@@ -14,12 +15,16 @@ function(k3_add_test name source)
   add_executable(${name} ${source})
   target_link_libraries(${name} PRIVATE k3::k3 k3_test_main k3_project_options ${arg_LINK})
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
-  # doctest_discover_tests flattens list-valued PROPERTIES ("cpu;compile" would become LABELS
-  # cpu plus a bogus property), so labels are set by a script run after discovery.
-  doctest_discover_tests(${name} TEST_LIST ${name}_TESTS PROPERTIES TIMEOUT ${arg_TIMEOUT})
+  k3_discover_labelled_tests(${name} "${arg_LABELS}" ${arg_TIMEOUT})
+endfunction()
+
+# doctest_discover_tests flattens list-valued PROPERTIES ("cpu;compile" would become LABELS
+# cpu plus a bogus property), so labels are set by a script run after discovery.
+function(k3_discover_labelled_tests name labels timeout)
+  doctest_discover_tests(${name} TEST_LIST ${name}_TESTS PROPERTIES TIMEOUT ${timeout})
   set(labels_script ${CMAKE_CURRENT_BINARY_DIR}/${name}_labels.cmake)
   file(WRITE ${labels_script}
-       "if(${name}_TESTS)\n  set_tests_properties(\${${name}_TESTS} PROPERTIES LABELS \"${arg_LABELS}\")\nendif()\n")
+       "if(${name}_TESTS)\n  set_tests_properties(\${${name}_TESTS} PROPERTIES LABELS \"${labels}\")\nendif()\n")
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${labels_script})
 endfunction()
 
@@ -34,7 +39,7 @@ function(k3_add_gpu_test name source)
   endif()
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
   add_test(NAME ${name} COMMAND ${name})
-  set_tests_properties(${name} PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 600)
+  set_tests_properties(${name} PROPERTIES LABELS "gpu;cuda" SKIP_RETURN_CODE 77 TIMEOUT 600)
 endfunction()
 
 # k3_add_mpi_test(<name> <source> NP <n>...): runs under mpirun with each listed rank count.
@@ -63,7 +68,7 @@ function(k3_add_mpi_test name source)
 endfunction()
 
 # k3_add_cuda_host_test(<name> <source.cu>): CUDA-compiled doctest that needs no GPU (argument
-# checks, error types); runs on every machine that has nvcc, label cpu.
+# checks, error types); runs on every machine that has nvcc, labels cpu and cuda.
 function(k3_add_cuda_host_test name source)
   add_executable(${name} ${source})
   target_link_libraries(${name} PRIVATE k3::cuda k3_test_main)
@@ -71,5 +76,5 @@ function(k3_add_cuda_host_test name source)
   if(K3_WARNINGS_AS_ERRORS)
     target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--Werror=all-warnings>)
   endif()
-  doctest_discover_tests(${name} PROPERTIES LABELS cpu TIMEOUT 120)
+  k3_discover_labelled_tests(${name} "cpu;cuda" 120)
 endfunction()
