@@ -8,18 +8,11 @@
 #include "attnres/toy_model.hpp"
 #include "k3/attnres.hpp"
 #include "k3/comm/mpi.hpp"
+#include "mpi_check.hpp"
 
 namespace ar = k3::attnres;
 using k3::index_t;
 
-static int failures = 0;
-#define EXPECT(cond)                                                                 \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
-      std::printf("rank check failed at line %d: %s\n", __LINE__, #cond);           \
-      ++failures;                                                                    \
-    }                                                                                \
-  } while (0)
 
 static double max_rel(std::vector<double> const& a, std::vector<double> const& b) { return attnres_ref::rel_err(a, b); }
 
@@ -138,8 +131,5 @@ int main(int argc, char** argv) {
       std::printf("mode %d, %d ranks x %d virtual stages: bank rows sent %lld (cached) vs %lld (resend all)\n", int(md), P, int(V),
                   (long long)counts[0], (long long)counts[1]);
   }
-  std::vector<std::int64_t> f = {failures};
-  comm.all_reduce_sum(k3::host_view(f.data(), 1));
-  if (me == 0) std::printf("%s: %lld failed checks\n", f[0] ? "FAIL" : "PASS", (long long)f[0]);
-  return f[0] ? 1 : 0;
+  return k3::test::mpi_verdict(comm);
 }

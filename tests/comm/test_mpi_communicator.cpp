@@ -3,15 +3,8 @@
 #include <vector>
 
 #include "k3/comm/mpi.hpp"
+#include "mpi_check.hpp"
 
-static int failures = 0;
-#define EXPECT(cond)                                                       \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::printf("rank check failed at line %d: %s\n", __LINE__, #cond); \
-      ++failures;                                                          \
-    }                                                                      \
-  } while (0)
 
 int main(int argc, char** argv) {
   k3::mpi_session session(&argc, &argv);
@@ -69,8 +62,5 @@ int main(int argc, char** argv) {
   EXPECT(threw);
 
   c.barrier();
-  int total = 0;
-  MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-  if (r == 0) std::printf("%s: %d ranks, %d failed checks\n", total ? "FAILED" : "passed", n, total);
-  return total ? 1 : 0;
+  return k3::test::mpi_verdict(c);
 }

@@ -7,20 +7,11 @@
 
 #include "dplr_test_util.hpp"
 #include "k3/comm/mpi.hpp"
+#include "mpi_check.hpp"
 
 using namespace dplr_test;
 using k3::index_t;
 
-static int failures = 0;
-#define EXPECT(cond, ...)                                                                \
-  do {                                                                                   \
-    if (!(cond)) {                                                                       \
-      std::printf("rank %d: check failed at line %d: %s ", rank, __LINE__, #cond);      \
-      std::printf(__VA_ARGS__);                                                          \
-      std::printf("\n");                                                                 \
-      ++failures;                                                                        \
-    }                                                                                    \
-  } while (0)
 
 template <class T>
 std::vector<T> block(std::vector<T> const& x, index_t B, index_t T_, index_t H, index_t D, index_t t0, index_t n) {
@@ -88,7 +79,7 @@ int main(int argc, char** argv) {
     run_case<float>(comm, rank, 4, 1, 150, 1, 32, 32, 32, split(150, P, 1), 2e-4, true);
   } catch (std::exception const& e) {
     std::printf("rank %d: unexpected exception: %s\n", rank, e.what());
-    ++failures;
+    ++k3::test::mpi_failures();
   }
 
   // A rank passing a different K: every rank reports a clear error, nobody hangs.
@@ -119,8 +110,5 @@ int main(int argc, char** argv) {
   }
 
   comm.barrier();
-  int total = 0;
-  MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-  if (rank == 0) std::printf("%s: %d ranks, %d failed checks\n", total ? "FAILED" : "passed", P, total);
-  return total ? 1 : 0;
+  return k3::test::mpi_verdict(comm);
 }

@@ -6,19 +6,12 @@
 #include <vector>
 
 #include "k3/comm/mpi.hpp"
+#include "mpi_check.hpp"
 #include "moe/moe_test_util.hpp"
 
 using namespace moe_test;
 namespace moe = k3::moe;
 
-static int failures = 0;
-#define EXPECT(cond)                                                       \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::printf("rank check failed at line %d: %s\n", __LINE__, #cond); \
-      ++failures;                                                          \
-    }                                                                      \
-  } while (0)
 
 int main(int argc, char** argv) {
   k3::mpi_session session(&argc, &argv);
@@ -61,8 +54,5 @@ int main(int argc, char** argv) {
   for (index_t j = 0; j < n; ++j) absb += std::fabs(dist.bias()(j));
   EXPECT(absb > 1.0);
   comm.barrier();
-  int total = 0;
-  MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-  if (r == 0) std::printf("%s: %d ranks, %d failed checks\n", total ? "FAILED" : "passed", R, total);
-  return total ? 1 : 0;
+  return k3::test::mpi_verdict(comm);
 }
