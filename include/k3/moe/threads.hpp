@@ -208,7 +208,8 @@ bool select_token_simd(float const* K3_RESTRICT s, float const* K3_RESTRICT b, i
   return true;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__BMI2__)
+#define K3_MOE_SELECT512 1
 // AVX-512 top-(k+1) for one token, exact and bit-identical to rank_token:
 //  1. one pass compresses the candidates z >= g_lo (generous guess, from running statistics of
 //     the cut-off) into a buffer, in index order, and checks finiteness;
@@ -218,9 +219,6 @@ bool select_token_simd(float const* K3_RESTRICT s, float const* K3_RESTRICT b, i
 //     (no ties: the ranks are a permutation, checked by their sum), so each candidate lands
 //     in its slot directly. A tie, too few or too many candidates take the general path.
 // The guesses only affect speed.
-#ifdef K3_MOE_PROBE_STATS
-inline struct { long tokens, c_sum, too_few, too_many, c2_sum, c2_fail; } probe_stats{};
-#endif
 struct select_state512 {
   float mean = 0.f, dev = 0.f;  // running mean / mean absolute deviation of the cut-off
   bool primed = false;
@@ -267,11 +265,11 @@ K3_INLINE bool rank_candidates512(float const* cz, std::int32_t const* cj, index
   return true;
 }
 
-// Returns 0 on a non-finite score, 1 when done, 2 when the caller must use the general path
-// (which is exact for any input).
-inline int select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, index_t kk, ranked* best,
+// Returns false when the caller must use the general path (exact for any input, and the one
+// that reports non-finite scores).
+inline bool select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, index_t kk, ranked* best,
                            select_state512& st) {
-  if (!st.primed || n > 1024 || kk > 48) return 2;
+  if (!st.primed || n > 1024 || kk > 48) return false;
   float const g_lo = st.mean - 3.f * st.dev - 1e-30f, g_hi = st.mean - 0.6f * st.dev;
   __m512i const lane_iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   float* K3_RESTRICT cz = st.cz;
@@ -310,13 +308,10 @@ inline int select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT 
   };
   bool finite = true;
   index_t c = collect(g_lo, finite);
-  if (!finite) return 2;  // the general path tells a non-finite score from an overflow
+  if (!finite) return false;  // the general path tells a non-finite score from an overflow
   // Too few (a token far below the running cut-off): lower the guess, twice at most.
   for (int tries = 0; c < kk && tries < 2; ++tries) c = collect(g_lo - float(4 << (2 * tries)) * (st.dev + 1e-30f), finite);
-#ifdef K3_MOE_PROBE_STATS
-  probe_stats.tokens++; probe_stats.c_sum += c; if (c < kk) probe_stats.too_few++; if (c > 64) probe_stats.too_many++;
-#endif
-  if (c < kk || c > 64) return 2;
+  if (c < kk || c > 64) return false;
   // Tight set z >= g_hi, compressed in registers (still index order), both sets padded with
   // -inf to whole vectors.
   __m512 const ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -335,10 +330,6 @@ inline int select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT 
   }
   _mm512_storeu_ps(z2 + c2, ninf);  // pads up to the next two whole vectors (rank loops read them)
   _mm512_storeu_ps(z2 + c2 + 16, ninf);
-#ifdef K3_MOE_PROBE_STATS
-  if (c2 < kk) probe_stats.c2_fail++;
-  probe_stats.c2_sum += c2 >= kk ? c2 : c;
-#endif
   if (c2 >= kk) {
     cz = z2;
     cj = j2;
@@ -352,7 +343,7 @@ inline int select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT 
   } else {
     ok = rank_candidates512<4, false>(cz, cj, c, kk, best, st.tz, st.tj);
   }
-  return ok ? 1 : 2;
+  return ok;
 }
 
 // emit_token with the divisions done 16 lanes at a time (the same IEEE operations per
@@ -498,7 +489,7 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     }
     std::vector<ranked> best(static_cast<std::size_t>(kk)), z;
     select_state st;
-#if defined(__AVX512F__)
+#if defined(K3_MOE_SELECT512)
     constexpr bool use512 = xsimd::batch<float, Arch>::size == 16;
     auto st512 = std::make_unique<select_state512>();
 #endif
@@ -506,13 +497,9 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     for (index_t i = lo_i; i < hi_i; ++i) {
       float const* s = &scores(i, 0);
       if (fast) {
-#if defined(__AVX512F__)
-        int const r512 = use512 ? select_token512(s, bvec.data(), n, kk, best.data(), *st512) : 2;
-        if (r512 == 0) {
-          bad_token[p] = i;
-          return;
-        }
-        if (r512 == 2 && !select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
+#if defined(K3_MOE_SELECT512)
+        bool const done = use512 && select_token512(s, bvec.data(), n, kk, best.data(), *st512);
+        if (!done && !select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
           bad_token[p] = i;
           return;
         }
@@ -538,7 +525,7 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
         continue;
       }
       if (!fast) rank_token(s, bias, opt, n, z, best);
-#if defined(__AVX512F__)
+#if defined(K3_MOE_SELECT512)
       if (use512 && fast && opt.k <= 48)
         emit_token512(i, s, best.data(), opt, out);
       else
