@@ -34,7 +34,11 @@ namespace k3::moe::detail {
 // exact insertion filter runs as a fallback. Either way the result is the exact top-(k+1) with
 // the documented tie-breaking; g only affects speed. g is then set to the biased score of rank
 // 2 (k+1) so that the next token usually has a few more than k+1 candidates.
-// Bit l set iff lane l of b is true (xsimd 8.1 has no batch_bool::mask()).
+// Bit l set iff lane l of b is true (xsimd 8.1 has no batch_bool::mask()). The vector
+// register types carry attributes that type traits drop (a -Wignored-attributes warning under
+// AVX/SSE builds; harmless here: only the type's identity is compared).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
 template <class Arch>
 inline std::uint64_t lane_mask(xsimd::batch_bool<float, Arch> const& b) noexcept {
   using bb = xsimd::batch_bool<float, Arch>;
@@ -60,6 +64,7 @@ inline std::uint64_t lane_mask(xsimd::batch_bool<float, Arch> const& b) noexcept
     return m;
   }
 }
+#pragma GCC diagnostic pop
 
 struct select_state {
   float guess = -std::numeric_limits<float>::infinity();
