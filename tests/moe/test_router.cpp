@@ -310,8 +310,9 @@ TEST_CASE("threads router: the carried-guess SIMD selection is exact on awkward 
   // all-equal rows, exact ties around the cut-off, a row far below (too few candidates: the
   // lowered retries and the general path), far above, a flat high plateau (more candidates
   // than the register path holds), +-0 ties, and scores whose s + b overflows to +inf.
-  for (auto [n, k] : {std::pair<index_t, index_t>{17, 1}, {17, 15}, {33, 16}, {37, 32}, {100, 47}, {100, 48}, {897, 16}, {1024, 16},
-                      {1025, 16}, {896, 2}}) {
+  for (auto nk : {std::pair<index_t, index_t>{17, 1}, {17, 15}, {33, 16}, {37, 32}, {100, 47}, {100, 48}, {897, 16}, {1024, 16},
+                  {1025, 16}, {896, 2}}) {
+    index_t const n = nk.first, k = nk.second;  // plain names: clang 14 cannot capture bindings
     CAPTURE(n);
     CAPTURE(k);
     index_t const m = 90;
