@@ -279,3 +279,96 @@ TEST_CASE("threads router stays exact when the carried threshold guess is poor")
     CHECK(h1 == h2);
   }
 }
+
+namespace {
+
+// Routes with cpu::threads (1..3 threads) and the serial reference; everything bit-identical.
+void check_threads_vs_serial(std::vector<float> const& s, std::vector<float> const& b, index_t m, index_t n, index_t k,
+                             index_t bins = 61) {
+  moe::router_options opt;
+  opt.k = k;
+  opt.routed_scale = 1.5f;
+  routed r1(m, k, n);
+  auto h1 = moe::qb_histogram::for_bias(cview(b), bins);
+  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, {}, &h1);
+  for (int nt : {1, 2, 3}) {
+    routed r2(m, k, n);
+    auto h2 = moe::qb_histogram::for_bias(cview(b), bins);
+    moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
+    CHECK(r1.idx == r2.idx);
+    CHECK(std::memcmp(r1.w.data(), r2.w.data(), r1.w.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(r1.cut.data(), r2.cut.data(), r1.cut.size() * sizeof(float)) == 0);
+    CHECK(r1.load == r2.load);
+    CHECK(h1 == h2);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("threads router: the carried-guess SIMD selection is exact on awkward streams") {
+  // A stationary stream primes the running cut-off statistics; the rows after it break them:
+  // all-equal rows, exact ties around the cut-off, a row far below (too few candidates: the
+  // lowered retries and the general path), far above, a flat high plateau (more candidates
+  // than the register path holds), +-0 ties, and scores whose s + b overflows to +inf.
+  for (auto nk : {std::pair<index_t, index_t>{17, 1}, {17, 15}, {33, 16}, {37, 32}, {100, 47}, {100, 48}, {897, 16}, {1024, 16},
+                  {1025, 16}, {896, 2}}) {
+    index_t const n = nk.first, k = nk.second;  // plain names: clang 14 cannot capture bindings
+    CAPTURE(n);
+    CAPTURE(k);
+    index_t const m = 90;
+    auto s = skewed_scores(m, n, 2.0, std::uint64_t(n * 31 + k));
+    auto b = uniform(n, -0.05, 0.05, std::uint64_t(n + k));
+    auto row = [&](index_t i) { return s.begin() + i * n; };
+    std::fill(row(40), row(41), 0.5f);                                   // all equal
+    for (index_t j = 0; j < n; ++j) s[41 * n + j] = std::round(s[41 * n + j] * 16.f) / 16.f;  // heavy ties
+    for (index_t j = 0; j < n; ++j) s[42 * n + j] *= 1e-3f;             // far below the guess
+    for (index_t j = 0; j < n; ++j) s[43 * n + j] = 0.999f + 1e-3f * s[43 * n + j];
+    for (index_t j = 0; j < n; ++j) s[44 * n + j] = j % 3 == 0 ? 0.97f : s[44 * n + j];  // plateau: many tied candidates
+    for (index_t j = 0; j < n; ++j) s[45 * n + j] = 0.9f + 0.05f * float(j % 7) / 7.f;  // many near-equal candidates
+    s[46 * n + n - 1] = 3.4e38f;                                         // s + b overflows for b > 0
+    s[46 * n + 0] = 3.4e38f;
+    for (index_t j = 0; j < n; ++j) s[47 * n + j] = (j % 2) ? 0.f : -0.f;  // +-0 ties
+    check_threads_vs_serial(s, b, m, n, k);
+    // Bias ties too: equal biased scores from different (s, b) pairs.
+    auto b2 = b;
+    for (index_t j = 0; j < n; j += 2) b2[j] = 0.f;
+    check_threads_vs_serial(s, b2, m, n, k, 1000);
+  }
+}
+
+TEST_CASE("threads router: one token, and margins exactly on histogram bin edges") {
+  for (index_t n : {2, 16, 19, 896}) {
+    auto s = uniform(n, 0, 1, std::uint64_t(n));
+    auto b = uniform(n, -0.1, 0.1, std::uint64_t(n + 1));
+    check_threads_vs_serial(s, b, 1, n, 1);
+  }
+  // Scores on a grid of the bin width: margins fall on bin edges (and the cut-off itself).
+  index_t const m = 70, n = 64, k = 4, bins = 40;
+  std::vector<float> b(static_cast<std::size_t>(n), 0.f);
+  b[0] = -0.5f;
+  b[1] = 0.5f;  // range [-1.5, 1.5]: width 3 / 40 = 0.075
+  auto s = uniform(m * n, 0, 1, 99);
+  for (auto& x : s) x = std::round(x / 0.075f) * 0.075f;
+  check_threads_vs_serial(s, b, m, n, k, bins);
+}
+
+TEST_CASE("threads router: a non-finite score after the running guess is primed is rejected by position") {
+  index_t const m = 50, n = 37, k = 4;
+  moe::router_options opt;
+  opt.k = k;
+  for (index_t bad_j : {0, 15, 16, 31, 32, 36}) {
+    for (float v : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+      auto s = skewed_scores(m, n, 1.0, 5);
+      auto b = uniform(n, -0.05, 0.05, 6);
+      s[30 * n + bad_j] = v;
+      routed r(m, k, n);
+      std::string msg;
+      try {
+        moe::route(k3::cpu::threads<>(1), cview(s, m, n), cview(b), r.out(), opt);
+      } catch (k3::error const& e) {
+        msg = e.what();
+      }
+      CHECK(msg.find("'scores': non-finite value at token 30, expert " + std::to_string(bad_j)) != std::string::npos);
+    }
+  }
+}

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 #include <xsimd/xsimd.hpp>
 #if defined(__SSE__)
@@ -33,7 +34,11 @@ namespace k3::moe::detail {
 // exact insertion filter runs as a fallback. Either way the result is the exact top-(k+1) with
 // the documented tie-breaking; g only affects speed. g is then set to the biased score of rank
 // 2 (k+1) so that the next token usually has a few more than k+1 candidates.
-// Bit l set iff lane l of b is true (xsimd 8.1 has no batch_bool::mask()).
+// Bit l set iff lane l of b is true (xsimd 8.1 has no batch_bool::mask()). The vector
+// register types carry attributes that type traits drop (a -Wignored-attributes warning under
+// AVX/SSE builds; harmless here: only the type's identity is compared).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
 template <class Arch>
 inline std::uint64_t lane_mask(xsimd::batch_bool<float, Arch> const& b) noexcept {
   using bb = xsimd::batch_bool<float, Arch>;
@@ -59,6 +64,7 @@ inline std::uint64_t lane_mask(xsimd::batch_bool<float, Arch> const& b) noexcept
     return m;
   }
 }
+#pragma GCC diagnostic pop
 
 struct select_state {
   float guess = -std::numeric_limits<float>::infinity();
@@ -207,6 +213,181 @@ bool select_token_simd(float const* K3_RESTRICT s, float const* K3_RESTRICT b, i
   return true;
 }
 
+#if defined(__AVX512F__) && defined(__BMI2__)
+#define K3_MOE_SELECT512 1
+// AVX-512 top-(k+1) for one token, exact and bit-identical to rank_token:
+//  1. one pass compresses the candidates z >= g_lo (generous guess, from running statistics of
+//     the cut-off) into a buffer, in index order, and checks finiteness;
+//  2. in registers, the candidates z >= g_hi (tight guess) are compressed again; if at least
+//     k+1 remain, only they are ranked (the k+1 best overall are among them);
+//  3. rank(a) = #{b : z_b > z_a} by broadcasting each candidate against the candidate vectors
+//     (no ties: the ranks are a permutation, checked by their sum), so each candidate lands
+//     in its slot directly. A tie, too few or too many candidates take the general path.
+// The guesses only affect speed.
+struct select_state512 {
+  float mean = 0.f, dev = 0.f;  // running mean / mean absolute deviation of the cut-off
+  bool primed = false;
+  alignas(64) float cz[1024 + 64];
+  alignas(64) std::int32_t cj[1024 + 64];
+  alignas(64) float z2[64 + 32];
+  alignas(64) std::int32_t j2[64 + 32];
+  alignas(64) float tz[64];
+  alignas(64) std::int32_t tj[64];
+};
+
+// Ranks the c candidates (index order, c <= 16 NV, lanes from c on padded with -inf) and
+// writes the kk best to `best` in ranking order. Returns false on a tie (the caller then
+// takes the general path). With `fixed`, the broadcast loop runs over all 16 NV slots (pads
+// never count): a constant trip count costs fewer cycles than a mispredicted loop exit.
+template <int NV, bool fixed>
+K3_INLINE bool rank_candidates512(float const* cz, std::int32_t const* cj, index_t c, index_t kk, ranked* best, float* tz,
+                                   std::int32_t* tj) {
+  __m512 za[NV];
+  __m512i acc[NV];
+  __m512i const ones = _mm512_set1_epi32(-1);
+  for (int v = 0; v < NV; ++v) {
+    za[v] = _mm512_load_ps(cz + 16 * v);
+    acc[v] = _mm512_setzero_si512();
+  }
+  index_t const nb = fixed ? 16 * NV : c;
+  for (index_t b = 0; b < nb; ++b) {
+    __m512 const zb = _mm512_set1_ps(cz[b]);
+    for (int v = 0; v < NV; ++v) acc[v] = _mm512_mask_sub_epi32(acc[v], _mm512_cmp_ps_mask(zb, za[v], _CMP_GT_OQ), acc[v], ones);
+  }
+  // Tie-free iff the ranks of the c real lanes are 0..c-1 (pad lanes, -inf, all rank c).
+  __m512i sum = acc[0];
+  for (int v = 1; v < NV; ++v) sum = _mm512_add_epi32(sum, acc[v]);
+  std::int64_t const expect = c * (c - 1) / 2 + (16 * NV - c) * c;
+  if (std::int64_t(_mm512_reduce_add_epi32(sum)) != expect) return false;
+  alignas(64) std::int32_t rk[16 * NV];
+  for (int v = 0; v < NV; ++v) _mm512_store_si512(rk + 16 * v, acc[v]);
+  index_t const na = fixed ? 16 * NV : c;  // pad lanes all land in slot c >= kk: harmless
+  for (index_t a = 0; a < na; ++a) {
+    tz[rk[a]] = cz[a];
+    tj[rk[a]] = cj[a];
+  }
+  for (index_t r = 0; r < kk; ++r) best[r] = {tz[r], tj[r]};
+  return true;
+}
+
+// Returns false when the caller must use the general path (exact for any input, and the one
+// that reports non-finite scores).
+inline bool select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, index_t kk, ranked* best,
+                           select_state512& st) {
+  if (!st.primed || n > 1024 || kk > 48) return false;
+  float const g_lo = st.mean - 3.f * st.dev - 1e-30f, g_hi = st.mean - 0.6f * st.dev;
+  __m512i const lane_iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  float* K3_RESTRICT cz = st.cz;
+  std::int32_t* K3_RESTRICT cj = st.cj;
+  // Candidates z >= g in index order. Finiteness rides along as an unsigned max of |z|'s bits
+  // (above 0x7f7fffff means inf or NaN; a finite s whose s + b overflows also lands there, and
+  // the general path then tells the two apart). An FMA accumulator (z * 0 + acc) is as exact
+  // but its latency chain slows the loop.
+  auto collect = [&](float g, bool& finite) {
+    __m512 const vg = _mm512_set1_ps(g);
+    __m512i const abs_bits = _mm512_set1_epi32(0x7fffffff);
+    __m512i mag = _mm512_setzero_si512();
+    __m512i ids = lane_iota;
+    __m512i const sixteen = _mm512_set1_epi32(16);
+    index_t c = 0, j = 0;
+    for (; j + 16 <= n; j += 16) {
+      __m512 const z = _mm512_add_ps(_mm512_loadu_ps(s + j), _mm512_loadu_ps(b + j));
+      mag = _mm512_max_epu32(mag, _mm512_and_si512(_mm512_castps_si512(z), abs_bits));
+      __mmask16 const mk = _mm512_cmp_ps_mask(z, vg, _CMP_GE_OQ);
+      _mm512_storeu_ps(cz + c, _mm512_maskz_compress_ps(mk, z));
+      _mm512_storeu_si512(cj + c, _mm512_maskz_compress_epi32(mk, ids));
+      ids = _mm512_add_epi32(ids, sixteen);
+      c += std::popcount(static_cast<unsigned>(mk));
+    }
+    if (j < n) {
+      __mmask16 const tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+      __m512 const z = _mm512_add_ps(_mm512_maskz_loadu_ps(tail, s + j), _mm512_maskz_loadu_ps(tail, b + j));
+      mag = _mm512_max_epu32(mag, _mm512_and_si512(_mm512_castps_si512(z), abs_bits));
+      __mmask16 const mk = _mm512_mask_cmp_ps_mask(tail, z, vg, _CMP_GE_OQ);
+      _mm512_storeu_ps(cz + c, _mm512_maskz_compress_ps(mk, z));
+      _mm512_storeu_si512(cj + c, _mm512_maskz_compress_epi32(mk, ids));
+      c += std::popcount(static_cast<unsigned>(mk));
+    }
+    finite = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7f7fffff)) == 0;
+    return c;
+  };
+  bool finite = true;
+  index_t c = collect(g_lo, finite);
+  if (!finite) return false;  // the general path tells a non-finite score from an overflow
+  // Too few (a token far below the running cut-off): lower the guess, twice at most.
+  for (int tries = 0; c < kk && tries < 2; ++tries) c = collect(g_lo - float(4 << (2 * tries)) * (st.dev + 1e-30f), finite);
+  if (c < kk || c > 64) return false;
+  // Tight set z >= g_hi, compressed in registers (still index order), both sets padded with
+  // -inf to whole vectors.
+  __m512 const ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 const vh = _mm512_set1_ps(g_hi);
+  float* K3_RESTRICT z2 = st.z2;
+  std::int32_t* K3_RESTRICT j2 = st.j2;
+  index_t c2 = 0;
+  for (index_t o = 0; o < 64; o += 16) {
+    __mmask16 const valid = static_cast<__mmask16>(_bzhi_u32(0xffffu, static_cast<unsigned>(std::clamp<index_t>(c - o, 0, 16))));
+    __m512 const z = _mm512_mask_loadu_ps(ninf, valid, cz + o);
+    _mm512_store_ps(cz + o, z);
+    __mmask16 const mk = _mm512_cmp_ps_mask(z, vh, _CMP_GE_OQ);
+    _mm512_storeu_ps(z2 + c2, _mm512_mask_compress_ps(ninf, mk, z));
+    _mm512_storeu_si512(j2 + c2, _mm512_maskz_compress_epi32(mk, _mm512_loadu_si512(cj + o)));
+    c2 += std::popcount(static_cast<unsigned>(mk));
+  }
+  _mm512_storeu_ps(z2 + c2, ninf);  // pads up to the next two whole vectors (rank loops read them)
+  _mm512_storeu_ps(z2 + c2 + 16, ninf);
+  if (c2 >= kk) {
+    cz = z2;
+    cj = j2;
+    c = c2;
+  }
+  bool ok;
+  if (c <= 32) {
+    ok = rank_candidates512<2, true>(cz, cj, c, kk, best, st.tz, st.tj);
+  } else if (c <= 48) {
+    ok = rank_candidates512<3, false>(cz, cj, c, kk, best, st.tz, st.tj);
+  } else {
+    ok = rank_candidates512<4, false>(cz, cj, c, kk, best, st.tz, st.tj);
+  }
+  return ok;
+}
+
+// emit_token with the divisions done 16 lanes at a time (the same IEEE operations per
+// weight, so the results are identical; the sum keeps its sequential order).
+inline void emit_token512(index_t i, float const* s, ranked const* best, router_options const& opt, route_outputs const& out) {
+  index_t const k = opt.k;
+  alignas(64) float sv[64];
+  float sum = 0.f;
+  for (index_t r = 0; r < k; ++r) {
+    sv[r] = s[best[r].j];
+    sum += sv[r];
+  }
+  __m512 const denom = _mm512_set1_ps(sum + 1e-20f), scale = _mm512_set1_ps(opt.routed_scale);
+  for (index_t r = 0; r < k; r += 16) {
+    __m512 const v = _mm512_load_ps(sv + r);
+    _mm512_store_ps(sv + r, _mm512_mul_ps(_mm512_div_ps(v, denom), scale));
+  }
+  for (index_t r = 0; r < k; ++r) {
+    out.indices(i, r) = best[r].j;
+    out.weights(i, r) = sv[r];
+  }
+  if (!out.cutoff.empty()) out.cutoff(i) = best[k].z;
+}
+
+// Running statistics of the cut-off (rank k) that set the next token's guesses.
+inline void observe_cutoff512(select_state512& st, float cut, float top) {
+  if (!st.primed) {
+    st.mean = cut;
+    st.dev = 0.25f * (top - cut);
+    st.primed = std::isfinite(st.mean) && std::isfinite(st.dev);
+    return;
+  }
+  float const d = cut - st.mean;
+  st.mean += 0.125f * d;
+  st.dev += 0.125f * (std::fabs(d) - st.dev);
+  if (!(std::isfinite(st.mean) && std::isfinite(st.dev))) st.primed = false;
+}
+#endif
+
 // Adds one token's margins alpha - s_j to a private 16-bit histogram [n][B] (half the cache
 // footprint of int32; the caller spills it before any count can reach 65535).
 template <class Arch>
@@ -313,14 +494,27 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     }
     std::vector<ranked> best(static_cast<std::size_t>(kk)), z;
     select_state st;
+#if defined(K3_MOE_SELECT512)
+    constexpr bool use512 = xsimd::batch<float, Arch>::size == 16;
+    auto st512 = std::make_unique<select_state512>();
+#endif
     std::vector<float> srow(static_cast<std::size_t>(n));
     for (index_t i = lo_i; i < hi_i; ++i) {
       float const* s = &scores(i, 0);
       if (fast) {
+#if defined(K3_MOE_SELECT512)
+        bool const done = use512 && select_token512(s, bvec.data(), n, kk, best.data(), *st512);
+        if (!done && !select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
+          bad_token[p] = i;
+          return;
+        }
+        if (use512) observe_cutoff512(*st512, best[kk - 1].z, best[0].z);
+#else
         if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
           bad_token[p] = i;
           return;
         }
+#endif
       } else {
         for (index_t j = 0; j < n; ++j) {
           if (!std::isfinite(s[j])) {
@@ -336,7 +530,12 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
         continue;
       }
       if (!fast) rank_token(s, bias, opt, n, z, best);
-      emit_token(i, s, best.data(), opt, out);
+#if defined(K3_MOE_SELECT512)
+      if (use512 && fast && opt.k <= 48)
+        emit_token512(i, s, best.data(), opt, out);
+      else
+#endif
+        emit_token(i, s, best.data(), opt, out);
       if (ld)
         for (index_t r = 0; r < opt.k; ++r) ++ld[best[r].j];
       if (h) {
