@@ -54,8 +54,9 @@ inline constexpr bool avx512_kernels =
 #endif
 
 // Streaming stores only pay when the output will not be read again from the cache: the
-// arrays written here are then far larger than a last-level cache.
-inline constexpr std::size_t stream_threshold_bytes = std::size_t(64) << 20;
+// arrays written here are then far larger than a last-level cache. (A variable so that tests
+// can force the streaming path on small arrays.)
+inline std::size_t stream_threshold_bytes = std::size_t(64) << 20;
 
 #if K3_ATTNRES_AVX512
 
@@ -137,15 +138,31 @@ inline void store32(float* dst, __m512 c0, __m512 c1, index_t kn, bool stream, _
 // ---- phase 1: scores ----------------------------------------------------------------------
 inline constexpr index_t p1_tl = 6, p1_tj = 4, p1_kb = 512;
 
-// Scratch floats the score kernel parks its accumulators in.
+// Scratch doubles the score kernel parks its accumulators in.
 inline index_t p1_dots_scratch(index_t n, index_t nq) noexcept {
   return ((nq + p1_tl - 1) / p1_tl) * ((n + p1_tj - 1) / p1_tj) * p1_tl * p1_tj * 16;
 }
 
+// Adds the 16 float lanes of c into the 16 doubles at p (or sets them).
+inline void p1_park(double* p, __m512 c, bool set) noexcept {
+  __m512d const lo = _mm512_cvtps_pd(_mm512_castps512_ps256(c));
+  __m512d const hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(c, 1));
+  if (set) {
+    _mm512_store_pd(p, lo);
+    _mm512_store_pd(p + 8, hi);
+  } else {
+    _mm512_store_pd(p, _mm512_add_pd(_mm512_load_pd(p), lo));
+    _mm512_store_pd(p + 8, _mm512_add_pd(_mm512_load_pd(p + 8), hi));
+  }
+}
+
 // dots[l * n + j] = q_l . x_j. q holds ceil(nq / 6) * 6 row pointers (rows past nq point at a
-// zero row), bzero a zero bfloat16 row of length d; acc has p1_dots_scratch(n, nq) floats.
+// zero row), bzero a zero bfloat16 row of length d; acc has p1_dots_scratch(n, nq) doubles
+// (64-byte aligned). Each d tile is summed in float registers (16 lanes, KB / 16 terms each)
+// and the lanes are added into double: a logit of a few units from d = 7168 terms keeps an
+// error well under 1e-6, which float lanes over the whole row do not.
 template <class Arch>
-void p1_dots_bf16(bfloat16 const* const* x, index_t n, float const* const* q, index_t nq, index_t d, bfloat16 const* bzero, float* acc,
+void p1_dots_bf16(bfloat16 const* const* x, index_t n, float const* const* q, index_t nq, index_t d, bfloat16 const* bzero, double* acc,
                   double* dots) {
   constexpr index_t TL = p1_tl, TJ = p1_tj, KB = p1_kb;
   index_t const nlt = (nq + TL - 1) / TL, njt = (n + TJ - 1) / TJ;
@@ -160,15 +177,10 @@ void p1_dots_bf16(bfloat16 const* const* x, index_t n, float const* const* q, in
       for (index_t jt = 0; jt < njt; ++jt) {
         bfloat16 const* xj[TJ];
         for (index_t j = 0; j < TJ; ++j) xj[j] = jt * TJ + j < n ? x[jt * TJ + j] : bzero;
-        float* a = acc + (lt * njt + jt) * TL * TJ * 16;
+        double* a = acc + (lt * njt + jt) * TL * TJ * 16;
         __m512 c[TL][TJ];
-        if (k0 == 0) {
-          for (index_t l = 0; l < TL; ++l)
-            for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_setzero_ps();
-        } else {
-          for (index_t l = 0; l < TL; ++l)
-            for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_load_ps(a + (l * TJ + j) * 16);
-        }
+        for (index_t l = 0; l < TL; ++l)
+          for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_setzero_ps();
         for (index_t k = k0; k < kv; k += 16) {
           __m512 bv[TJ];
           for (index_t j = 0; j < TJ; ++j) bv[j] = bf16_lo16(xj[j] + k);
@@ -188,17 +200,22 @@ void p1_dots_bf16(bfloat16 const* const* x, index_t n, float const* const* q, in
             for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_fmadd_ps(qv, bv[j], c[l][j]);
           }
         }
+        // fully unrolled, so that c stays in registers
+#pragma GCC unroll 8
         for (index_t l = 0; l < TL; ++l)
-          for (index_t j = 0; j < TJ; ++j) _mm512_store_ps(a + (l * TJ + j) * 16, c[l][j]);
+#pragma GCC unroll 4
+          for (index_t j = 0; j < TJ; ++j) p1_park(a + (l * TJ + j) * 16, c[l][j], k0 == 0);
       }
     }
   }
   for (index_t lt = 0; lt < nlt; ++lt)
     for (index_t jt = 0; jt < njt; ++jt) {
-      float const* a = acc + (lt * njt + jt) * TL * TJ * 16;
+      double const* a = acc + (lt * njt + jt) * TL * TJ * 16;
       for (index_t l = 0; l < TL && lt * TL + l < nq; ++l)
-        for (index_t j = 0; j < TJ && jt * TJ + j < n; ++j)
-          dots[(lt * TL + l) * n + jt * TJ + j] = double(_mm512_reduce_add_ps(_mm512_load_ps(a + (l * TJ + j) * 16)));
+        for (index_t j = 0; j < TJ && jt * TJ + j < n; ++j) {
+          double const* p = a + (l * TJ + j) * 16;
+          dots[(lt * TL + l) * n + jt * TJ + j] = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(p), _mm512_load_pd(p + 8)));
+        }
     }
 }
 

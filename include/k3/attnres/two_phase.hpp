@@ -224,10 +224,10 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
     if constexpr (fast) {
       using Arch = typename detail::simd_arch<B>::type;
       index_t const nlq = (nq + detail::p1_tl - 1) / detail::p1_tl * detail::p1_tl;
-      // 64-byte aligned float scratch: parked score accumulators, then the mix tile
-      std::vector<float> scratch(static_cast<std::size_t>(detail::p1_dots_scratch(n, nq) + nq * 32 + d + 16));
-      float* acc = scratch.data() + (16 - (reinterpret_cast<std::uintptr_t>(scratch.data()) / sizeof(float)) % 16) % 16;
-      float* tile = acc + detail::p1_dots_scratch(n, nq);
+      // 64-byte aligned scratch: parked score accumulators (double), the mix tile (float)
+      std::vector<double> scratch(static_cast<std::size_t>(detail::p1_dots_scratch(n, nq) + (nq * 32 + d) / 2 + 16));
+      double* acc = scratch.data() + (8 - (reinterpret_cast<std::uintptr_t>(scratch.data()) / sizeof(double)) % 8) % 8;
+      float* tile = reinterpret_cast<float*>(acc + detail::p1_dots_scratch(n, nq));
       float* qzero = tile + nq * 32;
       std::fill(qzero, qzero + d, 0.0f);
       std::vector<bfloat16> bzero(static_cast<std::size_t>(d), bfloat16(0.0f));
