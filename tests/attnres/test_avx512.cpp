@@ -287,3 +287,45 @@ TEST_CASE("phase2_add kernels: the residual add rounds every bit pattern as k3::
     CHECK((t == 1 ? all_nan : all_finite));
   }
 }
+
+TEST_CASE("phase 2 at a block's first site (h = o): every value rounded as k3::bfloat16 rounds, streamed or not") {
+  attnres_ref::rng r(91);
+  auto const saved = ar::detail::stream_threshold_bytes;
+  for (std::size_t threshold : {saved, std::size_t(0)})
+    for (index_t d : {index_t(1), index_t(31), index_t(32), index_t(77), index_t(4096)}) {
+      CAPTURE(d);
+      ar::detail::stream_threshold_bytes = threshold;
+      index_t const T = 3;
+      k3::tensor<bfloat16, 2> ob({T, d}), hb({T, d}), part({T, d});
+      k3::tensor<float, 2> of({T, d}), hf({T, d});
+      for (index_t i = 0; i < T * d; ++i) {
+        ob.data()[i].bits = std::uint16_t(r.g() & 0xffff);  // every kind of pattern, NaNs included
+        std::uint32_t const fb = std::uint32_t(r.g());
+        of.data()[i] = std::bit_cast<float>(i % 3 ? fb : fb & 0x807fffffu);  // a third subnormal
+      }
+      std::vector<float> lse(static_cast<std::size_t>(T), 0.0f), u(static_cast<std::size_t>(d), 0.0f);
+      k3::cpu::threads<> b(2);
+      auto lv = k3::tensor_view<float const, 1>(lse.data(), {T});
+      auto uv = k3::tensor_view<float const, 1>(u.data(), {d});
+      auto pv = k3::tensor_view<bfloat16 const, 2>(part.view());
+      ar::phase2(b, k3::tensor_view<bfloat16 const, 2>(ob.view()), lv, pv, false, uv, hb.view());
+      ar::phase2(b, k3::tensor_view<float const, 2>(of.view()), lv, pv, false, uv, hf.view());
+      index_t bad = 0;
+      for (index_t i = 0; i < T * d; ++i) {
+        bfloat16 v;
+        ar::detail::put(v, float(ob.data()[i]));
+        bad += bits(v) != bits(hb.data()[i]);
+        float const x = of.data()[i], y = hf.data()[i];
+        bad += !(std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(y) || (std::isnan(x) && std::isnan(y)));
+      }
+      CHECK(bad == 0);
+      ar::phase2(b, k3::tensor_view<float const, 2>(of.view()), lv, pv, false, uv, hb.view());
+      for (index_t i = 0; i < T * d; ++i) {
+        bfloat16 v;
+        ar::detail::put(v, of.data()[i]);
+        bad += bits(v) != bits(hb.data()[i]);
+      }
+      CHECK(bad == 0);
+    }
+  ar::detail::stream_threshold_bytes = saved;
+}

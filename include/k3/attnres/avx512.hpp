@@ -156,58 +156,58 @@ inline void p1_park(double* p, __m512 c, bool set) noexcept {
   }
 }
 
-// dots[l * n + j] = q_l . x_j. q holds ceil(nq / 6) * 6 row pointers (rows past nq point at a
-// zero row), bzero a zero bfloat16 row of length d; acc has p1_dots_scratch(n, nq) doubles
-// (64-byte aligned). Each d tile is summed in float registers (16 lanes, KB / 16 terms each)
-// and the lanes are added into double: a logit of a few units from d = 7168 terms keeps an
-// error well under 1e-6, which float lanes over the whole row do not.
+// One d tile [k0, k0 + KB) of every site x source product, lanes added into acc.
 template <class Arch>
-void p1_dots_bf16(bfloat16 const* const* x, index_t n, float const* const* q, index_t nq, index_t d, bfloat16 const* bzero, double* acc,
-                  double* dots) {
+void p1_dots_tile(bfloat16 const* const* x, index_t n, float const* const* q, index_t nq, index_t d, index_t k0, bfloat16 const* bzero,
+                  double* acc) {
   constexpr index_t TL = p1_tl, TJ = p1_tj, KB = p1_kb;
   index_t const nlt = (nq + TL - 1) / TL, njt = (n + TJ - 1) / TJ;
   index_t const dv = d / 16 * 16;
   __mmask16 const tail = __mmask16((1u << (d - dv)) - 1);
-  for (index_t k0 = 0; k0 < d; k0 += KB) {
-    index_t const k1 = std::min(d, k0 + KB), kv = std::min(k1, dv);
-    bool const has_tail = k1 == d && dv < d;
-    for (index_t lt = 0; lt < nlt; ++lt) {
-      float const* ql[TL];
-      for (index_t l = 0; l < TL; ++l) ql[l] = q[lt * TL + l];
-      for (index_t jt = 0; jt < njt; ++jt) {
-        bfloat16 const* xj[TJ];
-        for (index_t j = 0; j < TJ; ++j) xj[j] = jt * TJ + j < n ? x[jt * TJ + j] : bzero;
-        double* a = acc + (lt * njt + jt) * TL * TJ * 16;
-        __m512 c[TL][TJ];
-        for (index_t l = 0; l < TL; ++l)
-          for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_setzero_ps();
-        for (index_t k = k0; k < kv; k += 16) {
-          __m512 bv[TJ];
-          for (index_t j = 0; j < TJ; ++j) bv[j] = bf16_lo16(xj[j] + k);
-          for (index_t l = 0; l < TL; ++l) {
-            __m512 qv = _mm512_loadu_ps(ql[l] + k);
-            // one load per query vector, not one folded into each of its 4 FMAs (the loads,
-            // not the FMAs, would then bound the loop)
-            __asm__("" : "+v"(qv));
-            for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_fmadd_ps(qv, bv[j], c[l][j]);
-          }
+  index_t const k1 = std::min(d, k0 + KB), kv = std::min(k1, dv);
+  bool const has_tail = k1 == d && dv < d;
+  for (index_t lt = 0; lt < nlt; ++lt) {
+    float const* ql[TL];
+    for (index_t l = 0; l < TL; ++l) ql[l] = q[lt * TL + l];
+    for (index_t jt = 0; jt < njt; ++jt) {
+      bfloat16 const* xj[TJ];
+      for (index_t j = 0; j < TJ; ++j) xj[j] = jt * TJ + j < n ? x[jt * TJ + j] : bzero;
+      double* a = acc + (lt * njt + jt) * TL * TJ * 16;
+      __m512 c[TL][TJ];
+      for (index_t l = 0; l < TL; ++l)
+        for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_setzero_ps();
+      for (index_t k = k0; k < kv; k += 16) {
+        __m512 bv[TJ];
+        for (index_t j = 0; j < TJ; ++j) bv[j] = bf16_lo16(xj[j] + k);
+        for (index_t l = 0; l < TL; ++l) {
+          __m512 qv = _mm512_loadu_ps(ql[l] + k);
+          // one load per query vector, not one folded into each of its 4 FMAs (the loads,
+          // not the FMAs, would then bound the loop)
+          __asm__("" : "+v"(qv));
+          for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_fmadd_ps(qv, bv[j], c[l][j]);
         }
-        if (has_tail) {
-          __m512 bv[TJ];
-          for (index_t j = 0; j < TJ; ++j) bv[j] = bf16_lo16_mask(xj[j] + dv, tail);
-          for (index_t l = 0; l < TL; ++l) {
-            __m512 const qv = _mm512_maskz_loadu_ps(tail, ql[l] + dv);
-            for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_fmadd_ps(qv, bv[j], c[l][j]);
-          }
-        }
-        // fully unrolled, so that c stays in registers
-#pragma GCC unroll 8
-        for (index_t l = 0; l < TL; ++l)
-#pragma GCC unroll 4
-          for (index_t j = 0; j < TJ; ++j) p1_park(a + (l * TJ + j) * 16, c[l][j], k0 == 0);
       }
+      if (has_tail) {
+        __m512 bv[TJ];
+        for (index_t j = 0; j < TJ; ++j) bv[j] = bf16_lo16_mask(xj[j] + dv, tail);
+        for (index_t l = 0; l < TL; ++l) {
+          __m512 const qv = _mm512_maskz_loadu_ps(tail, ql[l] + dv);
+          for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_fmadd_ps(qv, bv[j], c[l][j]);
+        }
+      }
+      // fully unrolled, so that c stays in registers
+#pragma GCC unroll 8
+      for (index_t l = 0; l < TL; ++l)
+#pragma GCC unroll 4
+        for (index_t j = 0; j < TJ; ++j) p1_park(a + (l * TJ + j) * 16, c[l][j], k0 == 0);
     }
   }
+}
+
+// dots[l * n + j] from the parked lanes.
+inline void p1_dots_finish(index_t n, index_t nq, double const* acc, double* dots) noexcept {
+  constexpr index_t TL = p1_tl, TJ = p1_tj;
+  index_t const nlt = (nq + TL - 1) / TL, njt = (n + TJ - 1) / TJ;
   for (index_t lt = 0; lt < nlt; ++lt)
     for (index_t jt = 0; jt < njt; ++jt) {
       double const* a = acc + (lt * njt + jt) * TL * TJ * 16;
@@ -217,6 +217,18 @@ void p1_dots_bf16(bfloat16 const* const* x, index_t n, float const* const* q, in
           dots[(lt * TL + l) * n + jt * TJ + j] = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(p), _mm512_load_pd(p + 8)));
         }
     }
+}
+
+// dots[l * n + j] = q_l . x_j. q holds ceil(nq / 6) * 6 row pointers (rows past nq point at a
+// zero row), bzero a zero bfloat16 row of length d; acc has p1_dots_scratch(n, nq) doubles
+// (64-byte aligned). Each d tile is summed in float registers (16 lanes, KB / 16 terms each)
+// and the lanes are added into double: a logit of a few units from d = 7168 terms keeps an
+// error near float rounding, which float lanes over the whole row do not.
+template <class Arch>
+void p1_dots_bf16(bfloat16 const* const* x, index_t n, float const* const* q, index_t nq, index_t d, bfloat16 const* bzero, double* acc,
+                  double* dots) {
+  for (index_t k0 = 0; k0 < d; k0 += p1_kb) p1_dots_tile<Arch>(x, n, q, nq, d, k0, bzero, acc);
+  p1_dots_finish(n, nq, acc, dots);
 }
 
 // ---- phase 1: mix -------------------------------------------------------------------------
@@ -285,13 +297,14 @@ inline void p1_mix_group(bfloat16 const* const* xg, float const* a, index_t n, i
   }
 }
 
-// out[l][k] = sum_j a[l * n + j] x_j[k] for every site; tile has nq * 32 floats (64-byte aligned).
-// Per output element: one FMA chain from zero over the sources in order, then rounding.
+// out[l][k] = sum_j a[l * n + j] x_j[k] for every site and the columns [k0, k1) (k0 a multiple
+// of 32); tile has nq * 32 floats (64-byte aligned). Per output element: one FMA chain from
+// zero over the sources in order, then rounding; `sub` collects subnormal results (p1_mix_fix).
 template <class Arch, class O>
-void p1_mix_bf16(bfloat16 const* const* x, index_t n, float const* a, index_t nq, index_t d, O* const* out, float* tile, bool stream) {
-  __mmask16 sub = 0;
-  for (index_t k = 0; k < d; k += 32) {
-    index_t const kn = std::min<index_t>(32, d - k);
+void p1_mix_cols(bfloat16 const* const* x, index_t n, float const* a, index_t nq, index_t k0, index_t k1, O* const* out, float* tile,
+                 bool stream, __mmask16& sub) {
+  for (index_t k = k0; k < k1; k += 32) {
+    index_t const kn = std::min<index_t>(32, k1 - k);
     for (index_t g = 0; g < n; g += 8) {
       index_t const gn = std::min<index_t>(8, n - g);
       bool const first = g == 0, last = g + gn == n;
@@ -307,9 +320,14 @@ void p1_mix_bf16(bfloat16 const* const* x, index_t n, float const* a, index_t nq
       }
     }
   }
+}
+
+// After a token's mix: if a result was subnormal (vcvtne2ps2bf16 flushed it), the same sums
+// again, rounded by put().
+template <class O>
+void p1_mix_fix(bfloat16 const* const* x, index_t n, float const* a, index_t nq, index_t d, O* const* out, __mmask16 sub) {
   if constexpr (std::is_same_v<O, bfloat16>) {
     if (sub != 0) {
-      // a subnormal result somewhere in this token: the same sums again, rounded by put()
       for (index_t l = 0; l < nq; ++l)
         for (index_t k = 0; k < d; ++k) {
           float c = 0.0f;
@@ -317,7 +335,16 @@ void p1_mix_bf16(bfloat16 const* const* x, index_t n, float const* a, index_t nq
           put(out[l][k], c);
         }
     }
+  } else {
+    (void)x, (void)n, (void)a, (void)nq, (void)d, (void)out, (void)sub;
   }
+}
+
+template <class Arch, class O>
+void p1_mix_bf16(bfloat16 const* const* x, index_t n, float const* a, index_t nq, index_t d, O* const* out, float* tile, bool stream) {
+  __mmask16 sub = 0;
+  p1_mix_cols<Arch>(x, n, a, nq, 0, d, out, tile, stream, sub);
+  p1_mix_fix(x, n, a, nq, d, out, sub);
 }
 
 // ---- phase 2 ------------------------------------------------------------------------------
@@ -428,6 +455,19 @@ void p2_add_token_bf16(bfloat16* K3_RESTRICT pr, D const* K3_RESTRICT dl, O cons
     float const ok = to_c<float>(o[k]);
     put(h[k], ok + p * (to_c<float>(pr[k]) - ok));
   }
+}
+
+// h = o for one row, each element through float and rounded as put() rounds (which for bf16
+// to bf16 only quiets a signalling NaN).
+template <class O, class H>
+void copy_row_bf16(O const* K3_RESTRICT o, H* K3_RESTRICT h, index_t d, bool stream) {
+  index_t const d32 = d / 32 * 32;
+  for (index_t k = 0; k < d32; k += 32) {
+    __m512 e, q;
+    eo_load(o + k, e, q);
+    eo_store(h + k, e, q, stream);
+  }
+  for (index_t k = d32; k < d; ++k) put(h[k], to_c<float>(o[k]));
 }
 
 inline void stream_fence() noexcept { _mm_sfence(); }

@@ -233,20 +233,21 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
       std::vector<bfloat16> bzero(static_cast<std::size_t>(d), bfloat16(0.0f));
       std::vector<float const*> q(static_cast<std::size_t>(nlq));
       for (index_t l = 0; l < nlq; ++l) q[l] = l < nq ? &u(l, 0) : qzero;
+      if (n == 0) {
+        for (index_t t = lo; t < hi; ++t)
+          for (index_t l = 0; l < nq; ++l) {
+            for (index_t k = 0; k < d; ++k) o(l, t, k) = store_as<O_>(C(0));
+            lse(l, t) = -std::numeric_limits<C>::infinity();
+          }
+        return;
+      }
       std::vector<float> a(static_cast<std::size_t>(nq * n));
       std::vector<double> dots(static_cast<std::size_t>(nq * n));
       std::vector<bfloat16 const*> x(static_cast<std::size_t>(n));
       std::vector<O_*> out(static_cast<std::size_t>(nq));
       for (index_t t = lo; t < hi; ++t) {
-        for (index_t l = 0; l < nq; ++l) out[l] = &o(l, t, 0);
-        if (n == 0) {
-          for (index_t l = 0; l < nq; ++l) {
-            for (index_t k = 0; k < d; ++k) out[l][k] = store_as<O_>(C(0));
-            lse(l, t) = -std::numeric_limits<C>::infinity();
-          }
-          continue;
-        }
         for (index_t j = 0; j < n; ++j) x[j] = &bank(j, t, 0);
+        for (index_t l = 0; l < nq; ++l) out[l] = &o(l, t, 0);
         detail::p1_dots_bf16<Arch>(x.data(), n, q.data(), nq, d, bzero.data(), acc, dots.data());
         for (index_t l = 0; l < nq; ++l) lse(l, t) = detail::p1_softmax(dots.data() + l * n, n, [&](index_t j) { return double(bank_rinv(j, t)); }, a.data() + l * n);
         detail::p1_mix_bf16<Arch>(x.data(), n, a.data(), nq, d, out.data(), tile, stream);
@@ -346,7 +347,29 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
   index_t const tasks = detail::token_tasks(b, T);
+  using O_ = std::remove_const_t<O>;
+  // A block's first site copies o into h: with AVX-512 in 32-column chunks, streamed when h is
+  // far larger than the cache (same rounding as put(); see avx512.hpp).
+  constexpr bool fast_copy = [] {
+    if constexpr (detail::simd_arch<B>::value) {
+      return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<C, float> &&
+             (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>) && (std::is_same_v<H, bfloat16> || std::is_same_v<H, float>);
+    } else {
+      return false;
+    }
+  }();
+  bool const stream = std::size_t(T) * std::size_t(d) * sizeof(H) >= detail::stream_threshold_bytes;
+  (void)stream;
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
+#if K3_ATTNRES_AVX512
+    if constexpr (fast_copy) {
+      if (!has_partial) {
+        for (index_t t = lo; t < hi; ++t) detail::copy_row_bf16(&o(t, 0), &h(t, 0), d, stream);
+        if (stream) detail::stream_fence();
+        return;
+      }
+    }
+#endif
     std::vector<C> buf(static_cast<std::size_t>(d));
     for (index_t t = lo; t < hi; ++t) {
       if (!has_partial) {
