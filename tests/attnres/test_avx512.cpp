@@ -105,7 +105,7 @@ void check_phase1(B const& b, p1_case c, std::uint64_t seed, double tiny_token_s
   // the portable kernels (float lanes over the whole row) up to 3.3e-6. A subnormal float mix
   // has fewer significant bits: then only the rounding relation below counts.
   CHECK(err <= (tiny_token_scale != 0 ? 1e-4 : (ar::detail::avx512_kernels<xsimd::default_arch> ? 2e-6 : 5e-6)));
-  CHECK(lerr <= 1e-6);
+  CHECK(lerr <= (ar::detail::avx512_kernels<xsimd::default_arch> ? 1e-6 : 5e-6));
   CHECK(same_bits);  // bf16 o is the float o rounded as k3::bfloat16 rounds, subnormals included
   CHECK(same_lse);
   if (tiny_token_scale != 0) CHECK(subnormal > 0);

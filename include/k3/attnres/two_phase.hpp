@@ -208,7 +208,7 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
   constexpr bool simd = detail::simd_arch<B>::value;
   using O_ = std::remove_const_t<O>;
   // The AVX-512 kernels read bfloat16 rows directly (avx512.hpp).
-  constexpr bool fast = [] {
+  [[maybe_unused]] constexpr bool fast = [] {
     if constexpr (simd) {
       return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<SS, bfloat16> &&
              (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>);
@@ -350,7 +350,7 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
   using O_ = std::remove_const_t<O>;
   // A block's first site copies o into h: with AVX-512 in 32-column chunks, streamed when h is
   // far larger than the cache (same rounding as put(); see avx512.hpp).
-  constexpr bool fast_copy = [] {
+  [[maybe_unused]] constexpr bool fast_copy = [] {
     if constexpr (detail::simd_arch<B>::value) {
       return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<C, float> &&
              (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>) && (std::is_same_v<H, bfloat16> || std::is_same_v<H, float>);
@@ -421,7 +421,7 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
   index_t const tasks = detail::token_tasks(b, T);
   using D_ = std::remove_const_t<D>;
   using O_ = std::remove_const_t<O>;
-  constexpr bool fast = [] {
+  [[maybe_unused]] constexpr bool fast = [] {
     if constexpr (detail::simd_arch<B>::value) {
       return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<S, bfloat16> &&
              (std::is_same_v<D_, bfloat16> || std::is_same_v<D_, float>) && (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>) &&
