@@ -140,20 +140,13 @@ inline constexpr index_t p1_tl = 6, p1_tj = 4, p1_kb = 512;
 
 // Scratch doubles the score kernel parks its accumulators in.
 inline index_t p1_dots_scratch(index_t n, index_t nq) noexcept {
-  return ((nq + p1_tl - 1) / p1_tl) * ((n + p1_tj - 1) / p1_tj) * p1_tl * p1_tj * 16;
+  return ((nq + p1_tl - 1) / p1_tl) * ((n + p1_tj - 1) / p1_tj) * p1_tl * p1_tj * 8;
 }
 
-// Adds the 16 float lanes of c into the 16 doubles at p (or sets them).
+// Adds the 16 float lanes of c, pairwise summed into 8, into the 8 doubles at p (or sets them).
 inline void p1_park(double* p, __m512 c, bool set) noexcept {
-  __m512d const lo = _mm512_cvtps_pd(_mm512_castps512_ps256(c));
-  __m512d const hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(c, 1));
-  if (set) {
-    _mm512_store_pd(p, lo);
-    _mm512_store_pd(p + 8, hi);
-  } else {
-    _mm512_store_pd(p, _mm512_add_pd(_mm512_load_pd(p), lo));
-    _mm512_store_pd(p + 8, _mm512_add_pd(_mm512_load_pd(p + 8), hi));
-  }
+  __m512d const v = _mm512_cvtps_pd(_mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1)));
+  _mm512_store_pd(p, set ? v : _mm512_add_pd(_mm512_load_pd(p), v));
 }
 
 // One d tile [k0, k0 + KB) of every site x source product, lanes added into acc.
@@ -172,7 +165,7 @@ void p1_dots_tile(bfloat16 const* const* x, index_t n, float const* const* q, in
     for (index_t jt = 0; jt < njt; ++jt) {
       bfloat16 const* xj[TJ];
       for (index_t j = 0; j < TJ; ++j) xj[j] = jt * TJ + j < n ? x[jt * TJ + j] : bzero;
-      double* a = acc + (lt * njt + jt) * TL * TJ * 16;
+      double* a = acc + (lt * njt + jt) * TL * TJ * 8;
       __m512 c[TL][TJ];
       for (index_t l = 0; l < TL; ++l)
         for (index_t j = 0; j < TJ; ++j) c[l][j] = _mm512_setzero_ps();
@@ -199,7 +192,7 @@ void p1_dots_tile(bfloat16 const* const* x, index_t n, float const* const* q, in
 #pragma GCC unroll 8
       for (index_t l = 0; l < TL; ++l)
 #pragma GCC unroll 4
-        for (index_t j = 0; j < TJ; ++j) p1_park(a + (l * TJ + j) * 16, c[l][j], k0 == 0);
+        for (index_t j = 0; j < TJ; ++j) p1_park(a + (l * TJ + j) * 8, c[l][j], k0 == 0);
     }
   }
 }
@@ -210,12 +203,10 @@ inline void p1_dots_finish(index_t n, index_t nq, double const* acc, double* dot
   index_t const nlt = (nq + TL - 1) / TL, njt = (n + TJ - 1) / TJ;
   for (index_t lt = 0; lt < nlt; ++lt)
     for (index_t jt = 0; jt < njt; ++jt) {
-      double const* a = acc + (lt * njt + jt) * TL * TJ * 16;
+      double const* a = acc + (lt * njt + jt) * TL * TJ * 8;
       for (index_t l = 0; l < TL && lt * TL + l < nq; ++l)
-        for (index_t j = 0; j < TJ && jt * TJ + j < n; ++j) {
-          double const* p = a + (l * TJ + j) * 16;
-          dots[(lt * TL + l) * n + jt * TJ + j] = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(p), _mm512_load_pd(p + 8)));
-        }
+        for (index_t j = 0; j < TJ && jt * TJ + j < n; ++j)
+          dots[(lt * TL + l) * n + jt * TJ + j] = _mm512_reduce_add_pd(_mm512_load_pd(a + (l * TJ + j) * 8));
     }
 }
 
