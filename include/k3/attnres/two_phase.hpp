@@ -13,6 +13,9 @@
 // Precision: float rows; phase-1 scores from float register tiles rounded into double, softmax
 // and lse in double; the phase-2 weight p from float lane sums (the step is bandwidth-bound).
 // Both agree with the one-pass mix to float rounding (tests: 1e-6 relative per site).
+// With bfloat16 storage on an AVX-512 backend, phase 1, phase2_add and a block's first phase 2
+// run the kernels of avx512.hpp (bf16 rows read directly, register-tiled products, scores summed
+// in double per 512-column tile, streamed outputs); every other case runs the portable ones.
 #pragma once
 #include <algorithm>
 #include <cmath>
