@@ -11,7 +11,12 @@
 //    o_l rows, which Table 1 does not count) are printed too.
 //  * overhead of the whole block over 24 plain residual adds (prefix += delta), same threads.
 //
+//  * phase 2 alone (bytes actually moved against the same yardstick) and the CPU utilisation
+//    during the block, to tell a compute-starved run on a shared machine from a slow kernel.
+//
 // Usage: bench_attnres [tokens] [repetitions]   (defaults 4096, 5)
+#include <sys/resource.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -62,9 +67,7 @@ int main(int argc, char** argv) {
     ar::phase1(b, k3::tensor_view<S_t const, 3>(bank.view()), k3::tensor_view<float const, 2>(rinv.view()),
                k3::tensor_view<float const, 2>(u.view()), o.view(), lse.view());
   };
-  auto two_phase_block = [&] {
-    ar::phase1(b, k3::tensor_view<S_t const, 3>(bank.view()), k3::tensor_view<float const, 2>(rinv.view()),
-               k3::tensor_view<float const, 2>(u.view()), o.view(), lse.view());
+  auto phase2_only = [&] {
     // site 0 of the block sees the completed blocks only
     ar::phase2(b, k3::tensor_view<S_t const, 2>(o.view().slice(0, 0)), k3::tensor_view<float const, 1>(lse.view().slice(0, 0)),
                k3::tensor_view<S_t const, 2>(prefix.view()), false, k3::tensor_view<float const, 1>(u.view().slice(0, 0)), h.view());
@@ -72,6 +75,10 @@ int main(int argc, char** argv) {
       ar::phase2_add(b, k3::tensor_view<S_t const, 2>(o.view().slice(0, i)), k3::tensor_view<float const, 1>(lse.view().slice(0, i)),
                      prefix.view(), k3::tensor_view<S_t const, 2>(delta.view()), k3::tensor_view<float const, 1>(u.view().slice(0, i)),
                      h.view());
+  };
+  auto two_phase_block = [&] {
+    phase1_only();
+    phase2_only();
   };
   auto residual_block = [&] {
     for (index_t i = 0; i < S; ++i)
@@ -84,7 +91,14 @@ int main(int argc, char** argv) {
   };
 
   inplace_pass_yardstick pass(nt);
-  std::vector<double> t2, tr, yard, yard_long, t1;
+  std::vector<double> t2, tr, yard, yard_long, t1, tp2, util;
+  // CPU seconds of the whole process (all threads) over wall seconds: how much of the machine
+  // a run actually got (on a shared machine the compute-bound phase 1 suffers most).
+  auto cpu_seconds = [] {
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    return double(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + 1e-6 * double(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+  };
   double const t_warm = seconds(two_phase_block);  // warm-up (page faults)
   residual_block();
   // The long yardstick repeats the pass for about as long as one two-phase block runs, so that
@@ -103,7 +117,10 @@ int main(int argc, char** argv) {
       });
       yard_long.push_back(bytes / s * 1e-9);
     }
+    double const c0 = cpu_seconds();
     t2.push_back(seconds(two_phase_block));
+    util.push_back((cpu_seconds() - c0) / t2.back());
+    tp2.push_back(seconds(phase2_only));
     tr.push_back(seconds(residual_block));
     t1.push_back(seconds(phase1_only));
   }
@@ -120,7 +137,14 @@ int main(int argc, char** argv) {
   double const tyl = median(yard_long);
   std::printf("  the same pass repeated %d times back to back (about one block's duration): median %.2f GB/s\n", long_passes, tyl);
   std::printf("two-phase block forward (24 sites): median %.4f s\n", tt);
-  std::printf("  of which phase 1 (24 sites x 8 blocks): median %.4f s\n", median(t1));
+  double const p2_bytes = 2.0 * T * d * e + double(S - 1) * 5.0 * T * d * e;
+  double const tp = median(tp2);
+  std::printf("  of which phase 1 (24 sites x 8 blocks): median %.4f s (%.1f GFLOP/s: 2 x 2 N S d FLOP per token)\n", median(t1),
+              4.0 * N * S * d * T / median(t1) * 1e-9);
+  std::printf("  phase 2 alone (site 0 + 23 x phase2_add): median %.4f s, bytes moved %.3f GB -> %.2f GB/s = %.1f%% of the in-place pass\n", tp,
+              p2_bytes * 1e-9, p2_bytes / tp * 1e-9, 100 * p2_bytes / tp * 1e-9 / ty);
+  std::printf("  CPU utilisation during the block: median %.2f of %d threads (below %d: the run did not get the whole machine)\n",
+              median(util), nt, nt);
   std::printf("  Table-1 bytes %.3f GB -> %.2f GB/s = %.1f%% of the in-place pass (bar >= 50%%): %s\n", table1 * 1e-9, gb_table1,
               100 * ratio, ratio >= 0.5 ? "PASS" : "FAIL");
   std::printf("  against the long yardstick: %.1f%% (%s); the pass/fail line above is the official figure\n", 100 * gb_table1 / tyl,

@@ -13,6 +13,9 @@
 // Precision: float rows; phase-1 scores from float register tiles rounded into double, softmax
 // and lse in double; the phase-2 weight p from float lane sums (the step is bandwidth-bound).
 // Both agree with the one-pass mix to float rounding (tests: 1e-6 relative per site).
+// With bfloat16 storage on an AVX-512 backend, phase 1, phase2_add and a block's first phase 2
+// run the kernels of avx512.hpp (bf16 rows read directly, register-tiled products, scores summed
+// in double per 512-column tile, streamed outputs); every other case runs the portable ones.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -20,6 +23,7 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
+#include "k3/attnres/avx512.hpp"
 #include "k3/attnres/mix.hpp"
 
 namespace k3::attnres {
@@ -124,6 +128,24 @@ void phase1_combine_scalar(C const* const* x, index_t n, C const* a, index_t nq,
     }
 }
 
+// Softmax of one site's logits s_j = rinv(j) * dots[j] (dots overwritten): a[j] = alpha_j,
+// returns lse. A NaN logit makes every weight and lse NaN (confined to the token).
+template <class C, class RF>
+C p1_softmax(double* s, index_t n, RF rinv, C* a) {
+  double mx = -std::numeric_limits<double>::infinity();
+  bool nan = false;
+  for (index_t j = 0; j < n; ++j) {
+    s[j] *= rinv(j);
+    nan |= std::isnan(s[j]);
+    mx = std::max(mx, s[j]);
+  }
+  double z = 0;
+  for (index_t j = 0; j < n; ++j) z += (s[j] = std::exp(s[j] - mx));
+  if (nan) z = mx = std::numeric_limits<double>::quiet_NaN();
+  for (index_t j = 0; j < n; ++j) a[j] = C(s[j] / z);
+  return C(mx + std::log(z));
+}
+
 template <class Ops, class C, class S>
 double row_rinv(S const* row, index_t d, double eps, std::vector<C>& buf) {
   C const* p;
@@ -187,8 +209,56 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
   detail::check_no_overlap("o", o, "bank", bank);
   if (T == 0 || nq == 0) return;
   constexpr bool simd = detail::simd_arch<B>::value;
+  using O_ = std::remove_const_t<O>;
+  // The AVX-512 kernels read bfloat16 rows directly (avx512.hpp).
+  [[maybe_unused]] constexpr bool fast = [] {
+    if constexpr (simd) {
+      return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<SS, bfloat16> &&
+             (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>);
+    } else {
+      return false;
+    }
+  }();
+  bool const stream = std::size_t(nq) * std::size_t(T) * std::size_t(d) * sizeof(O_) >= detail::stream_threshold_bytes;
+  (void)stream;
   index_t const tasks = detail::token_tasks(b, T);
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
+#if K3_ATTNRES_AVX512
+    if constexpr (fast) {
+      using Arch = typename detail::simd_arch<B>::type;
+      index_t const nlq = (nq + detail::p1_tl - 1) / detail::p1_tl * detail::p1_tl;
+      // 64-byte aligned scratch: parked score accumulators (double), the mix tile (float)
+      std::vector<double> scratch(static_cast<std::size_t>(detail::p1_dots_scratch(n, nq) + (nq * 32 + d) / 2 + 16));
+      double* acc = scratch.data() + (8 - (reinterpret_cast<std::uintptr_t>(scratch.data()) / sizeof(double)) % 8) % 8;
+      float* tile = reinterpret_cast<float*>(acc + detail::p1_dots_scratch(n, nq));
+      float* qzero = tile + nq * 32;
+      std::fill(qzero, qzero + d, 0.0f);
+      std::vector<bfloat16> bzero(static_cast<std::size_t>(d), bfloat16(0.0f));
+      std::vector<float const*> q(static_cast<std::size_t>(nlq));
+      for (index_t l = 0; l < nlq; ++l) q[l] = l < nq ? &u(l, 0) : qzero;
+      if (n == 0) {
+        for (index_t t = lo; t < hi; ++t)
+          for (index_t l = 0; l < nq; ++l) {
+            for (index_t k = 0; k < d; ++k) o(l, t, k) = store_as<O_>(C(0));
+            lse(l, t) = -std::numeric_limits<C>::infinity();
+          }
+        return;
+      }
+      std::vector<float> a(static_cast<std::size_t>(nq * n));
+      std::vector<double> dots(static_cast<std::size_t>(nq * n));
+      std::vector<bfloat16 const*> x(static_cast<std::size_t>(n));
+      std::vector<O_*> out(static_cast<std::size_t>(nq));
+      for (index_t t = lo; t < hi; ++t) {
+        for (index_t j = 0; j < n; ++j) x[j] = &bank(j, t, 0);
+        for (index_t l = 0; l < nq; ++l) out[l] = &o(l, t, 0);
+        detail::p1_dots_bf16<Arch>(x.data(), n, q.data(), nq, d, bzero.data(), acc, dots.data());
+        for (index_t l = 0; l < nq; ++l) lse(l, t) = detail::p1_softmax(dots.data() + l * n, n, [&](index_t j) { return double(bank_rinv(j, t)); }, a.data() + l * n);
+        detail::p1_mix_bf16<Arch>(x.data(), n, a.data(), nq, d, out.data(), tile, stream);
+      }
+      if (stream) detail::stream_fence();
+      return;
+    }
+#endif
     std::vector<C> rowbuf(static_cast<std::size_t>(std::is_same_v<SS, C> ? 0 : n * d)), zero(static_cast<std::size_t>(d), C(0)), a(static_cast<std::size_t>(nq * n));
     std::vector<double> dots(static_cast<std::size_t>(nq * n));
     std::vector<C const*> x(static_cast<std::size_t>(n));
@@ -214,21 +284,7 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
         detail::phase1_dots_simd<typename detail::simd_arch<B>::type>(x.data(), n, &u(0, 0), u.stride(0), nq, d, zero.data(), dots.data());
       else
         detail::phase1_dots_scalar(x.data(), n, &u(0, 0), u.stride(0), nq, d, dots.data());
-      for (index_t l = 0; l < nq; ++l) {
-        double* s = dots.data() + l * n;
-        double mx = -std::numeric_limits<double>::infinity();
-        bool nan = false;
-        for (index_t j = 0; j < n; ++j) {
-          s[j] *= double(bank_rinv(j, t));
-          nan |= std::isnan(s[j]);
-          mx = std::max(mx, s[j]);
-        }
-        double z = 0;
-        for (index_t j = 0; j < n; ++j) z += (s[j] = std::exp(s[j] - mx));
-        if (nan) z = mx = std::numeric_limits<double>::quiet_NaN();
-        for (index_t j = 0; j < n; ++j) a[l * n + j] = C(s[j] / z);
-        lse(l, t) = C(mx + std::log(z));
-      }
+      for (index_t l = 0; l < nq; ++l) lse(l, t) = detail::p1_softmax(dots.data() + l * n, n, [&](index_t j) { return double(bank_rinv(j, t)); }, a.data() + l * n);
       if constexpr (simd)
         detail::phase1_combine_simd<typename detail::simd_arch<B>::type>(x.data(), n, a.data(), nq, d, out.data());
       else
@@ -294,7 +350,29 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
   index_t const tasks = detail::token_tasks(b, T);
+  using O_ = std::remove_const_t<O>;
+  // A block's first site copies o into h: with AVX-512 in 32-column chunks, streamed when h is
+  // far larger than the cache (same rounding as put(); see avx512.hpp).
+  [[maybe_unused]] constexpr bool fast_copy = [] {
+    if constexpr (detail::simd_arch<B>::value) {
+      return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<C, float> &&
+             (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>) && (std::is_same_v<H, bfloat16> || std::is_same_v<H, float>);
+    } else {
+      return false;
+    }
+  }();
+  bool const stream = std::size_t(T) * std::size_t(d) * sizeof(H) >= detail::stream_threshold_bytes;
+  (void)stream;
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
+#if K3_ATTNRES_AVX512
+    if constexpr (fast_copy) {
+      if (!has_partial) {
+        for (index_t t = lo; t < hi; ++t) detail::copy_row_bf16(&o(t, 0), &h(t, 0), d, stream);
+        if (stream) detail::stream_fence();
+        return;
+      }
+    }
+#endif
     std::vector<C> buf(static_cast<std::size_t>(d));
     for (index_t t = lo; t < hi; ++t) {
       if (!has_partial) {
@@ -344,8 +422,31 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
   index_t const tasks = detail::token_tasks(b, T);
+  using D_ = std::remove_const_t<D>;
+  using O_ = std::remove_const_t<O>;
+  [[maybe_unused]] constexpr bool fast = [] {
+    if constexpr (detail::simd_arch<B>::value) {
+      return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<S, bfloat16> &&
+             (std::is_same_v<D_, bfloat16> || std::is_same_v<D_, float>) && (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>) &&
+             (std::is_same_v<H, bfloat16> || std::is_same_v<H, float>);
+    } else {
+      return false;
+    }
+  }();
+  bool const stream = std::size_t(T) * std::size_t(d) * sizeof(H) >= detail::stream_threshold_bytes;
+  (void)stream;
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
     std::vector<C> buf(static_cast<std::size_t>(d));
+#if K3_ATTNRES_AVX512
+    if constexpr (fast) {
+      detail::eo_permute_query(uc.data(), d, buf.data());
+      for (index_t t = lo; t < hi; ++t)
+        detail::p2_add_token_bf16<typename detail::simd_arch<B>::type>(&prefix(t, 0), &delta(t, 0), &o(t, 0), buf.data(), C(lse(t)), d, eps,
+                                                                        &h(t, 0), stream);
+      if (stream) detail::stream_fence();
+      return;
+    }
+#endif
     for (index_t t = lo; t < hi; ++t) {
       S* K3_RESTRICT pr = &prefix(t, 0);
       auto const* K3_RESTRICT dl = &delta(t, 0);
