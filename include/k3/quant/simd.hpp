@@ -11,6 +11,7 @@
 #include <xsimd/xsimd.hpp>
 
 #include "k3/backend/cpu/simd.hpp"
+#include "k3/core/host_memory.hpp"
 #include "k3/quant/common.hpp"
 #include "k3/quant/reference.hpp"
 
@@ -212,7 +213,94 @@ struct kernels {
   }
 };
 
+// How the AVX-512 row kernels write codes. A code buffer separate from the input costs a
+// read-for-ownership per written cache line (4 bytes of DRAM traffic per bf16 element instead of
+// 3); streaming writes every whole cache line of a row with a non-temporal store instead. It is
+// opt-in: on the machine these kernels were tuned on (2-core AMD EPYC VM, AVX-512), streaming
+// measured 3-7% slower per CPU-second than cached stores for the [16384, 7168] benchmark
+// (benchmarks/quant.md), and cached stores leave small outputs in cache for their consumer.
+enum class store_mode { cached, streaming };
+
+// Rows per task: `base`, or for streaming long contiguous ranges (about 4 per worker, for
+// balance), so that a task's rows form one long stream with partial lines only at its ends.
+template <class B>
+index_t task_rows(B const& b, index_t m, index_t base, bool stream) {
+  if (!stream) return base;
+  index_t workers = 1;
+  if constexpr (requires { b.concurrency(); }) workers = std::max<index_t>(1, static_cast<index_t>(b.concurrency()));
+  return std::max(base, (m + 4 * workers - 1) / (4 * workers));
+}
+
 #if defined(__AVX512BW__)
+// Writes a row of n bytes given as consecutive 64-byte registers (put(r) for bytes [64t, 64t+64),
+// the last one partial). Cached: plain and masked stores. Streaming: the destination's whole
+// cache lines inside the row by non-temporal stores, realigned from two consecutive registers
+// with vpermt2b when dst is not 64-byte aligned; the partial first and last lines by masked
+// ordinary stores, so no store touches a byte outside the row (a neighbouring row may share those
+// lines, possibly written by another thread). A streaming kernel ends its task with _mm_sfence.
+class row_writer {
+ public:
+  row_writer(std::uint8_t* dst, index_t n, bool stream) noexcept
+      : dst_(dst), n_(n), stream_(stream), head_(static_cast<int>((64 - (reinterpret_cast<std::uintptr_t>(dst) & 63)) & 63)) {
+#if defined(__AVX512VBMI__)
+    if (stream_ && head_ != 0) idx_ = _mm512_add_epi8(_mm512_set1_epi8(static_cast<char>(head_)), iota());
+#else
+    if (head_ != 0) stream_ = false;  // realigning needs vpermt2b
+#endif
+  }
+  K3_INLINE void put(__m512i r) noexcept {
+    index_t const start = pos_;
+    pos_ += 64;
+    int const v = static_cast<int>(std::min<index_t>(64, n_ - start));  // valid bytes of r
+    if (!stream_ || head_ == 0) {
+      if (v == 64) {
+        if (stream_)
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(dst_ + start), r);
+        else
+          _mm512_storeu_si512(dst_ + start, r);
+      } else {
+        _mm512_mask_storeu_epi8(dst_ + start, bits(0, v), r);
+      }
+      return;
+    }
+    if (start == 0) {
+      _mm512_mask_storeu_epi8(dst_, bits(0, std::min(head_, v)), r);  // up to the first line boundary
+    } else {  // the line at dst + head + start - 64: carry[head, 64) then r[0, head)
+#if defined(__AVX512VBMI__)
+      __m512i const line = _mm512_permutex2var_epi8(carry_, idx_, r);
+#else
+      __m512i const line = r;  // unreachable: streaming is off for unaligned rows
+#endif
+      std::uint8_t* const at = dst_ + head_ + start - 64;
+      if (v >= head_)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(at), line);
+      else
+        _mm512_mask_storeu_epi8(at, bits(0, 64 - head_ + v), line);
+    }
+    if (pos_ >= n_ && v > head_) _mm512_mask_storeu_epi8(dst_ + start, bits(head_, v), r);  // the row's last, partial line
+    carry_ = r;
+  }
+  // 64 bytes at p (only the row's remaining bytes are used).
+  K3_INLINE void put_bytes(std::uint8_t const* p) noexcept { put(_mm512_loadu_si512(p)); }
+
+ private:
+  static __m512i iota() noexcept {
+    return _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34,
+                           33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                           1, 0);
+  }
+  // byte mask of [lo, hi), 0 <= lo <= hi <= 64
+  static __mmask64 bits(int lo, int hi) noexcept {
+    std::uint64_t const upto = hi >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << hi) - 1;
+    return static_cast<__mmask64>(upto & ~((std::uint64_t{1} << lo) - 1));
+  }
+  std::uint8_t* dst_;
+  index_t n_, pos_ = 0;
+  bool stream_;
+  int head_;  // bytes before dst's first line boundary (0: aligned)
+  __m512i idx_ = _mm512_setzero_si512(), carry_ = _mm512_setzero_si512();
+};
+
 // ---- 1x128 E4M3 of bfloat16 rows on AVX-512BW: the DeepSeek activation hot path ------------
 // Same bytes as reference::fp8_quantize_rows, with about 10 vector instructions per 16 elements:
 //  * amax: u16 max over |x| bit patterns (bf16 is the top half of an fp32), 32 lanes at a time;
@@ -305,7 +393,7 @@ K3_INLINE __m512i encode16(__m512i xbits, __m512 vinv) noexcept {
 
 // 64 codes (sign included) of p[0, 64).
 template <bool Normal>
-K3_INLINE void encode64(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) noexcept {
+K3_INLINE __m512i encode64(std::uint16_t const* p, __m512 vinv) noexcept {
   auto const enc = [&](__m512i xb) { return Normal ? encode16_normal(xb, vinv) : encode16(xb, vinv); };
   __m512i const absm = _mm512_set1_epi16(0x7FFF), z = _mm512_setzero_si512(), sgn = _mm512_set1_epi16(0x80);
   __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
@@ -315,7 +403,7 @@ K3_INLINE void encode64(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) 
   w0 = _mm512_ternarylogic_epi32(w0, _mm512_srli_epi16(r0, 8), sgn, 0xF8);  // w | (sign byte & 0x80)
   w1 = _mm512_ternarylogic_epi32(w1, _mm512_srli_epi16(r1, 8), sgn, 0xF8);
   __m512i const b = _mm512_packus_epi16(w0, w1);  // per 128-bit lane: 8 of w0, 8 of w1
-  _mm512_storeu_si512(out, _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), b));
+  return _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), b);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -348,11 +436,11 @@ inline constexpr auto byte_order = [] {
   }
   return r;
 }();
-K3_INLINE void encode64_normal_bf16(std::uint16_t const* p, __m512 vinv88, std::uint8_t* out) noexcept {
+K3_INLINE __m512i encode64_normal_bf16(std::uint16_t const* p, __m512 vinv88) noexcept {
   __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
   __m512i const c = _mm512_permutex2var_epi8(codes32_normal(r0, vinv88), _mm512_loadu_si512(byte_order.code), codes32_normal(r1, vinv88));
   __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
-  _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
+  return _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
 }
 
 // OCP MXFP8 (E4M3) of bf16 blocks of 32, two blocks per call: as encode64_normal_bf16 with a
@@ -367,24 +455,29 @@ K3_INLINE __m512i codes32_mx(__m512i raw, __m512 vinv88) noexcept {
   __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(round_at_bit20(co)), _mm512_castsi512_ps(round_at_bit20(ce)));
   return reinterpret_cast<__m512i const&>(h);
 }
-K3_INLINE void encode64_mx(std::uint16_t const* p, __m512 vinv88a, __m512 vinv88b, std::uint8_t* out) noexcept {
+K3_INLINE __m512i encode64_mx(std::uint16_t const* p, __m512 vinv88a, __m512 vinv88b) noexcept {
   __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
   __m512i const c = _mm512_permutex2var_epi8(codes32_mx(r0, vinv88a), _mm512_loadu_si512(byte_order.code), codes32_mx(r1, vinv88b));
   __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
-  _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
+  return _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
 }
 
 // Rows [i0, i1) of an MXFP8 (E4M3) quantisation of bf16 (k a multiple of 64 here).
 template <class Arch>
-void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1) {
+void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1,
+                  bool stream) {
   using K = kernels<Arch>;
   index_t const k = x.extent(1), nb = k / mx_block;
   alignas(64) std::uint16_t am[16], nz[16];
   alignas(64) std::uint32_t code[16];
+  alignas(64) std::uint8_t pair[64];
   alignas(64) float iv[16];
+  // contiguous rows are one stream: only its two ends can be partial cache lines
+  bool const span = q.stride(0) == k;
+  row_writer out(&q(i0, 0), span ? (i1 - i0) * k : k, stream);
   for (index_t i = i0; i < i1; ++i) {
     std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
-    std::uint8_t* qr = &q(i, 0);
+    if (!span && i > i0) out = row_writer(&q(i, 0), k, stream);
     for (index_t g = 0; g < nb; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, nb - g));  // even: nb is
       __m512i vmax[16], vmin1[16];
@@ -421,31 +514,39 @@ void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
         if (((fast >> t) & 3u) == 3u) {
           s(i, g + t) = static_cast<std::uint8_t>(code[t]);
           s(i, g + t + 1) = static_cast<std::uint8_t>(code[t + 1]);
-          encode64_mx(xr + j, _mm512_set1_ps(iv[t]), _mm512_set1_ps(iv[t + 1]), qr + j);
+          out.put(encode64_mx(xr + j, _mm512_set1_ps(iv[t]), _mm512_set1_ps(iv[t + 1])));
           continue;
         }
         for (int u = t; u < t + 2; ++u) {
           index_t const jj = (g + u) * mx_block;
           auto const sc = detail::mx_block_scale<e4m3_format>(std::uint32_t{am[u]} << 16, rule);
           s(i, g + u) = sc.code;
-          K::template encode_store<e4m3_format>(&x(i, jj), sc.inv, qr + jj, mx_block);
+          K::template encode_store<e4m3_format>(&x(i, jj), sc.inv, pair + (u - t) * mx_block, mx_block);
         }
+        out.put_bytes(pair);
       }
     }
   }
+  if (stream) _mm_sfence();
 }
 #endif
 
 // Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
 template <class Arch>
-void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1) {
+void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1,
+          bool stream) {
   using K = kernels<Arch>;
   index_t const k = x.extent(1), full = k / 128;
   alignas(64) std::uint16_t am[16], nz[16];
   alignas(64) float sv[16], iv[16];
+  alignas(64) std::uint8_t part[128] = {};
+  // contiguous rows of whole 64-byte registers are one stream: only its two ends can be
+  // partial cache lines (masked stores to partial lines measured costly next to streaming)
+  bool const span = q.stride(0) == k && k % 64 == 0;
+  row_writer out(&q(i0, 0), span ? (i1 - i0) * k : k, stream);
   for (index_t i = i0; i < i1; ++i) {
     std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
-    std::uint8_t* qr = &q(i, 0);
+    if (!span && i > i0) out = row_writer(&q(i, 0), k, stream);
     for (index_t g = 0; g < full; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, full - g));
       __m512i vmax[16], vmin1[16];
@@ -458,22 +559,23 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
         index_t const j = (g + t) * 128;
         s(i, g + t) = sv[t];
         if (am[t] >= (detail::nonfinite_bits >> 16)) {
-          std::memset(qr + j, e4m3_format::nan_code, 128);
+          out.put(_mm512_set1_epi8(static_cast<char>(e4m3_format::nan_code)));
+          out.put(_mm512_set1_epi8(static_cast<char>(e4m3_format::nan_code)));
           continue;
         }
         __m512 const vinv = _mm512_set1_ps(iv[t]);
         if ((normal >> t) & 1u) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
           __m512 const vinv88 = _mm512_set1_ps(iv[t] * 0x1p-88f);
-          encode64_normal_bf16(xr + j, vinv88, qr + j);
-          encode64_normal_bf16(xr + j + 64, vinv88, qr + j + 64);
+          out.put(encode64_normal_bf16(xr + j, vinv88));
+          out.put(encode64_normal_bf16(xr + j + 64, vinv88));
 #else
-          encode64<true>(xr + j, vinv, qr + j);
-          encode64<true>(xr + j + 64, vinv, qr + j + 64);
+          out.put(encode64<true>(xr + j, vinv));
+          out.put(encode64<true>(xr + j + 64, vinv));
 #endif
         } else {
-          encode64<false>(xr + j, vinv, qr + j);
-          encode64<false>(xr + j + 64, vinv, qr + j + 64);
+          out.put(encode64<false>(xr + j, vinv));
+          out.put(encode64<false>(xr + j + 64, vinv));
         }
       }
     }
@@ -484,26 +586,32 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
       auto const sc = detail::deepseek_scale(amax, fmt);
       s(i, full) = sc.s;
       if (amax >= detail::nonfinite_bits)
-        std::memset(qr + j0, e4m3_format::nan_code, static_cast<std::size_t>(n));
+        std::memset(part, e4m3_format::nan_code, static_cast<std::size_t>(n));
       else
-        K::template encode_store<e4m3_format, false, false>(p, sc.inv, qr + j0, n);
+        K::template encode_store<e4m3_format, false, false>(p, sc.inv, part, n);
+      out.put_bytes(part);
+      if (n > 64) out.put_bytes(part + 64);
     }
   }
+  if (stream) _mm_sfence();
 }
 }  // namespace avx512_1x128
 #endif
 
 // ---- DeepSeek tiles, rows unit-stride -----------------------------------------------------
 template <class Arch, class B, class T>
-void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, tile t, scale_format fmt) {
+void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, tile t, scale_format fmt,
+                  store_mode mode = store_mode::cached) {
   using K = kernels<Arch>;
   index_t const m = x.extent(0), k = x.extent(1);
+  (void)mode;
 #if defined(__AVX512BW__)
   if constexpr (K::avx512 && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
     if (t.rows == 1 && t.cols == 128) {
-      index_t const rows_per_task = 16;
-      run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
-        avx512_1x128::rows<Arch>(x, q, s, fmt, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+      bool const stream = mode == store_mode::streaming;
+      index_t const rpt = task_rows(b, m, 16, stream);
+      run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
+        avx512_1x128::rows<Arch>(x, q, s, fmt, task * rpt, std::min(m, (task + 1) * rpt), stream);
       });
       return;
     }
@@ -532,16 +640,20 @@ void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q
 
 // ---- OCP MX, rows unit-stride ----------------------------------------------------------------
 template <class Arch, class F, class B, class T>
-void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule) {
+void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule,
+                 store_mode mode = store_mode::cached) {
+  (void)mode;
   using K = kernels<Arch>;
   constexpr bool packed = F::bits == 4;
   index_t const m = x.extent(0), k = x.extent(1);
-  index_t const rows_per_task = 8;
+  index_t const rows_per_task = 8;  // the generic paths
 #if defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512DQ__)
   if constexpr (K::avx512 && std::is_same_v<F, e4m3_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
     if (k % (2 * mx_block) == 0) {
-      run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
-        avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+      bool const stream = mode == store_mode::streaming;
+      index_t const rpt = task_rows(b, m, 8, stream);
+      run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
+        avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rpt, std::min(m, (task + 1) * rpt), stream);
       });
       return;
     }
