@@ -350,6 +350,23 @@ K3_INLINE __m256i reduce16(__m512i const* v) noexcept {
   return _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5), r), 0);
 }
 
+// E8M0 scale codes of 16 MX blocks of format F from their fp32 amax patterns a (finite or not;
+// the caller sends non-finite blocks elsewhere), as detail::mx_block_scale<F>, before its clamp
+// of se at -127 (which only matters for codes the fast paths do not take).
+template <class F>
+K3_INLINE __m512i mx_scale_codes(__m512i a, mx_rule rule) noexcept {
+  if (rule == mx_rule::floor)  // floor(log2 amax) - emax_elem + 127, 0 for zero and subnormal amax
+    return _mm512_maskz_max_epi32(all16, _mm512_sub_epi32(_mm512_maskz_srli_epi32(all16, a, 23), _mm512_set1_epi32(F::emax_elem)),
+                                  _mm512_setzero_si512());
+  // e8m0_ceil(amax / max): the quotient is finite and < 2^126
+  constexpr float mx = decode<F>(static_cast<std::uint8_t>(F::max_code));
+  __m512i const d = _mm512_castps_si512(_mm512_maskz_div_ps(all16, _mm512_castsi512_ps(a), _mm512_set1_ps(mx)));
+  __m512i const e = _mm512_maskz_srli_epi32(all16, d, 23), man = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFFFF));
+  __mmask16 const up = _mm512_test_epi32_mask(man, man), sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  __m512i const c = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
+  return _mm512_mask_mov_epi32(c, sub, _mm512_maskz_srli_epi32(all16, _mm512_add_epi32(man, _mm512_set1_epi32(0x3FFFFF)), 23));
+}
+
 // s and 1/s of n <= 16 tiles from their u16 amax patterns (as detail::deepseek_scale); returns
 // the tiles whose every nonzero y = |x|·(1/s) is >= 2^-6 (no E4M3 subnormal codes: encode16_normal
 // applies), judged on the smallest nonzero |x| with the same fp32 product (monotone).
@@ -491,16 +508,7 @@ void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
       __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<false>(vmin1)), _mm512_set1_epi32(1));
       _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
       (void)nz;
-      __m512i c;
-      if (rule == mx_rule::floor) {  // floor(log2 amax) - 8 + 127, 0 for zero and subnormal amax
-        c = _mm512_maskz_max_epi32(all16, _mm512_sub_epi32(_mm512_maskz_srli_epi32(all16, a, 23), _mm512_set1_epi32(8)), _mm512_setzero_si512());
-      } else {  // e8m0_ceil(amax / 448): d is finite and < 2^120
-        __m512i const d = _mm512_castps_si512(_mm512_maskz_div_ps(all16, _mm512_castsi512_ps(a), _mm512_set1_ps(448.0f)));
-        __m512i const e = _mm512_maskz_srli_epi32(all16, d, 23), man = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFFFF));
-        __mmask16 const up = _mm512_test_epi32_mask(man, man), sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-        c = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
-        c = _mm512_mask_mov_epi32(c, sub, _mm512_maskz_srli_epi32(all16, _mm512_add_epi32(man, _mm512_set1_epi32(0x3FFFFF)), 23));
-      }
+      __m512i const c = mx_scale_codes<e4m3_format>(a, rule);
       // 2^(127 - code) · 2^-88, for the fast blocks (code <= 165)
       __m512 const inv = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, _mm512_sub_epi32(_mm512_set1_epi32(254), c), 23));
       __m512 const ymin = _mm512_maskz_mul_ps(all16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, mn, 16)), inv);
@@ -530,6 +538,73 @@ void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
   if (stream) _mm_sfence();
 }
 #endif
+
+// ---- OCP MXFP4 (E2M1) of bf16 on AVX-512BW: one 32-element block per register ------------------
+// With the scale 2^se, y = x · 2^-se rounds (RNE, saturating) to an E2M1 magnitude code that
+// changes only at 0.25 (tie down), 0.75 (tie up), 1.25, 1.75, 2.5, 3.5 and 5 (ties to even), all
+// bf16 values whose mantissas end in 5 zero bits. On the 16-bit |x| pattern shifted by se in the
+// exponent field and offset by 0.25's pattern,
+//   d = |x| + (-se << 7) - (se << 7) - 0x3E80   (unsigned saturating; one of the shifts is 0),
+// the code is a function of d >> 5 and of whether d's low 5 bits are nonzero: a 40-entry table
+// (vpermt2w). Exact: for normal x the shift is exact scaling and |y| < 8 (d < 0x280); patterns
+// saturated to 0 (|y| <= 0.25 or below 2^-126) and bf16-subnormal x (|y| < 2^(-se-126) <= 0.25
+// while se >= -124) give code 0, as their y. So: scale codes >= 3, finite blocks. The sign is
+// x's (so -0 gives 0x8).
+inline constexpr auto e2m1_table = [] {
+  struct t { std::uint16_t v[64]; } r{};
+  for (std::uint32_t i = 0; i < 64; ++i)  // entry 2h + f: y = bf16(0x3E80 + 32h + f), f = 1 standing for (0, 32)
+    r.v[i] = i < 40 ? k3::encode<e2m1_format>(k3::detail::bit_cast<float>((0x3E80u + 32u * (i / 2) + i % 2) << 16), saturation::finite) : 7;
+  return r;
+}();
+
+K3_INLINE __m128i e2m1_block(__m512i raw, int se) noexcept {
+  __m512i const a = _mm512_and_si512(raw, _mm512_set1_epi16(0x7FFF));
+  __m512i const d = _mm512_subs_epu16(_mm512_adds_epu16(a, _mm512_set1_epi16(static_cast<short>(std::max(-se, 0) << 7))),
+                                      _mm512_set1_epi16(static_cast<short>((std::max(se, 0) << 7) + 0x3E80)));
+  __mmask32 const frac = _mm512_test_epi16_mask(d, _mm512_set1_epi16(0x1F));
+  __m512i const idx = _mm512_and_si512(_mm512_srli_epi16(d, 4), _mm512_set1_epi16(0x3E));  // 2 (d >> 5)
+  __m512i const ix = _mm512_mask_add_epi16(idx, frac, idx, _mm512_set1_epi16(1));
+  __m512i c = _mm512_permutex2var_epi16(_mm512_loadu_si512(e2m1_table.v), ix, _mm512_loadu_si512(e2m1_table.v + 32));
+  c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi16(raw, 12), _mm512_set1_epi16(8), 0xF8);  // | sign << 3
+  // 32-bit lane i: code 2i in bits 0-3, code 2i+1 in bits 16-19 -> byte code 2i | code 2i+1 << 4
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(c, _mm512_srli_epi32(c, 12)));
+}
+
+// Rows [i0, i1) of an MXFP4 (E2M1) quantisation of bf16 (k a multiple of 32).
+template <class Arch>
+void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1) {
+  using K = kernels<Arch>;
+  index_t const k = x.extent(1), nb = k / mx_block;
+  alignas(64) std::uint16_t am[16];
+  alignas(64) std::uint32_t code[16];
+  for (index_t i = i0; i < i1; ++i) {
+    std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
+    std::uint8_t* const qr = &q(i, 0);
+    for (index_t g = 0; g < nb; g += 16) {
+      int const n = static_cast<int>(std::min<index_t>(16, nb - g));
+      __m512i vmax[16];
+      for (int t = 0; t < n; ++t) vmax[t] = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), _mm512_set1_epi16(0x7FFF));
+      for (int t = n; t < 16; ++t) vmax[t] = _mm512_setzero_si512();
+      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<true>(vmax)), 16);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
+      __m512i const c = mx_scale_codes<e2m1_format>(a, rule);
+      __mmask16 const fast = _mm512_cmpge_epi32_mask(c, _mm512_set1_epi32(3)) &
+                             _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(detail::nonfinite_bits)));
+      _mm512_store_si512(code, c);
+      for (int t = 0; t < n; ++t) {
+        index_t const j = (g + t) * mx_block;
+        if ((fast >> t) & 1u) {
+          s(i, g + t) = static_cast<std::uint8_t>(code[t]);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + j / 2), e2m1_block(_mm512_loadu_si512(xr + j), static_cast<int>(code[t]) - 127));
+        } else {
+          auto const sc = detail::mx_block_scale<e2m1_format>(std::uint32_t{am[t]} << 16, rule);
+          s(i, g + t) = sc.code;
+          K::template encode_store<e2m1_format>(&x(i, j), sc.inv, qr + j / 2, mx_block);
+        }
+      }
+    }
+  }
+}
 
 // Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
 template <class Arch>
@@ -657,6 +732,14 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
       });
       return;
     }
+  }
+#endif
+#if defined(__AVX512BW__)
+  if constexpr (K::avx512 && std::is_same_v<F, e2m1_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
+    run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+      avx512_1x128::mx_e2m1_rows<Arch>(x, q, s, rule, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+    });
+    return;
   }
 #endif
   run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
