@@ -221,14 +221,13 @@ struct kernels {
 // (benchmarks/quant.md), and cached stores leave small outputs in cache for their consumer.
 enum class store_mode { cached, streaming };
 
-// Rows per task: `base`, or for streaming long contiguous ranges (about 4 per worker, for
-// balance), so that a task's rows form one long stream with partial lines only at its ends.
+// Rows per task: long contiguous ranges (about 16 per worker, for balance; at least `base`):
+// fewer partial cache lines at range ends when streaming, longer runs for the prefetchers.
 template <class B>
-index_t task_rows(B const& b, index_t m, index_t base, bool stream) {
-  if (!stream) return base;
+index_t task_rows(B const& b, index_t m, index_t base) {
   index_t workers = 1;
   if constexpr (requires { b.concurrency(); }) workers = std::max<index_t>(1, static_cast<index_t>(b.concurrency()));
-  return std::max(base, (m + 4 * workers - 1) / (4 * workers));
+  return std::max(base, (m + 16 * workers - 1) / (16 * workers));
 }
 
 #if defined(__AVX512BW__)
@@ -684,7 +683,7 @@ void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q
   if constexpr (K::avx512 && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
     if (t.rows == 1 && t.cols == 128) {
       bool const stream = mode == store_mode::streaming;
-      index_t const rpt = task_rows(b, m, 16, stream);
+      index_t const rpt = task_rows(b, m, 16);
       run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
         avx512_1x128::rows<Arch>(x, q, s, fmt, task * rpt, std::min(m, (task + 1) * rpt), stream);
       });
@@ -726,7 +725,7 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
   if constexpr (K::avx512 && std::is_same_v<F, e4m3_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
     if (k % (2 * mx_block) == 0) {
       bool const stream = mode == store_mode::streaming;
-      index_t const rpt = task_rows(b, m, 8, stream);
+      index_t const rpt = task_rows(b, m, 8);
       run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
         avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rpt, std::min(m, (task + 1) * rpt), stream);
       });
