@@ -99,16 +99,15 @@ TEST_CASE("mx: scale rules, codes, error bounds and backend agreement for every 
       }
 }
 
-TEST_CASE("mx: every bfloat16 pattern through the vector MXFP8 (E4M3) path against the reference") {
-  // Blocks of 32: one anchor (the block amax) and 31 bf16 patterns with |x| <= anchor, so every
-  // finite pattern meets every anchor's scale (RCEIL and FLOOR: the FLOOR ones saturate), plus
-  // every NaN/Inf pattern in a block of ordinary values. Codes and scale bytes compared.
+namespace {
+// Blocks of 32: one anchor (the block amax) and 31 bf16 patterns with |x| <= anchor, so every
+// finite pattern meets every anchor's scale (RCEIL and FLOOR: the FLOOR ones saturate), plus
+// every NaN/Inf pattern in a block of ordinary values; then every amax pattern. Codes and
+// scale bytes of the vector path (bf16 input) compared with the reference.
+void every_bf16_pattern(mx_element e, std::vector<std::uint16_t> const& anchors) {
   cpu::serial ser;
   cpu::threads<> thr(2);
-  auto const bits_of = [](float f) { return static_cast<std::uint16_t>(k3::detail::bit_cast<std::uint32_t>(f) >> 16); };
   auto const bf = [](std::uint16_t u) { return k3::detail::bit_cast<bfloat16>(u); };
-  std::vector<std::uint16_t> anchors = {0x0001, bits_of(1e-38f), bits_of(3.1e-5f), bits_of(0.75f), bits_of(1.0f), bits_of(1.9f),
-                                        bits_of(448.0f), bits_of(500.0f), bits_of(6.0e11f), 0x7F7F};
   index_t const k = 32 * 6;
   for (mx_rule rule : {mx_rule::rceil, mx_rule::floor}) {
     for (std::uint16_t anchor : anchors) {
@@ -132,8 +131,8 @@ TEST_CASE("mx: every bfloat16 pattern through the vector MXFP8 (E4M3) path again
       }
       while (x.size() % static_cast<std::size_t>(k)) x.push_back(bf(static_cast<std::uint16_t>(0x8000 | (x.size() % 3))));
       index_t const m = static_cast<index_t>(x.size()) / k;
-      auto const ref = mx_run(ser, x, m, k, mx_element::e4m3, rule);
-      auto const vec = mx_run(thr, x, m, k, mx_element::e4m3, rule);
+      auto const ref = mx_run(ser, x, m, k, e, rule);
+      auto const vec = mx_run(thr, x, m, k, e, rule);
       CAPTURE(a);
       CAPTURE(static_cast<int>(rule));
       std::size_t bad = 0, first = ref.q.size();
@@ -149,11 +148,26 @@ TEST_CASE("mx: every bfloat16 pattern through the vector MXFP8 (E4M3) path again
       for (std::uint32_t j = 0; j < 32; ++j)
         x[b * 32 + j] = bf(static_cast<std::uint16_t>(j == 0 ? b : ((b & 0x7FFF) >= 0x7F80 ? 0x3F80 : (b & 0x7FFF) * (j % 5) / 5) | ((j & 1) << 15)));
     index_t const m = 0x10000 * 32 / k;
-    auto const ref = mx_run(ser, x, m, k, mx_element::e4m3, rule);
-    auto const vec = mx_run(thr, x, m, k, mx_element::e4m3, rule);
+    auto const ref = mx_run(ser, x, m, k, e, rule);
+    auto const vec = mx_run(thr, x, m, k, e, rule);
     CHECK(ref.q == vec.q);
     CHECK(ref.s == vec.s);
   }
+}
+
+std::uint16_t bits_of(float f) { return static_cast<std::uint16_t>(k3::detail::bit_cast<std::uint32_t>(f) >> 16); }
+}  // namespace
+
+TEST_CASE("mx: every bfloat16 pattern through the vector MXFP8 (E4M3) path against the reference") {
+  every_bf16_pattern(mx_element::e4m3, {0x0001, bits_of(1e-38f), bits_of(3.1e-5f), bits_of(0.75f), bits_of(1.0f), bits_of(1.9f),
+                                        bits_of(448.0f), bits_of(500.0f), bits_of(6.0e11f), 0x7F7F});
+}
+
+TEST_CASE("mx: every bfloat16 pattern through the vector MXFP4 (E2M1) path against the reference") {
+  // anchors around the fast path's scale-code limits (3 and 252), the E2M1 ties and saturation
+  every_bf16_pattern(mx_element::e2m1, {0x0001, bits_of(1e-38f), bits_of(2.0e-37f), bits_of(0x1p-122f), bits_of(0x1.7p-123f),
+                                        bits_of(0x1.8p-123f), bits_of(0.75f), bits_of(1.0f), bits_of(5.0f), bits_of(6.0f), bits_of(7.0f),
+                                        bits_of(6.0e11f), bits_of(1.0e38f), 0x7F7F});
 }
 
 TEST_CASE("mx: spec reference blocks") {

@@ -11,6 +11,7 @@
 #include <xsimd/xsimd.hpp>
 
 #include "k3/backend/cpu/simd.hpp"
+#include "k3/core/host_memory.hpp"
 #include "k3/quant/common.hpp"
 #include "k3/quant/reference.hpp"
 
@@ -212,7 +213,93 @@ struct kernels {
   }
 };
 
+// How the AVX-512 row kernels write codes. A code buffer separate from the input costs a
+// read-for-ownership per written cache line (4 bytes of DRAM traffic per bf16 element instead of
+// 3); streaming writes every whole cache line of a row with a non-temporal store instead. It is
+// opt-in: on the machine these kernels were tuned on (2-core AMD EPYC VM, AVX-512), streaming
+// measured 3-7% slower per CPU-second than cached stores for the [16384, 7168] benchmark
+// (benchmarks/quant.md), and cached stores leave small outputs in cache for their consumer.
+enum class store_mode { cached, streaming };
+
+// Rows per task: long contiguous ranges (about 16 per worker, for balance; at least `base`):
+// fewer partial cache lines at range ends when streaming, longer runs for the prefetchers.
+template <class B>
+index_t task_rows(B const& b, index_t m, index_t base) {
+  index_t workers = 1;
+  if constexpr (requires { b.concurrency(); }) workers = std::max<index_t>(1, static_cast<index_t>(b.concurrency()));
+  return std::max(base, (m + 16 * workers - 1) / (16 * workers));
+}
+
 #if defined(__AVX512BW__)
+// Writes a row of n bytes given as consecutive 64-byte registers (put(r) for bytes [64t, 64t+64),
+// the last one partial). Cached: plain and masked stores. Streaming: the destination's whole
+// cache lines inside the row by non-temporal stores, realigned from two consecutive registers
+// with vpermt2b when dst is not 64-byte aligned; the partial first and last lines by masked
+// ordinary stores, so no store touches a byte outside the row (a neighbouring row may share those
+// lines, possibly written by another thread). A streaming kernel ends its task with _mm_sfence.
+class row_writer {
+ public:
+  row_writer(std::uint8_t* dst, index_t n, bool stream) noexcept
+      : dst_(dst), n_(n), stream_(stream), head_(static_cast<int>((64 - (reinterpret_cast<std::uintptr_t>(dst) & 63)) & 63)) {
+#if defined(__AVX512VBMI__)
+    if (stream_ && head_ != 0) idx_ = _mm512_add_epi8(_mm512_set1_epi8(static_cast<char>(head_)), iota());
+#else
+    if (head_ != 0) stream_ = false;  // realigning needs vpermt2b
+#endif
+  }
+  K3_INLINE void put(__m512i r) noexcept {
+    index_t const start = pos_;
+    pos_ += 64;
+    int const v = static_cast<int>(std::min<index_t>(64, n_ - start));  // valid bytes of r
+    if (!stream_ || head_ == 0) {
+      if (v == 64) {
+        if (stream_)
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(dst_ + start), r);
+        else
+          _mm512_storeu_si512(dst_ + start, r);
+      } else {
+        _mm512_mask_storeu_epi8(dst_ + start, bits(0, v), r);
+      }
+      return;
+    }
+    if (start == 0) {
+      _mm512_mask_storeu_epi8(dst_, bits(0, std::min(head_, v)), r);  // up to the first line boundary
+    } else {  // the line at dst + head + start - 64: carry[head, 64) then r[0, head)
+#if defined(__AVX512VBMI__)
+      __m512i const line = _mm512_permutex2var_epi8(carry_, idx_, r);
+#else
+      __m512i const line = r;  // unreachable: streaming is off for unaligned rows
+#endif
+      std::uint8_t* const at = dst_ + head_ + start - 64;
+      if (v >= head_)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(at), line);
+      else
+        _mm512_mask_storeu_epi8(at, bits(0, 64 - head_ + v), line);
+    }
+    if (pos_ >= n_ && v > head_) _mm512_mask_storeu_epi8(dst_ + start, bits(head_, v), r);  // the row's last, partial line
+    carry_ = r;
+  }
+  // 64 bytes at p (only the row's remaining bytes are used).
+  K3_INLINE void put_bytes(std::uint8_t const* p) noexcept { put(_mm512_loadu_si512(p)); }
+
+ private:
+  static __m512i iota() noexcept {
+    return _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34,
+                           33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                           1, 0);
+  }
+  // byte mask of [lo, hi), 0 <= lo <= hi <= 64
+  static __mmask64 bits(int lo, int hi) noexcept {
+    std::uint64_t const upto = hi >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << hi) - 1;
+    return static_cast<__mmask64>(upto & ~((std::uint64_t{1} << lo) - 1));
+  }
+  std::uint8_t* dst_;
+  index_t n_, pos_ = 0;
+  bool stream_;
+  int head_;  // bytes before dst's first line boundary (0: aligned)
+  __m512i idx_ = _mm512_setzero_si512(), carry_ = _mm512_setzero_si512();
+};
+
 // ---- 1x128 E4M3 of bfloat16 rows on AVX-512BW: the DeepSeek activation hot path ------------
 // Same bytes as reference::fp8_quantize_rows, with about 10 vector instructions per 16 elements:
 //  * amax: u16 max over |x| bit patterns (bf16 is the top half of an fp32), 32 lanes at a time;
@@ -262,6 +349,23 @@ K3_INLINE __m256i reduce16(__m512i const* v) noexcept {
   return _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5), r), 0);
 }
 
+// E8M0 scale codes of 16 MX blocks of format F from their fp32 amax patterns a (finite or not;
+// the caller sends non-finite blocks elsewhere), as detail::mx_block_scale<F>, before its clamp
+// of se at -127 (which only matters for codes the fast paths do not take).
+template <class F>
+K3_INLINE __m512i mx_scale_codes(__m512i a, mx_rule rule) noexcept {
+  if (rule == mx_rule::floor)  // floor(log2 amax) - emax_elem + 127, 0 for zero and subnormal amax
+    return _mm512_maskz_max_epi32(all16, _mm512_sub_epi32(_mm512_maskz_srli_epi32(all16, a, 23), _mm512_set1_epi32(F::emax_elem)),
+                                  _mm512_setzero_si512());
+  // e8m0_ceil(amax / max): the quotient is finite and < 2^126
+  constexpr float mx = decode<F>(static_cast<std::uint8_t>(F::max_code));
+  __m512i const d = _mm512_castps_si512(_mm512_maskz_div_ps(all16, _mm512_castsi512_ps(a), _mm512_set1_ps(mx)));
+  __m512i const e = _mm512_maskz_srli_epi32(all16, d, 23), man = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFFFF));
+  __mmask16 const up = _mm512_test_epi32_mask(man, man), sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  __m512i const c = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
+  return _mm512_mask_mov_epi32(c, sub, _mm512_maskz_srli_epi32(all16, _mm512_add_epi32(man, _mm512_set1_epi32(0x3FFFFF)), 23));
+}
+
 // s and 1/s of n <= 16 tiles from their u16 amax patterns (as detail::deepseek_scale); returns
 // the tiles whose every nonzero y = |x|·(1/s) is >= 2^-6 (no E4M3 subnormal codes: encode16_normal
 // applies), judged on the smallest nonzero |x| with the same fp32 product (monotone).
@@ -305,7 +409,7 @@ K3_INLINE __m512i encode16(__m512i xbits, __m512 vinv) noexcept {
 
 // 64 codes (sign included) of p[0, 64).
 template <bool Normal>
-K3_INLINE void encode64(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) noexcept {
+K3_INLINE __m512i encode64(std::uint16_t const* p, __m512 vinv) noexcept {
   auto const enc = [&](__m512i xb) { return Normal ? encode16_normal(xb, vinv) : encode16(xb, vinv); };
   __m512i const absm = _mm512_set1_epi16(0x7FFF), z = _mm512_setzero_si512(), sgn = _mm512_set1_epi16(0x80);
   __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
@@ -315,7 +419,7 @@ K3_INLINE void encode64(std::uint16_t const* p, __m512 vinv, std::uint8_t* out) 
   w0 = _mm512_ternarylogic_epi32(w0, _mm512_srli_epi16(r0, 8), sgn, 0xF8);  // w | (sign byte & 0x80)
   w1 = _mm512_ternarylogic_epi32(w1, _mm512_srli_epi16(r1, 8), sgn, 0xF8);
   __m512i const b = _mm512_packus_epi16(w0, w1);  // per 128-bit lane: 8 of w0, 8 of w1
-  _mm512_storeu_si512(out, _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), b));
+  return _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), b);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -348,11 +452,11 @@ inline constexpr auto byte_order = [] {
   }
   return r;
 }();
-K3_INLINE void encode64_normal_bf16(std::uint16_t const* p, __m512 vinv88, std::uint8_t* out) noexcept {
+K3_INLINE __m512i encode64_normal_bf16(std::uint16_t const* p, __m512 vinv88) noexcept {
   __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
   __m512i const c = _mm512_permutex2var_epi8(codes32_normal(r0, vinv88), _mm512_loadu_si512(byte_order.code), codes32_normal(r1, vinv88));
   __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
-  _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
+  return _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
 }
 
 // OCP MXFP8 (E4M3) of bf16 blocks of 32, two blocks per call: as encode64_normal_bf16 with a
@@ -367,24 +471,29 @@ K3_INLINE __m512i codes32_mx(__m512i raw, __m512 vinv88) noexcept {
   __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(round_at_bit20(co)), _mm512_castsi512_ps(round_at_bit20(ce)));
   return reinterpret_cast<__m512i const&>(h);
 }
-K3_INLINE void encode64_mx(std::uint16_t const* p, __m512 vinv88a, __m512 vinv88b, std::uint8_t* out) noexcept {
+K3_INLINE __m512i encode64_mx(std::uint16_t const* p, __m512 vinv88a, __m512 vinv88b) noexcept {
   __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
   __m512i const c = _mm512_permutex2var_epi8(codes32_mx(r0, vinv88a), _mm512_loadu_si512(byte_order.code), codes32_mx(r1, vinv88b));
   __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
-  _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
+  return _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
 }
 
 // Rows [i0, i1) of an MXFP8 (E4M3) quantisation of bf16 (k a multiple of 64 here).
 template <class Arch>
-void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1) {
+void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1,
+                  bool stream) {
   using K = kernels<Arch>;
   index_t const k = x.extent(1), nb = k / mx_block;
   alignas(64) std::uint16_t am[16], nz[16];
   alignas(64) std::uint32_t code[16];
+  alignas(64) std::uint8_t pair[64];
   alignas(64) float iv[16];
+  // contiguous rows are one stream: only its two ends can be partial cache lines
+  bool const span = q.stride(0) == k;
+  row_writer out(&q(i0, 0), span ? (i1 - i0) * k : k, stream);
   for (index_t i = i0; i < i1; ++i) {
     std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
-    std::uint8_t* qr = &q(i, 0);
+    if (!span && i > i0) out = row_writer(&q(i, 0), k, stream);
     for (index_t g = 0; g < nb; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, nb - g));  // even: nb is
       __m512i vmax[16], vmin1[16];
@@ -398,16 +507,7 @@ void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
       __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<false>(vmin1)), _mm512_set1_epi32(1));
       _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
       (void)nz;
-      __m512i c;
-      if (rule == mx_rule::floor) {  // floor(log2 amax) - 8 + 127, 0 for zero and subnormal amax
-        c = _mm512_maskz_max_epi32(all16, _mm512_sub_epi32(_mm512_maskz_srli_epi32(all16, a, 23), _mm512_set1_epi32(8)), _mm512_setzero_si512());
-      } else {  // e8m0_ceil(amax / 448): d is finite and < 2^120
-        __m512i const d = _mm512_castps_si512(_mm512_maskz_div_ps(all16, _mm512_castsi512_ps(a), _mm512_set1_ps(448.0f)));
-        __m512i const e = _mm512_maskz_srli_epi32(all16, d, 23), man = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFFFF));
-        __mmask16 const up = _mm512_test_epi32_mask(man, man), sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-        c = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
-        c = _mm512_mask_mov_epi32(c, sub, _mm512_maskz_srli_epi32(all16, _mm512_add_epi32(man, _mm512_set1_epi32(0x3FFFFF)), 23));
-      }
+      __m512i const c = mx_scale_codes<e4m3_format>(a, rule);
       // 2^(127 - code) · 2^-88, for the fast blocks (code <= 165)
       __m512 const inv = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, _mm512_sub_epi32(_mm512_set1_epi32(254), c), 23));
       __m512 const ymin = _mm512_maskz_mul_ps(all16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, mn, 16)), inv);
@@ -421,31 +521,106 @@ void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
         if (((fast >> t) & 3u) == 3u) {
           s(i, g + t) = static_cast<std::uint8_t>(code[t]);
           s(i, g + t + 1) = static_cast<std::uint8_t>(code[t + 1]);
-          encode64_mx(xr + j, _mm512_set1_ps(iv[t]), _mm512_set1_ps(iv[t + 1]), qr + j);
+          out.put(encode64_mx(xr + j, _mm512_set1_ps(iv[t]), _mm512_set1_ps(iv[t + 1])));
           continue;
         }
         for (int u = t; u < t + 2; ++u) {
           index_t const jj = (g + u) * mx_block;
           auto const sc = detail::mx_block_scale<e4m3_format>(std::uint32_t{am[u]} << 16, rule);
           s(i, g + u) = sc.code;
-          K::template encode_store<e4m3_format>(&x(i, jj), sc.inv, qr + jj, mx_block);
+          K::template encode_store<e4m3_format>(&x(i, jj), sc.inv, pair + (u - t) * mx_block, mx_block);
+        }
+        out.put_bytes(pair);
+      }
+    }
+  }
+  if (stream) _mm_sfence();
+}
+#endif
+
+// ---- OCP MXFP4 (E2M1) of bf16 on AVX-512BW: one 32-element block per register ------------------
+// With the scale 2^se, y = x · 2^-se rounds (RNE, saturating) to an E2M1 magnitude code that
+// changes only at 0.25 (tie down), 0.75 (tie up), 1.25, 1.75, 2.5, 3.5 and 5 (ties to even), all
+// bf16 values whose mantissas end in 5 zero bits. On the 16-bit |x| pattern shifted by se in the
+// exponent field and offset by 0.25's pattern,
+//   d = |x| + (-se << 7) - (se << 7) - 0x3E80   (unsigned saturating; one of the shifts is 0),
+// the code is a function of d >> 5 and of whether d's low 5 bits are nonzero: a 40-entry table
+// (vpermt2w). Exact: for normal x the shift is exact scaling and |y| < 8 (d < 0x280); patterns
+// saturated to 0 (|y| <= 0.25 or below 2^-126) and bf16-subnormal x (|y| < 2^(-se-126) <= 0.25
+// while se >= -124) give code 0, as their y. So: scale codes >= 3, finite blocks. The sign is
+// x's (so -0 gives 0x8).
+inline constexpr auto e2m1_table = [] {
+  struct t { std::uint16_t v[64]; } r{};
+  for (std::uint32_t i = 0; i < 64; ++i)  // entry 2h + f: y = bf16(0x3E80 + 32h + f), f = 1 standing for (0, 32)
+    r.v[i] = i < 40 ? k3::encode<e2m1_format>(k3::detail::bit_cast<float>((0x3E80u + 32u * (i / 2) + i % 2) << 16), saturation::finite) : 7;
+  return r;
+}();
+
+K3_INLINE __m128i e2m1_block(__m512i raw, int se) noexcept {
+  __m512i const a = _mm512_and_si512(raw, _mm512_set1_epi16(0x7FFF));
+  __m512i const d = _mm512_subs_epu16(_mm512_adds_epu16(a, _mm512_set1_epi16(static_cast<short>(std::max(-se, 0) << 7))),
+                                      _mm512_set1_epi16(static_cast<short>((std::max(se, 0) << 7) + 0x3E80)));
+  __mmask32 const frac = _mm512_test_epi16_mask(d, _mm512_set1_epi16(0x1F));
+  __m512i const idx = _mm512_and_si512(_mm512_srli_epi16(d, 4), _mm512_set1_epi16(0x3E));  // 2 (d >> 5)
+  __m512i const ix = _mm512_mask_add_epi16(idx, frac, idx, _mm512_set1_epi16(1));
+  __m512i c = _mm512_permutex2var_epi16(_mm512_loadu_si512(e2m1_table.v), ix, _mm512_loadu_si512(e2m1_table.v + 32));
+  c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi16(raw, 12), _mm512_set1_epi16(8), 0xF8);  // | sign << 3
+  // 32-bit lane i: code 2i in bits 0-3, code 2i+1 in bits 16-19 -> byte code 2i | code 2i+1 << 4
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(c, _mm512_srli_epi32(c, 12)));
+}
+
+// Rows [i0, i1) of an MXFP4 (E2M1) quantisation of bf16 (k a multiple of 32).
+template <class Arch>
+void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1) {
+  using K = kernels<Arch>;
+  index_t const k = x.extent(1), nb = k / mx_block;
+  alignas(64) std::uint16_t am[16];
+  alignas(64) std::uint32_t code[16];
+  for (index_t i = i0; i < i1; ++i) {
+    std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
+    std::uint8_t* const qr = &q(i, 0);
+    for (index_t g = 0; g < nb; g += 16) {
+      int const n = static_cast<int>(std::min<index_t>(16, nb - g));
+      __m512i vmax[16];
+      for (int t = 0; t < n; ++t) vmax[t] = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), _mm512_set1_epi16(0x7FFF));
+      for (int t = n; t < 16; ++t) vmax[t] = _mm512_setzero_si512();
+      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<true>(vmax)), 16);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
+      __m512i const c = mx_scale_codes<e2m1_format>(a, rule);
+      __mmask16 const fast = _mm512_cmpge_epi32_mask(c, _mm512_set1_epi32(3)) &
+                             _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(detail::nonfinite_bits)));
+      _mm512_store_si512(code, c);
+      for (int t = 0; t < n; ++t) {
+        index_t const j = (g + t) * mx_block;
+        if ((fast >> t) & 1u) {
+          s(i, g + t) = static_cast<std::uint8_t>(code[t]);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + j / 2), e2m1_block(_mm512_loadu_si512(xr + j), static_cast<int>(code[t]) - 127));
+        } else {
+          auto const sc = detail::mx_block_scale<e2m1_format>(std::uint32_t{am[t]} << 16, rule);
+          s(i, g + t) = sc.code;
+          K::template encode_store<e2m1_format>(&x(i, j), sc.inv, qr + j / 2, mx_block);
         }
       }
     }
   }
 }
-#endif
 
 // Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
 template <class Arch>
-void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1) {
+void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1,
+          bool stream) {
   using K = kernels<Arch>;
   index_t const k = x.extent(1), full = k / 128;
   alignas(64) std::uint16_t am[16], nz[16];
   alignas(64) float sv[16], iv[16];
+  alignas(64) std::uint8_t part[128] = {};
+  // contiguous rows of whole 64-byte registers are one stream: only its two ends can be
+  // partial cache lines (masked stores to partial lines measured costly next to streaming)
+  bool const span = q.stride(0) == k && k % 64 == 0;
+  row_writer out(&q(i0, 0), span ? (i1 - i0) * k : k, stream);
   for (index_t i = i0; i < i1; ++i) {
     std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
-    std::uint8_t* qr = &q(i, 0);
+    if (!span && i > i0) out = row_writer(&q(i, 0), k, stream);
     for (index_t g = 0; g < full; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, full - g));
       __m512i vmax[16], vmin1[16];
@@ -458,22 +633,23 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
         index_t const j = (g + t) * 128;
         s(i, g + t) = sv[t];
         if (am[t] >= (detail::nonfinite_bits >> 16)) {
-          std::memset(qr + j, e4m3_format::nan_code, 128);
+          out.put(_mm512_set1_epi8(static_cast<char>(e4m3_format::nan_code)));
+          out.put(_mm512_set1_epi8(static_cast<char>(e4m3_format::nan_code)));
           continue;
         }
         __m512 const vinv = _mm512_set1_ps(iv[t]);
         if ((normal >> t) & 1u) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
           __m512 const vinv88 = _mm512_set1_ps(iv[t] * 0x1p-88f);
-          encode64_normal_bf16(xr + j, vinv88, qr + j);
-          encode64_normal_bf16(xr + j + 64, vinv88, qr + j + 64);
+          out.put(encode64_normal_bf16(xr + j, vinv88));
+          out.put(encode64_normal_bf16(xr + j + 64, vinv88));
 #else
-          encode64<true>(xr + j, vinv, qr + j);
-          encode64<true>(xr + j + 64, vinv, qr + j + 64);
+          out.put(encode64<true>(xr + j, vinv));
+          out.put(encode64<true>(xr + j + 64, vinv));
 #endif
         } else {
-          encode64<false>(xr + j, vinv, qr + j);
-          encode64<false>(xr + j + 64, vinv, qr + j + 64);
+          out.put(encode64<false>(xr + j, vinv));
+          out.put(encode64<false>(xr + j + 64, vinv));
         }
       }
     }
@@ -484,26 +660,32 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
       auto const sc = detail::deepseek_scale(amax, fmt);
       s(i, full) = sc.s;
       if (amax >= detail::nonfinite_bits)
-        std::memset(qr + j0, e4m3_format::nan_code, static_cast<std::size_t>(n));
+        std::memset(part, e4m3_format::nan_code, static_cast<std::size_t>(n));
       else
-        K::template encode_store<e4m3_format, false, false>(p, sc.inv, qr + j0, n);
+        K::template encode_store<e4m3_format, false, false>(p, sc.inv, part, n);
+      out.put_bytes(part);
+      if (n > 64) out.put_bytes(part + 64);
     }
   }
+  if (stream) _mm_sfence();
 }
 }  // namespace avx512_1x128
 #endif
 
 // ---- DeepSeek tiles, rows unit-stride -----------------------------------------------------
 template <class Arch, class B, class T>
-void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, tile t, scale_format fmt) {
+void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, tile t, scale_format fmt,
+                  store_mode mode = store_mode::cached) {
   using K = kernels<Arch>;
   index_t const m = x.extent(0), k = x.extent(1);
+  (void)mode;
 #if defined(__AVX512BW__)
   if constexpr (K::avx512 && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
     if (t.rows == 1 && t.cols == 128) {
-      index_t const rows_per_task = 16;
-      run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
-        avx512_1x128::rows<Arch>(x, q, s, fmt, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+      bool const stream = mode == store_mode::streaming;
+      index_t const rpt = task_rows(b, m, 16);
+      run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
+        avx512_1x128::rows<Arch>(x, q, s, fmt, task * rpt, std::min(m, (task + 1) * rpt), stream);
       });
       return;
     }
@@ -532,19 +714,31 @@ void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q
 
 // ---- OCP MX, rows unit-stride ----------------------------------------------------------------
 template <class Arch, class F, class B, class T>
-void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule) {
+void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule,
+                 store_mode mode = store_mode::cached) {
+  (void)mode;
   using K = kernels<Arch>;
   constexpr bool packed = F::bits == 4;
   index_t const m = x.extent(0), k = x.extent(1);
-  index_t const rows_per_task = 8;
+  index_t const rows_per_task = 8;  // the generic paths
 #if defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512DQ__)
   if constexpr (K::avx512 && std::is_same_v<F, e4m3_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
     if (k % (2 * mx_block) == 0) {
-      run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
-        avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+      bool const stream = mode == store_mode::streaming;
+      index_t const rpt = task_rows(b, m, 8);
+      run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
+        avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rpt, std::min(m, (task + 1) * rpt), stream);
       });
       return;
     }
+  }
+#endif
+#if defined(__AVX512BW__)
+  if constexpr (K::avx512 && std::is_same_v<F, e2m1_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
+    run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+      avx512_1x128::mx_e2m1_rows<Arch>(x, q, s, rule, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+    });
+    return;
   }
 #endif
   run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
