@@ -154,10 +154,28 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   p.P3.rightCols(c) = p.Bd.transpose();
 }
 
-// Forward over one chunk for a block of state columns: S (K x w) is advanced in place; O (c x w)
-// is written when non-null.
+// What the forward state pass of a chunk reads (the rest of chunk_pre is only needed by the
+// backward): the threaded forward moves these out of the builder's scratch, so the ring of
+// built chunks shared between threads stays small.
 template <class R>
-void chunk_forward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R>& S, mat<R>* O) {
+struct chunk_fwd {
+  index_t t0 = 0, c = 0;
+  mat<R> P1, P2, P3;
+  vec<R> dC;
+  void take(chunk_pre<R>& p) {
+    t0 = p.t0;
+    c = p.c;
+    P1.swap(p.P1);
+    P2.swap(p.P2);
+    P3.swap(p.P3);
+    dC.swap(p.dC);
+  }
+};
+
+// Forward over one chunk for a block of state columns: S (K x w) is advanced in place; O (c x w)
+// is written when non-null. Pre: chunk_pre or chunk_fwd.
+template <class R, class Pre>
+void chunk_forward(Pre const& p, mat<R> const& Vc, mat<R>& S, mat<R>* O) {
   index_t const K = S.rows(), c = p.c;
   mat<R> Z(K + 2 * c, S.cols());
   Z.topRows(K) = S;

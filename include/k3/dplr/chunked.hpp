@@ -80,7 +80,8 @@ void head_forward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cf
                   std::vector<mat<R>>* states) {
   index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C);
   index_t const ns = pipeline_parts(par, W);
-  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch)));
+  std::vector<chunk_fwd<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch)));
+  std::vector<chunk_pre<R>> scratch(static_cast<std::size_t>(par.size()));
   struct part {
     mat<R> S, Vc, O;
   };
@@ -92,9 +93,10 @@ void head_forward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cf
   if (states) states->assign(static_cast<std::size_t>(nch), mat<R>(cfg.K, W));
   run_pipeline(
       par, nch, ns, static_cast<index_t>(pres.size()),
-      [&](index_t s, index_t k) {
+      [&](index_t s, index_t k, index_t worker) {
         index_t t0 = s * C;
-        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[k]);
+        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker]);
+        pres[k].take(scratch[worker]);
       },
       [&](index_t p, index_t s, index_t k) {
         auto [c0, c1] = col_range(W, ns, p);
@@ -143,7 +145,7 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
   }
   run_pipeline(
       par, nch, ns, static_cast<index_t>(pres.size()),
-      [&](index_t s, index_t k) {
+      [&](index_t s, index_t k, index_t) {
         index_t t0 = (nch - 1 - s) * C;
         make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[k]);
       },
@@ -185,7 +187,7 @@ void head_dstate(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg
   }
   run_pipeline(
       par, nch, ns, static_cast<index_t>(pres.size()),
-      [&](index_t s, index_t k) {
+      [&](index_t s, index_t k, index_t) {
         index_t t0 = (nch - 1 - s) * C;
         make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[k]);
       },

@@ -43,7 +43,8 @@ struct alignas(64) pipeline_slot {
   std::atomic<index_t> pending{0};   // parts that have not yet stepped the built position
 };
 
-// build(s, slot): intra-chunk work of position s into ring slot `slot`.
+// build(s, slot, worker): intra-chunk work of position s into ring slot `slot`; worker in
+// [0, par.size()) identifies the calling thread's scratch (hot in its cache).
 // step(part, s, slot): advance part's state columns over position s (calls for one part are
 // serialised and in order). finish(s, slot): after every part stepped s, before the slot is
 // reused. par.run(n, f) runs f(0..n-1), possibly concurrently.
@@ -53,7 +54,7 @@ void run_pipeline(Par const& par, index_t n, index_t parts, index_t slots, Build
   int const P = par.size();
   if (P <= 1) {
     for (index_t s = 0; s < n; ++s) {
-      build(s, index_t(0));
+      build(s, index_t(0), index_t(0));
       for (index_t q = 0; q < parts; ++q) step(q, s, index_t(0));
       finish(s, index_t(0));
     }
@@ -101,29 +102,30 @@ void run_pipeline(Par const& par, index_t n, index_t parts, index_t slots, Build
     }
     return ok;
   };
-  auto try_build = [&] {
+  auto try_build = [&](index_t worker) {
     index_t j = next_build.load(std::memory_order_relaxed);
     if (j >= n || sl[j % slots].free_for.load(std::memory_order_acquire) != j) return false;
     if (!next_build.compare_exchange_strong(j, j + 1, std::memory_order_acq_rel)) return false;
-    build(j, j % slots);
+    build(j, j % slots, worker);
     sl[j % slots].built.store(j, std::memory_order_release);
     bump();
     return true;
   };
 
   par.run(P, [&](index_t) {
-    index_t const home = ids.fetch_add(1, std::memory_order_relaxed) % parts;
+    index_t const me = ids.fetch_add(1, std::memory_order_relaxed), home = me % parts;
     try {
       while (!failed.load(std::memory_order_relaxed) && parts_done.load(std::memory_order_acquire) < parts) {
         int const seen = epoch.load(std::memory_order_acquire);
         bool progress = false;
         for (index_t i = 0; i < parts && !progress; ++i) progress = try_step((home + i) % parts);
-        if (!progress) progress = try_build();
+        if (!progress) progress = try_build(me);
         if (progress) continue;
-        // Nothing to do until another thread hands something off: spin briefly (hand-offs
-        // are microseconds apart on idle cores), then sleep on the epoch.
+        // Nothing to do until another thread hands something off: spin briefly (~10 us; on
+        // idle cores a wait ends when a build or step of the other thread does, and a
+        // futex wake-up costs about as much), then sleep on the epoch.
         int spins = 0;
-        while (epoch.load(std::memory_order_acquire) == seen && ++spins < 4096) K3_DPLR_PAUSE();
+        while (epoch.load(std::memory_order_acquire) == seen && ++spins < 512) K3_DPLR_PAUSE();
         if (epoch.load(std::memory_order_acquire) == seen && parts_done.load(std::memory_order_acquire) < parts)
           epoch.wait(seen, std::memory_order_acquire);
       }
