@@ -95,7 +95,7 @@ void head_forward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cf
       par, nch, ns, static_cast<index_t>(pres.size()),
       [&](index_t s, index_t k, index_t worker) {
         index_t t0 = s * C;
-        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker]);
+        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker], false);
         pres[k].take(scratch[worker]);
       },
       [&](index_t p, index_t s, index_t k) {
