@@ -78,6 +78,19 @@ struct chunk_pre {
   mat<R> P1, P2;
   mat<R> g_, G_, eg_;  // scratch, kept to avoid reallocating per chunk
 
+  // Moves what the backward's steps and parameter gradients read out of a builder's scratch
+  // (the scratch keeps its temporaries and P2, hot in the builder's cache).
+  void take(chunk_pre& o) {
+    t0 = o.t0;
+    c = o.c;
+    factored = o.factored;
+    scale = o.scale;
+    for (auto m : {&chunk_pre::q, &chunk_pre::k, &chunk_pre::a, &chunk_pre::b, &chunk_pre::gi, &chunk_pre::ge, &chunk_pre::QA, &chunk_pre::KB,
+                   &chunk_pre::KdBd, &chunk_pre::Aqk, &chunk_pre::Aqb, &chunk_pre::Aak, &chunk_pre::Tm, &chunk_pre::P1})
+      (this->*m).swap(o.*m);
+    dC.swap(o.dC);
+  }
+
   auto Qe() const { return QA.topRows(c); }
   auto Ae() const { return QA.bottomRows(c); }
   auto kh() const { return KB.topRows(c); }

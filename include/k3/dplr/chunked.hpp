@@ -133,7 +133,7 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
     head_forward<T, R>(par, hv, cfg, V, S, load, static_cast<E*>(nullptr), &states);
   }
   index_t const ns = pipeline_parts(par, V);
-  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch)));
+  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch))), scratch(static_cast<std::size_t>(par.size()));
   std::vector<std::vector<chunk_acc<R>>> acc(static_cast<std::size_t>(ns), std::vector<chunk_acc<R>>(pres.size()));
   struct part {
     mat<R> dS, Vc, dOc, dVc, Sc;
@@ -145,9 +145,10 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
   }
   run_pipeline(
       par, nch, ns, static_cast<index_t>(pres.size()),
-      [&](index_t s, index_t k, index_t) {
+      [&](index_t s, index_t k, index_t worker) {
         index_t t0 = (nch - 1 - s) * C;
-        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[k]);
+        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker]);
+        pres[k].take(scratch[worker]);
       },
       [&](index_t p, index_t s, index_t k) {
         auto [c0, c1] = col_range(V, ns, p);
@@ -176,7 +177,7 @@ template <class T, class R, class Par, class LoadO>
 void head_dstate(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, index_t W, mat<R>& dS, LoadO&& loadO) {
   index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C);
   index_t const ns = pipeline_parts(par, W);
-  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch)));
+  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch))), scratch(static_cast<std::size_t>(par.size()));
   struct part {
     mat<R> dS, dOc;
   };
@@ -187,9 +188,10 @@ void head_dstate(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg
   }
   run_pipeline(
       par, nch, ns, static_cast<index_t>(pres.size()),
-      [&](index_t s, index_t k, index_t) {
+      [&](index_t s, index_t k, index_t worker) {
         index_t t0 = (nch - 1 - s) * C;
-        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[k]);
+        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker]);
+        pres[k].take(scratch[worker]);
       },
       [&](index_t p, index_t, index_t k) {
         auto [c0, c1] = col_range(W, ns, p);
