@@ -135,7 +135,6 @@ void run_pipeline(Par const& par, index_t n, index_t parts, index_t slots, Build
       throw;
     }
   });
-  (void)parts_done;
 }
 
 }  // namespace k3::detail::dplr
