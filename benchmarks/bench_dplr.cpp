@@ -14,6 +14,10 @@
 //    extra work is the K x K block M (about 2 K^2 per token on top of the forward's ~2 K V
 //    per state product), i.e. the "2 K^3 per chunk" of the map chain at C = K.
 //  - backward, 1 thread vs value split on 2 threads (T = 16384 to bound the stored states)
+//  - KDA's chunked forward (k3::kda::forward, chunk 64, gate_lower_bound -5: its dense-tile
+//    path) on the same shape and thread counts, and the DPLR / KDA time ratio (the Kimi Linear
+//    paper reports KDA about 2x faster than DPLR). KDA's threaded backend runs one task per
+//    (sequence, head), so on this single sequence its 2-thread figure uses one core.
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 #pragma GCC diagnostic ignored "-Wuninitialized"  // GCC bug 105593 in AVX-512 intrinsics via Eigen
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -26,6 +30,7 @@
 
 #include "common/bench.hpp"
 #include "k3/dplr.hpp"
+#include "k3/kda.hpp"
 
 namespace {
 
@@ -33,6 +38,7 @@ struct data {
   k3::index_t T, K, V;
   std::vector<float> q, k, v, a, b, gk, o, dO, dq, dk, dv, da, db, dg;
   std::vector<float> ht;
+  std::vector<float> beta;  // KDA's per-token beta on the same tokens
   data(k3::index_t T_, k3::index_t K_, k3::index_t V_) : T(T_), K(K_), V(V_) {
     std::mt19937_64 rng(7);
     std::normal_distribution<float> n01;
@@ -57,6 +63,8 @@ struct data {
         gk[t * K + d] = -std::log1p(std::exp(-n01(rng))) / 16;  // log sigmoid / 16
       }
     }
+    beta.resize(T);
+    for (auto& x : beta) x = 1 / (1 + std::exp(-n01(rng)));
     o.resize(nv), ht.resize(K * V);
     for (auto* x : {&dq, &dk, &da, &db, &dg}) x->resize(nk);
     dv.resize(nv);
@@ -67,6 +75,18 @@ struct data {
   k3::tensor_view<float, 4> mv(std::vector<float>& x, k3::index_t D, k3::index_t t = -1) { return k3::host_view(x.data(), 1, t < 0 ? T : t, 1, D); }
   k3::dplr_inputs<float> in(k3::index_t t = -1) const {
     return {cv(q, K, t), cv(k, K, t), cv(v, V, t), cv(a, K, t), cv(b, K, t), cv(gk, K, t), {}};
+  }
+  // KDA on the same tokens: k = a (unit rows, as the delta rule wants), g = gk (>= -5).
+  k3::kda::forward_args<float> kda() {
+    k3::kda::forward_args<float> x;
+    x.q = cv(q, K);
+    x.k = cv(a, K);
+    x.v = cv(v, V);
+    x.g = cv(gk, K);
+    x.beta = k3::host_view(static_cast<float const*>(beta.data()), 1, T, 1);
+    x.o = mv(o, V);
+    x.ht = k3::host_view(ht.data(), 1, 1, K, V);
+    return x;
   }
 };
 
@@ -111,7 +131,9 @@ int main(int argc, char** argv) {
     k3::dplr_chunked_backward(bk, d.in(Tb), k3::dplr_grad_inputs<float>{d.cv(d.dO, V, Tb), {}}, g, vs);
   };
   std::vector<double> yg;
-  timing f1, f2v, f2s, mp, b1, b2;
+  timing f1, f2v, f2s, mp, b1, b2, kd1, kd2;
+  k3::kda::options kopt;
+  kopt.gate_lower_bound = -5.0;
   for (int r = 0; r < reps; ++r) {
     yg.push_back(gemm.gflops());
     f1.add([&] { k3::dplr_chunked_forward(t1, d.in(), out, vs); });
@@ -120,6 +142,8 @@ int main(int argc, char** argv) {
     mp.add([&] { k3::dplr_segment_maps(d.in(), k3::host_view(M.data(), 1, 1, K, K), k3::host_view(N.data(), 1, 1, K, V), vs); });
     b1.add([&] { bwd(t1); });
     b2.add([&] { bwd(t2); });
+    kd1.add([&] { k3::kda::forward(t1, d.kda(), kopt); });
+    kd2.add([&] { k3::kda::forward(t2, d.kda(), kopt); });
   }
   double g = median(yg), tf = f1.w(), tv = f2v.w(), ts = f2s.w(), tm = mp.w(), tb1 = b1.w(), tb2 = b2.w();
   std::printf("cpu/wall (busy cores; 1 or 2 on a quiet machine): fwd1 %.2f, value split %.2f, segment maps %.2f, map pass %.2f, bwd1 %.2f, bwd2 %.2f\n",
@@ -141,5 +165,9 @@ int main(int argc, char** argv) {
   std::printf("work inflation (CPU s, 2 threads / 1 thread): value split fwd %.2f (bound %.2fx), segment maps fwd %.2f (bound %.2fx), value split bwd %.2f (bound %.2fx)\n",
               f2v.c() / f1.c(), 2 * f1.c() / f2v.c(), f2s.c() / f1.c(), 2 * f1.c() / f2s.c(), b2.c() / b1.c(), 2 * b1.c() / b2.c());
   std::printf("backward (T=%lld) 1 thread: %.3f s; value split 2 threads: %.3f s, speedup %.2fx\n", (long long)Tb, tb1, tb2, tb1 / tb2);
+  double tk1 = kd1.w(), tk2 = kd2.w();
+  std::printf("KDA chunked forward (k3::kda::forward, same shape, chunk 64, gate_lower_bound -5): 1 thread %.3f s (%.0f tokens/s, %.2f x GEMM at DPLR's flop count), 2 threads %.3f s (one (sequence, head) task: one core)\n",
+              tk1, T / tk1, flops_tok * T / tk1 * 1e-9 / g, tk2);
+  std::printf("DPLR / KDA forward time: 1 thread %.2f, 2 threads %.2f (DPLR value split vs KDA)  [Kimi Linear paper: KDA ~2x faster, i.e. ~2]\n", tf / tk1, tv / tk2);
   return 0;
 }

@@ -130,3 +130,55 @@ TEST_CASE("context-parallel entry points on a single-process communicator") {
   CHECK_THROWS_WITH_AS(run_fwd(p1, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(one, in, out, p1.options()); }),
                        doctest::Contains("cu_seqlens"), k3::error);
 }
+
+TEST_CASE("single-sequence pipeline: awkward shapes, more threads than work, nested inline call") {
+  std::mt19937_64 rng(17);
+  struct shape {
+    index_t T, K, V, chunk;
+  };
+  // T < one chunk, T = one chunk, T not a multiple of the chunk, V odd / not a multiple of the
+  // vector width / smaller than the thread count, more chunks than ring slots, T = 1.
+  shape const shapes[] = {{1, 5, 1, 16}, {20, 8, 3, 32}, {32, 6, 2, 32}, {97, 12, 17, 16}, {300, 24, 33, 16}, {130, 9, 1, 8}};
+  for (int nt : {2, 3, 5}) {
+    k3::cpu::threads<> th(nt);
+    for (auto const& s : shapes) {
+      auto p = make<double>(rng, 1, s.T, 1, s.K, s.V);
+      auto o = p.options(s.chunk);
+      auto dO = randn<double>(rng, p.nv());
+      auto dht = randn<double>(rng, p.ns());
+      auto ref = run_fwd(p, chunked_fwd(k3::cpu::serial{}, o));
+      auto gref = run_bwd(p, dO, dht, chunked_bwd(k3::cpu::serial{}, o));
+      INFO("threads=" << nt << " T=" << s.T << " K=" << s.K << " V=" << s.V << " chunk=" << s.chunk);
+      CHECK(max_err(run_fwd(p, chunked_fwd(th, o)), ref) < 1e-12);
+      CHECK(max_err(run_bwd(p, dO, dht, chunked_bwd(th, o)), gref) < 1e-12);
+      // The maps run through the same pipeline (the transposed one: the gradient chain alone).
+      std::vector<double> M1(static_cast<std::size_t>(s.K * s.K)), G1(static_cast<std::size_t>(s.K * s.V)), M2 = M1, G2 = G1;
+      auto in = p.inputs();
+      auto dOv = k3::host_view(static_cast<double const*>(dO.data()), index_t(1), s.T, index_t(1), s.V);
+      k3::dplr_segment_maps_transposed(in, dOv, k3::host_view(M1.data(), 1, 1, s.K, s.K), k3::host_view(G1.data(), 1, 1, s.K, s.V), o);
+      k3::dplr_segment_maps_transposed(in, dOv, k3::host_view(M2.data(), 1, 1, s.K, s.K), k3::host_view(G2.data(), 1, 1, s.K, s.V), o, th);
+      CHECK(rel_err(M2, M1) < 1e-12);
+      CHECK(rel_err(G2, G1) < 1e-12);
+      // and the forward map (K + V columns split across the threads)
+      k3::dplr_segment_maps(in, k3::host_view(M1.data(), 1, 1, s.K, s.K), k3::host_view(G1.data(), 1, 1, s.K, s.V), o);
+      k3::dplr_segment_maps(in, k3::host_view(M2.data(), 1, 1, s.K, s.K), k3::host_view(G2.data(), 1, 1, s.K, s.V), o, th);
+      CHECK(rel_err(M2, M1) < 1e-12);
+      CHECK(rel_err(G2, G1) < 1e-12);
+    }
+    // Called from inside one of the pool's own tasks, the pool runs the pipeline's
+    // participants one after another on this thread: it must still finish, with the same result.
+    auto p = make<double>(rng, 1, 200, 1, 8, 6);
+    auto o = p.options(16);
+    auto ref = run_fwd(p, chunked_fwd(k3::cpu::serial{}, o));
+    auto dO = randn<double>(rng, p.nv());
+    auto dht = randn<double>(rng, p.ns());
+    auto gref = run_bwd(p, dO, dht, chunked_bwd(k3::cpu::serial{}, o));
+    th.pool().run(2, [&](std::int64_t i) {
+      if (i != 0) return;
+      auto got = run_fwd(p, chunked_fwd(th, o));
+      auto g = run_bwd(p, dO, dht, chunked_bwd(th, o));
+      CHECK(max_err(got, ref) < 1e-12);
+      CHECK(max_err(g, gref) < 1e-12);
+    });
+  }
+}

@@ -65,19 +65,43 @@ struct chunk_pre {
   index_t t0 = 0, c = 0;
   bool factored = true;
   R scale = 1;
-  mat<R> q, k, a, b, gi, ge;     // raw rows and cumsums (backward)
-  mat<R> Qe, Ae, Kd, Bd, w;      // c x K
-  mat<R> kh, bh;                 // c x K, factored form only: k e^{-gi}, b e^{-gi}
-  mat<R> Aqk, Aqb, Aak, Tm;      // c x c
-  vec<R> dC;                     // e^{gi_c}
+  mat<R> q, k, a, b, gi, ge;  // raw rows and cumsums (backward)
+  // Row-stacked pairs (2c x K), so that the four intra matrices come from one GEMM:
+  mat<R> QA;    // [Qe; Ae] = [s q e^{gi}; a e^{ge}]
+  mat<R> KB;    // [kh; bh] = [k e^{-gi}; b e^{-gi}], factored form only
+  mat<R> KdBd;  // [Kd; Bd] = [k e^{gi_c-gi}; b e^{gi_c-gi}]
+  mat<R> Aqk, Aqb, Aak, Tm;  // c x c; Tm (the backward's) only when make_pre is asked for it
+  vec<R> dC;                 // e^{gi_c}
   // The forward state pass as three GEMMs over the stacked operand Z = [S; V; X]:
-  //   X = [w | Tm Aak] [S; V],  O = [Qe | Aqk | Aqb] Z,  S' = e^{gi_c} S + [Kd^T | Bd^T] [V; X]
-  mat<R> P1, P2, P3;
-  mat<R> g_, e_, Aab_;  // scratch, kept to avoid reallocating per chunk
+  //   X = P1 [S; V], P1 = [w | Tm Aak];  O = P2 Z, P2 = [Qe | Aqk | Aqb];
+  //   S' = e^{gi_c} S + KdBd^T [V; X]
+  mat<R> P1, P2;
+  mat<R> g_, G_, eg_;  // scratch, kept to avoid reallocating per chunk
+
+  // Moves what the backward's steps and parameter gradients read out of a builder's scratch
+  // (the scratch keeps its temporaries and P2, hot in the builder's cache).
+  void take(chunk_pre& o) {
+    t0 = o.t0;
+    c = o.c;
+    factored = o.factored;
+    scale = o.scale;
+    for (auto m : {&chunk_pre::q, &chunk_pre::k, &chunk_pre::a, &chunk_pre::b, &chunk_pre::gi, &chunk_pre::ge, &chunk_pre::QA, &chunk_pre::KB,
+                   &chunk_pre::KdBd, &chunk_pre::Aqk, &chunk_pre::Aqb, &chunk_pre::Aak, &chunk_pre::Tm, &chunk_pre::P1})
+      (this->*m).swap(o.*m);
+    dC.swap(o.dC);
+  }
+
+  auto Qe() const { return QA.topRows(c); }
+  auto Ae() const { return QA.bottomRows(c); }
+  auto kh() const { return KB.topRows(c); }
+  auto bh() const { return KB.bottomRows(c); }
+  auto Kd() const { return KdBd.topRows(c); }
+  auto Bd() const { return KdBd.bottomRows(c); }
+  auto w() const { return P1.leftCols(q.cols()); }
 };
 
 template <class T, class R>
-void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p) {
+void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p, bool with_tm = true) {
   p.t0 = t0;
   p.c = c;
   p.scale = scale;
@@ -88,33 +112,40 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   mat<R>& g = p.g_;
   load_rows(hv.gk, t0, c, g);
   index_t const K = g.cols();
-  p.gi = g;
-  for (index_t r = 1; r < c; ++r) p.gi.row(r) += p.gi.row(r - 1);
-  p.ge = p.gi - g;
+  p.gi.resize(c, K);
+  p.ge.resize(c, K);
+  p.ge.row(0).setZero();
+  p.gi.row(0) = g.row(0);
+  for (index_t r = 1; r < c; ++r) {
+    p.ge.row(r) = p.gi.row(r - 1);  // exclusive cumsum: the decay before token r's own
+    p.gi.row(r) = p.gi.row(r - 1) + g.row(r);
+  }
   auto last = p.gi.row(c - 1);
-  p.dC = last.transpose().array().exp();
-  p.Qe = scale * (p.q.array() * p.gi.array().exp()).matrix();
-  p.Ae = (p.a.array() * p.ge.array().exp()).matrix();
-  mat<R>& E = p.e_;
-  E = (p.gi.rowwise() - last).array().operator-().exp().matrix();  // e^{gi_c - gi}
-  p.Kd = (p.k.array() * E.array()).matrix();
-  p.Bd = (p.b.array() * E.array()).matrix();
   R span = K > 0 ? (-last.array()).maxCoeff() : R(0);
   p.factored = mode == dplr_intra::factored || (mode == dplr_intra::automatic && span <= factored_decay_limit<R>());
-  mat<R>& Aab = p.Aab_;
+  // One exponential per element: e^{ge} is the previous row of e^{gi}, and in the factored
+  // form e^{-gi} = 1 / e^{gi}, e^{gi_c - gi} = e^{gi_c} e^{-gi}.
+  mat<R>& eg = p.eg_;
+  eg = p.gi.array().exp().matrix();
+  p.dC = last.transpose().array().exp();
+  p.QA.resize(2 * c, K);
+  p.QA.topRows(c) = scale * (p.q.array() * eg.array()).matrix();
+  p.QA.row(c) = p.a.row(0);
+  if (c > 1) p.QA.bottomRows(c - 1) = (p.a.bottomRows(c - 1).array() * eg.topRows(c - 1).array()).matrix();
+  p.KdBd.resize(2 * c, K);
+  mat<R>& G = p.G_;
   if (p.factored) {
-    E = (-p.gi.array()).exp().matrix();
-    p.kh = (p.k.array() * E.array()).matrix();
-    p.bh = (p.b.array() * E.array()).matrix();
-    p.Aqk = (p.Qe * p.kh.transpose()).template triangularView<Eigen::Lower>();
-    p.Aqb = (p.Qe * p.bh.transpose()).template triangularView<Eigen::Lower>();
-    p.Aak = (p.Ae * p.kh.transpose()).template triangularView<Eigen::StrictlyLower>();
-    Aab = (p.Ae * p.bh.transpose()).template triangularView<Eigen::StrictlyLower>();
+    p.KB.resize(2 * c, K);
+    eg = eg.array().inverse().matrix();
+    p.KB.topRows(c) = (p.k.array() * eg.array()).matrix();
+    p.KB.bottomRows(c) = (p.b.array() * eg.array()).matrix();
+    p.KdBd = (p.KB.array().rowwise() * p.dC.transpose().array()).matrix();
+    G.noalias() = p.QA * p.KB.transpose();  // [[Aqk, Aqb], [Aak, Aab]] before masking
   } else {
-    p.Aqk.setZero(c, c);
-    p.Aqb.setZero(c, c);
-    p.Aak.setZero(c, c);
-    Aab.setZero(c, c);
+    eg = (p.gi.rowwise() - last).array().operator-().exp().matrix();  // e^{gi_c - gi}, <= 1
+    p.KdBd.topRows(c) = (p.k.array() * eg.array()).matrix();
+    p.KdBd.bottomRows(c) = (p.b.array() * eg.array()).matrix();
+    G.setZero(2 * c, 2 * c);
     for (index_t i = 0; i < c; ++i) {
       for (index_t j = 0; j <= i; ++j) {
         R sqk = 0, sqb = 0, sak = 0, sab = 0;
@@ -128,36 +159,55 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
             sab += p.a(i, d) * p.b(j, d) * f;
           }
         }
-        p.Aqk(i, j) = scale * sqk;
-        p.Aqb(i, j) = scale * sqb;
-        if (j < i) {
-          p.Aak(i, j) = sak;
-          Aab(i, j) = sab;
-        }
+        G(i, j) = scale * sqk;
+        G(i, c + j) = scale * sqb;
+        G(c + i, j) = sak;
+        G(c + i, c + j) = sab;
       }
     }
   }
+  p.Aqk = G.topLeftCorner(c, c).template triangularView<Eigen::Lower>();
+  p.Aqb = G.topRightCorner(c, c).template triangularView<Eigen::Lower>();
+  p.Aak = G.bottomLeftCorner(c, c).template triangularView<Eigen::StrictlyLower>();
+  // Tm = (I - Aab)^{-1}: Aab's strictly lower part, negated, over a unit diagonal
+  auto Aab = G.bottomRightCorner(c, c);
   Aab = -Aab;
-  Aab.diagonal().setOnes();  // I - Aab, unit lower triangular
-  p.Tm.setIdentity(c, c);
-  Aab.template triangularView<Eigen::UnitLower>().solveInPlace(p.Tm);
-  p.w = p.Tm * p.Ae;
   p.P1.resize(c, K + c);
-  p.P1.leftCols(K) = p.w;
-  p.P1.rightCols(c).noalias() = p.Tm * p.Aak;
+  p.P1.leftCols(K) = p.Ae();
+  p.P1.rightCols(c) = p.Aak;
+  Aab.template triangularView<Eigen::UnitLower>().solveInPlace(p.P1);  // [w | Tm Aak]
+  if (with_tm) {
+    p.Tm.setIdentity(c, c);
+    Aab.template triangularView<Eigen::UnitLower>().solveInPlace(p.Tm);
+  }
   p.P2.resize(c, K + 2 * c);
-  p.P2.leftCols(K) = p.Qe;
+  p.P2.leftCols(K) = p.Qe();
   p.P2.middleCols(K, c) = p.Aqk;
   p.P2.rightCols(c) = p.Aqb;
-  p.P3.resize(K, 2 * c);
-  p.P3.leftCols(c) = p.Kd.transpose();
-  p.P3.rightCols(c) = p.Bd.transpose();
 }
 
-// Forward over one chunk for a block of state columns: S (K x w) is advanced in place; O (c x w)
-// is written when non-null.
+// What the forward state pass of a chunk reads (the rest of chunk_pre is only needed by the
+// backward): the threaded forward moves these out of the builder's scratch, so the ring of
+// built chunks shared between threads stays small.
 template <class R>
-void chunk_forward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R>& S, mat<R>* O) {
+struct chunk_fwd {
+  index_t t0 = 0, c = 0;
+  mat<R> P1, P2, KdBd;
+  vec<R> dC;
+  void take(chunk_pre<R>& p) {
+    t0 = p.t0;
+    c = p.c;
+    P1.swap(p.P1);
+    P2.swap(p.P2);
+    KdBd.swap(p.KdBd);
+    dC.swap(p.dC);
+  }
+};
+
+// Forward over one chunk for a block of state columns: S (K x w) is advanced in place; O (c x w)
+// is written when non-null. Pre: chunk_pre or chunk_fwd.
+template <class R, class Pre>
+void chunk_forward(Pre const& p, mat<R> const& Vc, mat<R>& S, mat<R>* O) {
   index_t const K = S.rows(), c = p.c;
   mat<R> Z(K + 2 * c, S.cols());
   Z.topRows(K) = S;
@@ -165,7 +215,7 @@ void chunk_forward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R>& S, mat<R>* O
   Z.bottomRows(c).noalias() = p.P1 * Z.topRows(K + c);
   if (O) O->noalias() = p.P2 * Z;
   S.array().colwise() *= p.dC.array();
-  S.noalias() += p.P3 * Z.bottomRows(2 * c);
+  S.noalias() += p.KdBd.transpose() * Z.bottomRows(2 * c);
 }
 
 // Gradients of the V- and S-contracted products of one chunk, summed over state columns.
@@ -203,12 +253,12 @@ struct chunk_acc {
 template <class R>
 void chunk_backward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R> const& S, mat<R>& dS, mat<R> const& dO, mat<R>& dV, chunk_acc<R>& acc) {
   mat<R> X = p.Tm * (p.Aak * Vc);
-  X.noalias() += p.w * S;
+  X.noalias() += p.w() * S;
   mat<R> dX = p.Aqb.transpose() * dO;
-  dX.noalias() += p.Bd * dS;
+  dX.noalias() += p.Bd() * dS;
   mat<R> Y = p.Tm.transpose() * dX;
   dV.noalias() = p.Aqk.transpose() * dO;
-  dV.noalias() += p.Kd * dS;
+  dV.noalias() += p.Kd() * dS;
   dV.noalias() += p.Aak.transpose() * Y;
   acc.Aqk.noalias() += dO * Vc.transpose();
   acc.Aqb.noalias() += dO * X.transpose();
@@ -219,8 +269,8 @@ void chunk_backward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R> const& S, ma
   acc.Kd.noalias() += Vc * dS.transpose();
   acc.Bd.noalias() += X * dS.transpose();
   acc.dC += (S.array() * dS.array()).rowwise().sum().matrix();
-  mat<R> dSp = p.Qe.transpose() * dO;
-  dSp.noalias() += p.Ae.transpose() * Y;
+  mat<R> dSp = p.Qe().transpose() * dO;
+  dSp.noalias() += p.Ae().transpose() * Y;
   dSp.array() += dS.array().colwise() * p.dC.array();
   dS.swap(dSp);
 }
@@ -229,10 +279,10 @@ void chunk_backward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R> const& S, ma
 template <class R>
 void chunk_dstate(chunk_pre<R> const& p, mat<R> const& dO, mat<R>& dS) {
   mat<R> dX = p.Aqb.transpose() * dO;
-  dX.noalias() += p.Bd * dS;
+  dX.noalias() += p.Bd() * dS;
   mat<R> Y = p.Tm.transpose() * dX;
-  mat<R> dSp = p.Qe.transpose() * dO;
-  dSp.noalias() += p.Ae.transpose() * Y;
+  mat<R> dSp = p.Qe().transpose() * dO;
+  dSp.noalias() += p.Ae().transpose() * Y;
   dSp.array() += dS.array().colwise() * p.dC.array();
   dS.swap(dSp);
 }
@@ -252,25 +302,25 @@ void chunk_param_grads(chunk_pre<R> const& p, chunk_acc<R> const& acc, tensor_vi
   auto last = p.gi.row(c - 1);
   mat<R> Eend = (p.gi.rowwise() - last).array().operator-().exp().matrix();
   {
-    mat<R> t1 = (acc.Kd.array() * p.Kd.array()).matrix(), t2 = (acc.Bd.array() * p.Bd.array()).matrix();
+    mat<R> t1 = (acc.Kd.array() * p.Kd().array()).matrix(), t2 = (acc.Bd.array() * p.Bd().array()).matrix();
     Dk.array() += acc.Kd.array() * Eend.array();
     Db.array() += acc.Bd.array() * Eend.array();
     dgi -= t1 + t2;
     dlast += (t1 + t2).colwise().sum().transpose();
   }
   if (p.factored) {
-    dQe.noalias() += gAqk * p.kh;
-    dQe.noalias() += gAqb * p.bh;
-    dAe.noalias() += gAak * p.kh;
-    dAe.noalias() += gAab * p.bh;
-    mat<R> dkh = gAqk.transpose() * p.Qe;
-    dkh.noalias() += gAak.transpose() * p.Ae;
-    mat<R> dbh = gAqb.transpose() * p.Qe;
-    dbh.noalias() += gAab.transpose() * p.Ae;
+    dQe.noalias() += gAqk * p.kh();
+    dQe.noalias() += gAqb * p.bh();
+    dAe.noalias() += gAak * p.kh();
+    dAe.noalias() += gAab * p.bh();
+    mat<R> dkh = gAqk.transpose() * p.Qe();
+    dkh.noalias() += gAak.transpose() * p.Ae();
+    mat<R> dbh = gAqb.transpose() * p.Qe();
+    dbh.noalias() += gAab.transpose() * p.Ae();
     mat<R> Einv = (-p.gi.array()).exp().matrix();
     Dk.array() += dkh.array() * Einv.array();
     Db.array() += dbh.array() * Einv.array();
-    dgi.array() -= dkh.array() * p.kh.array() + dbh.array() * p.bh.array();
+    dgi.array() -= dkh.array() * p.kh().array() + dbh.array() * p.bh().array();
   } else {
     R const s = p.scale;
     for (index_t i = 0; i < c; ++i) {
@@ -303,9 +353,9 @@ void chunk_param_grads(chunk_pre<R> const& p, chunk_acc<R> const& acc, tensor_vi
   }
   // Qe = s q e^{gi}, Ae = a e^{ge}
   Dq.array() += p.scale * dQe.array() * p.gi.array().exp();
-  dgi.array() += dQe.array() * p.Qe.array();
+  dgi.array() += dQe.array() * p.Qe().array();
   Da.array() += dAe.array() * p.ge.array().exp();
-  dge.array() += dAe.array() * p.Ae.array();
+  dge.array() += dAe.array() * p.Ae().array();
   dgi.row(c - 1) += dlast.transpose();
   // ge = gi - gk, gi = cumsum(gk)
   dgi += dge;

@@ -2,9 +2,10 @@
 //
 // Work split: with at least as many (sequence, head) pairs as threads, each pair runs on one
 // thread. With fewer (a single long sequence), each pair uses every thread: either
-//  - value_split: the intra-chunk precomputation of a block of chunks runs chunk-parallel,
-//    then the state pass runs with the V state columns split across threads (columns of the
-//    state evolve independently; the K-side quantities are shared), or
+//  - value_split: the V state columns are split across threads (columns of the state evolve
+//    independently; the K-side intra-chunk quantities are shared); the intra-chunk work of
+//    each chunk is done once, by whichever thread is free, a few chunks ahead of the state
+//    pass, in one fan-out with atomic hand-offs (pipeline.hpp), or
 //  - segment_maps: the tokens are split into one segment per thread; each segment's affine
 //    map S -> M S + N is computed, an exclusive scan composes them, and each segment is then
 //    finished from its true initial state (see maps.hpp).
@@ -17,6 +18,7 @@
 #include "k3/backend/cpu/serial.hpp"
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/dplr/chunk_kernels.hpp"
+#include "k3/dplr/pipeline.hpp"
 #include "k3/dplr/serial.hpp"
 
 namespace k3 {
@@ -58,6 +60,17 @@ inline index_t num_chunks(index_t L, index_t C) { return (L + C - 1) / C; }
 // Column ranges for a split of `w` columns into `parts`.
 inline std::pair<index_t, index_t> col_range(index_t w, index_t parts, index_t p) { return {w * p / parts, w * (p + 1) / parts}; }
 
+// Threads and ring slots of the single-sequence pipeline (pipeline.hpp): one part (block of
+// state columns) per thread, at most one per column.
+template <class Par>
+index_t pipeline_parts(Par const& par, index_t W) {
+  return par.size() > 1 ? std::max<index_t>(1, std::min<index_t>(par.size(), W)) : 1;
+}
+template <class Par>
+index_t pipeline_slots(Par const& par, index_t nch) {
+  return std::max<index_t>(1, std::min<index_t>(par.size() > 1 ? 2 * par.size() + 2 : 1, nch));
+}
+
 // Forward over one (sequence, head). W = width of the state columns; load(t0, c, c0, w, m)
 // fills m (c x w) with the value columns [c0, c0+w) of tokens t0..t0+c. S (K x W) is advanced
 // in place. emit(t0, c0, O) receives outputs (when non-null). states, when non-null, receives
@@ -66,39 +79,38 @@ template <class T, class R, class Par, class Load, class Emit>
 void head_forward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, index_t W, mat<R>& S, Load&& load, Emit* emit,
                   std::vector<mat<R>>* states) {
   index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C);
-  int const P = par.size();
-  index_t const ns = P > 1 ? std::max<index_t>(1, std::min<index_t>(P, W)) : 1;
-  index_t const nb = P > 1 ? 2 * P : 1;  // small blocks: the shared intra-chunk data stays in cache
-  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(std::min(nb, std::max<index_t>(nch, 1))));
-  std::vector<mat<R>> Ss(static_cast<std::size_t>(ns));
+  index_t const ns = pipeline_parts(par, W);
+  std::vector<chunk_fwd<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch)));
+  std::vector<chunk_pre<R>> scratch(static_cast<std::size_t>(par.size()));
+  struct part {
+    mat<R> S, Vc, O;
+  };
+  std::vector<part> pt(static_cast<std::size_t>(ns));
   for (index_t p = 0; p < ns; ++p) {
     auto [c0, c1] = col_range(W, ns, p);
-    Ss[p] = S.middleCols(c0, c1 - c0);
+    pt[p].S = S.middleCols(c0, c1 - c0);
   }
   if (states) states->assign(static_cast<std::size_t>(nch), mat<R>(cfg.K, W));
-  for (index_t b0 = 0; b0 < nch; b0 += nb) {
-    index_t const m = std::min(nb, nch - b0);
-    par.run(m, [&](index_t i) {
-      index_t t0 = (b0 + i) * C;
-      make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[i]);
-    });
-    auto cols = [&](index_t p) {
-      auto [c0, c1] = col_range(W, ns, p);
-      mat<R> Vc, O;
-      for (index_t i = 0; i < m; ++i) {
-        auto const& pr = pres[i];
-        if (states) (*states)[b0 + i].middleCols(c0, c1 - c0) = Ss[p];
-        load(pr.t0, pr.c, c0, c1 - c0, Vc);
-        chunk_forward(pr, Vc, Ss[p], emit ? &O : nullptr);
-        if (emit) (*emit)(pr.t0, c0, O);
-      }
-    };
-    if (ns == 1) cols(0);
-    else par.run(ns, cols);
-  }
+  run_pipeline(
+      par, nch, ns, static_cast<index_t>(pres.size()),
+      [&](index_t s, index_t k, index_t worker) {
+        index_t t0 = s * C;
+        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker], false);
+        pres[k].take(scratch[worker]);
+      },
+      [&](index_t p, index_t s, index_t k) {
+        auto [c0, c1] = col_range(W, ns, p);
+        auto const& pr = pres[k];
+        auto& q = pt[p];
+        if (states) (*states)[s].middleCols(c0, c1 - c0) = q.S;
+        load(pr.t0, pr.c, c0, c1 - c0, q.Vc);
+        chunk_forward(pr, q.Vc, q.S, emit ? &q.O : nullptr);
+        if (emit) (*emit)(pr.t0, c0, q.O);
+      },
+      [](index_t, index_t) {});
   for (index_t p = 0; p < ns; ++p) {
     auto [c0, c1] = col_range(W, ns, p);
-    S.middleCols(c0, c1 - c0) = Ss[p];
+    S.middleCols(c0, c1 - c0) = pt[p].S;
   }
 }
 
@@ -113,7 +125,6 @@ template <class T, class R, class Par>
 void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, mat<R> const& S0, mat<R>& dS, const_view<T, 2> const& dO,
                    head_grad_views<T> const& g) {
   index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C), V = cfg.V, K = cfg.K;
-  int const P = par.size();
   std::vector<mat<R>> states;
   {
     mat<R> S = S0;
@@ -121,45 +132,42 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
     using E = void (*)(index_t, index_t, mat<R> const&);
     head_forward<T, R>(par, hv, cfg, V, S, load, static_cast<E*>(nullptr), &states);
   }
-  index_t const ns = P > 1 ? std::max<index_t>(1, std::min<index_t>(P, V)) : 1;
-  index_t const nb = P > 1 ? 2 * P : 1;  // small blocks: the shared intra-chunk data stays in cache
-  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(std::min(nb, std::max<index_t>(nch, 1))));
+  index_t const ns = pipeline_parts(par, V);
+  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch))), scratch(static_cast<std::size_t>(par.size()));
   std::vector<std::vector<chunk_acc<R>>> acc(static_cast<std::size_t>(ns), std::vector<chunk_acc<R>>(pres.size()));
-  std::vector<mat<R>> dSs(static_cast<std::size_t>(ns));
+  struct part {
+    mat<R> dS, Vc, dOc, dVc, Sc;
+  };
+  std::vector<part> pt(static_cast<std::size_t>(ns));
   for (index_t p = 0; p < ns; ++p) {
     auto [c0, c1] = col_range(V, ns, p);
-    dSs[p] = dS.middleCols(c0, c1 - c0);
+    pt[p].dS = dS.middleCols(c0, c1 - c0);
   }
-  for (index_t e0 = nch; e0 > 0;) {
-    index_t const m = std::min(nb, e0), b0 = e0 - m;
-    par.run(m, [&](index_t i) {
-      index_t t0 = (b0 + i) * C;
-      make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[i]);
-    });
-    auto cols = [&](index_t p) {
-      auto [c0, c1] = col_range(V, ns, p);
-      mat<R> Vc, dOc, dVc;
-      for (index_t i = m; i-- > 0;) {
-        auto const& pr = pres[i];
-        acc[p][i].reset(pr.c, K);
-        load_cols(hv.v, pr.t0, pr.c, c0, c1 - c0, Vc);
-        load_cols(dO, pr.t0, pr.c, c0, c1 - c0, dOc);
-        mat<R> Sc = states[b0 + i].middleCols(c0, c1 - c0);
-        chunk_backward(pr, Vc, Sc, dSs[p], dOc, dVc, acc[p][i]);
-        store_cols(g.dv, pr.t0, c0, dVc);
-      }
-    };
-    if (ns == 1) cols(0);
-    else par.run(ns, cols);
-    par.run(m, [&](index_t i) {
-      for (index_t p = 1; p < ns; ++p) acc[0][i].add(acc[p][i]);
-      chunk_param_grads<T, R>(pres[i], acc[0][i], g.dq, g.dk, g.da, g.db, g.dgk);
-    });
-    e0 = b0;
-  }
+  run_pipeline(
+      par, nch, ns, static_cast<index_t>(pres.size()),
+      [&](index_t s, index_t k, index_t worker) {
+        index_t t0 = (nch - 1 - s) * C;
+        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker]);
+        pres[k].take(scratch[worker]);
+      },
+      [&](index_t p, index_t s, index_t k) {
+        auto [c0, c1] = col_range(V, ns, p);
+        auto const& pr = pres[k];
+        auto& q = pt[p];
+        acc[p][k].reset(pr.c, K);
+        load_cols(hv.v, pr.t0, pr.c, c0, c1 - c0, q.Vc);
+        load_cols(dO, pr.t0, pr.c, c0, c1 - c0, q.dOc);
+        q.Sc = states[nch - 1 - s].middleCols(c0, c1 - c0);
+        chunk_backward(pr, q.Vc, q.Sc, q.dS, q.dOc, q.dVc, acc[p][k]);
+        store_cols(g.dv, pr.t0, c0, q.dVc);
+      },
+      [&](index_t, index_t k) {
+        for (index_t p = 1; p < ns; ++p) acc[0][k].add(acc[p][k]);
+        chunk_param_grads<T, R>(pres[k], acc[0][k], g.dq, g.dk, g.da, g.db, g.dgk);
+      });
   for (index_t p = 0; p < ns; ++p) {
     auto [c0, c1] = col_range(V, ns, p);
-    dS.middleCols(c0, c1 - c0) = dSs[p];
+    dS.middleCols(c0, c1 - c0) = pt[p].dS;
   }
 }
 
@@ -168,37 +176,43 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
 template <class T, class R, class Par, class LoadO>
 void head_dstate(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, index_t W, mat<R>& dS, LoadO&& loadO) {
   index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C);
-  int const P = par.size();
-  index_t const ns = P > 1 ? std::max<index_t>(1, std::min<index_t>(P, W)) : 1;
-  index_t const nb = P > 1 ? 2 * P : 1;  // small blocks: the shared intra-chunk data stays in cache
-  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(std::min(nb, std::max<index_t>(nch, 1))));
-  std::vector<mat<R>> dSs(static_cast<std::size_t>(ns));
+  index_t const ns = pipeline_parts(par, W);
+  std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch))), scratch(static_cast<std::size_t>(par.size()));
+  struct part {
+    mat<R> dS, dOc;
+  };
+  std::vector<part> pt(static_cast<std::size_t>(ns));
   for (index_t p = 0; p < ns; ++p) {
     auto [c0, c1] = col_range(W, ns, p);
-    dSs[p] = dS.middleCols(c0, c1 - c0);
+    pt[p].dS = dS.middleCols(c0, c1 - c0);
   }
-  for (index_t e0 = nch; e0 > 0;) {
-    index_t const m = std::min(nb, e0), b0 = e0 - m;
-    par.run(m, [&](index_t i) {
-      index_t t0 = (b0 + i) * C;
-      make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, pres[i]);
-    });
-    auto cols = [&](index_t p) {
-      auto [c0, c1] = col_range(W, ns, p);
-      mat<R> dOc;
-      for (index_t i = m; i-- > 0;) {
-        loadO(pres[i].t0, pres[i].c, c0, c1 - c0, dOc);
-        chunk_dstate(pres[i], dOc, dSs[p]);
-      }
-    };
-    if (ns == 1) cols(0);
-    else par.run(ns, cols);
-    e0 = b0;
-  }
+  run_pipeline(
+      par, nch, ns, static_cast<index_t>(pres.size()),
+      [&](index_t s, index_t k, index_t worker) {
+        index_t t0 = (nch - 1 - s) * C;
+        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker]);
+        pres[k].take(scratch[worker]);
+      },
+      [&](index_t p, index_t, index_t k) {
+        auto [c0, c1] = col_range(W, ns, p);
+        auto& q = pt[p];
+        loadO(pres[k].t0, pres[k].c, c0, c1 - c0, q.dOc);
+        chunk_dstate(pres[k], q.dOc, q.dS);
+      },
+      [](index_t, index_t) {});
   for (index_t p = 0; p < ns; ++p) {
     auto [c0, c1] = col_range(W, ns, p);
-    dS.middleCols(c0, c1 - c0) = dSs[p];
+    dS.middleCols(c0, c1 - c0) = pt[p].dS;
   }
+}
+
+// one(executor, task) over (sequence, head) tasks: one task per thread when there are enough,
+// else every thread works inside each task in turn (the single-sequence pipeline).
+template <class Par, class F>
+void for_each_head(Par const& par, index_t tasks, F&& one) {
+  if (par.size() == 1 || tasks >= par.size()) par.run(tasks, [&](index_t i) { one(serial_par{}, i); });
+  else
+    for (index_t i = 0; i < tasks; ++i) one(par, i);
 }
 
 template <class S, class R>
@@ -371,9 +385,7 @@ void dplr_chunked_forward(Bk const& bk, dplr_inputs<T> const& in, dplr_outputs<T
     else d::head_forward_values<T, R>(ex, hv, cfg, S, o);
     d::store_state_mat(out.ht, n, h, S);
   };
-  if (par.size() == 1 || tasks >= par.size()) par.run(tasks, [&](index_t i) { one(d::serial_par{}, i); });
-  else
-    for (index_t i = 0; i < tasks; ++i) one(par, i);
+  d::for_each_head(par, tasks, one);
 }
 
 // Chunked backward: dq dk dv da db dgk (and dh0 when given) from do (and dht when given).
@@ -401,9 +413,7 @@ void dplr_chunked_backward(Bk const& bk, dplr_inputs<T> const& in, dplr_grad_inp
     else d::head_backward<T, R>(ex, hv, cfg, S0, dS, dO, hg);
     d::store_state_mat(g.dh0, n, h, dS);
   };
-  if (par.size() == 1 || tasks >= par.size()) par.run(tasks, [&](index_t i) { one(d::serial_par{}, i); });
-  else
-    for (index_t i = 0; i < tasks; ++i) one(par, i);
+  d::for_each_head(par, tasks, one);
 }
 
 }  // namespace k3

@@ -49,11 +49,11 @@ template <class T, class R, class Par>
 void cp_local_maps(Par const& par, problem const& p, dplr_inputs<T> const& in, head_cfg<R> const& cfg, const_view<T, 4> const* dO,
                    std::vector<R>& out, index_t W) {
   out.assign(static_cast<std::size_t>(p.B * p.H * p.K * W), R(0));
-  par.run(p.B * p.H, [&](index_t task) {
+  for_each_head(par, p.B * p.H, [&](auto const& ex, index_t task) {
     index_t n = task / p.H, h = task % p.H;
     auto hv = head_of(in, p.seqs[n], h);
     mat<R> MN;
-    head_map<T, R>(serial_par{}, hv, cfg, MN);
+    head_map<T, R>(ex, hv, cfg, MN);
     R* dst = out.data() + task * p.K * W;
     for (index_t i = 0; i < p.K; ++i)
       for (index_t j = 0; j < p.K + p.V; ++j) dst[i * W + j] = MN(i, j);
@@ -61,7 +61,7 @@ void cp_local_maps(Par const& par, problem const& p, dplr_inputs<T> const& in, h
       mat<R> Gm = mat<R>::Zero(p.K, p.V);
       auto dOh = head_slice<T>(*dO, p.seqs[n], h);
       auto loadO = [&](index_t t0, index_t c, index_t c0, index_t w, mat<R>& m) { load_cols(dOh, t0, c, c0, w, m); };
-      head_dstate<T, R>(serial_par{}, hv, cfg, p.V, Gm, loadO);
+      head_dstate<T, R>(ex, hv, cfg, p.V, Gm, loadO);
       for (index_t i = 0; i < p.K; ++i)
         for (index_t j = 0; j < p.V; ++j) dst[i * W + p.K + p.V + j] = Gm(i, j);
     }

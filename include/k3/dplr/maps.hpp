@@ -35,15 +35,16 @@ void dplr_segment_maps(dplr_inputs<T> const& in, tensor_view<dplr_state_t<T>, 4>
   d::check_maps(p, M, "M", N, "N");
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   auto par = d::make_par(bk);
-  par.run(p.N * p.H, [&](index_t task) {
+  auto one = [&](auto const& ex, index_t task) {
     index_t n = task / p.H, h = task % p.H;
     d::mat<R> MN;
-    d::head_map<T, R>(d::serial_par{}, d::head_of(in, p.seqs[n], h), cfg, MN);
+    d::head_map<T, R>(ex, d::head_of(in, p.seqs[n], h), cfg, MN);
     for (index_t i = 0; i < p.K; ++i) {
       for (index_t j = 0; j < p.K; ++j) M(n, h, i, j) = MN(i, j);
       for (index_t j = 0; j < p.V; ++j) N(n, h, i, j) = MN(i, p.K + j);
     }
-  });
+  };
+  d::for_each_head(par, p.N * p.H, one);
 }
 
 // Transposed maps of the span: dS_in = Mt dS_out + G(do), Mt = M^T.
@@ -59,15 +60,16 @@ void dplr_segment_maps_transposed(dplr_inputs<T> const& in, std::type_identity_t
   detail::check_inner_contiguous("do", do_);
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   auto par = d::make_par(bk);
-  par.run(p.N * p.H, [&](index_t task) {
+  auto one = [&](auto const& ex, index_t task) {
     index_t n = task / p.H, h = task % p.H;
     d::mat<R> MtG;
-    d::head_map_transposed<T, R>(d::serial_par{}, d::head_of(in, p.seqs[n], h), cfg, d::head_slice<T>(do_, p.seqs[n], h), MtG);
+    d::head_map_transposed<T, R>(ex, d::head_of(in, p.seqs[n], h), cfg, d::head_slice<T>(do_, p.seqs[n], h), MtG);
     for (index_t i = 0; i < p.K; ++i) {
       for (index_t j = 0; j < p.K; ++j) Mt(n, h, i, j) = MtG(i, j);
       for (index_t j = 0; j < p.V; ++j) G(n, h, i, j) = MtG(i, p.K + j);
     }
-  });
+  };
+  d::for_each_head(par, p.N * p.H, one);
 }
 
 namespace detail::dplr {
