@@ -184,6 +184,15 @@ TEST_CASE_TEMPLATE("decode: vectorised backends match the float64 step and the s
       run_decode<S, S>(pr, cpu::threads<>(th), 1, pool, o, th % 2 == 1);
       check(("threads " + std::to_string(th)).c_str(), pool, o);
     }
+    // Narrower ISAs than the build's default: 4-batch register blocks, other tail widths.
+#if XSIMD_WITH_AVX2
+    run_decode<S, S>(pr, cpu::threads<xsimd::avx2>(2), 1, pool, o);
+    check("threads<avx2>", pool, o);
+#endif
+#if XSIMD_WITH_SSE2
+    run_decode<S, S>(pr, cpu::simd<xsimd::sse2>{}, 1, pool, o);
+    check("simd<sse2>", pool, o);
+#endif
   }
 }
 
