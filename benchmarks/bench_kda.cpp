@@ -188,9 +188,11 @@ int main(int argc, char** argv) {
   while (!decode_only && gemm_rates.size() < 7) yard();
 
   double const gemm_med = k3::bench::median(gemm_rates);
-  if (!decode_only) std::printf("# gemm yardstick: median %.1f GFLOP/s over %zu interleaved 1024^3 Eigen float GEMMs (%d threads)\n", gemm_med,
-              gemm_rates.size(), threads);
-  if (!decode_only) std::printf("%7s %12s %8s %12s %8s %10s %10s %8s\n", "T", "chunk GF/s", "ratio", "serial GF/s", "ratio", "fwd ms", "bwd ms", "bwd/fwd");
+  if (!decode_only) {
+    std::printf("# gemm yardstick: median %.1f GFLOP/s over %zu interleaved 1024^3 Eigen float GEMMs (%d threads)\n", gemm_med,
+                gemm_rates.size(), threads);
+    std::printf("%7s %12s %8s %12s %8s %10s %10s %8s\n", "T", "chunk GF/s", "ratio", "serial GF/s", "ratio", "fwd ms", "bwd ms", "bwd/fwd");
+  }
   bool ok_chunk = true, ok_serial = true, ok_bwd = true;
   for (auto const& r : rows) {
     double const flops = double(H) * (6.0 * r.T * d * d + 3.0 * r.T * C * d + double(r.T) * C * C);
