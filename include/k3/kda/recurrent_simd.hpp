@@ -160,9 +160,14 @@ void recurrent_forward_simd_task(problem const& p, forward_args<In, S> const& a,
 //     buffer: no heap allocation per pair.
 
 // Into L2 (prefetcht1): the next state is needed after the current one, and pulling it into
-// L1 would evict the rows pass 2 is about to re-read.
+// L1 would evict the rows pass 2 is about to re-read. On x86 an asm statement: g++ 12 deletes
+// a loop whose body is only __builtin_prefetch calls (it has no side effect to keep). The
+// address goes in a register, not as a memory operand, so the compiler need not assume the
+// asm reads memory (it would then spill the register accumulators around every prefetch).
 inline void prefetch_l2(void const* p) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht1 (%0)" : : "r"(p));
+#elif defined(__GNUC__) || defined(__clang__)
   __builtin_prefetch(p, 0, 2);
 #else
   (void)p;
@@ -173,13 +178,16 @@ inline void prefetch_l2(void const* p) noexcept {
 // i / 2, half i % 2, so one call per row step of the two passes covers the whole state.
 struct decode_prefetcher {
   char const* base = nullptr;  // null: nothing to prefetch
-  index_t row_bytes = 0, stride_bytes = 0;
+  index_t row_bytes = 0, half_bytes = 0, stride_bytes = 0;
   void half_row(index_t i) const noexcept {
     if (base == nullptr) return;
     char const* r = base + (i >> 1) * stride_bytes;
-    index_t const half = row_bytes / 2, b0 = (i & 1) ? half : 0, b1 = (i & 1) ? row_bytes : half;
-    for (index_t b = b0; b < b1; b += 64) prefetch_l2(r + b);
-    if (i & 1) prefetch_l2(r + row_bytes - 1);  // the row's last line when rows are not line-aligned
+    if (i & 1) {
+      for (index_t b = half_bytes; b < row_bytes; b += 64) prefetch_l2(r + b);
+      prefetch_l2(r + row_bytes - 1);  // the row's last line when rows are not line-aligned
+    } else {
+      for (index_t b = 0; b < half_bytes; b += 64) prefetch_l2(r + b);
+    }
   }
 };
 
@@ -315,6 +323,7 @@ void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf c
     if (i + 1 < hi && K > 0) {
       pf.base = reinterpret_cast<char const*>(state_of(i + 1));
       pf.row_bytes = V * index_t(sizeof(Acc));
+      pf.half_bytes = pf.row_bytes / 2;
       pf.stride_bytes = rs * index_t(sizeof(Acc));
     }
     decode_state<Arch>(state_of(i), rs, K, V, x, o, pf);
