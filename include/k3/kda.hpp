@@ -11,6 +11,7 @@
 // k3::cpu::simd<Arch> (one thread, vectorised kernels) and k3::cpu::threads<Arch> (the same
 // kernels over (sequence x head) tasks on a thread pool).
 #pragma once
+#include <algorithm>
 #include <type_traits>
 
 #include "k3/backend/cpu/serial.hpp"
@@ -71,21 +72,26 @@ void backward(B const& be, backward_args<In, S> const& a, options const& opt = {
 }
 
 // One token per sequence n: state_pool[slot(n)] is read and updated in place; o[n] written.
+// The vectorised backends hand each thread a few contiguous ranges of (sequence, value head)
+// pairs (see decode_simd_range); the serial backend runs the reference step per pair.
 template <HostBackend B, Storage In, Real S>
 void decode(B const& be, decode_args<In, S> const& a, options const& opt = {}) {
   detail::problem const p = detail::validate(a, opt);
   bool const s32 = present(a.slots32);
-  detail::run_tasks(be, p.N * p.HV, [&](index_t i) {
-    index_t const n = i / p.HV, hv = i % p.HV;
-    index_t const slot = s32 ? index_t(a.slots32(n)) : index_t(a.slots64(n));
-    if constexpr (detail::SimdBackend<B>) {
-      if (detail::simd_recurrent_ok<typename B::arch_type, S>(p.V)) {
-        detail::decode_simd_task<typename B::arch_type, S>(p, a, n, slot, hv);
-        return;
-      }
-    }
-    detail::decode_task<S>(p, a, n, slot, hv);
-  });
+  auto slot = [&](index_t n) { return s32 ? index_t(a.slots32(n)) : index_t(a.slots64(n)); };
+  index_t const pairs = p.N * p.HV;
+  if (pairs == 0) return;
+  if constexpr (detail::SimdBackend<B>) {
+    // A few ranges per thread rather than one: a thread slowed by other load on the machine
+    // does not hold up the call, and each range still streams through many states.
+    index_t parts = 1;
+    if constexpr (requires { be.concurrency(); }) parts = std::min<index_t>(pairs, 4 * index_t(be.concurrency()));
+    detail::run_tasks(be, parts, [&](index_t t) {
+      detail::decode_simd_range<typename B::arch_type>(p, a, slot, pairs * t / parts, pairs * (t + 1) / parts);
+    });
+  } else {
+    detail::run_tasks(be, pairs, [&](index_t i) { detail::decode_task<S>(p, a, i / p.HV, slot(i / p.HV), i % p.HV); });
+  }
 }
 
 }  // namespace k3::kda

@@ -9,6 +9,7 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
@@ -140,63 +141,194 @@ void recurrent_forward_simd_task(problem const& p, forward_args<In, S> const& a,
     }
 }
 
-// Decode in place on the pool: the slice is read once for the prediction and once (from
-// cache) for the update, so memory traffic is one read and one write of the state.
-template <class Arch, class Acc, class In>
-void decode_simd_task(problem const& p, decode_args<In, Acc> const& a, index_t n, index_t slot, index_t hv) {
+// ---------------------------------------------------------------------------------------------
+// Decode: one token for each of N sequences, states updated in place in a slot-addressed pool.
+//
+// Memory traffic is the whole cost (one 128 x 128 fp32 state is 64 KiB and sees 4 flops per
+// element), so the kernel is built around the memory stream:
+//   - a thread walks a contiguous range of (sequence, value head) pairs, so a sequence's
+//     states (contiguous in the pool) stream in address order;
+//   - each state is walked row by row over whole rows (up to 8 SIMD batches of columns held
+//     in registers): pass 1 reads row d and accumulates the prediction a.k^T S; pass 2
+//     re-reads the row (now in L1/L2), decays it, adds k u^T, stores it and accumulates
+//     o = S^T q. The delta rule needs the full prediction before any element is written, so
+//     two touches are unavoidable; the second one hits the cache, so DRAM sees one read and
+//     one write per element, in sequential order;
+//   - while pair i is processed, the state of pair i+1 is prefetched into L2 (half a row per
+//     row step of either pass), so DRAM reads overlap the arithmetic;
+//   - the per-pair inputs (q scaled, k, e^g, e^g k, v) are converted into a small stack
+//     buffer: no heap allocation per pair.
+
+// Into L2 (prefetcht1): the next state is needed after the current one, and pulling it into
+// L1 would evict the rows pass 2 is about to re-read. On x86 an asm statement: g++ 12 deletes
+// a loop whose body is only __builtin_prefetch calls (it has no side effect to keep). The
+// address goes in a register, not as a memory operand, so the compiler need not assume the
+// asm reads memory (it would then spill the register accumulators around every prefetch).
+inline void prefetch_l2(void const* p) noexcept {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht1 (%0)" : : "r"(p));
+#elif defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#else
+  (void)p;
+#endif
+}
+
+// Prefetches the state of the next pair, half a row per call: call i in [0, 2 K) covers row
+// i / 2, half i % 2, so one call per row step of the two passes covers the whole state.
+struct decode_prefetcher {
+  char const* base = nullptr;  // null: nothing to prefetch
+  index_t row_bytes = 0, half_bytes = 0, stride_bytes = 0;
+  void half_row(index_t i) const noexcept {
+    if (base == nullptr) return;
+    char const* r = base + (i >> 1) * stride_bytes;
+    if (i & 1) {
+      for (index_t b = half_bytes; b < row_bytes; b += 64) prefetch_l2(r + b);
+      prefetch_l2(r + row_bytes - 1);  // the row's last line when rows are not line-aligned
+    } else {
+      for (index_t b = 0; b < half_bytes; b += 64) prefetch_l2(r + b);
+    }
+  }
+};
+
+// Per-pair inputs, converted to Acc.
+template <class Acc>
+struct decode_vectors {
+  Acc const *qs, *k, *a, *ak, *v;  // scale q, k, e^g, e^g k (K each); v (V)
+  Acc beta;
+};
+
+// Columns [c0, c0 + NB L) of one state (K rows, row stride rs): both passes.
+template <class Arch, class Acc, int NB>
+inline void decode_column_block(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0, decode_vectors<Acc> const& x, Acc* K3_RESTRICT o,
+                                decode_prefetcher const& pf) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
-  index_t const K = p.K, V = p.V, h = hv / p.G;
-  constexpr index_t NB = 2;
-  std::vector<Acc> buf(std::size_t(4 * K + 2 * V));
-  Acc *qs = buf.data(), *k = qs + K, *g = k + K, *ak = g + K, *v = ak + K, *o = v + V;
-  load_row(&a.q(n, h, 0), qs, K);
-  for (index_t d = 0; d < K; ++d) qs[d] *= static_cast<Acc>(p.scale);
-  load_row(&a.k(n, h, 0), k, K);
-  load_row(&a.g(n, hv, 0), g, K);
-  exp_row<Arch>(g, g, K);  // g now holds a = e^g
-  for (index_t d = 0; d < K; ++d) ak[d] = k[d] * g[d];
-  load_row(&a.v(n, hv, 0), v, V);
-  batch const beta(load_as<Acc>(a.beta(n, hv)));
-  Acc* S0 = &a.state_pool(slot, hv, 0, 0);
-  index_t const rs = a.state_pool.stride(2);
+  batch acc[NB];
+  for (int j = 0; j < NB; ++j) acc[j] = batch(Acc(0));
+  Acc* row = S + c0;
+  for (index_t d = 0; d < K; ++d, row += rs) {
+    batch const akd(x.ak[d]);
+    for (int j = 0; j < NB; ++j) acc[j] = xsimd::fma(akd, batch::load_unaligned(row + j * L), acc[j]);
+    pf.half_row(d);
+  }
+  batch u[NB];
+  batch const beta(x.beta);
+  for (int j = 0; j < NB; ++j) {
+    u[j] = beta * (batch::load_unaligned(x.v + c0 + j * L) - acc[j]);
+    acc[j] = batch(Acc(0));
+  }
+  row = S + c0;
+  for (index_t d = 0; d < K; ++d, row += rs) {
+    batch const ad(x.a[d]), kd(x.k[d]), qd(x.qs[d]);
+    for (int j = 0; j < NB; ++j) {
+      batch const s = xsimd::fma(kd, u[j], batch::load_unaligned(row + j * L) * ad);
+      s.store_unaligned(row + j * L);
+      acc[j] = xsimd::fma(qd, s, acc[j]);
+    }
+    pf.half_row(K + d);
+  }
+  for (int j = 0; j < NB; ++j) acc[j].store_unaligned(o + c0 + j * L);
+}
+
+// The columns [c0, V) that do not fill a SIMD batch, scalar.
+template <class Acc>
+inline void decode_column_tail(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0, index_t V, decode_vectors<Acc> const& x,
+                               Acc* K3_RESTRICT o) noexcept {
+  for (index_t e = c0; e < V; ++e) {
+    Acc pred = 0;
+    for (index_t d = 0; d < K; ++d) pred += x.ak[d] * S[d * rs + e];
+    Acc const u = x.beta * (x.v[e] - pred);
+    Acc oe = 0;
+    for (index_t d = 0; d < K; ++d) {
+      Acc const s = x.a[d] * S[d * rs + e] + x.k[d] * u;
+      S[d * rs + e] = s;
+      oe += x.qs[d] * s;
+    }
+    o[e] = oe;
+  }
+}
+
+// Batches per column block: the block's prediction, u and output accumulators stay in
+// registers (3 NB of them), so 8 with 32 vector registers (AVX-512), 4 otherwise.
+template <class Arch, class Acc>
+constexpr int decode_max_batches() noexcept {
+  return sizeof(xsimd::batch<Acc, Arch>) >= 64 ? 8 : 4;
+}
+
+template <class Arch, class Acc>
+inline void decode_state(Acc* S, index_t rs, index_t K, index_t V, decode_vectors<Acc> const& x, Acc* o, decode_prefetcher pf) noexcept {
+  constexpr index_t L = index_t(xsimd::batch<Acc, Arch>::size);
+  constexpr int NBMAX = decode_max_batches<Arch, Acc>();
   index_t c0 = 0;
-  for (; c0 + NB * L <= V; c0 += NB * L) {
-    batch pred[NB], u[NB], oo[NB];
-    for (index_t j = 0; j < NB; ++j) pred[j] = batch(Acc(0));
-    for (index_t d = 0; d < K; ++d) {
-      batch const kd(ak[d]);
-      for (index_t j = 0; j < NB; ++j) pred[j] = xsimd::fma(kd, batch::load_unaligned(S0 + d * rs + c0 + j * L), pred[j]);
-    }
-    for (index_t j = 0; j < NB; ++j) {
-      u[j] = beta * (batch::load_unaligned(v + c0 + j * L) - pred[j]);
-      oo[j] = batch(Acc(0));
-    }
-    for (index_t d = 0; d < K; ++d) {
-      batch const ad(g[d]), kd(k[d]), qd(qs[d]);
-      for (index_t j = 0; j < NB; ++j) {
-        Acc* ps = S0 + d * rs + c0 + j * L;
-        batch s = xsimd::fma(kd, u[j], batch::load_unaligned(ps) * ad);
-        s.store_unaligned(ps);
-        oo[j] = xsimd::fma(qd, s, oo[j]);
+  for (; c0 + NBMAX * L <= V; c0 += NBMAX * L) {
+    decode_column_block<Arch, Acc, NBMAX>(S, rs, K, c0, x, o, pf);
+    pf.base = nullptr;  // one block's passes already covered the whole next state
+  }
+  int const nb = int((V - c0) / L);
+  auto block = [&](auto NBc) {
+    decode_column_block<Arch, Acc, decltype(NBc)::value>(S, rs, K, c0, x, o, pf);
+    c0 += decltype(NBc)::value * L;
+  };
+  switch (nb) {
+    case 0: break;
+    case 1: block(std::integral_constant<int, 1>{}); break;
+    case 2: block(std::integral_constant<int, 2>{}); break;
+    case 3: block(std::integral_constant<int, 3>{}); break;
+    default:
+      if constexpr (NBMAX > 4) {
+        switch (nb) {
+          case 4: block(std::integral_constant<int, 4>{}); break;
+          case 5: block(std::integral_constant<int, 5>{}); break;
+          case 6: block(std::integral_constant<int, 6>{}); break;
+          default: block(std::integral_constant<int, 7>{}); break;
+        }
       }
-    }
-    for (index_t j = 0; j < NB; ++j) oo[j].store_unaligned(o + c0 + j * L);
+      break;
   }
-  for (; c0 < V; c0 += L) {  // V % L == 0 is required by the caller
-    batch pred(Acc(0));
-    for (index_t d = 0; d < K; ++d) pred = xsimd::fma(batch(ak[d]), batch::load_unaligned(S0 + d * rs + c0), pred);
-    batch const u = beta * (batch::load_unaligned(v + c0) - pred);
-    batch oo(Acc(0));
-    for (index_t d = 0; d < K; ++d) {
-      Acc* ps = S0 + d * rs + c0;
-      batch s = xsimd::fma(batch(k[d]), u, batch::load_unaligned(ps) * batch(g[d]));
-      s.store_unaligned(ps);
-      oo = xsimd::fma(batch(qs[d]), s, oo);
-    }
-    oo.store_unaligned(o + c0);
+  if (c0 < V) decode_column_tail(S, rs, K, c0, V, x, o);
+}
+
+// Pairs [lo, hi) of the flattened (sequence, value head) index n * HV + hv, in place on the
+// pool; `slot(n)` maps a sequence to its pool slot.
+template <class Arch, class Acc, class In, class SlotOf>
+void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf const& slot, index_t lo, index_t hi) {
+  index_t const K = p.K, V = p.V;
+  if (lo >= hi) return;
+  // qs, k, a, ak (K each), v, o (V each)
+  constexpr std::size_t stack_elems = 4096 / sizeof(Acc) * 4;
+  std::size_t const need = std::size_t(4 * K + 2 * V);
+  alignas(64) Acc stack_buf[stack_elems];
+  std::vector<Acc> heap_buf;  // only for K, V beyond the stack buffer (once per range, not per pair)
+  Acc* buf = stack_buf;
+  if (need > stack_elems) {
+    heap_buf.resize(need);
+    buf = heap_buf.data();
   }
-  store_row(o, &a.o(n, hv, 0), V);
+  Acc *qs = buf, *k = qs + K, *ea = k + K, *ak = ea + K, *v = ak + K, *o = v + V;
+  Acc const scale = static_cast<Acc>(p.scale);
+  index_t const rs = a.state_pool.stride(2);
+  auto state_of = [&](index_t i) { return &a.state_pool(slot(i / p.HV), i % p.HV, 0, 0); };
+  for (index_t i = lo; i < hi; ++i) {
+    index_t const n = i / p.HV, hv = i % p.HV, h = hv / p.G;
+    load_row(&a.q(n, h, 0), qs, K);
+    for (index_t d = 0; d < K; ++d) qs[d] *= scale;
+    load_row(&a.k(n, h, 0), k, K);
+    load_row(&a.g(n, hv, 0), ea, K);
+    exp_row<Arch>(ea, ea, K);
+    for (index_t d = 0; d < K; ++d) ak[d] = ea[d] * k[d];
+    load_row(&a.v(n, hv, 0), v, V);
+    decode_vectors<Acc> const x{qs, k, ea, ak, v, load_as<Acc>(a.beta(n, hv))};
+    decode_prefetcher pf;
+    if (i + 1 < hi && K > 0) {
+      pf.base = reinterpret_cast<char const*>(state_of(i + 1));
+      pf.row_bytes = V * index_t(sizeof(Acc));
+      pf.half_bytes = pf.row_bytes / 2;
+      pf.stride_bytes = rs * index_t(sizeof(Acc));
+    }
+    decode_state<Arch>(state_of(i), rs, K, V, x, o, pf);
+    store_row(o, &a.o(n, hv, 0), V);
+  }
 }
 
 }  // namespace k3::kda::detail
