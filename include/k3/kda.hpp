@@ -73,6 +73,12 @@ void backward(B const& be, backward_args<In, S> const& a, options const& opt = {
   if (opt.mode == algorithm::recurrent) {
     detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_backward_task<S>(p, a, i / p.H, i % p.H); });
   } else {
+    if constexpr (detail::SimdBackend<B>) {
+      detail::run_tasks(be, tasks, [&](index_t i) {
+        detail::chunk_backward_simd_task<typename B::arch_type, S>(p, a, i / p.H, i % p.H);
+      });
+      return;
+    }
     detail::run_tasks(be, tasks, [&](index_t i) { detail::chunk_backward_task<S>(p, a, i / p.H, i % p.H); });
   }
 }
