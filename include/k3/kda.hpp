@@ -18,6 +18,7 @@
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/core/concepts.hpp"
 #include "k3/kda/chunk.hpp"
+#include "k3/kda/chunk_simd.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
 #include "k3/kda/recurrent_simd.hpp"
@@ -56,6 +57,12 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
     }
     detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_forward_task<S>(p, a, i / p.HV, i % p.HV); });
   } else {
+    if constexpr (detail::SimdBackend<B>) {
+      detail::run_tasks(be, tasks, [&](index_t i) {
+        detail::chunk_forward_simd_task<typename B::arch_type, S>(p, a, i / p.HV, i % p.HV);
+      });
+      return;
+    }
     detail::run_tasks(be, tasks, [&](index_t i) { detail::chunk_forward_task<S>(p, a, i / p.HV, i % p.HV); });
   }
 }
@@ -67,6 +74,12 @@ void backward(B const& be, backward_args<In, S> const& a, options const& opt = {
   if (opt.mode == algorithm::recurrent) {
     detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_backward_task<S>(p, a, i / p.H, i % p.H); });
   } else {
+    if constexpr (detail::SimdBackend<B>) {
+      detail::run_tasks(be, tasks, [&](index_t i) {
+        detail::chunk_backward_simd_task<typename B::arch_type, S>(p, a, i / p.H, i % p.H);
+      });
+      return;
+    }
     detail::run_tasks(be, tasks, [&](index_t i) { detail::chunk_backward_task<S>(p, a, i / p.H, i % p.H); });
   }
 }

@@ -154,6 +154,7 @@ TEST_CASE("a NaN stays in its sequence or head") {
     bool nan_seen = false;
     for (index_t t = 0; t < c.T; ++t)
       for (index_t hv = 0; hv < c.HV; ++hv) {
+        INFO("mode " << int(m) << " t " << t << " hv " << hv);
         bool const hit = t >= 40 && t < 100 && hv == 1;
         for (index_t e = 0; e < c.V; ++e) {
           std::size_t i = std::size_t((t * c.HV + hv) * c.V + e);

@@ -79,7 +79,9 @@ inline void exp_rows(Block&& b) {
 template <class Acc, class In>
 void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view<In const, 4> k, tensor_view<In const, 4> v,
                 tensor_view<In const, 4> g, tensor_view<In const, 3> beta, index_t b, index_t h, index_t hv, index_t t0, index_t c) {
-  index_t const K = w.K, V = w.V;
+  // v has V = v.extent(3) columns; the workspace may be wider (chunk_simd.hpp pads V to the
+  // vector width, and those columns must stay zero).
+  index_t const K = w.K, V = v.extent(3);
   for (index_t r = 0; r < c; ++r) {
     load_row(&q(b, t0 + r, h, 0), w.Q.row(r).data(), K);
     load_row(&k(b, t0 + r, h, 0), w.Kc.row(r).data(), K);
