@@ -34,6 +34,73 @@ std::vector<index_t> split(index_t T, int P, int variant) {
   return c;
 }
 
+// KDA over ranks (KCP for KDA): each rank maps its token block of a KDA problem (grouped value
+// heads) to DPLR, runs the distributed forward and backward, folds the gradients back to KDA;
+// the whole-sequence single-process result (same mapping, serial chunked) is the reference.
+template <class Comm>
+void kda_case(Comm const& comm, int rank, int P) {
+  index_t const B = 1, Tn = 150, H = 1, HV = 2, K = 12, V = 10;
+  std::mt19937_64 rng(77);
+  std::normal_distribution<double> nd(0, 1);
+  std::uniform_real_distribution<double> ud(0, 1);
+  auto gen = [&](index_t n, auto f) {
+    std::vector<double> x(static_cast<std::size_t>(n));
+    for (auto& e : x) e = f();
+    return x;
+  };
+  auto q = gen(B * Tn * H * K, [&] { return 0.3 * nd(rng); }), k = gen(B * Tn * H * K, [&] { return 0.3 * nd(rng); });
+  auto v = gen(B * Tn * HV * V, [&] { return nd(rng); }), g = gen(B * Tn * HV * K, [&] { return -0.5 * ud(rng); });
+  auto beta = gen(B * Tn * HV, [&] { return ud(rng); }), dO = gen(B * Tn * HV * V, [&] { return nd(rng); });
+  auto inputs = [&](index_t n, std::vector<double> const& q_, std::vector<double> const& k_, std::vector<double> const& v_,
+                    std::vector<double> const& g_, std::vector<double> const& b_) {
+    return k3::kda_inputs<double>{k3::const_view<double, 4>(q_.data(), {B, n, H, K}), k3::const_view<double, 4>(k_.data(), {B, n, H, K}),
+                                  k3::const_view<double, 4>(v_.data(), {B, n, HV, V}), k3::const_view<double, 4>(g_.data(), {B, n, HV, K}),
+                                  k3::const_view<double, 3>(b_.data(), {B, n, HV}), {}};
+  };
+  auto cuts = split(Tn, P, 1);
+  index_t const t0 = cuts[static_cast<std::size_t>(rank)], n = cuts[static_cast<std::size_t>(rank) + 1] - t0;
+  auto lq = block(q, B, Tn, H, K, t0, n), lk = block(k, B, Tn, H, K, t0, n), lv = block(v, B, Tn, HV, V, t0, n);
+  auto lg = block(g, B, Tn, HV, K, t0, n), lb = block(beta, B, Tn, HV, 1, t0, n), ldO = block(dO, B, Tn, HV, V, t0, n);
+
+  struct result {
+    std::vector<double> o, ht, dq, dk, dv, dg, dbeta;
+  };
+  auto run = [&](k3::kda_inputs<double> const& in, index_t n_, std::vector<double> const& dO_, auto&& fwd, auto&& bwd) {
+    k3::kda_as_dplr<double> m(in);
+    result r;
+    r.o.resize(static_cast<std::size_t>(B * n_ * HV * V));
+    r.ht.resize(static_cast<std::size_t>(B * HV * K * V));
+    fwd(m.inputs(), k3::dplr_outputs<double>{k3::host_view(r.o.data(), B, n_, HV, V), k3::host_view(r.ht.data(), B, HV, K, V)});
+    std::vector<double> dq(static_cast<std::size_t>(B * n_ * HV * K)), dk(dq.size()), da(dq.size()), db(dq.size()), dgk(dq.size()),
+        dv(static_cast<std::size_t>(B * n_ * HV * V));
+    k3::dplr_grads<double> gd{k3::host_view(dq.data(), B, n_, HV, K), k3::host_view(dk.data(), B, n_, HV, K), k3::host_view(dv.data(), B, n_, HV, V),
+                              k3::host_view(da.data(), B, n_, HV, K), k3::host_view(db.data(), B, n_, HV, K), k3::host_view(dgk.data(), B, n_, HV, K), {}};
+    bwd(m.inputs(), k3::dplr_grad_inputs<double>{k3::const_view<double, 4>(dO_.data(), {B, n_, HV, V}), {}}, gd);
+    r.dq.resize(static_cast<std::size_t>(B * n_ * H * K));
+    r.dk.resize(r.dq.size());
+    r.dv.resize(dv.size());
+    r.dg.resize(static_cast<std::size_t>(B * n_ * HV * K));
+    r.dbeta.resize(static_cast<std::size_t>(B * n_ * HV));
+    m.grads_to_kda(gd, k3::kda_grads<double>{k3::host_view(r.dq.data(), B, n_, H, K), k3::host_view(r.dk.data(), B, n_, H, K),
+                                              k3::host_view(r.dv.data(), B, n_, HV, V), k3::host_view(r.dg.data(), B, n_, HV, K),
+                                              k3::host_view(r.dbeta.data(), B, n_, HV)});
+    return r;
+  };
+  k3::dplr_options opt;
+  opt.chunk_size = 32;
+  auto ref = run(inputs(Tn, q, k, v, g, beta), Tn, dO, [&](auto const& in, auto const& out) { k3::dplr_chunked_forward(k3::cpu::serial{}, in, out, opt); },
+                 [&](auto const& in, auto const& gin, auto const& gd) { k3::dplr_chunked_backward(k3::cpu::serial{}, in, gin, gd, opt); });
+  auto got = run(inputs(n, lq, lk, lv, lg, lb), n, ldO, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(comm, in, out, opt); },
+                 [&](auto const& in, auto const& gin, auto const& gd) { k3::dplr_cp_backward(comm, in, gin, gd, opt); });
+  double const eo = rel_err(got.o, block(ref.o, B, Tn, HV, V, t0, n)), eh = rel_err(got.ht, ref.ht);
+  double eg = rel_err(got.dq, block(ref.dq, B, Tn, H, K, t0, n));
+  eg = std::max(eg, rel_err(got.dk, block(ref.dk, B, Tn, H, K, t0, n)));
+  eg = std::max(eg, rel_err(got.dv, block(ref.dv, B, Tn, HV, V, t0, n)));
+  eg = std::max(eg, rel_err(got.dg, block(ref.dg, B, Tn, HV, K, t0, n)));
+  eg = std::max(eg, rel_err(got.dbeta, block(ref.dbeta, B, Tn, HV, 1, t0, n)));
+  EXPECT(eo < 1e-12 && eh < 1e-12 && eg < 1e-12, "KDA over %d ranks: o err %g, ht err %g, grads err %g", P, eo, eh, eg);
+}
+
 int main(int argc, char** argv) {
   k3::mpi_session session(&argc, &argv);
   k3::mpi_communicator comm;
@@ -46,6 +113,7 @@ int main(int argc, char** argv) {
     // The same drivers over the type-erased communicator (how host code runs over NCCL).
     k3::any_communicator const erased(comm);
     run_case<double>(erased, rank, 5, 1, 130, 2, 12, 20, 64, split(130, P, 1), 1e-12, true);
+    kda_case(comm, rank, P);
   } catch (std::exception const& e) {
     std::printf("rank %d: unexpected exception: %s\n", rank, e.what());
     ++k3::test::mpi_failures();
