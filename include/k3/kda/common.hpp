@@ -216,31 +216,55 @@ void check_gate_bound(problem const& p, tensor_view<In const, 4> g) {
       }
 }
 
-template <class In, class S>
-problem validate(forward_args<In, S> const& a, options const& opt) {
-  problem p = make_problem<In>(a.q, a.v, opt);
+// The inputs forward and backward share (q, k, v, g, beta, h0), named as in the error messages.
+template <class Args, class F>
+void for_each_shared_input(Args const& a, F&& f) {
+  f("q", a.q);
+  f("k", a.k);
+  f("v", a.v);
+  f("g", a.g);
+  f("beta", a.beta);
+  f("h0", a.h0);
+}
+
+template <class Args>
+void check_shared_inputs(Args const& a, problem const& p) {
   index_t const B = p.B, T = p.T, H = p.H, HV = p.HV, K = p.K, V = p.V, N = p.N;
   check_input("q", a.q, {B, T, H, K});
   check_input("k", a.k, {B, T, H, K});
   check_input("v", a.v, {B, T, HV, V});
   check_input("g", a.g, {B, T, HV, K});
   check_input("beta", a.beta, {B, T, HV});
-  check_input("o", a.o, {B, T, HV, V});
   check_optional("h0", a.h0, {N, HV, K, V});
+}
+
+// Every output against every input, and the outputs pairwise (each unordered pair once).
+template <class Outs, class Ins>
+void check_outputs_apart(Outs&& outs, Ins&& ins) {
+  outs([&](char const* on, auto const& ov) { ins([&](char const* in, auto const& iv) { check_no_overlap(on, ov, in, iv); }); });
+  int i = 0;
+  outs([&](char const* o1, auto const& v1) {
+    int j = 0;
+    outs([&](char const* o2, auto const& v2) {
+      if (j++ > i) check_no_overlap(o1, v1, o2, v2);
+    });
+    ++i;
+  });
+}
+
+template <class In, class S>
+problem validate(forward_args<In, S> const& a, options const& opt) {
+  problem p = make_problem<In>(a.q, a.v, opt);
+  index_t const B = p.B, T = p.T, HV = p.HV, K = p.K, V = p.V, N = p.N;
+  check_shared_inputs(a, p);
+  check_input("o", a.o, {B, T, HV, V});
   check_optional("ht", a.ht, {N, HV, K, V});
-  check_no_overlap("o", a.o, "q", a.q);
-  check_no_overlap("o", a.o, "k", a.k);
-  check_no_overlap("o", a.o, "v", a.v);
-  check_no_overlap("o", a.o, "g", a.g);
-  check_no_overlap("o", a.o, "beta", a.beta);
-  check_no_overlap("o", a.o, "h0", a.h0);
-  check_no_overlap("ht", a.ht, "q", a.q);
-  check_no_overlap("ht", a.ht, "k", a.k);
-  check_no_overlap("ht", a.ht, "v", a.v);
-  check_no_overlap("ht", a.ht, "g", a.g);
-  check_no_overlap("ht", a.ht, "beta", a.beta);
-  check_no_overlap("ht", a.ht, "h0", a.h0);
-  check_no_overlap("ht", a.ht, "o", a.o);
+  check_outputs_apart(
+      [&](auto&& f) {
+        f("o", a.o);
+        f("ht", a.ht);
+      },
+      [&](auto&& f) { for_each_shared_input(a, f); });
   check_gate_bound<In>(p, a.g);
   return p;
 }
@@ -249,12 +273,7 @@ template <class In, class S>
 problem validate(backward_args<In, S> const& a, options const& opt) {
   problem p = make_problem<In>(a.q, a.v, opt);
   index_t const B = p.B, T = p.T, H = p.H, HV = p.HV, K = p.K, V = p.V, N = p.N;
-  check_input("q", a.q, {B, T, H, K});
-  check_input("k", a.k, {B, T, H, K});
-  check_input("v", a.v, {B, T, HV, V});
-  check_input("g", a.g, {B, T, HV, K});
-  check_input("beta", a.beta, {B, T, HV});
-  check_optional("h0", a.h0, {N, HV, K, V});
+  check_shared_inputs(a, p);
   check_input("do", a.d_o, {B, T, HV, V});
   check_optional("dht", a.dht, {N, HV, K, V});
   check_input("dq", a.dq, {B, T, H, K});
@@ -263,30 +282,20 @@ problem validate(backward_args<In, S> const& a, options const& opt) {
   check_input("dg", a.dg, {B, T, HV, K});
   check_input("dbeta", a.dbeta, {B, T, HV});
   check_optional("dh0", a.dh0, {N, HV, K, V});
-  auto outs = [&](auto&& f) {
-    f("dq", a.dq);
-    f("dk", a.dk);
-    f("dv", a.dv);
-    f("dg", a.dg);
-    f("dbeta", a.dbeta);
-    f("dh0", a.dh0);
-  };
-  auto ins = [&](auto&& f) {
-    f("q", a.q);
-    f("k", a.k);
-    f("v", a.v);
-    f("g", a.g);
-    f("beta", a.beta);
-    f("h0", a.h0);
-    f("do", a.d_o);
-    f("dht", a.dht);
-  };
-  outs([&](char const* on, auto const& ov) { ins([&](char const* in, auto const& iv) { check_no_overlap(on, ov, in, iv); }); });
-  outs([&](char const* o1, auto const& v1) {
-    outs([&](char const* o2, auto const& v2) {
-      if (static_cast<void const*>(o1) < static_cast<void const*>(o2)) check_no_overlap(o1, v1, o2, v2);
-    });
-  });
+  check_outputs_apart(
+      [&](auto&& f) {
+        f("dq", a.dq);
+        f("dk", a.dk);
+        f("dv", a.dv);
+        f("dg", a.dg);
+        f("dbeta", a.dbeta);
+        f("dh0", a.dh0);
+      },
+      [&](auto&& f) {
+        for_each_shared_input(a, f);
+        f("do", a.d_o);
+        f("dht", a.dht);
+      });
   check_gate_bound<In>(p, a.g);
   return p;
 }
