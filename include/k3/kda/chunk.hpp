@@ -97,9 +97,31 @@ void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view
 }
 
 // Aqk (lower, diagonal included) and KK (strictly lower) of a chunk of c rows.
+// Gated factors of a dense diagonal tile (rows i0..i0+ci), shared by forward and backward:
+// EI = e^{G_i - c}, EJ = e^{c - G_j} with the causal anchor c = G_{i0-1} + 8 lb (see the top of
+// this file), then Qa = Q * EI, Ka = K * EI, Kb = K * EJ.
+template <class Acc>
+void dense_diagonal_factors(chunk_workspace<Acc>& w, index_t i0, index_t ci, double lb) {
+  typename chunk_workspace<Acc>::RowVec cv(w.K);
+  if (i0 == 0)
+    cv.setConstant(Acc(8 * lb));
+  else
+    cv = w.G.row(i0 - 1).array() + Acc(8 * lb);
+  auto GI = w.G.middleRows(i0, ci);
+  auto EI = w.EI.topRows(ci);
+  auto EJ = w.EJ.topRows(ci);
+  EI = GI.rowwise() - cv;
+  exp_rows(EI);
+  EJ = (-GI).rowwise() + cv;
+  exp_rows(EJ);
+  w.Qa.topRows(ci).array() = w.Q.middleRows(i0, ci).array() * EI.array();
+  w.Ka.topRows(ci).array() = w.Kc.middleRows(i0, ci).array() * EI.array();
+  w.Kb.topRows(ci).array() = w.Kc.middleRows(i0, ci).array() * EJ.array();
+}
+
 template <class Acc>
 void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
-  index_t const K = w.K, BC = sub_chunk;
+  index_t const BC = sub_chunk;
   w.Aqk.topLeftCorner(c, c).setZero();
   w.KK.topLeftCorner(c, c).setZero();
   for (index_t i0 = 0; i0 < c; i0 += BC) {
@@ -125,23 +147,10 @@ void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<do
     }
     // Diagonal tile.
     if (lb) {
-      typename chunk_workspace<Acc>::RowVec cv(K);
-      if (i0 == 0)
-        cv.setConstant(Acc(8 * *lb));
-      else
-        cv = w.G.row(i0 - 1).array() + Acc(8 * *lb);
-      auto EI = w.EI.topRows(ci);
-      auto EJ = w.EJ.topRows(ci);
-      EI = GI.rowwise() - cv;
-      exp_rows(EI);
-      EJ = (-GI).rowwise() + cv;
-      exp_rows(EJ);
+      dense_diagonal_factors(w, i0, ci, *lb);
       auto Qa = w.Qa.topRows(ci);
       auto Ka = w.Ka.topRows(ci);
       auto Kb = w.Kb.topRows(ci);
-      Qa.array() = w.Q.middleRows(i0, ci).array() * EI.array();
-      Ka.array() = w.Kc.middleRows(i0, ci).array() * EI.array();
-      Kb.array() = w.Kc.middleRows(i0, ci).array() * EJ.array();
       auto tq = w.Aqk.block(i0, i0, ci, ci);
       auto tk = w.KK.block(i0, i0, ci, ci);
       tq.noalias() = scale * Qa * Kb.transpose();
@@ -239,7 +248,7 @@ void chunk_forward_task(problem const& p, forward_args<In, S> const& a, index_t 
 // depend on them, so their gradient contributions cancel exactly.
 template <class Acc>
 void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
-  index_t const K = w.K, BC = sub_chunk;
+  index_t const BC = sub_chunk;
   for (index_t i0 = 0; i0 < c; i0 += BC) {
     index_t const ci = std::min(BC, c - i0);
     auto GI = w.G.middleRows(i0, ci);
@@ -275,24 +284,13 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
       w.dG.middleRows(i0, ci).array() += dQa.array() * Qa.array() + dKa.array() * Ka.array();
     }
     if (lb) {
-      typename chunk_workspace<Acc>::RowVec cv(K);
-      if (i0 == 0)
-        cv.setConstant(Acc(8 * *lb));
-      else
-        cv = w.G.row(i0 - 1).array() + Acc(8 * *lb);
+      dense_diagonal_factors(w, i0, ci, *lb);
       auto EI = w.EI.topRows(ci);
       auto EJ = w.EJ.topRows(ci);
-      EI = GI.rowwise() - cv;
-      exp_rows(EI);
-      EJ = (-GI).rowwise() + cv;
-      exp_rows(EJ);
       auto Qa = w.Qa.topRows(ci);
       auto Ka = w.Ka.topRows(ci);
       auto Kb = w.Kb.topRows(ci);
       auto dKb = w.dKb.topRows(ci);
-      Qa.array() = w.Q.middleRows(i0, ci).array() * EI.array();
-      Ka.array() = w.Kc.middleRows(i0, ci).array() * EI.array();
-      Kb.array() = w.Kc.middleRows(i0, ci).array() * EJ.array();
       auto dAq = w.dAqk.block(i0, i0, ci, ci);  // upper part is zero
       auto dAk = w.dKK.block(i0, i0, ci, ci);   // diagonal and upper part are zero
       dQa.noalias() = scale * dAq * Kb;
