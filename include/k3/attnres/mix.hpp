@@ -17,8 +17,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -84,6 +86,14 @@ source_grads<G> make_grads(tensor_view<G, 3> bank, tensor_view<G, 2> partial) {
 
 namespace detail {
 using namespace ::k3::detail;  // the shared argument checks
+
+// A [rows, columns] argument the kernels walk row by row: valid, unit column stride, shape.
+template <class V>
+void check_rows(std::string_view name, V const& v, std::initializer_list<index_t> expected) {
+  check_view(name, v);
+  check_inner_contiguous(name, v);
+  check_shape(name, v, expected);
+}
 
 template <class S>
 struct rows {
@@ -365,9 +375,7 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
   detail::check_view("gain", g);
   detail::check_shape("w", w, {d});
   detail::check_shape("gain", g, {d});
-  detail::check_view("dh", dh);
-  detail::check_inner_contiguous("dh", dh);
-  detail::check_shape("dh", dh, {T, d});
+  detail::check_rows("dh", dh, {T, d});
   detail::check_grads(dsrc, n, src.has_partial, T, d);
   detail::check_view("dw", dw);
   detail::check_view("dgain", dg);

@@ -201,9 +201,7 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
   detail::check_shape("u", u, {nq, d});
   detail::check_view("bank_rinv", bank_rinv);
   detail::check_shape("bank_rinv", bank_rinv, {n, T});
-  detail::check_view("o", o);
-  detail::check_inner_contiguous("o", o);
-  detail::check_shape("o", o, {nq, T, d});
+  detail::check_rows("o", o, {nq, T, d});
   detail::check_view("lse", lse);
   detail::check_shape("lse", lse, {nq, T});
   detail::check_no_overlap("o", o, "bank", bank);
@@ -336,13 +334,9 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
   detail::check_shape("lse", lse, {T});
   detail::check_view("u", u);
   detail::check_shape("u", u, {d});
-  detail::check_view("h", h);
-  detail::check_inner_contiguous("h", h);
-  detail::check_shape("h", h, {T, d});
+  detail::check_rows("h", h, {T, d});
   if (has_partial) {
-    detail::check_view("partial", partial);
-    detail::check_inner_contiguous("partial", partial);
-    detail::check_shape("partial", partial, {T, d});
+    detail::check_rows("partial", partial, {T, d});
     detail::check_no_overlap("h", h, "partial", partial);
   }
   detail::check_no_overlap("h", h, "o", o);
@@ -403,19 +397,13 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
   detail::check_view("o", o);
   detail::check_inner_contiguous("o", o);
   index_t const T = o.extent(0), d = o.extent(1);
-  detail::check_view("prefix", prefix);
-  detail::check_inner_contiguous("prefix", prefix);
-  detail::check_shape("prefix", prefix, {T, d});
-  detail::check_view("delta", delta);
-  detail::check_inner_contiguous("delta", delta);
-  detail::check_shape("delta", delta, {T, d});
+  detail::check_rows("prefix", prefix, {T, d});
+  detail::check_rows("delta", delta, {T, d});
   detail::check_view("lse", lse);
   detail::check_shape("lse", lse, {T});
   detail::check_view("u", u);
   detail::check_shape("u", u, {d});
-  detail::check_view("h", h);
-  detail::check_inner_contiguous("h", h);
-  detail::check_shape("h", h, {T, d});
+  detail::check_rows("h", h, {T, d});
   detail::check_no_overlap("h", h, "prefix", prefix);
   detail::check_no_overlap("h", h, "o", o);
   using Ops = typename detail::ops_for<B>::template type<C>;
