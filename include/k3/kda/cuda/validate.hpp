@@ -65,8 +65,9 @@ inline layout check_sequences(index_t B, index_t T, index_t N, std::int64_t cons
   return l;
 }
 
-template <class S>
-layout check(fwd_args<S> const& a) {
+// The checks forward and backward share: dimensions, sequences, the five inputs, the scale.
+template <class Args>
+layout check_inputs(Args const& a) {
   check_dims(a.B, a.T, a.H, a.HV, a.K, a.V);
   layout l = check_sequences(a.B, a.T, a.N, a.cu_seqlens, a.cu_seqlens_host);
   bool const tokens = a.B * a.T > 0;
@@ -75,28 +76,27 @@ layout check(fwd_args<S> const& a) {
   require_ptr(a.v, "v", tokens);
   require_ptr(a.g, "g", tokens);
   require_ptr(a.beta, "beta", tokens);
-  require_ptr(a.o, "o", tokens);
   l.scale = effective_scale(a.scale, a.K);
   return l;
 }
 
 template <class S>
+layout check(fwd_args<S> const& a) {
+  layout const l = check_inputs(a);
+  require_ptr(a.o, "o", a.B * a.T > 0);
+  return l;
+}
+
+template <class S>
 layout check(bwd_args<S> const& a) {
-  check_dims(a.B, a.T, a.H, a.HV, a.K, a.V);
-  layout l = check_sequences(a.B, a.T, a.N, a.cu_seqlens, a.cu_seqlens_host);
+  layout const l = check_inputs(a);
   bool const tokens = a.B * a.T > 0;
-  require_ptr(a.q, "q", tokens);
-  require_ptr(a.k, "k", tokens);
-  require_ptr(a.v, "v", tokens);
-  require_ptr(a.g, "g", tokens);
-  require_ptr(a.beta, "beta", tokens);
   require_ptr(a.do_, "do", tokens);
   require_ptr(a.dq, "dq", tokens);
   require_ptr(a.dk, "dk", tokens);
   require_ptr(a.dv, "dv", tokens);
   require_ptr(a.dg, "dg", tokens);
   require_ptr(a.dbeta, "dbeta", tokens);
-  l.scale = effective_scale(a.scale, a.K);
   return l;
 }
 
