@@ -107,6 +107,17 @@ class args {
       throw usage_error("option '--" + name + "' expects an integer, got '" + value(name) + "'");
     }
   }
+  // An integer option that must lie in [lo, hi].
+  std::int64_t integer_in(std::string const& name, std::int64_t def, std::int64_t lo, std::int64_t hi) const {
+    std::int64_t const v = integer(name, def);
+    if (v < lo || v > hi)
+      throw usage_error("option '--" + name + "' must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " +
+                        std::to_string(v));
+    return v;
+  }
+  // --threads: 0 means one per hardware thread; capped, since each one is a started thread.
+  int threads(std::int64_t def) const { return static_cast<int>(integer_in("threads", def, 0, max_threads)); }
+  static constexpr std::int64_t max_threads = 1024;
   std::string choice(std::string const& name, std::vector<std::string> const& allowed) const {
     std::string v = value(name, allowed.front());
     for (auto const& a : allowed)

@@ -31,7 +31,7 @@ std::vector<C> load_vector(k3::io::npy_array const& a, std::string const& name) 
 template <class S>
 int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
   using C = ar::compute_t<S>;
-  k3::cpu::threads<> b(static_cast<int>(args.integer("threads", 0)));
+  k3::cpu::threads<> b(args.threads(0));
   auto bank = src_arr.view<S, 3>("sources");
   k3::index_t const T = bank.extent(1), d = bank.extent(2);
   auto part_arr = args.load_optional("partial");
@@ -70,6 +70,7 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
 }
 
 int run_attnres(k3::cli::args& args) {
+  args.threads(0);  // a bad --threads is reported before any input is read
   auto src = args.load("sources");
   switch (src.type()) {
     case k3::io::dtype::float32: return run_typed<float>(args, src);

@@ -33,13 +33,13 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q) {
   opt.long_sequence = args.choice("long-sequence", {"value-split", "segment-maps"}) == "segment-maps" ? k3::dplr_long_sequence::segment_maps
                                                                                                        : k3::dplr_long_sequence::value_split;
   if (cu) {
+    // An empty array would read as "no cu_seqlens" (a null view) further down.
+    if (cu->rank() == 1 && cu->shape()[0] == 0) throw k3::error("argument 'cu_seqlens': needs at least one offset (N+1 entries), got shape [0]");
     if (cu->type() == k3::io::dtype::int32) opt.cu_seqlens32 = cu->view<std::int32_t, 1>("cu_seqlens");
     else opt.cu_seqlens = cu->view<std::int64_t, 1>("cu_seqlens");
   }
   std::string const mode = args.choice("mode", {"chunked", "recurrent"});
-  std::int64_t const threads = args.integer("threads", 1);
-  if (threads < 0) throw k3::error("option '--threads': must be >= 0 (0 = one per hardware thread), got " + std::to_string(threads));
-  k3::cpu::threads<> th(static_cast<int>(threads));
+  k3::cpu::threads<> th(args.threads(1));
   index_t B = in.q.extent(0), T_ = in.q.extent(1), H = in.q.extent(2), K = in.q.extent(3), V = in.v.extent(3);
   index_t N = cu ? std::max<index_t>(cu->size() - 1, 0) : B;
   k3::tensor<T, 4> o({B, T_, H, V});
@@ -71,6 +71,7 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q) {
 }
 
 int run_dplr(k3::cli::args& args) {
+  args.threads(1);  // a bad --threads is reported before any input is read
   auto q = args.load("q");
   if (q.type() == k3::io::dtype::float32) return run_typed<float>(args, q);
   if (q.type() == k3::io::dtype::float64) return run_typed<double>(args, q);

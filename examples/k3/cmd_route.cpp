@@ -40,6 +40,10 @@ int run_route(k3::cli::args& args) {
   if (!input) throw k3::error("missing input: need scores.npy or logits.npy [m, n] in " + args.value("in"));
   std::vector<float> s = as_float(*input, in_name, 2);
   k3::index_t const m = input->shape()[0], n = input->shape()[1];
+  // Checked here as well as in the library: the outputs [m, k] are allocated before the call.
+  if (opt.k < 1 || opt.k >= n)
+    throw k3::cli::usage_error("option '--k': must be in [1, n - 1] = [1, " + std::to_string(n - 1) + "] for n = " + std::to_string(n) +
+                               " experts, got " + std::to_string(opt.k));
   std::vector<float> bias(static_cast<std::size_t>(n), 0.f);
   if (auto b = args.load_optional("bias")) {
     bias = as_float(*b, "bias", 1);
@@ -57,10 +61,10 @@ int run_route(k3::cli::args& args) {
   }
   k3::const_view<std::uint8_t, 1> mv = mask.empty() ? k3::const_view<std::uint8_t, 1>{} : k3::const_view<std::uint8_t, 1>(mask.data(), {m});
   k3::const_view<float, 2> sv(s.data(), {m, n});
-  k3::index_t const bins = args.integer("bins", 1000);
+  k3::index_t const bins = args.integer_in("bins", 1000, 1, k3::index_t(1) << 20);
   std::string const update = args.choice("update", {"histogram", "exact"});
   double const ema = args.number("ema", 0.0);
-  k3::cpu::threads<> backend(static_cast<int>(args.integer("threads", 0)));
+  k3::cpu::threads<> backend(args.threads(0));
 
   std::vector<float> new_bias = bias;
   if (args.flag("solve")) {

@@ -38,5 +38,25 @@ for op in $ops; do
   for n in q k v g beta a b gk sources w gain scores logits bias x codes scales; do printf 'garbage' >"$tmp/bad/$n.npy"; done
   expect nz "malformed .npy" -- "$op" --in "$tmp/bad" --out "$tmp/o" "${req[@]}"
 done
+# Options checked before anything is allocated or started (valid inputs otherwise).
+if python3 -c "import numpy" 2>/dev/null; then
+  mkdir -p "$tmp/r" "$tmp/d"
+  python3 - "$tmp" <<'PY'
+import sys, numpy as np
+t = sys.argv[1]; rng = np.random.default_rng(0)
+np.save(t + "/r/scores.npy", rng.random((8, 16), dtype=np.float32))
+for n in "q k a b".split(): np.save(f"{t}/d/{n}.npy", rng.standard_normal((1, 5, 1, 3)))
+np.save(t + "/d/v.npy", rng.standard_normal((1, 5, 1, 2)))
+np.save(t + "/d/gk.npy", -rng.random((1, 5, 1, 3)))
+np.save(t + "/d/cu_seqlens.npy", np.zeros(0, np.int64))
+PY
+  expect 2 "option '--k': must be in [1, n - 1] = [1, 15]" -- route --in "$tmp/r" --out "$tmp/o" --k -1
+  expect 2 "option '--k': must be in [1, n - 1]" -- route --in "$tmp/r" --out "$tmp/o" --k 1099511627776
+  expect 2 "option '--threads' must be in [0, 1024], got 100000" -- route --in "$tmp/r" --out "$tmp/o" --k 4 --threads 100000
+  expect 2 "option '--threads' must be in [0, 1024], got -3" -- attnres --in "$tmp/r" --out "$tmp/o" --threads -3
+  expect 2 "option '--threads' must be in [0, 1024]" -- dplr --in "$tmp/d" --out "$tmp/o" --threads 3000000000
+  expect 2 "option '--bins' must be in [1, 1048576], got 0" -- route --in "$tmp/r" --out "$tmp/o" --k 4 --bins 0
+  expect nz "argument 'cu_seqlens': needs at least one offset" -- dplr --in "$tmp/d" --out "$tmp/o"
+fi
 [ $fail = 0 ] && echo "cli error handling: passed"
 exit $fail

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -38,7 +39,8 @@ struct problem {
   index_t ns() const { return N * H * K * V; }
 };
 
-enum class gate { normal, zero, resets, strong };
+// resets: g = -1000 at 3% of (token, channel); huge_resets -1e8; infinite_resets -inf.
+enum class gate { normal, zero, resets, strong, huge_resets, infinite_resets };
 
 // a: unit vectors; b = -lambda a with lambda in (0, 1] (stable, RWKV-7 style) unless
 // generic_ab, then independent small vectors.
@@ -90,6 +92,8 @@ problem<T> make(std::mt19937_64& rng, index_t B, index_t Tn, index_t H, index_t 
         case gate::zero: gv = 0; break;
         case gate::strong: gv = ls * 2; break;
         case gate::resets: gv = u01(rng) < 0.03 ? -1000.0 : ls / 4; break;
+        case gate::huge_resets: gv = u01(rng) < 0.03 ? -1e8 : ls / 4; break;
+        case gate::infinite_resets: gv = u01(rng) < 0.03 ? -std::numeric_limits<double>::infinity() : ls / 4; break;
       }
       p.gk[r * K + d] = static_cast<T>(gv);
     }

@@ -52,6 +52,12 @@ TEST_CASE("chunked DPLR: small chunks, both intra forms, hard resets, zero gates
   auto pr = make<double>(rng, 1, 70, 2, 12, 8, {}, true, gate::resets);
   compare(pr, 32, k3::dplr_intra::automatic);  // resets push chunks onto the pairwise form
   compare(pr, 32, k3::dplr_intra::pairwise);
+  // Resets far below the underflow of e^g, down to -inf: clamped in the chunk-local cumsum.
+  for (gate gk : {gate::huge_resets, gate::infinite_resets}) {
+    auto ph = make<double>(rng, 1, 70, 2, 12, 8, {}, true, gk);
+    compare(ph, 32, k3::dplr_intra::automatic);
+    compare(ph, 16, k3::dplr_intra::factored);
+  }
   auto pz = make<double>(rng, 1, 40, 1, 8, 8, {}, true, gate::zero);
   compare(pz, 16, k3::dplr_intra::automatic);
   auto ps = make<double>(rng, 1, 50, 1, 8, 6, {}, false, gate::strong);

@@ -20,6 +20,7 @@ struct kda_case {
   bool h0 = true, dht = true;
   gate_kind gate = gate_kind::logsigmoid;
   double lb = -5;
+  double reset = -1000;  // the log decay of a hard reset (gate_kind::resets): -1000, -1e8, -inf
   std::uint64_t seed = 1;
   index_t N() const { return cu.empty() ? B : index_t(cu.size()) - 1; }
 };
@@ -54,7 +55,7 @@ inline kda_data64 make_data(kda_case const& c) {
     double z = nd(rng);
     switch (c.gate) {
       case gate_kind::logsigmoid: x = -std::log1p(std::exp(-z)) / 4; break;
-      case gate_kind::resets: x = ud(rng) < 0.03 ? -1000.0 : -std::log1p(std::exp(-z)) / 4; break;
+      case gate_kind::resets: x = ud(rng) < 0.03 ? c.reset : -std::log1p(std::exp(-z)) / 4; break;
       case gate_kind::lower_bound: x = ud(rng) < 0.1 ? c.lb : c.lb / (1 + std::exp(-z)); break;
     }
   }

@@ -4,6 +4,8 @@
 // hard resets g = -1000, the lower-bounded gate at exactly -5); prefix invariance.
 #include <doctest/doctest.h>
 
+#include <limits>
+
 #include "kda/kda_fixture.hpp"
 
 using namespace k3;
@@ -67,6 +69,14 @@ TEST_CASE("chunked equals serial in double: varlen, resets, lower-bound gate") {
   check_chunk_vs_serial({.B = 2, .T = 200, .H = 1, .HV = 2, .K = 16, .V = 100, .gate = gate_kind::resets, .seed = 33});
   check_chunk_vs_serial({.B = 1, .T = 200, .H = 1, .HV = 2, .K = 60, .V = 16, .cu = {0, 7, 70, 200}, .gate = gate_kind::resets,
                          .seed = 34});
+  // Resets far below the underflow of e^g, down to -inf: the chunk-local cumsum clamps them
+  // (core/math.hpp full_decay_log), so no -inf - -inf and no rounding that grows with |g|.
+  double const inf = std::numeric_limits<double>::infinity();
+  for (double reset : {-1e8, -inf}) {
+    check_chunk_vs_serial({.B = 2, .T = 200, .H = 1, .HV = 2, .K = 16, .V = 20, .gate = gate_kind::resets, .reset = reset, .seed = 38});
+    check_chunk_vs_serial(
+        {.B = 1, .T = 200, .H = 1, .HV = 2, .K = 17, .V = 16, .cu = {0, 70, 71, 200}, .gate = gate_kind::resets, .reset = reset, .seed = 39});
+  }
   check_chunk_vs_serial({.B = 2, .T = 200, .H = 1, .HV = 2, .K = 100, .V = 16, .gate = gate_kind::lower_bound, .lb = -5, .seed = 35});
   check_chunk_vs_serial(
       {.B = 1, .T = 130, .H = 1, .HV = 2, .K = 16, .V = 60, .cu = {0, 9, 64, 130}, .gate = gate_kind::lower_bound, .lb = -5, .seed = 36});

@@ -28,4 +28,19 @@ K3_INLINE T silu(T x) noexcept {
   return x * sigmoid(x);
 }
 
+// The chunked forms factor a span's decay as e^{G_i - G_j}, G a chunk-local cumsum of log
+// decays. A log decay at or below full_decay_log<T>() already has e^g == 0 in T (the floor is
+// below the log of half the smallest subnormal), exactly like a hard reset g = -inf; clamping g
+// there changes no product, keeps G finite (-inf - -inf would be NaN) and keeps |G| small (the
+// rounding of every later difference G_i - G_j grows with |G|). NaN passes through.
+template <class T>
+K3_INLINE constexpr T full_decay_log() noexcept {
+  return sizeof(T) >= 8 ? T(-750) : T(-112);
+}
+
+template <class T>
+K3_INLINE T clamp_log_decay(T g) noexcept {
+  return g < full_decay_log<T>() ? full_decay_log<T>() : g;
+}
+
 }  // namespace k3::detail

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <limits>
 
+#include "k3/core/math.hpp"
 #include "k3/dplr/common.hpp"
 
 namespace k3::detail::dplr {
@@ -31,6 +32,14 @@ using vec = Eigen::Matrix<R, Eigen::Dynamic, 1>;
 template <class R>
 constexpr R factored_decay_limit() {
   return std::is_same_v<R, double> ? R(200) : R(30);
+}
+
+// Largest total in-chunk decay for which the factored form is valid at all: e^{-gi} below
+// overflow and e^{gi} a normal number. dplr_intra::factored is used wherever it holds; a chunk
+// beyond it (a hard reset, say) takes the pairwise form rather than giving inf * 0 = NaN.
+template <class R>
+constexpr R factored_valid_limit() {
+  return std::is_same_v<R, double> ? R(700) : R(85);
 }
 
 template <class T, class R>
@@ -111,6 +120,7 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   load_rows(hv.b, t0, c, p.b);
   mat<R>& g = p.g_;
   load_rows(hv.gk, t0, c, g);
+  g = g.unaryExpr([](R x) { return ::k3::detail::clamp_log_decay(x); });
   index_t const K = g.cols();
   p.gi.resize(c, K);
   p.ge.resize(c, K);
@@ -122,7 +132,8 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   }
   auto last = p.gi.row(c - 1);
   R span = K > 0 ? (-last.array()).maxCoeff() : R(0);
-  p.factored = mode == dplr_intra::factored || (mode == dplr_intra::automatic && span <= factored_decay_limit<R>());
+  p.factored = (mode == dplr_intra::factored && span <= factored_valid_limit<R>()) ||
+               (mode == dplr_intra::automatic && span <= factored_decay_limit<R>());
   // One exponential per element: e^{ge} is the previous row of e^{gi}, and in the factored
   // form e^{-gi} = 1 / e^{gi}, e^{gi_c - gi} = e^{gi_c} e^{-gi}.
   mat<R>& eg = p.eg_;

@@ -54,7 +54,8 @@ enum class dplr_long_sequence {
 
 // How the four intra-chunk matrices are formed: factored GEMMs anchored at the chunk start
 // (fast, valid while the chunk's total decay stays in exp's range) or pairwise exponentials
-// (always safe). automatic picks per chunk.
+// (always safe). automatic picks per chunk for accuracy (factored up to e^200 in double, e^30
+// in float); factored forces it wherever it is valid (up to e^700, e^85), pairwise beyond.
 enum class dplr_intra { automatic, factored, pairwise };
 
 struct dplr_options {

@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "k3/core/math.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
 
@@ -88,6 +89,7 @@ void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view
     load_row(&v(b, t0 + r, hv, 0), w.Vc.row(r).data(), V);
     Acc* Gr = w.G.row(r).data();
     load_row(&g(b, t0 + r, hv, 0), Gr, K);
+    for (index_t d = 0; d < K; ++d) Gr[d] = ::k3::detail::clamp_log_decay(Gr[d]);
     if (r > 0) {
       Acc const* Gp = w.G.row(r - 1).data();
       for (index_t d = 0; d < K; ++d) Gr[d] += Gp[d];

@@ -71,7 +71,7 @@ K3_KERNEL void __launch_bounds__(fwd_threads) chunk_fwd_kernel(fwd_args<S> a, fl
     for (int d = tid; d < K; d += nt) {
       float acc = 0.f;
       for (int r = 0; r < L; ++r) {
-        acc += sG[r * K + d];
+        acc += ::k3::detail::clamp_log_decay(sG[r * K + d]);
         sG[r * K + d] = acc;
       }
     }

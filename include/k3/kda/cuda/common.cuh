@@ -2,6 +2,7 @@
 // (float, bfloat16 with fp32 math), sequence bounds, warp reduction.
 #pragma once
 #include "k3/backend/cuda/config.cuh"
+#include "k3/core/math.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/kda/cuda/validate.hpp"
 #include "k3/kda/cuda_api.hpp"
