@@ -80,7 +80,7 @@ class Checker:
             self.fail(label, f"crash: exit {rc}: {text.strip()[:300]}", cmd)
         elif len(lines) != 1:
             self.fail(label, f"expected one error line, got {len(lines)}: {text.strip()[:300]}", cmd)
-        elif must_mention and not any(m in lines[0] for m in ([must_mention] if isinstance(must_mention, str) else must_mention)):
+        elif must_mention and not any(m in lines[0].split(": ", 1)[-1] for m in ([must_mention] if isinstance(must_mention, str) else must_mention)):
             self.fail(label, f"error does not mention {must_mention!r}: {lines[0]}", cmd)
         else:
             if self.args.verbose:
