@@ -36,8 +36,8 @@ class Checker:
         os.makedirs(os.path.join(d, "in"))
         return d
 
-    def run(self, d, opts, timeout=120):
-        cmd = [self.k3, self.name, "--in", os.path.join(d, "in"), "--out", os.path.join(d, "out")] + list(opts)
+    def run(self, d, opts, timeout=120, cmdname=None):
+        cmd = [self.k3, cmdname or self.name, "--in", os.path.join(d, "in"), "--out", os.path.join(d, "out")] + list(opts)
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -70,7 +70,7 @@ class Checker:
 
     def expect_error(self, label, d, opts=(), must_mention=None):
         """The run must exit non-zero with one clear line on stderr, no crash/hang."""
-        rc, text, cmd = self.run(d, opts, timeout=60)
+        rc, text, cmd = self.run(d, opts, timeout=60, cmdname="dequant" if label.startswith("dq ") else None)
         lines = [l for l in text.strip().splitlines() if l.strip()]
         if rc is None:
             self.fail(label, "hang (timeout)", cmd)
