@@ -187,7 +187,9 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: --eps -1", setup(), ["--eps", "-1"], must_mention="eps")
     ck.expect_error("bad: --eps nan", setup(), ["--eps", "nan"], must_mention="eps")
     ck.expect_error("bad: --threads -3", setup(), ["--threads", "-3"], must_mention="threads")
-    ck.expect_error("bad: --threads 100000", setup(), ["--threads", "100000"], must_mention="threads")
+    # NOT run: --threads 100000 (or 100000000000, which wraps to 1215752192 in the int cast) makes the
+    # thread pool try to start that many threads; it never finishes and exhausts the machine's
+    # process limit for everyone (seen: "fork: Resource temporarily unavailable"). Reported instead.
     ck.expect_error("bad: n = 0 without partial", setup({"sources": np.zeros((0, T, d))}, drop=("partial",)), must_mention="sources")
     dd = setup()
     np.save(os.path.join(dd, "in", "sources.npy"), np.asfortranarray(base["sources"]))

@@ -177,7 +177,9 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: --chunk-size 0", setup(), ["--chunk-size", "0"], must_mention="chunk")
     ck.expect_error("bad: --chunk-size -16", setup(), ["--chunk-size", "-16"], must_mention="chunk")
     ck.expect_error("bad: --threads -1", setup(), ["--threads", "-1"], must_mention="threads")
-    ck.expect_error("bad: --threads 1e9", setup(), ["--threads", "100000000000"], must_mention="threads")
+    # NOT run: --threads 100000 (or 100000000000, which wraps to 1215752192 in the int cast) makes the
+    # thread pool try to start that many threads; it never finishes and exhausts the machine's
+    # process limit for everyone (seen: "fork: Resource temporarily unavailable"). Reported instead.
     d = setup()
     with open(os.path.join(d, "in", "a.npy"), "wb") as fh:
         fh.write(b"\x93NUMPY\x01\x00garbage")

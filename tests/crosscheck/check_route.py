@@ -230,7 +230,9 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: k > experts in kept groups", setup(np.tile(s, (1, 2)), np.zeros(2 * n, f32)),
                     ["--k", "7", "--groups", "2", "--topk-groups", "1"], must_mention=["k", "group"])
     ck.expect_error("bad: --iterations -1", setup(s, b), ["--k", "2", "--solve", "--iterations", "-1"], must_mention="iteration")
-    ck.expect_error("bad: --threads 100000", setup(s, b), ["--k", "2", "--threads", "100000"], must_mention="threads")
+    # NOT run: --threads 100000 (or 100000000000, which wraps to 1215752192 in the int cast) makes the
+    # thread pool try to start that many threads; it never finishes and exhausts the machine's
+    # process limit for everyone (seen: "fork: Resource temporarily unavailable"). Reported instead.
     # scores outside (0, 1) break the histogram range assumption: error, or documented clamping
     x = s.copy()
     x[0, 0] = 1.7
