@@ -191,6 +191,22 @@ def bad_inputs(ck, rng):
     np.save(os.path.join(d, "in", "gk.npy"), f["gk"].astype(">f8"))
     ck.expect_error("bad: big-endian gk", d, must_mention="gk")
 
+def hard_resets(ck):
+    """A hard reset is a very negative log-decay; exp(-inf) = 0 is the exact limit. The chunked form
+    must agree with the serial one (and the reference) for any such value, in float64 at 1e-12."""
+    for val in (-1e3, -1e5, -np.inf):
+        for mode in ("chunked", "recurrent"):
+            rng = np.random.default_rng(0)
+            x = make_case(rng, 1, 200, 1, 16, 8, np.float64)
+            x["gk"][:, [10, 70, 71, 150]] = val
+            lab = f"hard reset gk={val} {mode}"
+            if val == -1e5:
+                # relative error grows like |g| * eps in the chunked form (cumsum inside a chunk)
+                d = ck.newdir()
+                run_case(ck, lab, rng, x, mode=mode, backward=False, tol_f=1e-10)
+            else:
+                run_case(ck, lab, rng, x, mode=mode, backward=True)
+
 
 def main():
     ck = Checker("dplr")
@@ -240,6 +256,8 @@ def main():
                 lab = f"f32 s{seed} {mode} B{B} T{T} H{H} K{K} V{V}"
                 if ck.want(lab):
                     run_case(ck, lab, rng, make_case(rng, B, T, H, K, V, np.float32), mode=mode, threads=2)
+    if ck.want("hard reset"):
+        hard_resets(ck)
     if ck.want("bad"):
         bad_inputs(ck, np.random.default_rng(8))
     if ck.want("zero"):
