@@ -64,10 +64,15 @@ def hist_update(s, alpha, b, k, mask, bins, ema):
     m, n = len(real), s.shape[1]
     if m == 0:
         return b.astype(np.float64), None
-    lo, hi = float(b.min()) - 1, float(b.max()) + 1
-    w = (hi - lo) / bins
-    r = alpha[real, None].astype(np.float64) - s[real].astype(np.float64)
-    l = np.clip(np.floor((r - lo) * bins / (hi - lo)), 0, bins - 1).astype(int)
+    # bins in fp32 (spec A.4.3 keeps lo, hi, scores and the cut-off in FP32; k3/moe documents the
+    # exact float sequence t = floor((r - lo) * inv_w), inv_w = B / (hi - lo), so that every backend
+    # counts identically); the quantile interpolation itself in float64
+    lo, hi = f32(f32(b.min()) - f32(1)), f32(f32(b.max()) + f32(1))
+    w = (float(hi) - float(lo)) / bins
+    inv_w = f32(f32(bins) / f32(hi - lo))
+    r = (alpha[real, None].astype(f32) - s[real].astype(f32)).astype(f32)
+    l = np.clip(np.floor(((r - lo).astype(f32) * inv_w).astype(f32)), 0, bins - 1).astype(int)
+    lo = float(lo)
     H = np.zeros((n, bins), np.int64)
     for j in range(n):
         H[j] = np.bincount(l[:, j], minlength=bins)
