@@ -381,7 +381,7 @@ def main():
     ck = Checker("quant")
     for seed in range(ck.args.seeds):
         rng = np.random.default_rng(5000 + seed)
-        shapes_ds = [(1, 128), (3, 129), (130, 200), (2, 3, 1), (1, 1), (5, 31), (129, 257), (0, 128), (4, 0)]
+        shapes_ds = [(128,), (2, 1, 3, 130), (1, 128), (3, 129), (130, 200), (2, 3, 1), (1, 1), (5, 31), (129, 257), (0, 128), (4, 0)]
         for i, sh in enumerate(shapes_ds):
             for block in ("1x128", "128x128", "128x1"):
                 for scale in ("fp32", "ue8m0"):
@@ -390,7 +390,7 @@ def main():
                     lab = f"s{seed} e4m3 {block} {scale} {list(sh)} {kind} {np.dtype(xd).name}"
                     if ck.want(lab):
                         run_case(ck, lab, rng, sh, "e4m3", block, scale, kind, xd)
-        shapes_mx = [(1, 32), (3, 64), (2, 5, 96), (17, 32), (64, 320), (1, 0)]
+        shapes_mx = [(64,), (2, 1, 3, 32), (1, 32), (3, 64), (2, 5, 96), (17, 32), (64, 320), (1, 0)]
         for i, sh in enumerate(shapes_mx):
             for fmt in ("mxfp8", "mxfp8_e5m2", "mxfp6", "mxfp6_e2m3", "mxfp4", "e5m2", "e2m1"):
                 for rule in ("floor", "rceil"):
