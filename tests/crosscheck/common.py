@@ -1,0 +1,143 @@
+"""Shared helpers for the k3 CLI cross-checks (independent numpy references, not library code)."""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+
+class Checker:
+    def __init__(self, name):
+        p = argparse.ArgumentParser(description=f"cross-check `k3 {name}` against an independent numpy reference")
+        p.add_argument("--k3", default="build/examples/k3")
+        p.add_argument("--seeds", type=int, default=3)
+        p.add_argument("--keep", action="store_true", help="keep the temporary directories")
+        p.add_argument("--verbose", "-v", action="store_true")
+        p.add_argument("--only", default="", help="run only the cases whose label contains this")
+        p.add_argument("--strict", action="store_true", help="also fail on the findings reported as WARN")
+        self.args = p.parse_args()
+        self.k3 = os.path.abspath(self.args.k3)
+        self.name = name
+        self.failures = []
+        self.warnings = []
+        self.passes = 0
+        self.root = tempfile.mkdtemp(prefix=f"k3cc_{name}_")
+        self.n = 0
+
+    def want(self, label):
+        return self.args.only in label
+
+    def newdir(self):
+        self.n += 1
+        d = os.path.join(self.root, f"c{self.n}")
+        os.makedirs(os.path.join(d, "in"))
+        return d
+
+    def run(self, d, opts, timeout=120, cmdname=None):
+        cmd = [self.k3, cmdname or self.name, "--in", os.path.join(d, "in"), "--out", os.path.join(d, "out")] + list(opts)
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, "TIMEOUT", cmd
+        return r.returncode, r.stderr + r.stdout, cmd
+
+    def fail(self, label, msg, cmd=None):
+        line = f"FAIL [{label}] {msg}"
+        if cmd:
+            line += "\n     cmd: " + " ".join(cmd)
+        print(line, flush=True)
+        self.failures.append(line)
+
+    def warn(self, label, msg, cmd=None):
+        if self.args.strict:
+            return self.fail(label, msg, cmd)
+        line = f"WARN [{label}] {msg}"
+        if cmd:
+            line += "\n     cmd: " + " ".join(cmd)
+        print(line, flush=True)
+        self.warnings.append(line)
+
+    def ok(self, label):
+        self.passes += 1
+        if self.args.verbose:
+            print(f"ok   [{label}]", flush=True)
+
+    def out(self, d, name):
+        return np.load(os.path.join(d, "out", name + ".npy"))
+
+    def expect_error(self, label, d, opts=(), must_mention=None):
+        """The run must exit non-zero with one clear line on stderr, no crash/hang."""
+        rc, text, cmd = self.run(d, opts, timeout=60, cmdname="dequant" if label.startswith("dq ") else None)
+        lines = [l for l in text.strip().splitlines() if l.strip()]
+        if rc is None:
+            self.fail(label, "hang (timeout)", cmd)
+        elif rc == 0:
+            self.fail(label, "expected an error, got exit 0", cmd)
+        elif rc < 0 or rc > 2:
+            self.fail(label, f"crash: exit {rc}: {text.strip()[:300]}", cmd)
+        elif len(lines) != 1:
+            self.fail(label, f"expected one error line, got {len(lines)}: {text.strip()[:300]}", cmd)
+        elif must_mention and not any(m in lines[0].split(": ", 1)[-1] for m in ([must_mention] if isinstance(must_mention, str) else must_mention)):
+            self.fail(label, f"error does not mention {must_mention!r}: {lines[0]}", cmd)
+        else:
+            if self.args.verbose:
+                print(f"ok   [{label}] error: {lines[0]}")
+            self.passes += 1
+
+    def finish(self):
+        print(f"{self.name}: {self.passes} checks passed, {len(self.failures)} failed, {len(self.warnings)} warnings")
+        if not self.args.keep and not self.failures:
+            shutil.rmtree(self.root, ignore_errors=True)
+        else:
+            print("temporary directories kept under", self.root)
+        sys.exit(1 if self.failures else 0)
+
+
+def save(d, name, a):
+    np.save(os.path.join(d, "in", name + ".npy"), a)
+
+
+def rel_rms(got, ref):
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if got.shape != ref.shape:
+        return np.inf
+    if got.size == 0:
+        return 0.0
+    num = np.sqrt(np.mean((got - ref) ** 2))
+    den = np.sqrt(np.mean(ref ** 2))
+    if den == 0:
+        return num
+    return num / den
+
+
+def compare(ck, label, got, ref, tol, cmd=None, name=""):
+    got = np.asarray(got)
+    if got.shape != np.asarray(ref).shape:
+        ck.fail(label, f"{name}: shape {got.shape} != expected {np.asarray(ref).shape}", cmd)
+        return False
+    if not np.all(np.isfinite(got.astype(np.float64)) == np.isfinite(np.asarray(ref, dtype=np.float64))):
+        ck.fail(label, f"{name}: non-finite pattern differs (got {np.sum(~np.isfinite(got.astype(np.float64)))} non-finite,"
+                f" expected {np.sum(~np.isfinite(np.asarray(ref, dtype=np.float64)))})", cmd)
+        return False
+    fin = np.isfinite(np.asarray(ref, dtype=np.float64))
+    e = rel_rms(got[fin], np.asarray(ref)[fin])
+    if not (e <= tol):
+        ck.fail(label, f"{name}: rel-RMS {e:.3e} > {tol:.1e}", cmd)
+        return False
+    ck.ok(f"{label} {name} {e:.1e}")
+    return True
+
+
+def write_raw_npy(path, header_dict_str, payload, version=(1, 0)):
+    """Write an .npy with an arbitrary header (for malformed-input tests)."""
+    magic = b"\x93NUMPY" + bytes(version)
+    h = header_dict_str.encode("latin1")
+    hl = 4 if version[0] >= 2 else 2
+    pad = (64 - (len(magic) + hl + len(h) + 1) % 64) % 64
+    h = h + b" " * pad + b"\n"
+    with open(path, "wb") as f:
+        f.write(magic + len(h).to_bytes(hl, "little") + h + payload)
