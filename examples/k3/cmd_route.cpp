@@ -40,10 +40,6 @@ int run_route(k3::cli::args& args) {
   if (!input) throw k3::error("missing input: need scores.npy or logits.npy [m, n] in " + args.value("in"));
   std::vector<float> s = as_float(*input, in_name, 2);
   k3::index_t const m = input->shape()[0], n = input->shape()[1];
-  // Checked here as well as in the library: the outputs [m, k] are allocated before the call.
-  if (opt.k < 1 || opt.k >= n)
-    throw k3::cli::usage_error("option '--k': must be in [1, n - 1] = [1, " + std::to_string(n - 1) + "] for n = " + std::to_string(n) +
-                               " experts, got " + std::to_string(opt.k));
   std::vector<float> bias(static_cast<std::size_t>(n), 0.f);
   if (auto b = args.load_optional("bias")) {
     bias = as_float(*b, "bias", 1);
@@ -66,6 +62,10 @@ int run_route(k3::cli::args& args) {
   double const ema = args.number("ema", 0.0);
   k3::cpu::threads<> backend(args.threads(0));
 
+  // Checked here as well as in the library: the solver and the outputs [m, k] need it before the call.
+  if (opt.k < 1 || opt.k >= n)
+    throw k3::cli::usage_error("option '--k': must be in [1, n - 1] = [1, " + std::to_string(n - 1) + "] for n = " + std::to_string(n) +
+                               " experts, got " + std::to_string(opt.k));
   std::vector<float> new_bias = bias;
   if (args.flag("solve")) {
     // Offline solver on this batch; then route with the solved bias.

@@ -10,6 +10,14 @@
 // Backends: k3::cpu::serial (one thread; with algorithm::recurrent it is the reference),
 // k3::cpu::simd<Arch> (one thread, vectorised kernels) and k3::cpu::threads<Arch> (the same
 // kernels over (sequence x head) tasks on a thread pool).
+//
+// Non-finite values. g = -inf is a hard reset (e^g = 0), exact in both forms: the chunked form
+// clamps log decays at the underflow of e^g (k3/core/math.hpp full_decay_log), where they
+// already give 0. A NaN or Inf in an input of token t (sequence n, value head hv) makes that
+// head's outputs non-finite from t on (the state carries it) and never touches other heads or
+// sequences (tested); the chunked form can also reach the earlier tokens of t's own chunk
+// (a masked-out entry times a non-finite row is 0 * NaN), never an earlier chunk. The
+// recurrent form is exactly causal. In the backward the whole head can become non-finite.
 #pragma once
 #include <algorithm>
 #include <type_traits>
