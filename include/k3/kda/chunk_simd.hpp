@@ -143,6 +143,34 @@ void prefetch_rows(tensor_view<In const, 4> x, index_t b, index_t t0, index_t h,
   for (index_t r = r0; r < r1; ++r) prefetch_bytes(&x(b, t0 + r, h, 0), n * index_t(sizeof(In)));
 }
 
+// Into L2, as an asm statement on x86: g++ 12 deletes a loop whose body is only
+// __builtin_prefetch calls (no side effect to keep), which silently disabled prefetch_bytes.
+inline void prefetch_line_l2(void const* p) noexcept {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht1 (%0)" : : "r"(p));
+#elif defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#else
+  (void)p;
+#endif
+}
+
+inline void prefetch_range_l2(void const* p, index_t bytes) noexcept {
+  char const* c = static_cast<char const*>(p);
+  for (index_t o = 0; o < bytes; o += 64) prefetch_line_l2(c + o);
+  if (bytes > 0) prefetch_line_l2(c + bytes - 1);  // the last line when the run is not line-aligned
+}
+
+// Rows of heads [h0, h0 + nh) at token t: one contiguous run when the heads are packed.
+template <class In>
+void prefetch_heads(tensor_view<In const, 4> x, index_t b, index_t t, index_t h0, index_t nh) noexcept {
+  index_t const n = x.extent(3);
+  if (x.stride(2) == n)
+    prefetch_range_l2(&x(b, t, h0, 0), nh * n * index_t(sizeof(In)));
+  else
+    for (index_t h = h0; h < h0 + nh; ++h) prefetch_range_l2(&x(b, t, h, 0), n * index_t(sizeof(In)));
+}
+
 template <class Arch, class Acc>
 constexpr index_t padded_v(index_t V) noexcept {
   constexpr index_t L = index_t(xsimd::batch<Acc, Arch>::size);
@@ -398,52 +426,106 @@ struct chunk_intra_backward_simd {
   }
 };
 
+// Forward of sequence n, value heads [hv0, hv1), in lockstep chunk by chunk.
+// The inputs are token-major: one head's row is K elements at a stride of H*K, so a task that
+// walks one head alone touches a new page for nearly every row, and the hardware prefetchers
+// cannot follow it (load-latency bound). A group of adjacent heads instead reads, per token
+// and tensor, one contiguous run of (heads x K) elements, which streams. Every head keeps its
+// own state and runs exactly the per-head arithmetic of a single-head task, so results do not
+// depend on the grouping (nor on the thread count that picks it).
 template <class Arch, class Acc, class In, class S>
-void chunk_forward_simd_task(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv) {
+void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv0, index_t hv1) {
   using gemm = small_gemm<Arch, Acc>;
   using Mat = typename chunk_workspace<Acc>::Mat;
-  index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), b = p.batch(n), h = hv / p.G, bos = p.bos(n), eos = p.eos(n);
-  index_t const C = chunk_size;
+  using Vec = typename chunk_workspace<Acc>::Vec;
+  index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), b = p.batch(n), bos = p.bos(n), eos = p.eos(n);
+  index_t const C = chunk_size, hq0 = hv0 / p.G, nq = (hv1 - 1) / p.G + 1 - hq0, nv = hv1 - hv0;
   chunk_workspace<Acc> w(K, Vp, false);
-  w.Vc.setZero();
   chunk_simd_operands<Arch, Acc> op(K, Vp);
   chunk_intra_simd<Arch, Acc> intra(K);
-  Mat P = Mat::Zero(2 * C, Vp), U = Mat::Zero(C, Vp), St = Mat::Zero(K, Vp);
+  Mat P = Mat::Zero(2 * C, Vp), U = Mat::Zero(C, Vp);
+  // Staged chunk inputs per head (q/k per q/k head, the rest per value head), the states and
+  // the staged outputs. Padded value columns stay zero.
+  std::vector<Mat> SQ(std::size_t(nq), Mat::Zero(C, K)), SK = SQ, SG(std::size_t(nv), Mat::Zero(C, K));
+  std::vector<Mat> SV(std::size_t(nv), Mat::Zero(C, Vp)), SO = SV, St(std::size_t(nv), Mat::Zero(K, Vp));
+  std::vector<Vec> Sb(std::size_t(nv), Vec::Zero(C));
   Acc const scale = static_cast<Acc>(p.scale);
   if (present(a.h0))
-    for (index_t d = 0; d < K; ++d) load_row(&a.h0(n, hv, d, 0), St.row(d).data(), V);
+    for (index_t j = 0; j < nv; ++j)
+      for (index_t d = 0; d < K; ++d) load_row(&a.h0(n, hv0 + j, d, 0), St[std::size_t(j)].row(d).data(), V);
   for (index_t t0 = bos; t0 < eos; t0 += C) {
     index_t const c = std::min(C, eos - t0);
-    load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
-    index_t const cn = std::min(C, eos - t0 - c), t1 = t0 + c;  // next chunk
-    auto prefetch = [&](index_t part) {
-      index_t const r0 = cn * part / 4, r1 = cn * (part + 1) / 4;
-      prefetch_rows(a.q, b, t1, h, r0, r1);
-      prefetch_rows(a.k, b, t1, h, r0, r1);
-      prefetch_rows(a.v, b, t1, hv, r0, r1);
-      prefetch_rows(a.g, b, t1, hv, r0, r1);
-    };
-    prefetch(0);
-    intra(w, c, scale, p.lower_bound);
-    prefetch(1);
-    chunk_inverse(w, c);
-    op.build(w, c, scale);
-    prefetch(2);
-    // [scale Qe; Ke] S: rows 0..c-1 are the inter-chunk output, rows c..2c-1 Ke S.
-    gemm::run(2 * c, Vp, K, op.QK.data(), K, St.data(), Vp, P.data(), Vp);
-    prefetch(3);
     for (index_t r = 0; r < c; ++r) {
-      Acc* pr = P.row(c + r).data();
-      Acc const* vr = w.Vc.row(r).data();
-      for (index_t e = 0; e < Vp; ++e) pr[e] = vr[e] - pr[e];
+      index_t const t = t0 + r;
+      for (index_t j = 0; j < nq; ++j) load_row(&a.q(b, t, hq0 + j, 0), SQ[std::size_t(j)].row(r).data(), K);
+      for (index_t j = 0; j < nq; ++j) load_row(&a.k(b, t, hq0 + j, 0), SK[std::size_t(j)].row(r).data(), K);
+      for (index_t j = 0; j < nv; ++j) load_row(&a.v(b, t, hv0 + j, 0), SV[std::size_t(j)].row(r).data(), V);
+      for (index_t j = 0; j < nv; ++j) {
+        Acc* Gr = SG[std::size_t(j)].row(r).data();
+        load_row(&a.g(b, t, hv0 + j, 0), Gr, K);
+        if (r > 0) {
+          Acc const* Gp = Gr - K;
+          for (index_t d = 0; d < K; ++d) Gr[d] += Gp[d];
+        }
+      }
+      for (index_t j = 0; j < nv; ++j) Sb[std::size_t(j)](r) = load_as<Acc>(a.beta(b, t, hv0 + j));
     }
-    gemm::run(c, Vp, c, op.Ab.data(), C, P.row(c).data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1);
-    gemm::run(c, Vp, c, w.Aqk.data(), C, U.data(), Vp, P.data(), Vp, gemm::accumulate, nullptr, 1);
-    for (index_t r = 0; r < c; ++r) store_row(P.row(r).data(), &a.o(b, t0 + r, hv, 0), V);
-    gemm::run(K, Vp, c, op.KdT.data(), C, U.data(), Vp, St.data(), Vp, gemm::row_scaled, op.decay.data());
+    // The next chunk's rows are prefetched (into L2) in small slices spread over the heads'
+    // computations, so the staging copy above reads from cache and the DRAM traffic overlaps
+    // the arithmetic.
+    index_t const tn = t0 + c, cn = std::min(C, eos - tn), slices = 4 * nv;
+    auto prefetch = [&](index_t s) {
+      for (index_t r = cn * s / slices; r < cn * (s + 1) / slices; ++r) {
+        prefetch_heads(a.q, b, tn + r, hq0, nq);
+        prefetch_heads(a.k, b, tn + r, hq0, nq);
+        prefetch_heads(a.v, b, tn + r, hv0, nv);
+        prefetch_heads(a.g, b, tn + r, hv0, nv);
+      }
+    };
+    for (index_t j = 0; j < nv; ++j) {
+      std::size_t const jq = std::size_t((hv0 + j) / p.G - hq0), jv = std::size_t(j);
+      w.Q.swap(SQ[jq]);
+      w.Kc.swap(SK[jq]);
+      w.G.swap(SG[jv]);
+      w.beta.swap(Sb[jv]);
+      Mat& St_ = St[jv];
+      Mat const& Vc = SV[jv];
+      prefetch(4 * j);
+      intra(w, c, scale, p.lower_bound);
+      prefetch(4 * j + 1);
+      chunk_inverse(w, c);
+      op.build(w, c, scale);
+      prefetch(4 * j + 2);
+      // [scale Qe; Ke] S: rows 0..c-1 are the inter-chunk output, rows c..2c-1 Ke S.
+      gemm::run(2 * c, Vp, K, op.QK.data(), K, St_.data(), Vp, P.data(), Vp);
+      prefetch(4 * j + 3);
+      for (index_t r = 0; r < c; ++r) {
+        Acc* pr = P.row(c + r).data();
+        Acc const* vr = Vc.row(r).data();
+        for (index_t e = 0; e < Vp; ++e) pr[e] = vr[e] - pr[e];
+      }
+      gemm::run(c, Vp, c, op.Ab.data(), C, P.row(c).data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1);
+      gemm::run(c, Vp, c, w.Aqk.data(), C, U.data(), Vp, P.data(), Vp, gemm::accumulate, nullptr, 1);
+      std::copy(P.data(), P.data() + c * Vp, SO[jv].data());
+      gemm::run(K, Vp, c, op.KdT.data(), C, U.data(), Vp, St_.data(), Vp, gemm::row_scaled, op.decay.data());
+      w.Q.swap(SQ[jq]);
+      w.Kc.swap(SK[jq]);
+      w.G.swap(SG[jv]);
+      w.beta.swap(Sb[jv]);
+    }
+    for (index_t r = 0; r < c; ++r)
+      for (index_t j = 0; j < nv; ++j) store_row(SO[std::size_t(j)].row(r).data(), &a.o(b, t0 + r, hv0 + j, 0), V);
   }
   if (present(a.ht))
-    for (index_t d = 0; d < K; ++d) store_row(St.row(d).data(), &a.ht(n, hv, d, 0), V);
+    for (index_t j = 0; j < nv; ++j)
+      for (index_t d = 0; d < K; ++d) store_row(St[std::size_t(j)].row(d).data(), &a.ht(n, hv0 + j, d, 0), V);
+}
+
+// Value heads per forward task: large enough that a token's rows of the group form long
+// contiguous runs, small enough to leave a few tasks per thread for load balance.
+inline index_t forward_head_group(index_t N, index_t HV, index_t threads) {
+  index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, 2 * threads));
+  return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
 }
 
 // Backward of sequence n, q/k head h, all value heads of its group: the algebra of
