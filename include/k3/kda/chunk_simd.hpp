@@ -17,8 +17,12 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <type_traits>
 #include <vector>
 #include <xsimd/xsimd.hpp>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/common.hpp"
@@ -37,8 +41,9 @@ struct small_gemm {
 
   enum init_mode { zero, accumulate, row_scaled };
 
-  // C[MRr x NVr*L] (init) + A[rows, kb..ke) B[kb..ke, cols).
-  template <int MRr, int NVr>
+  // C[MRr x NVr*L] (init) + A[rows, kb..ke) B[kb..ke, cols). AT: A is stored transposed
+  // (element (i, p) at A[p * lda + i]), so the MR broadcasts of a k step are adjacent.
+  template <int MRr, int NVr, bool AT = false>
   static void micro(index_t kb, index_t ke, T const* K3_RESTRICT A, index_t lda, T const* K3_RESTRICT B, index_t ldb, T* K3_RESTRICT C,
                     index_t ldc, init_mode init, T const* rs) noexcept {
     batch acc[MRr][NVr];
@@ -55,7 +60,7 @@ struct small_gemm {
       batch bv[NVr];
       for (int j = 0; j < NVr; ++j) bv[j] = batch::load_unaligned(B + p * ldb + j * L);
       for (int i = 0; i < MRr; ++i) {
-        batch const a(A[i * lda + p]);
+        batch const a(AT ? A[p * lda + i] : A[i * lda + p]);
         for (int j = 0; j < NVr; ++j) acc[i][j] = xsimd::fma(a, bv[j], acc[i][j]);
       }
     }
@@ -63,23 +68,41 @@ struct small_gemm {
       for (int j = 0; j < NVr; ++j) acc[i][j].store_unaligned(C + i * ldc + j * L);
   }
 
-  template <int NVr>
+  template <int NVr, bool AT = false>
   static void rows(index_t mr, index_t kb, index_t ke, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc, init_mode init,
                    T const* rs) noexcept {
     if constexpr (MR == 8) {
       switch (mr) {
-        case 8: return micro<8, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-        case 7: return micro<7, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-        case 6: return micro<6, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-        case 5: return micro<5, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+        case 8: return micro<8, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+        case 7: return micro<7, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+        case 6: return micro<6, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+        case 5: return micro<5, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
         default: break;
       }
     }
     switch (mr) {
-      case 4: return micro<4, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-      case 3: return micro<3, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-      case 2: return micro<2, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-      default: return micro<1, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+      case 4: return micro<4, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+      case 3: return micro<3, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+      case 2: return micro<2, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+      default: return micro<1, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+    }
+  }
+
+  // C (m x n, n a multiple of L) = init + A (m x k) B (k x n), dense, with A given transposed:
+  // At is k x m row-major (leading dimension ldat).
+  static void run_at(index_t m, index_t n, index_t k, T const* At, index_t ldat, T const* B, index_t ldb, T* C, index_t ldc,
+                     init_mode init = zero, T const* rs = nullptr) noexcept {
+    index_t const nb = n / L;
+    for (index_t j0 = 0; j0 < nb; j0 += NV) {
+      index_t const nv = std::min<index_t>(NV, nb - j0);
+      for (index_t i0 = 0; i0 < m; i0 += MR) {
+        index_t const mr = std::min<index_t>(MR, m - i0);
+        T const* r = rs ? rs + i0 : nullptr;
+        if (nv == NV)
+          rows<NV, true>(mr, 0, k, At + i0, ldat, B + j0 * L, ldb, C + i0 * ldc + j0 * L, ldc, init, r);
+        else
+          rows<1, true>(mr, 0, k, At + i0, ldat, B + j0 * L, ldb, C + i0 * ldc + j0 * L, ldc, init, r);
+      }
     }
   }
 
@@ -127,6 +150,49 @@ inline void transpose_into(T const* K3_RESTRICT src, index_t rows, index_t cols,
       for (index_t j = j0; j < je; ++j)
         for (index_t i = i0; i < ie; ++i) dst[j * ldd + i] = src[i * lds + j];
     }
+}
+
+// transpose_into with 16 x 16 blocks transposed in registers for float under AVX-512 (the
+// scalar loop costs about two cycles per element; the intra-chunk step transposes the keys
+// and gates of every chunk). Exact: only moves values.
+template <class T>
+inline void transpose_fast(T const* K3_RESTRICT src, index_t rows, index_t cols, index_t lds, T* K3_RESTRICT dst, index_t ldd) noexcept {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    index_t const rb = rows / 16 * 16, cb = cols / 16 * 16;
+    for (index_t i0 = 0; i0 < rb; i0 += 16)
+      for (index_t j0 = 0; j0 < cb; j0 += 16) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * lds + j0);
+        for (int i = 0; i < 8; ++i) {
+          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        // u[4g + k] holds columns {k, k+4, k+8, k+12} (one per 128-bit lane) of rows 4g..4g+3
+        for (int g = 0; g < 4; ++g) {
+          __m512d const a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+          __m512d const c2 = _mm512_castps_pd(t[4 * g + 2]), d2 = _mm512_castps_pd(t[4 * g + 3]);
+          r[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c2));
+          r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c2));
+          r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d2));
+          r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d2));
+        }
+        for (int k = 0; k < 4; ++k) {
+          __m512 const x = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44), y = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xEE);
+          __m512 const x2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44), y2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xEE);
+          t[k] = _mm512_shuffle_f32x4(x, x2, 0x88);
+          t[k + 4] = _mm512_shuffle_f32x4(x, x2, 0xDD);
+          t[k + 8] = _mm512_shuffle_f32x4(y, y2, 0x88);
+          t[k + 12] = _mm512_shuffle_f32x4(y, y2, 0xDD);
+        }
+        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + (j0 + j) * ldd + i0, t[j]);
+      }
+    if (cb < cols) transpose_into(src + cb, rb, cols - cb, lds, dst + cb * ldd, ldd);
+    if (rb < rows) transpose_into(src + rb * lds, rows - rb, cols, lds, dst + rb, ldd);
+    return;
+  }
+#endif
+  transpose_into(src, rows, cols, lds, dst, ldd);
 }
 
 // The inputs of one head are rows of 256-512 bytes at a stride of H*K elements, which the
@@ -225,7 +291,100 @@ struct chunk_simd_operands {
     for (index_t i = 0; i < c; ++i)
       for (index_t j = 0; j <= i; ++j) Ab(i, j) = w.A(i, j) * w.beta(j);
   }
+
+  // What the forward needs, in one vectorised pass per row: QK, Kd (row-major: the state
+  // update reads it as a transposed operand, small_gemm::run_at), e^{G_last} and A Diag(beta).
+  // EG, EGd and KdT are left untouched.
+  void build_forward(chunk_workspace<Acc> const& w, index_t c, Acc scale) noexcept {
+    using batch = xsimd::batch<Acc, Arch>;
+    constexpr index_t L = index_t(batch::size);
+    Acc const* gl = w.G.row(c - 1).data();
+    batch const sc(scale);
+    for (index_t r = 0; r < c; ++r) {
+      Acc const* G = w.G.row(r).data();
+      Acc const* q = w.Q.row(r).data();
+      Acc const* k = w.Kc.row(r).data();
+      Acc* qe = QK.row(r).data();
+      Acc* ke = QK.row(c + r).data();
+      Acc* kd = Kd.row(r).data();
+      index_t d = 0;
+      for (; d + L <= K; d += L) {
+        batch const g = batch::load_unaligned(G + d), kv = batch::load_unaligned(k + d);
+        batch const eg = xsimd::exp(g), egd = xsimd::exp(batch::load_unaligned(gl + d) - g);
+        (sc * batch::load_unaligned(q + d) * eg).store_unaligned(qe + d);
+        (kv * eg).store_unaligned(ke + d);
+        (kv * egd).store_unaligned(kd + d);
+      }
+      for (; d < K; ++d) {
+        Acc const eg = std::exp(G[d]), egd = std::exp(gl[d] - G[d]);
+        qe[d] = scale * q[d] * eg;
+        ke[d] = k[d] * eg;
+        kd[d] = k[d] * egd;
+      }
+    }
+    chunk_exp_row<Arch>(gl, decay.data(), K);
+    // Only j <= i is written (the rest stays zero): the triangular kernel reads the entries
+    // above the diagonal inside a row block, and they must not pick up later tokens' beta.
+    Acc const* beta = w.beta.data();
+    for (index_t i = 0; i < c; ++i) {
+      Acc const* a = w.A.row(i).data();
+      Acc* ab = Ab.row(i).data();
+      index_t j = 0;
+      for (; j + L <= i + 1; j += L) (batch::load_unaligned(a + j) * batch::load_unaligned(beta + j)).store_unaligned(ab + j);
+      for (; j <= i; ++j) ab[j] = a[j] * beta[j];
+    }
+  }
 };
+
+// A = (I + Diag(beta) KK)^{-1} (c x c, unit lower triangular) as chunk_inverse computes it
+// (A_i = e_i - sum_{m<i} beta_i KK_im A_m, the sum taken in increasing m), right-looking
+// and vectorised: once row m is final it is subtracted from every later row at once, over
+// the whole batches covering its nonzero columns 0..m. Rows are zeroed over all C columns
+// first, so the columns right of row m's diagonal contribute exact zeros.
+template <class Arch, class Acc, int NB>
+inline void chunk_inverse_rows(Acc* K3_RESTRICT A, index_t ld, Acc const* K3_RESTRICT Am, Acc const* K3_RESTRICT lcol, index_t ldl,
+                               Acc const* K3_RESTRICT beta, index_t i0, index_t i1) noexcept {
+  using batch = xsimd::batch<Acc, Arch>;
+  constexpr index_t L = index_t(batch::size);
+  batch am[NB];
+  for (int b = 0; b < NB; ++b) am[b] = batch::load_unaligned(Am + b * L);
+  for (index_t i = i0; i < i1; ++i) {
+    batch const l(beta[i] * lcol[i * ldl]);
+    Acc* Ai = A + i * ld;
+    for (int b = 0; b < NB; ++b) xsimd::fnma(l, am[b], batch::load_unaligned(Ai + b * L)).store_unaligned(Ai + b * L);
+  }
+}
+
+template <class Arch, class Acc>
+void chunk_inverse_simd(chunk_workspace<Acc>& w, index_t c) noexcept {
+  using batch = xsimd::batch<Acc, Arch>;
+  constexpr index_t L = index_t(batch::size);
+  index_t const C = chunk_size, ld = w.A.cols(), ldl = w.KK.cols();
+  Acc* const A = w.A.data();
+  Acc const* const KK = w.KK.data();
+  Acc const* const beta = w.beta.data();
+  for (index_t i = 0; i < c; ++i) {
+    std::fill(A + i * ld, A + i * ld + C, Acc(0));
+    A[i * ld + i] = Acc(1);
+  }
+  for (index_t m = 0; m + 1 < c; ++m) {
+    index_t const nb = std::min(C, (m + L) / L * L) / L;  // batches covering columns 0..m
+    Acc const* Am = A + m * ld;
+    Acc const* lcol = KK + m;  // KK(i, m) = lcol[i * ldl]
+    switch (nb) {
+      case 1: chunk_inverse_rows<Arch, Acc, 1>(A, ld, Am, lcol, ldl, beta, m + 1, c); break;
+      case 2: chunk_inverse_rows<Arch, Acc, 2>(A, ld, Am, lcol, ldl, beta, m + 1, c); break;
+      case 3: chunk_inverse_rows<Arch, Acc, 3>(A, ld, Am, lcol, ldl, beta, m + 1, c); break;
+      case 4: chunk_inverse_rows<Arch, Acc, 4>(A, ld, Am, lcol, ldl, beta, m + 1, c); break;
+      default:
+        for (index_t i = m + 1; i < c; ++i) {
+          batch const l(beta[i] * lcol[i * ldl]);
+          Acc* Ai = A + i * ld;
+          for (index_t j = 0; j < nb * L; j += L) xsimd::fnma(l, batch::load_unaligned(Am + j), batch::load_unaligned(Ai + j)).store_unaligned(Ai + j);
+        }
+    }
+  }
+}
 
 // Aqk and KK of a chunk with the lower-bounded gate (dense diagonal tiles), by small_gemm:
 // row block I (16 rows) against all earlier columns at once, anchored at the block's first
@@ -239,25 +398,65 @@ struct chunk_intra_simd {
   using batch = xsimd::batch<Acc, Arch>;
   static constexpr index_t L = index_t(batch::size);
   index_t K;
-  Mat KcT, GT, QKa, KbT, Tm;
-  std::vector<Acc> cv;
+  Mat KcT, GT, QKo, QKa, KoT, KbT, Tm;
+  std::vector<Acc> cv, cvp, s1, s2, s3;
 
   explicit chunk_intra_simd(index_t K_) : K(K_) {
     index_t const C = chunk_size, s = sub_chunk;
     KcT.setZero(K, C);
     GT.setZero(K, C);
+    QKo.setZero(2 * s, K);
     QKa.setZero(2 * s, K);
+    KoT.setZero(K, C);
     KbT.setZero(K, C);
     Tm.setZero(2 * s, C);
-    cv.assign(std::size_t(K), Acc(0));
+    for (auto* v : {&cv, &cvp, &s1, &s2, &s3}) v->assign(std::size_t(K), Acc(0));
   }
 
+  // y = e^{x - z} over K channels
+  void exp_diff(Acc const* x, Acc const* z, Acc* y) const noexcept {
+    index_t d = 0;
+    for (; d + L <= K; d += L) xsimd::exp(batch::load_unaligned(x + d) - batch::load_unaligned(z + d)).store_unaligned(y + d);
+    for (; d < K; ++d) y[d] = std::exp(x[d] - z[d]);
+  }
+
+  // Rows [qs * q e; k e] with e = e^{G_r - an} for the ci rows of block i0 (qs = scale).
+  void row_factors(chunk_workspace<Acc> const& w, index_t i0, index_t ci, Acc const* an, Acc scale, Mat& out) const noexcept {
+    batch const sc(scale);
+    for (index_t r = 0; r < ci; ++r) {
+      Acc const* g = w.G.row(i0 + r).data();
+      Acc const* q = w.Q.row(i0 + r).data();
+      Acc const* k = w.Kc.row(i0 + r).data();
+      Acc* qa = out.row(r).data();
+      Acc* ka = out.row(ci + r).data();
+      index_t d = 0;
+      for (; d + L <= K; d += L) {
+        batch const e = xsimd::exp(batch::load_unaligned(g + d) - batch::load_unaligned(an + d));
+        (sc * batch::load_unaligned(q + d) * e).store_unaligned(qa + d);
+        (batch::load_unaligned(k + d) * e).store_unaligned(ka + d);
+      }
+      for (; d < K; ++d) {
+        Acc const e = std::exp(g[d] - an[d]);
+        qa[d] = scale * q[d] * e;
+        ka[d] = k[d] * e;
+      }
+    }
+  }
+
+  // Off-diagonal tiles of row block I = [i0, i0 + 16) are anchored at its first row, G_{i0}:
+  // factors e^{G_I - G_{i0}} and e^{G_{i0} - G_J} (both <= 1). Its diagonal tile is anchored at
+  // cI = G_{i0-1} + 8 lb: factors e^{G_I - cI}, e^{cI - G_I} (within e^{+-40}; causal anchor,
+  // fla #1240). Fewer exponentials than forming each factor directly, all products of
+  // bounded factors (so no overflow, and only a few roundings apart from the direct forms):
+  //   e^{G_I - cI}       = e^{G_I - G_{i0}} e^{G_{i0} - cI}
+  //   e^{G_{i0} - G_J}   = e^{G_{i0-16} - G_J} e^{G_{i0} - G_{i0-16}}    (J before block I-1)
+  //   e^{G_{i0} - G_J}   = e^{c_{I-1} - G_J} e^{G_{i0} - c_{I-1}}        (J = block I-1)
   void operator()(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
     if (!lb) return chunk_intra(w, c, scale, lb);
     using gemm = small_gemm<Arch, Acc>;
     index_t const C = chunk_size, BC = sub_chunk, cB = (c + BC - 1) / BC * BC;
-    transpose_into(w.Kc.data(), c, K, K, KcT.data(), C);
-    transpose_into(w.G.data(), c, K, K, GT.data(), C);
+    transpose_fast(w.Kc.data(), c, K, K, KcT.data(), C);
+    transpose_fast(w.G.data(), c, K, K, GT.data(), C);
     for (index_t d = 0; d < K; ++d)
       for (index_t j = c; j < cB; ++j) {
         KcT(d, j) = 0;
@@ -268,53 +467,54 @@ struct chunk_intra_simd {
     Acc const lb8 = Acc(8 * *lb);
     for (index_t i0 = 0; i0 < c; i0 += BC) {
       index_t const ci = std::min(BC, c - i0);
-      for (int diag = 0; diag < 2; ++diag) {
-        if (!diag && i0 == 0) continue;
-        // anchor: G_n (off-diagonal) or G_{i0-1} + 8 lb (diagonal)
-        Acc const* an = w.G.row(i0).data();
-        if (diag) {
-          for (index_t d = 0; d < K; ++d) cv[std::size_t(d)] = (i0 == 0 ? Acc(0) : w.G(i0 - 1, d)) + lb8;
-          an = cv.data();
-        }
-        for (index_t r = 0; r < ci; ++r) {
-          Acc const* g = w.G.row(i0 + r).data();
-          Acc const* q = w.Q.row(i0 + r).data();
-          Acc const* k = w.Kc.row(i0 + r).data();
-          Acc* qa = QKa.row(r).data();
-          Acc* ka = QKa.row(ci + r).data();
-          index_t d = 0;
-          batch const sc(scale);
-          for (; d + L <= K; d += L) {
-            batch const e = xsimd::exp(batch::load_unaligned(g + d) - batch::load_unaligned(an + d));
-            (sc * batch::load_unaligned(q + d) * e).store_unaligned(qa + d);
-            (batch::load_unaligned(k + d) * e).store_unaligned(ka + d);
-          }
-          for (; d < K; ++d) {
-            Acc const e = std::exp(g[d] - an[d]);
-            qa[d] = scale * q[d] * e;
-            ka[d] = k[d] * e;
-          }
-        }
-        index_t const j0 = diag ? i0 : 0, nj = diag ? BC : i0;
+      for (index_t d = 0; d < K; ++d) cv[std::size_t(d)] = (i0 == 0 ? Acc(0) : w.G(i0 - 1, d)) + lb8;
+      if (i0 > 0) {
+        Acc const* gn = w.G.row(i0).data();
+        exp_diff(gn, w.G.row(i0 - BC).data(), s1.data());
+        exp_diff(gn, cvp.data(), s3.data());
+        exp_diff(gn, cv.data(), s2.data());
+        index_t const jo = i0 - BC;  // columns before jo carry over, [jo, i0) come from block I-1's diagonal factors
         for (index_t d = 0; d < K; ++d) {
-          batch const a(an[d]);
-          Acc const* kt = KcT.row(d).data() + j0;
-          Acc const* gt = GT.row(d).data() + j0;
-          Acc* kb = KbT.row(d).data();
-          for (index_t j = 0; j < nj; j += L)
-            (batch::load_unaligned(kt + j) * xsimd::exp(a - batch::load_unaligned(gt + j))).store_unaligned(kb + j);
+          Acc* ko = KoT.row(d).data();
+          Acc const* kb = KbT.row(d).data();
+          batch const f1(s1[std::size_t(d)]), f3(s3[std::size_t(d)]);
+          for (index_t j = 0; j < jo; j += L) (batch::load_unaligned(ko + j) * f1).store_unaligned(ko + j);
+          for (index_t j = 0; j < BC; j += L) (batch::load_unaligned(kb + j) * f3).store_unaligned(ko + jo + j);
         }
-        gemm::run(2 * ci, nj, K, QKa.data(), K, KbT.data(), C, Tm.data(), C);
+        row_factors(w, i0, ci, gn, scale, QKo);
+        gemm::run(2 * ci, i0, K, QKo.data(), K, KoT.data(), C, Tm.data(), C);
         for (index_t r = 0; r < ci; ++r) {
-          Acc const* tq = Tm.row(r).data();
-          Acc const* tk = Tm.row(ci + r).data();
-          Acc* aq = w.Aqk.row(i0 + r).data() + j0;
-          Acc* kk = w.KK.row(i0 + r).data() + j0;
-          index_t const mq = diag ? r + 1 : nj, mk = diag ? r : nj;  // mask after the product: factors are bounded
-          for (index_t j = 0; j < mq; ++j) aq[j] = tq[j];
-          for (index_t j = 0; j < mk; ++j) kk[j] = tk[j];
+          std::copy(Tm.row(r).data(), Tm.row(r).data() + i0, w.Aqk.row(i0 + r).data());
+          std::copy(Tm.row(ci + r).data(), Tm.row(ci + r).data() + i0, w.KK.row(i0 + r).data());
         }
+        for (index_t r = 0; r < 2 * ci; ++r) {
+          Acc const* src = QKo.row(r).data();
+          Acc* dst = QKa.row(r).data();
+          index_t d = 0;
+          for (; d + L <= K; d += L) (batch::load_unaligned(src + d) * batch::load_unaligned(s2.data() + d)).store_unaligned(dst + d);
+          for (; d < K; ++d) dst[d] = src[d] * s2[std::size_t(d)];
+        }
+      } else {
+        row_factors(w, i0, ci, cv.data(), scale, QKa);
       }
+      for (index_t d = 0; d < K; ++d) {
+        batch const a(cv[std::size_t(d)]);
+        Acc const* kt = KcT.row(d).data() + i0;
+        Acc const* gt = GT.row(d).data() + i0;
+        Acc* kb = KbT.row(d).data();
+        for (index_t j = 0; j < BC; j += L)
+          (batch::load_unaligned(kt + j) * xsimd::exp(a - batch::load_unaligned(gt + j))).store_unaligned(kb + j);
+      }
+      gemm::run(2 * ci, BC, K, QKa.data(), K, KbT.data(), C, Tm.data(), C);
+      for (index_t r = 0; r < ci; ++r) {
+        Acc const* tq = Tm.row(r).data();
+        Acc const* tk = Tm.row(ci + r).data();
+        Acc* aq = w.Aqk.row(i0 + r).data() + i0;
+        Acc* kk = w.KK.row(i0 + r).data() + i0;
+        for (index_t j = 0; j <= r; ++j) aq[j] = tq[j];  // mask after the product: factors are bounded
+        for (index_t j = 0; j < r; ++j) kk[j] = tk[j];
+      }
+      std::swap(cv, cvp);
     }
   }
 };
@@ -493,8 +693,8 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       prefetch(4 * j);
       intra(w, c, scale, p.lower_bound);
       prefetch(4 * j + 1);
-      chunk_inverse(w, c);
-      op.build(w, c, scale);
+      chunk_inverse_simd<Arch>(w, c);
+      op.build_forward(w, c, scale);
       prefetch(4 * j + 2);
       // [scale Qe; Ke] S: rows 0..c-1 are the inter-chunk output, rows c..2c-1 Ke S.
       gemm::run(2 * c, Vp, K, op.QK.data(), K, St_.data(), Vp, P.data(), Vp);
@@ -507,7 +707,7 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       gemm::run(c, Vp, c, op.Ab.data(), C, P.row(c).data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1);
       gemm::run(c, Vp, c, w.Aqk.data(), C, U.data(), Vp, P.data(), Vp, gemm::accumulate, nullptr, 1);
       std::copy(P.data(), P.data() + c * Vp, SO[jv].data());
-      gemm::run(K, Vp, c, op.KdT.data(), C, U.data(), Vp, St_.data(), Vp, gemm::row_scaled, op.decay.data());
+      gemm::run_at(K, Vp, c, op.Kd.data(), K, U.data(), Vp, St_.data(), Vp, gemm::row_scaled, op.decay.data());
       w.Q.swap(SQ[jq]);
       w.Kc.swap(SK[jq]);
       w.G.swap(SG[jv]);

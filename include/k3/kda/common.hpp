@@ -205,6 +205,14 @@ void check_gate_bound(problem const& p, tensor_view<In const, 4> g) {
     for (index_t t = 0; t < p.T; ++t)
       for (index_t h = 0; h < p.HV; ++h) {
         In const* row = &g(b, t, h, 0);
+        // Fast scan first (vectorisable: no early exit, float compares for float input): the
+        // exact test below can only fail for a value below lb rounded to float.
+        bool below = false;
+        if constexpr (std::is_same_v<In, float>)
+          for (index_t d = 0; d < p.K; ++d) below |= row[d] < lb;
+        else
+          for (index_t d = 0; d < p.K; ++d) below |= load_as<double>(row[d]) < static_cast<double>(lb);
+        if (!below) continue;
         for (index_t d = 0; d < p.K; ++d) {
           double x = load_as<double>(row[d]);
           // Compare in the storage precision's terms: a float g equal to lb rounded is fine.
