@@ -41,9 +41,8 @@ struct small_gemm {
 
   enum init_mode { zero, accumulate, row_scaled };
 
-  // C[MRr x NVr*L] (init) + A[rows, kb..ke) B[kb..ke, cols). AT: A is stored transposed
-  // (element (i, p) at A[p * lda + i]), so the MR broadcasts of a k step are adjacent.
-  template <int MRr, int NVr, bool AT = false>
+  // C[MRr x NVr*L] (init) + A[rows, kb..ke) B[kb..ke, cols).
+  template <int MRr, int NVr>
   static void micro(index_t kb, index_t ke, T const* K3_RESTRICT A, index_t lda, T const* K3_RESTRICT B, index_t ldb, T* K3_RESTRICT C,
                     index_t ldc, init_mode init, T const* rs) noexcept {
     batch acc[MRr][NVr];
@@ -60,7 +59,7 @@ struct small_gemm {
       batch bv[NVr];
       for (int j = 0; j < NVr; ++j) bv[j] = batch::load_unaligned(B + p * ldb + j * L);
       for (int i = 0; i < MRr; ++i) {
-        batch const a(AT ? A[p * lda + i] : A[i * lda + p]);
+        batch const a(A[i * lda + p]);
         for (int j = 0; j < NVr; ++j) acc[i][j] = xsimd::fma(a, bv[j], acc[i][j]);
       }
     }
@@ -68,49 +67,37 @@ struct small_gemm {
       for (int j = 0; j < NVr; ++j) acc[i][j].store_unaligned(C + i * ldc + j * L);
   }
 
-  template <int NVr, bool AT = false>
+  template <int NVr>
   static void rows(index_t mr, index_t kb, index_t ke, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc, init_mode init,
                    T const* rs) noexcept {
     if constexpr (MR == 8) {
       switch (mr) {
-        case 8: return micro<8, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-        case 7: return micro<7, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-        case 6: return micro<6, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-        case 5: return micro<5, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+        case 8: return micro<8, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+        case 7: return micro<7, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+        case 6: return micro<6, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+        case 5: return micro<5, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
         default: break;
       }
     }
     switch (mr) {
-      case 4: return micro<4, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-      case 3: return micro<3, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-      case 2: return micro<2, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-      default: return micro<1, NVr, AT>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+      case 4: return micro<4, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+      case 3: return micro<3, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+      case 2: return micro<2, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+      default: return micro<1, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
     }
   }
 
-  // C (m x n, n a multiple of L) = init + A (m x k) B (k x n), dense, with A given transposed:
-  // At is k x m row-major (leading dimension ldat).
-  static void run_at(index_t m, index_t n, index_t k, T const* At, index_t ldat, T const* B, index_t ldb, T* C, index_t ldc,
-                     init_mode init = zero, T const* rs = nullptr) noexcept {
-    index_t const nb = n / L;
-    for (index_t j0 = 0; j0 < nb; j0 += NV) {
-      index_t const nv = std::min<index_t>(NV, nb - j0);
-      for (index_t i0 = 0; i0 < m; i0 += MR) {
-        index_t const mr = std::min<index_t>(MR, m - i0);
-        T const* r = rs ? rs + i0 : nullptr;
-        if (nv == NV)
-          rows<NV, true>(mr, 0, k, At + i0, ldat, B + j0 * L, ldb, C + i0 * ldc + j0 * L, ldc, init, r);
-        else
-          rows<1, true>(mr, 0, k, At + i0, ldat, B + j0 * L, ldb, C + i0 * ldc + j0 * L, ldc, init, r);
-      }
-    }
-  }
+  // hook() runs before every register tile (the forward spreads its prefetches with it).
+  struct no_hook {
+    void operator()() const noexcept {}
+  };
 
   // C (m x n, n a multiple of L) = init + A (m x k) B (k x n); all row-major.
   // shape: 0 dense; 1 A lower triangular (row block i0 reads k < i0 + mr; entries above the
   // diagonal inside the block must be zero); 2 A upper triangular (row block reads k >= i0).
+  template <class Hook = no_hook>
   static void run(index_t m, index_t n, index_t k, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc,
-                  init_mode init = zero, T const* rs = nullptr, int shape = 0) noexcept {
+                  init_mode init = zero, T const* rs = nullptr, int shape = 0, Hook&& hook = {}) noexcept {
     index_t const nb = n / L;
     for (index_t j0 = 0; j0 < nb; j0 += NV) {
       index_t const nv = std::min<index_t>(NV, nb - j0);
@@ -122,6 +109,7 @@ struct small_gemm {
         T const* Bj = B + j0 * L;
         T* Cij = C + i0 * ldc + j0 * L;
         T const* r = rs ? rs + i0 : nullptr;
+        hook();
         if (nv == NV)
           rows<NV>(mr, kb, ke, Ai, lda, Bj, ldb, Cij, ldc, init, r);
         else
@@ -227,15 +215,48 @@ inline void prefetch_range_l2(void const* p, index_t bytes) noexcept {
   if (bytes > 0) prefetch_line_l2(c + bytes - 1);  // the last line when the run is not line-aligned
 }
 
-// Rows of heads [h0, h0 + nh) at token t: one contiguous run when the heads are packed.
-template <class In>
-void prefetch_heads(tensor_view<In const, 4> x, index_t b, index_t t, index_t h0, index_t nh) noexcept {
-  index_t const n = x.extent(3);
-  if (x.stride(2) == n)
-    prefetch_range_l2(&x(b, t, h0, 0), nh * n * index_t(sizeof(In)));
-  else
-    for (index_t h = h0; h < h0 + nh; ++h) prefetch_range_l2(&x(b, t, h, 0), n * index_t(sizeof(In)));
-}
+// Walks a list of byte runs, a few cache lines per call: called between the register tiles
+// of the big products, it keeps a handful of prefetches in flight at a time (bursts of
+// hundreds stall on the miss buffers and gained nothing).
+struct line_prefetcher {
+  struct span {
+    char const* p;
+    index_t bytes;
+  };
+  std::vector<span> runs;
+  std::size_t ri = 0;
+  index_t off = 0, per_call = 0;
+
+  void reset() noexcept {
+    runs.clear();
+    ri = 0;
+    off = 0;
+  }
+  template <class In>
+  void add_heads(tensor_view<In const, 4> x, index_t b, index_t t, index_t h0, index_t nh) {
+    index_t const n = x.extent(3);
+    if (x.stride(2) == n)
+      runs.push_back({reinterpret_cast<char const*>(&x(b, t, h0, 0)), nh * n * index_t(sizeof(In))});
+    else
+      for (index_t h = h0; h < h0 + nh; ++h) runs.push_back({reinterpret_cast<char const*>(&x(b, t, h, 0)), n * index_t(sizeof(In))});
+  }
+  index_t lines() const noexcept {
+    index_t l = 0;
+    for (span const& r : runs) l += (r.bytes + 63) / 64;
+    return l;
+  }
+  void operator()() noexcept {
+    for (index_t n = 0; n < per_call && ri < runs.size(); ++n) {
+      prefetch_line_l2(runs[ri].p + off);
+      off += 64;
+      if (off >= runs[ri].bytes) {
+        prefetch_line_l2(runs[ri].p + runs[ri].bytes - 1);
+        ++ri;
+        off = 0;
+      }
+    }
+  }
+};
 
 template <class Arch, class Acc>
 constexpr index_t padded_v(index_t V) noexcept {
@@ -292,35 +313,38 @@ struct chunk_simd_operands {
       for (index_t j = 0; j <= i; ++j) Ab(i, j) = w.A(i, j) * w.beta(j);
   }
 
-  // What the forward needs, in one vectorised pass per row: QK, Kd (row-major: the state
-  // update reads it as a transposed operand, small_gemm::run_at), e^{G_last} and A Diag(beta).
-  // EG, EGd and KdT are left untouched.
-  void build_forward(chunk_workspace<Acc> const& w, index_t c, Acc scale) noexcept {
+  // What the forward needs: QK and KdT (unless chunk_intra_simd already formed them from its
+  // factors, with_qk = false: its fwd_QK / fwd_KdT outputs, lower-bounded gate only),
+  // e^{G_last} and A Diag(beta). EG and EGd are left untouched.
+  void build_forward(chunk_workspace<Acc> const& w, index_t c, Acc scale, bool with_qk) noexcept {
     using batch = xsimd::batch<Acc, Arch>;
     constexpr index_t L = index_t(batch::size);
     Acc const* gl = w.G.row(c - 1).data();
-    batch const sc(scale);
-    for (index_t r = 0; r < c; ++r) {
-      Acc const* G = w.G.row(r).data();
-      Acc const* q = w.Q.row(r).data();
-      Acc const* k = w.Kc.row(r).data();
-      Acc* qe = QK.row(r).data();
-      Acc* ke = QK.row(c + r).data();
-      Acc* kd = Kd.row(r).data();
-      index_t d = 0;
-      for (; d + L <= K; d += L) {
-        batch const g = batch::load_unaligned(G + d), kv = batch::load_unaligned(k + d);
-        batch const eg = xsimd::exp(g), egd = xsimd::exp(batch::load_unaligned(gl + d) - g);
-        (sc * batch::load_unaligned(q + d) * eg).store_unaligned(qe + d);
-        (kv * eg).store_unaligned(ke + d);
-        (kv * egd).store_unaligned(kd + d);
+    if (with_qk) {
+      batch const sc(scale);
+      for (index_t r = 0; r < c; ++r) {
+        Acc const* G = w.G.row(r).data();
+        Acc const* q = w.Q.row(r).data();
+        Acc const* k = w.Kc.row(r).data();
+        Acc* qe = QK.row(r).data();
+        Acc* ke = QK.row(c + r).data();
+        Acc* kd = Kd.row(r).data();
+        index_t d = 0;
+        for (; d + L <= K; d += L) {
+          batch const g = batch::load_unaligned(G + d), kv = batch::load_unaligned(k + d);
+          batch const eg = xsimd::exp(g), egd = xsimd::exp(batch::load_unaligned(gl + d) - g);
+          (sc * batch::load_unaligned(q + d) * eg).store_unaligned(qe + d);
+          (kv * eg).store_unaligned(ke + d);
+          (kv * egd).store_unaligned(kd + d);
+        }
+        for (; d < K; ++d) {
+          Acc const eg = std::exp(G[d]), egd = std::exp(gl[d] - G[d]);
+          qe[d] = scale * q[d] * eg;
+          ke[d] = k[d] * eg;
+          kd[d] = k[d] * egd;
+        }
       }
-      for (; d < K; ++d) {
-        Acc const eg = std::exp(G[d]), egd = std::exp(gl[d] - G[d]);
-        qe[d] = scale * q[d] * eg;
-        ke[d] = k[d] * eg;
-        kd[d] = k[d] * egd;
-      }
+      transpose_fast(Kd.data(), c, K, K, KdT.data(), chunk_size);
     }
     chunk_exp_row<Arch>(gl, decay.data(), K);
     // Only j <= i is written (the rest stays zero): the triangular kernel reads the entries
@@ -399,7 +423,12 @@ struct chunk_intra_simd {
   static constexpr index_t L = index_t(batch::size);
   index_t K;
   Mat KcT, GT, QKo, QKa, KoT, KbT, Tm;
-  std::vector<Acc> cv, cvp, s1, s2, s3;
+  std::vector<Acc> cv, cvp, s1, s2, s3, s4;
+  // When set (the forward), the state products' operands are taken from the factors formed
+  // here instead of new exponentials: rows 0..c-1 of fwd_QK = scale Q e^G, rows c..2c-1 =
+  // K e^G (2C x K), and fwd_KdT = (K e^{G_last - G})^T (K x C).
+  Mat* fwd_QK = nullptr;
+  Mat* fwd_KdT = nullptr;
 
   explicit chunk_intra_simd(index_t K_) : K(K_) {
     index_t const C = chunk_size, s = sub_chunk;
@@ -410,7 +439,7 @@ struct chunk_intra_simd {
     KoT.setZero(K, C);
     KbT.setZero(K, C);
     Tm.setZero(2 * s, C);
-    for (auto* v : {&cv, &cvp, &s1, &s2, &s3}) v->assign(std::size_t(K), Acc(0));
+    for (auto* v : {&cv, &cvp, &s1, &s2, &s3, &s4}) v->assign(std::size_t(K), Acc(0));
   }
 
   // y = e^{x - z} over K channels
@@ -418,6 +447,17 @@ struct chunk_intra_simd {
     index_t d = 0;
     for (; d + L <= K; d += L) xsimd::exp(batch::load_unaligned(x + d) - batch::load_unaligned(z + d)).store_unaligned(y + d);
     for (; d < K; ++d) y[d] = std::exp(x[d] - z[d]);
+  }
+
+  // dst rows [d0, d0 + n) = src rows [s0, s0 + n) * f (per channel)
+  void scale_rows_into(Mat const& src, index_t s0, index_t n, Acc const* f, Mat& dst, index_t d0) const noexcept {
+    for (index_t r = 0; r < n; ++r) {
+      Acc const* x = src.row(s0 + r).data();
+      Acc* y = dst.row(d0 + r).data();
+      index_t d = 0;
+      for (; d + L <= K; d += L) (batch::load_unaligned(x + d) * batch::load_unaligned(f + d)).store_unaligned(y + d);
+      for (; d < K; ++d) y[d] = x[d] * f[d];
+    }
   }
 
   // Rows [qs * q e; k e] with e = e^{G_r - an} for the ci rows of block i0 (qs = scale).
@@ -482,6 +522,12 @@ struct chunk_intra_simd {
           for (index_t j = 0; j < BC; j += L) (batch::load_unaligned(kb + j) * f3).store_unaligned(ko + jo + j);
         }
         row_factors(w, i0, ci, gn, scale, QKo);
+        if (fwd_QK) {
+          // e^{G_r} = e^{G_r - G_{i0}} e^{G_{i0}}
+          chunk_exp_row<Arch>(gn, s4.data(), K);
+          scale_rows_into(QKo, 0, ci, s4.data(), *fwd_QK, i0);
+          scale_rows_into(QKo, ci, ci, s4.data(), *fwd_QK, c + i0);
+        }
         gemm::run(2 * ci, i0, K, QKo.data(), K, KoT.data(), C, Tm.data(), C);
         for (index_t r = 0; r < ci; ++r) {
           std::copy(Tm.row(r).data(), Tm.row(r).data() + i0, w.Aqk.row(i0 + r).data());
@@ -496,6 +542,12 @@ struct chunk_intra_simd {
         }
       } else {
         row_factors(w, i0, ci, cv.data(), scale, QKa);
+        if (fwd_QK) {
+          // e^{G_r} = e^{G_r - 8 lb} e^{8 lb}
+          std::fill(s4.begin(), s4.end(), std::exp(lb8));
+          scale_rows_into(QKa, 0, ci, s4.data(), *fwd_QK, 0);
+          scale_rows_into(QKa, ci, ci, s4.data(), *fwd_QK, c);
+        }
       }
       for (index_t d = 0; d < K; ++d) {
         batch const a(cv[std::size_t(d)]);
@@ -504,6 +556,16 @@ struct chunk_intra_simd {
         Acc* kb = KbT.row(d).data();
         for (index_t j = 0; j < BC; j += L)
           (batch::load_unaligned(kt + j) * xsimd::exp(a - batch::load_unaligned(gt + j))).store_unaligned(kb + j);
+      }
+      if (fwd_KdT) {
+        // e^{G_last - G_j} = e^{cI - G_j} e^{G_last - cI} for the columns j of block I
+        exp_diff(w.G.row(c - 1).data(), cv.data(), s4.data());
+        for (index_t d = 0; d < K; ++d) {
+          batch const f(s4[std::size_t(d)]);
+          Acc const* kb = KbT.row(d).data();
+          Acc* kd = fwd_KdT->row(d).data() + i0;
+          for (index_t j = 0; j < BC; j += L) (batch::load_unaligned(kb + j) * f).store_unaligned(kd + j);
+        }
       }
       gemm::run(2 * ci, BC, K, QKa.data(), K, KbT.data(), C, Tm.data(), C);
       for (index_t r = 0; r < ci; ++r) {
@@ -643,12 +705,15 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
   chunk_workspace<Acc> w(K, Vp, false);
   chunk_simd_operands<Arch, Acc> op(K, Vp);
   chunk_intra_simd<Arch, Acc> intra(K);
+  intra.fwd_QK = &op.QK;
+  intra.fwd_KdT = &op.KdT;
   Mat P = Mat::Zero(2 * C, Vp), U = Mat::Zero(C, Vp);
   // Staged chunk inputs per head (q/k per q/k head, the rest per value head), the states and
   // the staged outputs. Padded value columns stay zero.
   std::vector<Mat> SQ(std::size_t(nq), Mat::Zero(C, K)), SK = SQ, SG(std::size_t(nv), Mat::Zero(C, K));
   std::vector<Mat> SV(std::size_t(nv), Mat::Zero(C, Vp)), SO = SV, St(std::size_t(nv), Mat::Zero(K, Vp));
   std::vector<Vec> Sb(std::size_t(nv), Vec::Zero(C));
+  line_prefetcher pf;
   Acc const scale = static_cast<Acc>(p.scale);
   if (present(a.h0))
     for (index_t j = 0; j < nv; ++j)
@@ -673,15 +738,19 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
     // The next chunk's rows are prefetched (into L2) in small slices spread over the heads'
     // computations, so the staging copy above reads from cache and the DRAM traffic overlaps
     // the arithmetic.
-    index_t const tn = t0 + c, cn = std::min(C, eos - tn), slices = 4 * nv;
-    auto prefetch = [&](index_t s) {
-      for (index_t r = cn * s / slices; r < cn * (s + 1) / slices; ++r) {
-        prefetch_heads(a.q, b, tn + r, hq0, nq);
-        prefetch_heads(a.k, b, tn + r, hq0, nq);
-        prefetch_heads(a.v, b, tn + r, hv0, nv);
-        prefetch_heads(a.g, b, tn + r, hv0, nv);
-      }
-    };
+    index_t const tn = t0 + c, cn = std::min(C, eos - tn);
+    pf.reset();
+    for (index_t r = 0; r < cn; ++r) {
+      pf.add_heads(a.q, b, tn + r, hq0, nq);
+      pf.add_heads(a.k, b, tn + r, hq0, nq);
+      pf.add_heads(a.v, b, tn + r, hv0, nv);
+      pf.add_heads(a.g, b, tn + r, hv0, nv);
+    }
+    {
+      // hooks per head: the register tiles of [Qe; Ke] S and of the state update
+      index_t const tiles = ((Vp / gemm::L + gemm::NV - 1) / gemm::NV) * (2 * ((c + gemm::MR - 1) / gemm::MR) + (K + gemm::MR - 1) / gemm::MR);
+      pf.per_call = pf.lines() / std::max<index_t>(1, nv * tiles) + 1;
+    }
     for (index_t j = 0; j < nv; ++j) {
       std::size_t const jq = std::size_t((hv0 + j) / p.G - hq0), jv = std::size_t(j);
       w.Q.swap(SQ[jq]);
@@ -690,24 +759,20 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       w.beta.swap(Sb[jv]);
       Mat& St_ = St[jv];
       Mat const& Vc = SV[jv];
-      prefetch(4 * j);
       intra(w, c, scale, p.lower_bound);
-      prefetch(4 * j + 1);
       chunk_inverse_simd<Arch>(w, c);
-      op.build_forward(w, c, scale);
-      prefetch(4 * j + 2);
+      op.build_forward(w, c, scale, !p.lower_bound);
       // [scale Qe; Ke] S: rows 0..c-1 are the inter-chunk output, rows c..2c-1 Ke S.
       gemm::run(2 * c, Vp, K, op.QK.data(), K, St_.data(), Vp, P.data(), Vp);
-      prefetch(4 * j + 3);
       for (index_t r = 0; r < c; ++r) {
         Acc* pr = P.row(c + r).data();
         Acc const* vr = Vc.row(r).data();
         for (index_t e = 0; e < Vp; ++e) pr[e] = vr[e] - pr[e];
       }
-      gemm::run(c, Vp, c, op.Ab.data(), C, P.row(c).data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1);
-      gemm::run(c, Vp, c, w.Aqk.data(), C, U.data(), Vp, P.data(), Vp, gemm::accumulate, nullptr, 1);
+      gemm::run(c, Vp, c, op.Ab.data(), C, P.row(c).data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1, pf);
+      gemm::run(c, Vp, c, w.Aqk.data(), C, U.data(), Vp, P.data(), Vp, gemm::accumulate, nullptr, 1, pf);
       std::copy(P.data(), P.data() + c * Vp, SO[jv].data());
-      gemm::run_at(K, Vp, c, op.Kd.data(), K, U.data(), Vp, St_.data(), Vp, gemm::row_scaled, op.decay.data());
+      gemm::run(K, Vp, c, op.KdT.data(), C, U.data(), Vp, St_.data(), Vp, gemm::row_scaled, op.decay.data(), 0, pf);
       w.Q.swap(SQ[jq]);
       w.Kc.swap(SK[jq]);
       w.G.swap(SG[jv]);
