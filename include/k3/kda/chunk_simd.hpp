@@ -413,16 +413,16 @@ void chunk_inverse_simd(chunk_workspace<Acc>& w, index_t c) noexcept {
 // Aqk and KK of a chunk with the lower-bounded gate (dense diagonal tiles), by small_gemm:
 // row block I (16 rows) against all earlier columns at once, anchored at the block's first
 // row n (factors e^{G_I - G_n} and e^{G_n - G_j}, both <= 1), then the diagonal tile anchored
-// at c = G_{i0-1} + 8 lb as in chunk_intra. The column factors are formed on transposed keys
-// and gates (K x C) so the exponentials vectorise along the tokens. Without a lower bound the
-// pairwise diagonal tiles of chunk_intra are used.
+// at c = G_{i0-1} + 8 lb as in chunk_intra. The column factors are formed along the channels
+// and transposed (K x 16 per block) for the products. Without a lower bound the pairwise
+// diagonal tiles of chunk_intra are used.
 template <class Arch, class Acc>
 struct chunk_intra_simd {
   using Mat = typename chunk_workspace<Acc>::Mat;
   using batch = xsimd::batch<Acc, Arch>;
   static constexpr index_t L = index_t(batch::size);
   index_t K;
-  Mat KcT, GT, QKo, QKa, KoT, KbT, Tm;
+  Mat Kbr, QKo, QKa, KoT, KbT, Tm;
   std::vector<Acc> cv, cvp, s1, s2, s3, s4;
   // When set (the forward), the state products' operands are taken from the factors formed
   // here instead of new exponentials: rows 0..c-1 of fwd_QK = scale Q e^G, rows c..2c-1 =
@@ -432,8 +432,7 @@ struct chunk_intra_simd {
 
   explicit chunk_intra_simd(index_t K_) : K(K_) {
     index_t const C = chunk_size, s = sub_chunk;
-    KcT.setZero(K, C);
-    GT.setZero(K, C);
+    Kbr.setZero(s, K);
     QKo.setZero(2 * s, K);
     QKa.setZero(2 * s, K);
     KoT.setZero(K, C);
@@ -494,14 +493,7 @@ struct chunk_intra_simd {
   void operator()(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
     if (!lb) return chunk_intra(w, c, scale, lb);
     using gemm = small_gemm<Arch, Acc>;
-    index_t const C = chunk_size, BC = sub_chunk, cB = (c + BC - 1) / BC * BC;
-    transpose_fast(w.Kc.data(), c, K, K, KcT.data(), C);
-    transpose_fast(w.G.data(), c, K, K, GT.data(), C);
-    for (index_t d = 0; d < K; ++d)
-      for (index_t j = c; j < cB; ++j) {
-        KcT(d, j) = 0;
-        GT(d, j) = w.G(c - 1, d);
-      }
+    index_t const C = chunk_size, BC = sub_chunk;
     w.Aqk.topLeftCorner(c, c).setZero();
     w.KK.topLeftCorner(c, c).setZero();
     Acc const lb8 = Acc(8 * *lb);
@@ -549,14 +541,22 @@ struct chunk_intra_simd {
           scale_rows_into(QKa, ci, ci, s4.data(), *fwd_QK, c);
         }
       }
-      for (index_t d = 0; d < K; ++d) {
-        batch const a(cv[std::size_t(d)]);
-        Acc const* kt = KcT.row(d).data() + i0;
-        Acc const* gt = GT.row(d).data() + i0;
-        Acc* kb = KbT.row(d).data();
-        for (index_t j = 0; j < BC; j += L)
-          (batch::load_unaligned(kt + j) * xsimd::exp(a - batch::load_unaligned(gt + j))).store_unaligned(kb + j);
+      // diagonal column factors k_j e^{cI - G_j}, formed along the channels and transposed
+      // (rows past the chunk end are zero)
+      for (index_t j = 0; j < BC; ++j) {
+        Acc* kb = Kbr.row(j).data();
+        if (i0 + j >= c) {
+          std::fill(kb, kb + K, Acc(0));
+          continue;
+        }
+        Acc const* g = w.G.row(i0 + j).data();
+        Acc const* k = w.Kc.row(i0 + j).data();
+        index_t d = 0;
+        for (; d + L <= K; d += L)
+          (batch::load_unaligned(k + d) * xsimd::exp(batch::load_unaligned(cv.data() + d) - batch::load_unaligned(g + d))).store_unaligned(kb + d);
+        for (; d < K; ++d) kb[d] = k[d] * std::exp(cv[std::size_t(d)] - g[d]);
       }
+      transpose_fast(Kbr.data(), BC, K, K, KbT.data(), C);
       if (fwd_KdT) {
         // e^{G_last - G_j} = e^{cI - G_j} e^{G_last - cI} for the columns j of block I
         exp_diff(w.G.row(c - 1).data(), cv.data(), s4.data());
@@ -747,8 +747,9 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       pf.add_heads(a.g, b, tn + r, hv0, nv);
     }
     {
-      // hooks per head: the register tiles of [Qe; Ke] S and of the state update
-      index_t const tiles = ((Vp / gemm::L + gemm::NV - 1) / gemm::NV) * (2 * ((c + gemm::MR - 1) / gemm::MR) + (K + gemm::MR - 1) / gemm::MR);
+      // hooks per head: the register tiles of [Qe; Ke] S, U, O and the state update
+      index_t const mt = (c + gemm::MR - 1) / gemm::MR;
+      index_t const tiles = ((Vp / gemm::L + gemm::NV - 1) / gemm::NV) * ((2 * c + gemm::MR - 1) / gemm::MR + 2 * mt + (K + gemm::MR - 1) / gemm::MR);
       pf.per_call = pf.lines() / std::max<index_t>(1, nv * tiles) + 1;
     }
     for (index_t j = 0; j < nv; ++j) {
@@ -763,7 +764,7 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       chunk_inverse_simd<Arch>(w, c);
       op.build_forward(w, c, scale, !p.lower_bound);
       // [scale Qe; Ke] S: rows 0..c-1 are the inter-chunk output, rows c..2c-1 Ke S.
-      gemm::run(2 * c, Vp, K, op.QK.data(), K, St_.data(), Vp, P.data(), Vp);
+      gemm::run(2 * c, Vp, K, op.QK.data(), K, St_.data(), Vp, P.data(), Vp, gemm::zero, nullptr, 0, pf);
       for (index_t r = 0; r < c; ++r) {
         Acc* pr = P.row(c + r).data();
         Acc const* vr = Vc.row(r).data();
@@ -786,10 +787,11 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       for (index_t d = 0; d < K; ++d) store_row(St[std::size_t(j)].row(d).data(), &a.ht(n, hv0 + j, d, 0), V);
 }
 
-// Value heads per forward task: large enough that a token's rows of the group form long
-// contiguous runs, small enough to leave a few tasks per thread for load balance.
+// Value heads per forward task: as many as give every thread a task, up to 8 (a token's rows
+// of the group are then runs of up to 8 x 512 bytes, and the group's staged chunk inputs,
+// 128 KiB per head at K = V = 128, stay near L2).
 inline index_t forward_head_group(index_t N, index_t HV, index_t threads) {
-  index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, 2 * threads));
+  index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, threads));
   return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
 }
 
