@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 #include <xsimd/xsimd.hpp>
@@ -688,6 +689,44 @@ struct chunk_intra_backward_simd {
   }
 };
 
+// Buffers of chunk_forward_simd_group for a group of nq q/k heads and nv value heads:
+// staged chunk inputs per head (q/k per q/k head, the rest per value head), the states, the
+// staged outputs, and the per-chunk workspaces. Padded value columns of SV stay zero (only
+// the first V columns are ever written).
+template <class Arch, class Acc>
+struct forward_scratch {
+  using Mat = typename chunk_workspace<Acc>::Mat;
+  using Vec = typename chunk_workspace<Acc>::Vec;
+  index_t K = -1, Vp = -1, nq = -1, nv = -1;
+  std::optional<chunk_workspace<Acc>> w;
+  std::optional<chunk_simd_operands<Arch, Acc>> op;
+  std::optional<chunk_intra_simd<Arch, Acc>> intra;
+  Mat P, U;
+  std::vector<Mat> SQ, SK, SG, SV, SO, St;
+  std::vector<Vec> Sb;
+  line_prefetcher pf;
+
+  void ensure(index_t K_, index_t Vp_, index_t nq_, index_t nv_) {
+    if (K_ == K && Vp_ == Vp && nq_ == nq && nv_ == nv) return;
+    index_t const C = chunk_size;
+    K = K_, Vp = Vp_, nq = nq_, nv = nv_;
+    w.emplace(K, Vp, false);
+    op.emplace(K, Vp);
+    intra.emplace(K);
+    intra->fwd_QK = &op->QK;
+    intra->fwd_KdT = &op->KdT;
+    P = Mat::Zero(2 * C, Vp);
+    U = Mat::Zero(C, Vp);
+    SQ.assign(std::size_t(nq), Mat::Zero(C, K));
+    SK = SQ;
+    SG.assign(std::size_t(nv), Mat::Zero(C, K));
+    SV.assign(std::size_t(nv), Mat::Zero(C, Vp));
+    SO = SV;
+    St.assign(std::size_t(nv), Mat::Zero(K, Vp));
+    Sb.assign(std::size_t(nv), Vec::Zero(C));
+  }
+};
+
 // Forward of sequence n, value heads [hv0, hv1), in lockstep chunk by chunk.
 // The inputs are token-major: one head's row is K elements at a stride of H*K, so a task that
 // walks one head alone touches a new page for nearly every row, and the hardware prefetchers
@@ -702,18 +741,18 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
   using Vec = typename chunk_workspace<Acc>::Vec;
   index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), b = p.batch(n), bos = p.bos(n), eos = p.eos(n);
   index_t const C = chunk_size, hq0 = hv0 / p.G, nq = (hv1 - 1) / p.G + 1 - hq0, nv = hv1 - hv0;
-  chunk_workspace<Acc> w(K, Vp, false);
-  chunk_simd_operands<Arch, Acc> op(K, Vp);
-  chunk_intra_simd<Arch, Acc> intra(K);
-  intra.fwd_QK = &op.QK;
-  intra.fwd_KdT = &op.KdT;
-  Mat P = Mat::Zero(2 * C, Vp), U = Mat::Zero(C, Vp);
-  // Staged chunk inputs per head (q/k per q/k head, the rest per value head), the states and
-  // the staged outputs. Padded value columns stay zero.
-  std::vector<Mat> SQ(std::size_t(nq), Mat::Zero(C, K)), SK = SQ, SG(std::size_t(nv), Mat::Zero(C, K));
-  std::vector<Mat> SV(std::size_t(nv), Mat::Zero(C, Vp)), SO = SV, St(std::size_t(nv), Mat::Zero(K, Vp));
-  std::vector<Vec> Sb(std::size_t(nv), Vec::Zero(C));
-  line_prefetcher pf;
+  // Per-thread buffers kept between calls (rebuilt when the dimensions change): allocating
+  // ~2 MiB per task cost page faults and zeroing on every call.
+  thread_local forward_scratch<Arch, Acc> scratch;
+  scratch.ensure(K, Vp, nq, nv);
+  chunk_workspace<Acc>& w = *scratch.w;
+  chunk_simd_operands<Arch, Acc>& op = *scratch.op;
+  chunk_intra_simd<Arch, Acc>& intra = *scratch.intra;
+  Mat &P = scratch.P, &U = scratch.U;
+  std::vector<Mat> &SQ = scratch.SQ, &SK = scratch.SK, &SG = scratch.SG, &SV = scratch.SV, &SO = scratch.SO, &St = scratch.St;
+  std::vector<Vec>& Sb = scratch.Sb;
+  line_prefetcher& pf = scratch.pf;
+  for (Mat& m : St) m.setZero();
   Acc const scale = static_cast<Acc>(p.scale);
   if (present(a.h0))
     for (index_t j = 0; j < nv; ++j)
