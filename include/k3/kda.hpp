@@ -21,6 +21,7 @@
 #pragma once
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "k3/backend/cpu/serial.hpp"
 #include "k3/backend/cpu/simd.hpp"
@@ -52,7 +53,18 @@ void run_tasks(B const& be, index_t n, F&& f) {
 
 template <HostBackend B, Storage In, Real S>
 void forward(B const& be, forward_args<In, S> const& a, options const& opt = {}) {
-  detail::problem const p = detail::validate(a, opt);
+  detail::problem const p = detail::validate(a, opt, !detail::SimdBackend<B>);
+  if constexpr (detail::SimdBackend<B>) {
+    // The gate-bound check reads all of g: scanned by every thread (a quick filter), then the
+    // exact sequential check (which names the first offending element) only when it hits.
+    if (p.lower_bound && p.T > 0) {
+      index_t parts = 1;
+      if constexpr (requires { be.concurrency(); }) parts = std::min<index_t>(p.T, 4 * index_t(be.concurrency()));
+      std::vector<char> hit(std::size_t(parts), 0);
+      detail::run_tasks(be, parts, [&](index_t i) { hit[std::size_t(i)] = detail::gate_may_be_below(p, a.g, p.T * i / parts, p.T * (i + 1) / parts); });
+      if (std::find(hit.begin(), hit.end(), char(1)) != hit.end()) detail::check_gate_bound(p, a.g);
+    }
+  }
   index_t const tasks = p.N * p.HV;
   if (opt.mode == algorithm::recurrent) {
     if constexpr (detail::SimdBackend<B>) {
@@ -66,8 +78,12 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
     detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_forward_task<S>(p, a, i / p.HV, i % p.HV); });
   } else {
     if constexpr (detail::SimdBackend<B>) {
-      detail::run_tasks(be, tasks, [&](index_t i) {
-        detail::chunk_forward_simd_task<typename B::arch_type, S>(p, a, i / p.HV, i % p.HV);
+      index_t threads = 1;
+      if constexpr (requires { be.concurrency(); }) threads = index_t(be.concurrency());
+      index_t const gs = detail::forward_head_group(p.N, p.HV, threads), groups = (p.HV + gs - 1) / gs;
+      detail::run_tasks(be, p.N * groups, [&](index_t i) {
+        index_t const hv0 = i % groups * gs;
+        detail::chunk_forward_simd_group<typename B::arch_type, S>(p, a, i / groups, hv0, std::min(p.HV, hv0 + gs));
       });
       return;
     }

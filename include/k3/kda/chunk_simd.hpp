@@ -17,8 +17,13 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
+#include <type_traits>
 #include <vector>
 #include <xsimd/xsimd.hpp>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/common.hpp"
@@ -83,11 +88,17 @@ struct small_gemm {
     }
   }
 
+  // hook() runs before every register tile (the forward spreads its prefetches with it).
+  struct no_hook {
+    void operator()() const noexcept {}
+  };
+
   // C (m x n, n a multiple of L) = init + A (m x k) B (k x n); all row-major.
   // shape: 0 dense; 1 A lower triangular (row block i0 reads k < i0 + mr; entries above the
   // diagonal inside the block must be zero); 2 A upper triangular (row block reads k >= i0).
+  template <class Hook = no_hook>
   static void run(index_t m, index_t n, index_t k, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc,
-                  init_mode init = zero, T const* rs = nullptr, int shape = 0) noexcept {
+                  init_mode init = zero, T const* rs = nullptr, int shape = 0, Hook&& hook = {}) noexcept {
     index_t const nb = n / L;
     for (index_t j0 = 0; j0 < nb; j0 += NV) {
       index_t const nv = std::min<index_t>(NV, nb - j0);
@@ -99,6 +110,7 @@ struct small_gemm {
         T const* Bj = B + j0 * L;
         T* Cij = C + i0 * ldc + j0 * L;
         T const* r = rs ? rs + i0 : nullptr;
+        hook();
         if (nv == NV)
           rows<NV>(mr, kb, ke, Ai, lda, Bj, ldb, Cij, ldc, init, r);
         else
@@ -129,6 +141,49 @@ inline void transpose_into(T const* K3_RESTRICT src, index_t rows, index_t cols,
     }
 }
 
+// transpose_into with 16 x 16 blocks transposed in registers for float under AVX-512 (the
+// scalar loop costs about two cycles per element; the intra-chunk step transposes the keys
+// and gates of every chunk). Exact: only moves values.
+template <class T>
+inline void transpose_fast(T const* K3_RESTRICT src, index_t rows, index_t cols, index_t lds, T* K3_RESTRICT dst, index_t ldd) noexcept {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    index_t const rb = rows / 16 * 16, cb = cols / 16 * 16;
+    for (index_t i0 = 0; i0 < rb; i0 += 16)
+      for (index_t j0 = 0; j0 < cb; j0 += 16) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * lds + j0);
+        for (int i = 0; i < 8; ++i) {
+          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        // u[4g + k] holds columns {k, k+4, k+8, k+12} (one per 128-bit lane) of rows 4g..4g+3
+        for (int g = 0; g < 4; ++g) {
+          __m512d const a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+          __m512d const c2 = _mm512_castps_pd(t[4 * g + 2]), d2 = _mm512_castps_pd(t[4 * g + 3]);
+          r[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c2));
+          r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c2));
+          r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d2));
+          r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d2));
+        }
+        for (int k = 0; k < 4; ++k) {
+          __m512 const x = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44), y = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xEE);
+          __m512 const x2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44), y2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xEE);
+          t[k] = _mm512_shuffle_f32x4(x, x2, 0x88);
+          t[k + 4] = _mm512_shuffle_f32x4(x, x2, 0xDD);
+          t[k + 8] = _mm512_shuffle_f32x4(y, y2, 0x88);
+          t[k + 12] = _mm512_shuffle_f32x4(y, y2, 0xDD);
+        }
+        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + (j0 + j) * ldd + i0, t[j]);
+      }
+    if (cb < cols) transpose_into(src + cb, rb, cols - cb, lds, dst + cb * ldd, ldd);
+    if (rb < rows) transpose_into(src + rb * lds, rows - rb, cols, lds, dst + rb, ldd);
+    return;
+  }
+#endif
+  transpose_into(src, rows, cols, lds, dst, ldd);
+}
+
 // The inputs of one head are rows of 256-512 bytes at a stride of H*K elements, which the
 // hardware prefetchers follow poorly: the next chunk's rows are prefetched in a few batches
 // while the current chunk computes, instead of each row missing to memory when it is loaded.
@@ -142,6 +197,67 @@ void prefetch_rows(tensor_view<In const, 4> x, index_t b, index_t t0, index_t h,
   index_t const n = x.extent(3);
   for (index_t r = r0; r < r1; ++r) prefetch_bytes(&x(b, t0 + r, h, 0), n * index_t(sizeof(In)));
 }
+
+// Into L2, as an asm statement on x86: g++ 12 deletes a loop whose body is only
+// __builtin_prefetch calls (no side effect to keep), which silently disabled prefetch_bytes.
+inline void prefetch_line_l2(void const* p) noexcept {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht1 (%0)" : : "r"(p));
+#elif defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#else
+  (void)p;
+#endif
+}
+
+inline void prefetch_range_l2(void const* p, index_t bytes) noexcept {
+  char const* c = static_cast<char const*>(p);
+  for (index_t o = 0; o < bytes; o += 64) prefetch_line_l2(c + o);
+  if (bytes > 0) prefetch_line_l2(c + bytes - 1);  // the last line when the run is not line-aligned
+}
+
+// Walks a list of byte runs, a few cache lines per call: called between the register tiles
+// of the big products, it keeps a handful of prefetches in flight at a time (bursts of
+// hundreds stall on the miss buffers and gained nothing).
+struct line_prefetcher {
+  struct span {
+    char const* p;
+    index_t bytes;
+  };
+  std::vector<span> runs;
+  std::size_t ri = 0;
+  index_t off = 0, per_call = 0;
+
+  void reset() noexcept {
+    runs.clear();
+    ri = 0;
+    off = 0;
+  }
+  template <class In>
+  void add_heads(tensor_view<In const, 4> x, index_t b, index_t t, index_t h0, index_t nh) {
+    index_t const n = x.extent(3);
+    if (x.stride(2) == n)
+      runs.push_back({reinterpret_cast<char const*>(&x(b, t, h0, 0)), nh * n * index_t(sizeof(In))});
+    else
+      for (index_t h = h0; h < h0 + nh; ++h) runs.push_back({reinterpret_cast<char const*>(&x(b, t, h, 0)), n * index_t(sizeof(In))});
+  }
+  index_t lines() const noexcept {
+    index_t l = 0;
+    for (span const& r : runs) l += (r.bytes + 63) / 64;
+    return l;
+  }
+  void operator()() noexcept {
+    for (index_t n = 0; n < per_call && ri < runs.size(); ++n) {
+      prefetch_line_l2(runs[ri].p + off);
+      off += 64;
+      if (off >= runs[ri].bytes) {
+        prefetch_line_l2(runs[ri].p + runs[ri].bytes - 1);
+        ++ri;
+        off = 0;
+      }
+    }
+  }
+};
 
 template <class Arch, class Acc>
 constexpr index_t padded_v(index_t V) noexcept {
@@ -197,96 +313,271 @@ struct chunk_simd_operands {
     for (index_t i = 0; i < c; ++i)
       for (index_t j = 0; j <= i; ++j) Ab(i, j) = w.A(i, j) * w.beta(j);
   }
+
+  // What the forward needs: QK and KdT (unless chunk_intra_simd already formed them from its
+  // factors, with_qk = false: its fwd_QK / fwd_KdT outputs, lower-bounded gate only),
+  // e^{G_last} and A Diag(beta). EG and EGd are left untouched.
+  void build_forward(chunk_workspace<Acc> const& w, index_t c, Acc scale, bool with_qk) noexcept {
+    using batch = xsimd::batch<Acc, Arch>;
+    constexpr index_t L = index_t(batch::size);
+    Acc const* gl = w.G.row(c - 1).data();
+    if (with_qk) {
+      batch const sc(scale);
+      for (index_t r = 0; r < c; ++r) {
+        Acc const* G = w.G.row(r).data();
+        Acc const* q = w.Q.row(r).data();
+        Acc const* k = w.Kc.row(r).data();
+        Acc* qe = QK.row(r).data();
+        Acc* ke = QK.row(c + r).data();
+        Acc* kd = Kd.row(r).data();
+        index_t d = 0;
+        for (; d + L <= K; d += L) {
+          batch const g = batch::load_unaligned(G + d), kv = batch::load_unaligned(k + d);
+          batch const eg = xsimd::exp(g), egd = xsimd::exp(batch::load_unaligned(gl + d) - g);
+          (sc * batch::load_unaligned(q + d) * eg).store_unaligned(qe + d);
+          (kv * eg).store_unaligned(ke + d);
+          (kv * egd).store_unaligned(kd + d);
+        }
+        for (; d < K; ++d) {
+          Acc const eg = std::exp(G[d]), egd = std::exp(gl[d] - G[d]);
+          qe[d] = scale * q[d] * eg;
+          ke[d] = k[d] * eg;
+          kd[d] = k[d] * egd;
+        }
+      }
+      transpose_fast(Kd.data(), c, K, K, KdT.data(), chunk_size);
+    }
+    chunk_exp_row<Arch>(gl, decay.data(), K);
+    // Only j <= i is written (the rest stays zero): the triangular kernel reads the entries
+    // above the diagonal inside a row block, and they must not pick up later tokens' beta.
+    Acc const* beta = w.beta.data();
+    for (index_t i = 0; i < c; ++i) {
+      Acc const* a = w.A.row(i).data();
+      Acc* ab = Ab.row(i).data();
+      index_t j = 0;
+      for (; j + L <= i + 1; j += L) (batch::load_unaligned(a + j) * batch::load_unaligned(beta + j)).store_unaligned(ab + j);
+      for (; j <= i; ++j) ab[j] = a[j] * beta[j];
+    }
+  }
 };
+
+// A = (I + Diag(beta) KK)^{-1} (c x c, unit lower triangular) as chunk_inverse computes it
+// (A_i = e_i - sum_{m<i} beta_i KK_im A_m, the sum taken in increasing m), right-looking
+// and vectorised: once row m is final it is subtracted from every later row at once, over
+// the whole batches covering its nonzero columns 0..m. Rows are zeroed over all C columns
+// first, so the columns right of row m's diagonal contribute exact zeros.
+template <class Arch, class Acc, int NB>
+inline void chunk_inverse_rows(Acc* K3_RESTRICT A, index_t ld, Acc const* K3_RESTRICT Am, Acc const* K3_RESTRICT lcol, index_t ldl,
+                               Acc const* K3_RESTRICT beta, index_t i0, index_t i1) noexcept {
+  using batch = xsimd::batch<Acc, Arch>;
+  constexpr index_t L = index_t(batch::size);
+  batch am[NB];
+  for (int b = 0; b < NB; ++b) am[b] = batch::load_unaligned(Am + b * L);
+  for (index_t i = i0; i < i1; ++i) {
+    batch const l(beta[i] * lcol[i * ldl]);
+    Acc* Ai = A + i * ld;
+    for (int b = 0; b < NB; ++b) xsimd::fnma(l, am[b], batch::load_unaligned(Ai + b * L)).store_unaligned(Ai + b * L);
+  }
+}
+
+template <class Arch, class Acc>
+void chunk_inverse_simd(chunk_workspace<Acc>& w, index_t c) noexcept {
+  using batch = xsimd::batch<Acc, Arch>;
+  constexpr index_t L = index_t(batch::size);
+  index_t const C = chunk_size, ld = w.A.cols(), ldl = w.KK.cols();
+  Acc* const A = w.A.data();
+  Acc const* const KK = w.KK.data();
+  Acc const* const beta = w.beta.data();
+  for (index_t i = 0; i < c; ++i) {
+    std::fill(A + i * ld, A + i * ld + C, Acc(0));
+    A[i * ld + i] = Acc(1);
+  }
+  for (index_t m = 0; m + 1 < c; ++m) {
+    index_t const nb = std::min(C, (m + L) / L * L) / L;  // batches covering columns 0..m
+    Acc const* Am = A + m * ld;
+    Acc const* lcol = KK + m;  // KK(i, m) = lcol[i * ldl]
+    switch (nb) {
+      case 1: chunk_inverse_rows<Arch, Acc, 1>(A, ld, Am, lcol, ldl, beta, m + 1, c); break;
+      case 2: chunk_inverse_rows<Arch, Acc, 2>(A, ld, Am, lcol, ldl, beta, m + 1, c); break;
+      case 3: chunk_inverse_rows<Arch, Acc, 3>(A, ld, Am, lcol, ldl, beta, m + 1, c); break;
+      case 4: chunk_inverse_rows<Arch, Acc, 4>(A, ld, Am, lcol, ldl, beta, m + 1, c); break;
+      default:
+        for (index_t i = m + 1; i < c; ++i) {
+          batch const l(beta[i] * lcol[i * ldl]);
+          Acc* Ai = A + i * ld;
+          for (index_t j = 0; j < nb * L; j += L) xsimd::fnma(l, batch::load_unaligned(Am + j), batch::load_unaligned(Ai + j)).store_unaligned(Ai + j);
+        }
+    }
+  }
+}
 
 // Aqk and KK of a chunk with the lower-bounded gate (dense diagonal tiles), by small_gemm:
 // row block I (16 rows) against all earlier columns at once, anchored at the block's first
 // row n (factors e^{G_I - G_n} and e^{G_n - G_j}, both <= 1), then the diagonal tile anchored
-// at c = G_{i0-1} + 8 lb as in chunk_intra. The column factors are formed on transposed keys
-// and gates (K x C) so the exponentials vectorise along the tokens. Without a lower bound the
-// pairwise diagonal tiles of chunk_intra are used.
+// at c = G_{i0-1} + 8 lb as in chunk_intra. The column factors are formed along the channels
+// and transposed (K x 16 per block) for the products. Without a lower bound the pairwise
+// diagonal tiles of chunk_intra are used.
 template <class Arch, class Acc>
 struct chunk_intra_simd {
   using Mat = typename chunk_workspace<Acc>::Mat;
   using batch = xsimd::batch<Acc, Arch>;
   static constexpr index_t L = index_t(batch::size);
   index_t K;
-  Mat KcT, GT, QKa, KbT, Tm;
-  std::vector<Acc> cv;
+  Mat Kbr, QKo, QKa, KoT, KbT, Tm;
+  std::vector<Acc> cv, cvp, s1, s2, s3, s4;
+  // When set (the forward), the state products' operands are taken from the factors formed
+  // here instead of new exponentials: rows 0..c-1 of fwd_QK = scale Q e^G, rows c..2c-1 =
+  // K e^G (2C x K), and fwd_KdT = (K e^{G_last - G})^T (K x C).
+  Mat* fwd_QK = nullptr;
+  Mat* fwd_KdT = nullptr;
 
   explicit chunk_intra_simd(index_t K_) : K(K_) {
     index_t const C = chunk_size, s = sub_chunk;
-    KcT.setZero(K, C);
-    GT.setZero(K, C);
+    Kbr.setZero(s, K);
+    QKo.setZero(2 * s, K);
     QKa.setZero(2 * s, K);
+    KoT.setZero(K, C);
     KbT.setZero(K, C);
     Tm.setZero(2 * s, C);
-    cv.assign(std::size_t(K), Acc(0));
+    for (auto* v : {&cv, &cvp, &s1, &s2, &s3, &s4}) v->assign(std::size_t(K), Acc(0));
   }
 
+  // y = e^{x - z} over K channels
+  void exp_diff(Acc const* x, Acc const* z, Acc* y) const noexcept {
+    index_t d = 0;
+    for (; d + L <= K; d += L) xsimd::exp(batch::load_unaligned(x + d) - batch::load_unaligned(z + d)).store_unaligned(y + d);
+    for (; d < K; ++d) y[d] = std::exp(x[d] - z[d]);
+  }
+
+  // dst rows [d0, d0 + n) = src rows [s0, s0 + n) * f (per channel)
+  void scale_rows_into(Mat const& src, index_t s0, index_t n, Acc const* f, Mat& dst, index_t d0) const noexcept {
+    for (index_t r = 0; r < n; ++r) {
+      Acc const* x = src.row(s0 + r).data();
+      Acc* y = dst.row(d0 + r).data();
+      index_t d = 0;
+      for (; d + L <= K; d += L) (batch::load_unaligned(x + d) * batch::load_unaligned(f + d)).store_unaligned(y + d);
+      for (; d < K; ++d) y[d] = x[d] * f[d];
+    }
+  }
+
+  // Rows [qs * q e; k e] with e = e^{G_r - an} for the ci rows of block i0 (qs = scale).
+  void row_factors(chunk_workspace<Acc> const& w, index_t i0, index_t ci, Acc const* an, Acc scale, Mat& out) const noexcept {
+    batch const sc(scale);
+    for (index_t r = 0; r < ci; ++r) {
+      Acc const* g = w.G.row(i0 + r).data();
+      Acc const* q = w.Q.row(i0 + r).data();
+      Acc const* k = w.Kc.row(i0 + r).data();
+      Acc* qa = out.row(r).data();
+      Acc* ka = out.row(ci + r).data();
+      index_t d = 0;
+      for (; d + L <= K; d += L) {
+        batch const e = xsimd::exp(batch::load_unaligned(g + d) - batch::load_unaligned(an + d));
+        (sc * batch::load_unaligned(q + d) * e).store_unaligned(qa + d);
+        (batch::load_unaligned(k + d) * e).store_unaligned(ka + d);
+      }
+      for (; d < K; ++d) {
+        Acc const e = std::exp(g[d] - an[d]);
+        qa[d] = scale * q[d] * e;
+        ka[d] = k[d] * e;
+      }
+    }
+  }
+
+  // Off-diagonal tiles of row block I = [i0, i0 + 16) are anchored at its first row, G_{i0}:
+  // factors e^{G_I - G_{i0}} and e^{G_{i0} - G_J} (both <= 1). Its diagonal tile is anchored at
+  // cI = G_{i0-1} + 8 lb: factors e^{G_I - cI}, e^{cI - G_I} (within e^{+-40}; causal anchor,
+  // fla #1240). Fewer exponentials than forming each factor directly, all products of
+  // bounded factors (so no overflow, and only a few roundings apart from the direct forms):
+  //   e^{G_I - cI}       = e^{G_I - G_{i0}} e^{G_{i0} - cI}
+  //   e^{G_{i0} - G_J}   = e^{G_{i0-16} - G_J} e^{G_{i0} - G_{i0-16}}    (J before block I-1)
+  //   e^{G_{i0} - G_J}   = e^{c_{I-1} - G_J} e^{G_{i0} - c_{I-1}}        (J = block I-1)
   void operator()(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
     if (!lb) return chunk_intra(w, c, scale, lb);
     using gemm = small_gemm<Arch, Acc>;
-    index_t const C = chunk_size, BC = sub_chunk, cB = (c + BC - 1) / BC * BC;
-    transpose_into(w.Kc.data(), c, K, K, KcT.data(), C);
-    transpose_into(w.G.data(), c, K, K, GT.data(), C);
-    for (index_t d = 0; d < K; ++d)
-      for (index_t j = c; j < cB; ++j) {
-        KcT(d, j) = 0;
-        GT(d, j) = w.G(c - 1, d);
-      }
+    index_t const C = chunk_size, BC = sub_chunk;
     w.Aqk.topLeftCorner(c, c).setZero();
     w.KK.topLeftCorner(c, c).setZero();
     Acc const lb8 = Acc(8 * *lb);
     for (index_t i0 = 0; i0 < c; i0 += BC) {
       index_t const ci = std::min(BC, c - i0);
-      for (int diag = 0; diag < 2; ++diag) {
-        if (!diag && i0 == 0) continue;
-        // anchor: G_n (off-diagonal) or G_{i0-1} + 8 lb (diagonal)
-        Acc const* an = w.G.row(i0).data();
-        if (diag) {
-          for (index_t d = 0; d < K; ++d) cv[std::size_t(d)] = (i0 == 0 ? Acc(0) : w.G(i0 - 1, d)) + lb8;
-          an = cv.data();
-        }
-        for (index_t r = 0; r < ci; ++r) {
-          Acc const* g = w.G.row(i0 + r).data();
-          Acc const* q = w.Q.row(i0 + r).data();
-          Acc const* k = w.Kc.row(i0 + r).data();
-          Acc* qa = QKa.row(r).data();
-          Acc* ka = QKa.row(ci + r).data();
-          index_t d = 0;
-          batch const sc(scale);
-          for (; d + L <= K; d += L) {
-            batch const e = xsimd::exp(batch::load_unaligned(g + d) - batch::load_unaligned(an + d));
-            (sc * batch::load_unaligned(q + d) * e).store_unaligned(qa + d);
-            (batch::load_unaligned(k + d) * e).store_unaligned(ka + d);
-          }
-          for (; d < K; ++d) {
-            Acc const e = std::exp(g[d] - an[d]);
-            qa[d] = scale * q[d] * e;
-            ka[d] = k[d] * e;
-          }
-        }
-        index_t const j0 = diag ? i0 : 0, nj = diag ? BC : i0;
+      for (index_t d = 0; d < K; ++d) cv[std::size_t(d)] = (i0 == 0 ? Acc(0) : w.G(i0 - 1, d)) + lb8;
+      if (i0 > 0) {
+        Acc const* gn = w.G.row(i0).data();
+        exp_diff(gn, w.G.row(i0 - BC).data(), s1.data());
+        exp_diff(gn, cvp.data(), s3.data());
+        exp_diff(gn, cv.data(), s2.data());
+        index_t const jo = i0 - BC;  // columns before jo carry over, [jo, i0) come from block I-1's diagonal factors
         for (index_t d = 0; d < K; ++d) {
-          batch const a(an[d]);
-          Acc const* kt = KcT.row(d).data() + j0;
-          Acc const* gt = GT.row(d).data() + j0;
-          Acc* kb = KbT.row(d).data();
-          for (index_t j = 0; j < nj; j += L)
-            (batch::load_unaligned(kt + j) * xsimd::exp(a - batch::load_unaligned(gt + j))).store_unaligned(kb + j);
+          Acc* ko = KoT.row(d).data();
+          Acc const* kb = KbT.row(d).data();
+          batch const f1(s1[std::size_t(d)]), f3(s3[std::size_t(d)]);
+          for (index_t j = 0; j < jo; j += L) (batch::load_unaligned(ko + j) * f1).store_unaligned(ko + j);
+          for (index_t j = 0; j < BC; j += L) (batch::load_unaligned(kb + j) * f3).store_unaligned(ko + jo + j);
         }
-        gemm::run(2 * ci, nj, K, QKa.data(), K, KbT.data(), C, Tm.data(), C);
+        row_factors(w, i0, ci, gn, scale, QKo);
+        if (fwd_QK) {
+          // e^{G_r} = e^{G_r - G_{i0}} e^{G_{i0}}
+          chunk_exp_row<Arch>(gn, s4.data(), K);
+          scale_rows_into(QKo, 0, ci, s4.data(), *fwd_QK, i0);
+          scale_rows_into(QKo, ci, ci, s4.data(), *fwd_QK, c + i0);
+        }
+        gemm::run(2 * ci, i0, K, QKo.data(), K, KoT.data(), C, Tm.data(), C);
         for (index_t r = 0; r < ci; ++r) {
-          Acc const* tq = Tm.row(r).data();
-          Acc const* tk = Tm.row(ci + r).data();
-          Acc* aq = w.Aqk.row(i0 + r).data() + j0;
-          Acc* kk = w.KK.row(i0 + r).data() + j0;
-          index_t const mq = diag ? r + 1 : nj, mk = diag ? r : nj;  // mask after the product: factors are bounded
-          for (index_t j = 0; j < mq; ++j) aq[j] = tq[j];
-          for (index_t j = 0; j < mk; ++j) kk[j] = tk[j];
+          std::copy(Tm.row(r).data(), Tm.row(r).data() + i0, w.Aqk.row(i0 + r).data());
+          std::copy(Tm.row(ci + r).data(), Tm.row(ci + r).data() + i0, w.KK.row(i0 + r).data());
+        }
+        for (index_t r = 0; r < 2 * ci; ++r) {
+          Acc const* src = QKo.row(r).data();
+          Acc* dst = QKa.row(r).data();
+          index_t d = 0;
+          for (; d + L <= K; d += L) (batch::load_unaligned(src + d) * batch::load_unaligned(s2.data() + d)).store_unaligned(dst + d);
+          for (; d < K; ++d) dst[d] = src[d] * s2[std::size_t(d)];
+        }
+      } else {
+        row_factors(w, i0, ci, cv.data(), scale, QKa);
+        if (fwd_QK) {
+          // e^{G_r} = e^{G_r - 8 lb} e^{8 lb}
+          std::fill(s4.begin(), s4.end(), std::exp(lb8));
+          scale_rows_into(QKa, 0, ci, s4.data(), *fwd_QK, 0);
+          scale_rows_into(QKa, ci, ci, s4.data(), *fwd_QK, c);
         }
       }
+      // diagonal column factors k_j e^{cI - G_j}, formed along the channels and transposed
+      // (rows past the chunk end are zero)
+      for (index_t j = 0; j < BC; ++j) {
+        Acc* kb = Kbr.row(j).data();
+        if (i0 + j >= c) {
+          std::fill(kb, kb + K, Acc(0));
+          continue;
+        }
+        Acc const* g = w.G.row(i0 + j).data();
+        Acc const* k = w.Kc.row(i0 + j).data();
+        index_t d = 0;
+        for (; d + L <= K; d += L)
+          (batch::load_unaligned(k + d) * xsimd::exp(batch::load_unaligned(cv.data() + d) - batch::load_unaligned(g + d))).store_unaligned(kb + d);
+        for (; d < K; ++d) kb[d] = k[d] * std::exp(cv[std::size_t(d)] - g[d]);
+      }
+      transpose_fast(Kbr.data(), BC, K, K, KbT.data(), C);
+      if (fwd_KdT) {
+        // e^{G_last - G_j} = e^{cI - G_j} e^{G_last - cI} for the columns j of block I
+        exp_diff(w.G.row(c - 1).data(), cv.data(), s4.data());
+        for (index_t d = 0; d < K; ++d) {
+          batch const f(s4[std::size_t(d)]);
+          Acc const* kb = KbT.row(d).data();
+          Acc* kd = fwd_KdT->row(d).data() + i0;
+          for (index_t j = 0; j < BC; j += L) (batch::load_unaligned(kb + j) * f).store_unaligned(kd + j);
+        }
+      }
+      gemm::run(2 * ci, BC, K, QKa.data(), K, KbT.data(), C, Tm.data(), C);
+      for (index_t r = 0; r < ci; ++r) {
+        Acc const* tq = Tm.row(r).data();
+        Acc const* tk = Tm.row(ci + r).data();
+        Acc* aq = w.Aqk.row(i0 + r).data() + i0;
+        Acc* kk = w.KK.row(i0 + r).data() + i0;
+        for (index_t j = 0; j <= r; ++j) aq[j] = tq[j];  // mask after the product: factors are bounded
+        for (index_t j = 0; j < r; ++j) kk[j] = tk[j];
+      }
+      std::swap(cv, cvp);
     }
   }
 };
@@ -398,52 +689,150 @@ struct chunk_intra_backward_simd {
   }
 };
 
+// Buffers of chunk_forward_simd_group for a group of nq q/k heads and nv value heads:
+// staged chunk inputs per head (q/k per q/k head, the rest per value head), the states, the
+// staged outputs, and the per-chunk workspaces. Padded value columns of SV stay zero (only
+// the first V columns are ever written).
+template <class Arch, class Acc>
+struct forward_scratch {
+  using Mat = typename chunk_workspace<Acc>::Mat;
+  using Vec = typename chunk_workspace<Acc>::Vec;
+  index_t K = -1, Vp = -1, nq = -1, nv = -1;
+  std::optional<chunk_workspace<Acc>> w;
+  std::optional<chunk_simd_operands<Arch, Acc>> op;
+  std::optional<chunk_intra_simd<Arch, Acc>> intra;
+  Mat P, U;
+  std::vector<Mat> SQ, SK, SG, SV, SO, St;
+  std::vector<Vec> Sb;
+  line_prefetcher pf;
+
+  void ensure(index_t K_, index_t Vp_, index_t nq_, index_t nv_) {
+    if (K_ == K && Vp_ == Vp && nq_ == nq && nv_ == nv) return;
+    index_t const C = chunk_size;
+    K = K_, Vp = Vp_, nq = nq_, nv = nv_;
+    w.emplace(K, Vp, false);
+    op.emplace(K, Vp);
+    intra.emplace(K);
+    intra->fwd_QK = &op->QK;
+    intra->fwd_KdT = &op->KdT;
+    P = Mat::Zero(2 * C, Vp);
+    U = Mat::Zero(C, Vp);
+    SQ.assign(std::size_t(nq), Mat::Zero(C, K));
+    SK = SQ;
+    SG.assign(std::size_t(nv), Mat::Zero(C, K));
+    SV.assign(std::size_t(nv), Mat::Zero(C, Vp));
+    SO = SV;
+    St.assign(std::size_t(nv), Mat::Zero(K, Vp));
+    Sb.assign(std::size_t(nv), Vec::Zero(C));
+  }
+};
+
+// Forward of sequence n, value heads [hv0, hv1), in lockstep chunk by chunk.
+// The inputs are token-major: one head's row is K elements at a stride of H*K, so a task that
+// walks one head alone touches a new page for nearly every row, and the hardware prefetchers
+// cannot follow it (load-latency bound). A group of adjacent heads instead reads, per token
+// and tensor, one contiguous run of (heads x K) elements, which streams. Every head keeps its
+// own state and runs exactly the per-head arithmetic of a single-head task, so results do not
+// depend on the grouping (nor on the thread count that picks it).
 template <class Arch, class Acc, class In, class S>
-void chunk_forward_simd_task(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv) {
+void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv0, index_t hv1) {
   using gemm = small_gemm<Arch, Acc>;
   using Mat = typename chunk_workspace<Acc>::Mat;
-  index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), b = p.batch(n), h = hv / p.G, bos = p.bos(n), eos = p.eos(n);
-  index_t const C = chunk_size;
-  chunk_workspace<Acc> w(K, Vp, false);
-  w.Vc.setZero();
-  chunk_simd_operands<Arch, Acc> op(K, Vp);
-  chunk_intra_simd<Arch, Acc> intra(K);
-  Mat P = Mat::Zero(2 * C, Vp), U = Mat::Zero(C, Vp), St = Mat::Zero(K, Vp);
+  using Vec = typename chunk_workspace<Acc>::Vec;
+  index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), b = p.batch(n), bos = p.bos(n), eos = p.eos(n);
+  index_t const C = chunk_size, hq0 = hv0 / p.G, nq = (hv1 - 1) / p.G + 1 - hq0, nv = hv1 - hv0;
+  // Per-thread buffers kept between calls (rebuilt when the dimensions change): allocating
+  // ~2 MiB per task cost page faults and zeroing on every call.
+  thread_local forward_scratch<Arch, Acc> scratch;
+  scratch.ensure(K, Vp, nq, nv);
+  chunk_workspace<Acc>& w = *scratch.w;
+  chunk_simd_operands<Arch, Acc>& op = *scratch.op;
+  chunk_intra_simd<Arch, Acc>& intra = *scratch.intra;
+  Mat &P = scratch.P, &U = scratch.U;
+  std::vector<Mat> &SQ = scratch.SQ, &SK = scratch.SK, &SG = scratch.SG, &SV = scratch.SV, &SO = scratch.SO, &St = scratch.St;
+  std::vector<Vec>& Sb = scratch.Sb;
+  line_prefetcher& pf = scratch.pf;
+  for (Mat& m : St) m.setZero();
   Acc const scale = static_cast<Acc>(p.scale);
   if (present(a.h0))
-    for (index_t d = 0; d < K; ++d) load_row(&a.h0(n, hv, d, 0), St.row(d).data(), V);
+    for (index_t j = 0; j < nv; ++j)
+      for (index_t d = 0; d < K; ++d) load_row(&a.h0(n, hv0 + j, d, 0), St[std::size_t(j)].row(d).data(), V);
   for (index_t t0 = bos; t0 < eos; t0 += C) {
     index_t const c = std::min(C, eos - t0);
-    load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
-    index_t const cn = std::min(C, eos - t0 - c), t1 = t0 + c;  // next chunk
-    auto prefetch = [&](index_t part) {
-      index_t const r0 = cn * part / 4, r1 = cn * (part + 1) / 4;
-      prefetch_rows(a.q, b, t1, h, r0, r1);
-      prefetch_rows(a.k, b, t1, h, r0, r1);
-      prefetch_rows(a.v, b, t1, hv, r0, r1);
-      prefetch_rows(a.g, b, t1, hv, r0, r1);
-    };
-    prefetch(0);
-    intra(w, c, scale, p.lower_bound);
-    prefetch(1);
-    chunk_inverse(w, c);
-    op.build(w, c, scale);
-    prefetch(2);
-    // [scale Qe; Ke] S: rows 0..c-1 are the inter-chunk output, rows c..2c-1 Ke S.
-    gemm::run(2 * c, Vp, K, op.QK.data(), K, St.data(), Vp, P.data(), Vp);
-    prefetch(3);
     for (index_t r = 0; r < c; ++r) {
-      Acc* pr = P.row(c + r).data();
-      Acc const* vr = w.Vc.row(r).data();
-      for (index_t e = 0; e < Vp; ++e) pr[e] = vr[e] - pr[e];
+      index_t const t = t0 + r;
+      for (index_t j = 0; j < nq; ++j) load_row(&a.q(b, t, hq0 + j, 0), SQ[std::size_t(j)].row(r).data(), K);
+      for (index_t j = 0; j < nq; ++j) load_row(&a.k(b, t, hq0 + j, 0), SK[std::size_t(j)].row(r).data(), K);
+      for (index_t j = 0; j < nv; ++j) load_row(&a.v(b, t, hv0 + j, 0), SV[std::size_t(j)].row(r).data(), V);
+      for (index_t j = 0; j < nv; ++j) {
+        Acc* Gr = SG[std::size_t(j)].row(r).data();
+        load_row(&a.g(b, t, hv0 + j, 0), Gr, K);
+        if (r > 0) {
+          Acc const* Gp = Gr - K;
+          for (index_t d = 0; d < K; ++d) Gr[d] += Gp[d];
+        }
+      }
+      for (index_t j = 0; j < nv; ++j) Sb[std::size_t(j)](r) = load_as<Acc>(a.beta(b, t, hv0 + j));
     }
-    gemm::run(c, Vp, c, op.Ab.data(), C, P.row(c).data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1);
-    gemm::run(c, Vp, c, w.Aqk.data(), C, U.data(), Vp, P.data(), Vp, gemm::accumulate, nullptr, 1);
-    for (index_t r = 0; r < c; ++r) store_row(P.row(r).data(), &a.o(b, t0 + r, hv, 0), V);
-    gemm::run(K, Vp, c, op.KdT.data(), C, U.data(), Vp, St.data(), Vp, gemm::row_scaled, op.decay.data());
+    // The next chunk's rows are prefetched (into L2) in small slices spread over the heads'
+    // computations, so the staging copy above reads from cache and the DRAM traffic overlaps
+    // the arithmetic.
+    index_t const tn = t0 + c, cn = std::min(C, eos - tn);
+    pf.reset();
+    for (index_t r = 0; r < cn; ++r) {
+      pf.add_heads(a.q, b, tn + r, hq0, nq);
+      pf.add_heads(a.k, b, tn + r, hq0, nq);
+      pf.add_heads(a.v, b, tn + r, hv0, nv);
+      pf.add_heads(a.g, b, tn + r, hv0, nv);
+    }
+    {
+      // hooks per head: the register tiles of [Qe; Ke] S, U, O and the state update
+      index_t const mt = (c + gemm::MR - 1) / gemm::MR;
+      index_t const tiles = ((Vp / gemm::L + gemm::NV - 1) / gemm::NV) * ((2 * c + gemm::MR - 1) / gemm::MR + 2 * mt + (K + gemm::MR - 1) / gemm::MR);
+      pf.per_call = pf.lines() / std::max<index_t>(1, nv * tiles) + 1;
+    }
+    for (index_t j = 0; j < nv; ++j) {
+      std::size_t const jq = std::size_t((hv0 + j) / p.G - hq0), jv = std::size_t(j);
+      w.Q.swap(SQ[jq]);
+      w.Kc.swap(SK[jq]);
+      w.G.swap(SG[jv]);
+      w.beta.swap(Sb[jv]);
+      Mat& St_ = St[jv];
+      Mat const& Vc = SV[jv];
+      intra(w, c, scale, p.lower_bound);
+      chunk_inverse_simd<Arch>(w, c);
+      op.build_forward(w, c, scale, !p.lower_bound);
+      // [scale Qe; Ke] S: rows 0..c-1 are the inter-chunk output, rows c..2c-1 Ke S.
+      gemm::run(2 * c, Vp, K, op.QK.data(), K, St_.data(), Vp, P.data(), Vp, gemm::zero, nullptr, 0, pf);
+      for (index_t r = 0; r < c; ++r) {
+        Acc* pr = P.row(c + r).data();
+        Acc const* vr = Vc.row(r).data();
+        for (index_t e = 0; e < Vp; ++e) pr[e] = vr[e] - pr[e];
+      }
+      gemm::run(c, Vp, c, op.Ab.data(), C, P.row(c).data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1, pf);
+      gemm::run(c, Vp, c, w.Aqk.data(), C, U.data(), Vp, P.data(), Vp, gemm::accumulate, nullptr, 1, pf);
+      std::copy(P.data(), P.data() + c * Vp, SO[jv].data());
+      gemm::run(K, Vp, c, op.KdT.data(), C, U.data(), Vp, St_.data(), Vp, gemm::row_scaled, op.decay.data(), 0, pf);
+      w.Q.swap(SQ[jq]);
+      w.Kc.swap(SK[jq]);
+      w.G.swap(SG[jv]);
+      w.beta.swap(Sb[jv]);
+    }
+    for (index_t r = 0; r < c; ++r)
+      for (index_t j = 0; j < nv; ++j) store_row(SO[std::size_t(j)].row(r).data(), &a.o(b, t0 + r, hv0 + j, 0), V);
   }
   if (present(a.ht))
-    for (index_t d = 0; d < K; ++d) store_row(St.row(d).data(), &a.ht(n, hv, d, 0), V);
+    for (index_t j = 0; j < nv; ++j)
+      for (index_t d = 0; d < K; ++d) store_row(St[std::size_t(j)].row(d).data(), &a.ht(n, hv0 + j, d, 0), V);
+}
+
+// Value heads per forward task: as many as leave two tasks per thread (a thread slowed by
+// other load does not hold up the call), up to 8 (a token's rows of the group are then runs
+// of up to 8 x 512 bytes, and the group's staged chunk inputs, 128 KiB per head at
+// K = V = 128, stay near L2).
+inline index_t forward_head_group(index_t N, index_t HV, index_t threads) {
+  index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, 2 * threads));
+  return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
 }
 
 // Backward of sequence n, q/k head h, all value heads of its group: the algebra of
