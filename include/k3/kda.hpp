@@ -19,6 +19,7 @@
 #include "k3/core/concepts.hpp"
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/chunk_simd.hpp"
+#include "k3/kda/chunk_simd_backward.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
 #include "k3/kda/recurrent_simd.hpp"
