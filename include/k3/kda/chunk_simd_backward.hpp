@@ -13,6 +13,7 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
+#include "k3/backend/cpu/simd.hpp"
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/chunk_simd.hpp"
 #include "k3/kda/common.hpp"
@@ -127,6 +128,62 @@ struct chunk_intra_backward_simd {
   }
 };
 
+// sum_i x_i y_i over n entries, vectorised (n a multiple of the batch width or not).
+template <class Arch, class Acc>
+inline Acc dot_simd(Acc const* K3_RESTRICT x, Acc const* K3_RESTRICT y, index_t n) noexcept {
+  using batch = xsimd::batch<Acc, Arch>;
+  constexpr index_t L = index_t(batch::size);
+  batch acc0(Acc(0)), acc1(Acc(0));
+  index_t i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    acc0 = xsimd::fma(batch::load_unaligned(x + i), batch::load_unaligned(y + i), acc0);
+    acc1 = xsimd::fma(batch::load_unaligned(x + i + L), batch::load_unaligned(y + i + L), acc1);
+  }
+  for (; i + L <= n; i += L) acc0 = xsimd::fma(batch::load_unaligned(x + i), batch::load_unaligned(y + i), acc0);
+  Acc r = ::k3::simd::reduce_add(acc0 + acc1);
+  for (; i < n; ++i) r += x[i] * y[i];
+  return r;
+}
+
+// The chunk operands the backward reads (chunk_simd_operands::build without the forward-only
+// Kd^T and A Diag(beta)): e^G, e^{G_last - G}, [scale Q e^G; K e^G], K e^{G_last - G}, e^{G_last}.
+template <class Arch, class Acc>
+void build_backward_operands(chunk_simd_operands<Arch, Acc>& op, chunk_workspace<Acc> const& w, index_t c, Acc scale) {
+  using batch = xsimd::batch<Acc, Arch>;
+  constexpr index_t L = index_t(batch::size);
+  index_t const K = op.K;
+  Acc const* gl = w.G.row(c - 1).data();
+  batch const sc(scale);
+  for (index_t r = 0; r < c; ++r) {
+    Acc const* G = w.G.row(r).data();
+    Acc const* q = w.Q.row(r).data();
+    Acc const* k = w.Kc.row(r).data();
+    Acc* eg = op.EG.row(r).data();
+    Acc* egd = op.EGd.row(r).data();
+    Acc* qe = op.QK.row(r).data();
+    Acc* ke = op.QK.row(c + r).data();
+    Acc* kd = op.Kd.row(r).data();
+    index_t d = 0;
+    for (; d + L <= K; d += L) {
+      batch const g = batch::load_unaligned(G + d), kv = batch::load_unaligned(k + d);
+      batch const e = xsimd::exp(g), ed = xsimd::exp(batch::load_unaligned(gl + d) - g);
+      e.store_unaligned(eg + d);
+      ed.store_unaligned(egd + d);
+      (sc * batch::load_unaligned(q + d) * e).store_unaligned(qe + d);
+      (kv * e).store_unaligned(ke + d);
+      (kv * ed).store_unaligned(kd + d);
+    }
+    for (; d < K; ++d) {
+      eg[d] = std::exp(G[d]);
+      egd[d] = std::exp(gl[d] - G[d]);
+      qe[d] = scale * q[d] * eg[d];
+      ke[d] = k[d] * eg[d];
+      kd[d] = k[d] * egd[d];
+    }
+  }
+  chunk_exp_row<Arch>(gl, op.decay.data(), K);
+}
+
 // Backward of sequence n, q/k head h, all value heads of its group.
 template <class Arch, class Acc, class In, class S>
 void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, index_t n, index_t h) {
@@ -166,7 +223,8 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
     buf.n = need;
   }
   Acc* const own_data = buf.p.get();
-  Mat dq = Mat::Zero(Tn, K), dk = Mat::Zero(Tn, K);
+  // dq, dk sum over the value heads of the group (accumulated here when there are several)
+  Mat dq = p.G > 1 ? Mat(Mat::Zero(Tn, K)) : Mat(), dk = p.G > 1 ? Mat(Mat::Zero(Tn, K)) : Mat();
   Vec dbeta(C), dl(K);
   auto prefetch_next = [&](index_t hv, index_t tn, index_t cn, index_t part, bool grad) {
     index_t const r0 = cn * part / 4, r1 = cn * (part + 1) / 4;
@@ -232,18 +290,30 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
       saved_layout const lay{K, ldv};
       Acc const *Sp = rec + lay.S(), *Aqkp = rec + lay.Aqk(), *KKp = rec + lay.KK(), *Ap = rec + lay.A();
       Acc const *Rp = rec + lay.R(), *Up = rec + lay.U();
-      op.build(w, c, scale);
+      build_backward_operands(op, w, c, scale);
       prefetch_next(hv, tp, cp, 1, true);
       index_t const cL = (c + L - 1) / L * L;  // columns of the c x c products, padded
       // dU = Kd dS + Aqk^T dO
       gemm::run(c, Vp, K, op.Kd.data(), K, dS.data(), Vp, dU.data(), Vp);
       transpose_into(Aqkp, c, c, C, AqkT.data(), C);
       gemm::run(c, Vp, c, AqkT.data(), C, Y.data(), Vp, dU.data(), Vp, gemm::accumulate, nullptr, 2);
+      // C (c x c) = X (c x Vp) Yt (Vp x c), the lower triangle (by column slices of the kernel's
+      // width: the slice starting at column j0 needs rows j0.. only); the rest is zeroed.
+      auto lower_product = [&](Acc const* X, Acc const* Yt, Mat& out, bool strict) {
+        constexpr index_t W = gemm::NV * L;
+        for (index_t j0 = 0; j0 < c; j0 += W) {
+          index_t const nw = std::min(W, cL - j0);
+          gemm::run(c - j0, nw, Vp, X + j0 * Vp, Vp, Yt + j0, C, out.row(j0).data() + j0, C);
+        }
+        auto o = out.topLeftCorner(c, c);
+        if (strict)
+          o.template triangularView<Eigen::Upper>().setZero();
+        else
+          o.template triangularView<Eigen::StrictlyUpper>().setZero();
+      };
       // dAqk = dO U^T (lower part kept)
       transpose_into(Up, c, Vp, ldv, UT.data(), C);
-      gemm::run(c, cL, Vp, Y.data(), Vp, UT.data(), C, w.dAqk.data(), C);
-      auto dAqk = w.dAqk.topLeftCorner(c, c);
-      dAqk.template triangularView<Eigen::StrictlyUpper>().setZero();
+      lower_product(Y.data(), UT.data(), w.dAqk, false);
       // dB = A^T dU, dA = dU B^T
       transpose_into(Ap, c, c, C, AT.data(), C);
       gemm::run(c, Vp, c, AT.data(), C, dU.data(), Vp, dB.data(), Vp, gemm::zero, nullptr, 2);
@@ -253,16 +323,16 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         Acc const* db = dB.row(r).data();
         Acc* bm = Bm.row(r).data();
         Acc* y = Y.row(c + r).data();
-        Acc acc = 0;
         for (index_t e = 0; e < Vp; ++e) {
           bm[e] = br * rr[e];
           y[e] = -br * db[e];  // -dR
-          acc += rr[e] * db[e];
         }
-        dbeta(r) = acc;
+        dbeta(r) = dot_simd<Arch>(rr, db, Vp);
       }
       transpose_into(Bm.data(), c, Vp, Vp, BT.data(), C);
-      gemm::run(c, cL, Vp, dU.data(), Vp, BT.data(), C, w.dA.data(), C);
+      // dA = dU B^T, strictly lower part only: A = (I + L)^{-1} with L strictly lower, so every
+      // variation of A is strictly lower and the rest of dA does not reach dKK.
+      lower_product(dU.data(), BT.data(), w.dA, true);
       prefetch_next(hv, tp, cp, 2, true);
       auto A = CMap(Ap, C, C).topLeftCorner(c, c);
       auto dA = w.dA.topLeftCorner(c, c);
@@ -278,13 +348,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
       gemm::run(2 * c, Kp, Vp, Y.data(), Vp, ST.data(), Kp, Z.data(), Kp);
       gemm::run(c, Kp, Vp, Up, ldv, dST.data(), Kp, dKd.data(), Kp);
       // d G_last from the state decay: e^{G_last} rowsum(S .* dS)
-      for (index_t d = 0; d < K; ++d) {
-        Acc const* sr = Sp + d * ldv;
-        Acc const* dsr = dS.row(d).data();
-        Acc acc = 0;
-        for (index_t e = 0; e < Vp; ++e) acc += sr[e] * dsr[e];
-        dl(d) = op.decay[std::size_t(d)] * acc;
-      }
+      for (index_t d = 0; d < K; ++d) dl(d) = op.decay[std::size_t(d)] * dot_simd<Arch>(Sp + d * ldv, dS.row(d).data(), Vp);
       // state gradient for the previous chunk: e^{G_last} dS + scale Qe^T dO - Ke^T dR
       transpose_into(op.QK.data(), 2 * c, K, K, QKT.data(), 2 * C);
       // (in place: dS has no reader after this point in the chunk)
@@ -299,12 +363,14 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         Acc const* kd = op.Kd.row(r).data();
         Acc const* eg = op.EG.row(r).data();
         Acc const* egd = op.EGd.row(r).data();
-        Acc* dQr = w.dQ.row(r).data();
-        Acc* dKr = w.dK.row(r).data();
-        Acc* dGr = w.dG.row(r).data();
+        Acc* K3_RESTRICT dQr = w.dQ.row(r).data();
+        Acc* K3_RESTRICT dKr = w.dK.row(r).data();
+        Acc* K3_RESTRICT dGr = w.dG.row(r).data();
+        Acc* K3_RESTRICT dlp = dl.data();
         for (index_t d = 0; d < K; ++d) {
-          dGr[d] = zq[d] * qe[d] + zk[d] * ke[d] - dkd[d] * kd[d];
-          dl(d) += dkd[d] * kd[d];
+          Acc const t = dkd[d] * kd[d];
+          dGr[d] = zq[d] * qe[d] + zk[d] * ke[d] - t;
+          dlp[d] += t;
           dQr[d] = scale * zq[d] * eg[d];
           dKr[d] = dkd[d] * egd[d] + zk[d] * eg[d];
         }
@@ -320,16 +386,24 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         for (index_t e = 0; e < V; ++e) dv[e] = store_as<In>(-y[e]);
         a.dbeta(b, t0 + r, hv) = store_as<In>(dbeta(r));
       }
-      dq.middleRows(t0 - bos, c) += w.dQ.topRows(c);
-      dk.middleRows(t0 - bos, c) += w.dK.topRows(c);
+      if (p.G == 1) {
+        for (index_t r = 0; r < c; ++r) {
+          store_row(w.dQ.row(r).data(), &a.dq(b, t0 + r, h, 0), K);
+          store_row(w.dK.row(r).data(), &a.dk(b, t0 + r, h, 0), K);
+        }
+      } else {
+        dq.middleRows(t0 - bos, c) += w.dQ.topRows(c);
+        dk.middleRows(t0 - bos, c) += w.dK.topRows(c);
+      }
     }
     if (present(a.dh0))
       for (index_t d = 0; d < K; ++d) store_row(dS.row(d).data(), &a.dh0(n, hv, d, 0), V);
   }
-  for (index_t t = 0; t < Tn; ++t) {
-    store_row(dq.row(t).data(), &a.dq(b, bos + t, h, 0), K);
-    store_row(dk.row(t).data(), &a.dk(b, bos + t, h, 0), K);
-  }
+  if (p.G > 1)
+    for (index_t t = 0; t < Tn; ++t) {
+      store_row(dq.row(t).data(), &a.dq(b, bos + t, h, 0), K);
+      store_row(dk.row(t).data(), &a.dk(b, bos + t, h, 0), K);
+    }
 }
 
 }  // namespace k3::kda::detail
