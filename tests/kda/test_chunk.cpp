@@ -4,6 +4,8 @@
 // hard resets g = -1000, the lower-bounded gate at exactly -5); prefix invariance.
 #include <doctest/doctest.h>
 
+#include <random>
+
 #include "kda/kda_fixture.hpp"
 
 using namespace k3;
@@ -209,4 +211,21 @@ TEST_CASE("prefix invariance (bitwise)") {
       }
     }
   }
+}
+
+TEST_CASE("the backward's block transpose equals the scalar one") {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  for (index_t rows : {1, 15, 16, 17, 33, 64, 128})
+    for (index_t cols : {1, 16, 31, 48, 128}) {
+      index_t const lds = cols + 3, ldd = rows + 5;
+      std::vector<float> src(std::size_t(rows * lds)), a(std::size_t(cols * ldd), -1.0f), b = a;
+      for (auto& x : src) x = nd(rng);
+      kda::detail::transpose_into(src.data(), rows, cols, lds, a.data(), ldd);
+      kda::detail::transpose_fast(src.data(), rows, cols, lds, b.data(), ldd);
+      INFO("rows " << rows << " cols " << cols);
+      CHECK(a == b);
+      for (index_t i = 0; i < rows; ++i)
+        for (index_t j = 0; j < cols; ++j) REQUIRE(b[std::size_t(j * ldd + i)] == src[std::size_t(i * lds + j)]);
+    }
 }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <type_traits>
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
@@ -20,6 +21,53 @@
 #include "k3/kda/recurrent.hpp"
 
 namespace k3::kda::detail {
+
+#if defined(__AVX512F__)
+// 16 x 16 float block: dst rows = src columns, in registers (unpack 32/64-bit within 128-bit
+// lanes, then a 4 x 4 transpose of the lanes).
+inline void transpose16x16(float const* K3_RESTRICT src, index_t lds, float* K3_RESTRICT dst, index_t ldd) noexcept {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    __m512d const a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    __m512d const c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  // r[4i + j], 128-bit lane l: rows 4i..4i+3 of column 4l + j
+  for (int j = 0; j < 4; ++j) {
+    __m512 const u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+    __m512 const u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44), u3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+    _mm512_storeu_ps(dst + (0 + j) * ldd, _mm512_shuffle_f32x4(u0, u2, 0x88));
+    _mm512_storeu_ps(dst + (4 + j) * ldd, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + j) * ldd, _mm512_shuffle_f32x4(u1, u3, 0x88));
+    _mm512_storeu_ps(dst + (12 + j) * ldd, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+  }
+}
+#endif
+
+// transpose_into with whole 16 x 16 float blocks done in registers where AVX-512 is there.
+template <class T>
+inline void transpose_fast(T const* K3_RESTRICT src, index_t rows, index_t cols, index_t lds, T* K3_RESTRICT dst, index_t ldd) noexcept {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    constexpr index_t bs = 16;
+    index_t const rf = rows / bs * bs, cf = cols / bs * bs;
+    for (index_t i0 = 0; i0 < rf; i0 += bs)
+      for (index_t j0 = 0; j0 < cf; j0 += bs) transpose16x16(src + i0 * lds + j0, lds, dst + j0 * ldd + i0, ldd);
+    if (cf < cols) transpose_into(src + cf, rf, cols - cf, lds, dst + cf * ldd, ldd);
+    if (rf < rows) transpose_into(src + rf * lds, rows - rf, cols, lds, dst + rf, ldd);
+    return;
+  }
+#endif
+  transpose_into(src, rows, cols, lds, dst, ldd);
+}
 
 // chunk_intra_backward for the lower-bounded gate with the same batching as chunk_intra_simd:
 // per row block I and anchor, [dQa; dKa] = [scale dAq; dAk] Kb and
@@ -95,7 +143,7 @@ struct chunk_intra_backward_simd {
           }
         }
         gemm::run(2 * ci, Kp, nj, Xa.data(), C, Kb.data(), Kp, D1.data(), Kp);
-        transpose_into(Xa.data(), 2 * ci, nj, C, XaT.data(), 2 * BC);
+        transpose_fast(Xa.data(), 2 * ci, nj, C, XaT.data(), 2 * BC);
         gemm::run(nj, Kp, 2 * ci, XaT.data(), 2 * BC, QKa.data(), Kp, dKb.data(), Kp);
         for (index_t j = 0; j < nj; ++j) {
           Acc const* x = dKb.row(j).data();
@@ -127,6 +175,17 @@ struct chunk_intra_backward_simd {
     }
   }
 };
+
+// The gradient rows of a chunk are written at a stride of H*K (HV*V) elements, each row on
+// its own page: without a prefetch every row store misses to memory.
+template <class Out>
+void prefetch_rows_for_write(tensor_view<Out, 4> x, index_t b, index_t t0, index_t h, index_t r0, index_t r1) noexcept {
+  index_t const bytes = x.extent(3) * index_t(sizeof(Out));
+  for (index_t r = r0; r < r1; ++r) {
+    char const* c = reinterpret_cast<char const*>(&x(b, t0 + r, h, 0));
+    for (index_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 1, 2);
+  }
+}
 
 // sum_i x_i y_i over n entries, vectorised (n a multiple of the batch width or not).
 template <class Arch, class Acc>
@@ -232,7 +291,15 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
     prefetch_rows(a.k, b, tn, h, r0, r1);
     prefetch_rows(a.v, b, tn, hv, r0, r1);
     prefetch_rows(a.g, b, tn, hv, r0, r1);
-    if (grad) prefetch_rows(a.d_o, b, tn, hv, r0, r1);
+    if (grad) {
+      prefetch_rows(a.d_o, b, tn, hv, r0, r1);
+      prefetch_rows_for_write(a.dg, b, tn, hv, r0, r1);
+      prefetch_rows_for_write(a.dv, b, tn, hv, r0, r1);
+      if (p.G == 1) {
+        prefetch_rows_for_write(a.dq, b, tn, h, r0, r1);
+        prefetch_rows_for_write(a.dk, b, tn, h, r0, r1);
+      }
+    }
   };
   for (index_t hv = h * p.G; hv < (h + 1) * p.G; ++hv) {
     if (!given) {
@@ -295,7 +362,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
       index_t const cL = (c + L - 1) / L * L;  // columns of the c x c products, padded
       // dU = Kd dS + Aqk^T dO
       gemm::run(c, Vp, K, op.Kd.data(), K, dS.data(), Vp, dU.data(), Vp);
-      transpose_into(Aqkp, c, c, C, AqkT.data(), C);
+      transpose_fast(Aqkp, c, c, C, AqkT.data(), C);
       gemm::run(c, Vp, c, AqkT.data(), C, Y.data(), Vp, dU.data(), Vp, gemm::accumulate, nullptr, 2);
       // C (c x c) = X (c x Vp) Yt (Vp x c), the lower triangle (by column slices of the kernel's
       // width: the slice starting at column j0 needs rows j0.. only); the rest is zeroed.
@@ -312,10 +379,10 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
           o.template triangularView<Eigen::StrictlyUpper>().setZero();
       };
       // dAqk = dO U^T (lower part kept)
-      transpose_into(Up, c, Vp, ldv, UT.data(), C);
+      transpose_fast(Up, c, Vp, ldv, UT.data(), C);
       lower_product(Y.data(), UT.data(), w.dAqk, false);
       // dB = A^T dU, dA = dU B^T
-      transpose_into(Ap, c, c, C, AT.data(), C);
+      transpose_fast(Ap, c, c, C, AT.data(), C);
       gemm::run(c, Vp, c, AT.data(), C, dU.data(), Vp, dB.data(), Vp, gemm::zero, nullptr, 2);
       for (index_t r = 0; r < c; ++r) {
         Acc const br = w.beta(r);
@@ -329,7 +396,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         }
         dbeta(r) = dot_simd<Arch>(rr, db, Vp);
       }
-      transpose_into(Bm.data(), c, Vp, Vp, BT.data(), C);
+      transpose_fast(Bm.data(), c, Vp, Vp, BT.data(), C);
       // dA = dU B^T, strictly lower part only: A = (I + L)^{-1} with L strictly lower, so every
       // variation of A is strictly lower and the rest of dA does not reach dKK.
       lower_product(dU.data(), BT.data(), w.dA, true);
@@ -343,14 +410,14 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
       dbeta.head(c) += (dKK.array() * CMap(KKp, C, C).topLeftCorner(c, c).array()).rowwise().sum().matrix();
       dKK = w.beta.head(c).asDiagonal() * dKK;
       // [dO; -dR] S^T = [d(scale Qe)/scale; dKe], U dS^T = dKd
-      transpose_into(Sp, K, Vp, ldv, ST.data(), Kp);
-      transpose_into(dS.data(), K, Vp, Vp, dST.data(), Kp);
+      transpose_fast(Sp, K, Vp, ldv, ST.data(), Kp);
+      transpose_fast(dS.data(), K, Vp, Vp, dST.data(), Kp);
       gemm::run(2 * c, Kp, Vp, Y.data(), Vp, ST.data(), Kp, Z.data(), Kp);
       gemm::run(c, Kp, Vp, Up, ldv, dST.data(), Kp, dKd.data(), Kp);
       // d G_last from the state decay: e^{G_last} rowsum(S .* dS)
       for (index_t d = 0; d < K; ++d) dl(d) = op.decay[std::size_t(d)] * dot_simd<Arch>(Sp + d * ldv, dS.row(d).data(), Vp);
       // state gradient for the previous chunk: e^{G_last} dS + scale Qe^T dO - Ke^T dR
-      transpose_into(op.QK.data(), 2 * c, K, K, QKT.data(), 2 * C);
+      transpose_fast(op.QK.data(), 2 * c, K, K, QKT.data(), 2 * C);
       // (in place: dS has no reader after this point in the chunk)
       gemm::run(K, Vp, 2 * c, QKT.data(), 2 * C, Y.data(), Vp, dS.data(), Vp, gemm::row_scaled, op.decay.data());
       prefetch_next(hv, tp, cp, 3, true);
