@@ -249,7 +249,6 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
   using gemm = small_gemm<Arch, Acc>;
   using Mat = typename chunk_workspace<Acc>::Mat;
   using Vec = typename chunk_workspace<Acc>::Vec;
-  using CMap = Eigen::Map<Mat const>;
   constexpr index_t L = gemm::L;
   index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), Kp = padded_v<Arch, Acc>(K);
   index_t const b = p.batch(n), bos = p.bos(n), eos = p.eos(n), Tn = eos - bos, C = chunk_size;
@@ -262,7 +261,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
   Mat St = Mat::Zero(K, Vp), dS = Mat::Zero(K, Vp), P = Mat::Zero(2 * C, Vp);
   Mat R = Mat::Zero(C, Vp), U = Mat::Zero(C, Vp), Y = Mat::Zero(2 * C, Vp), dU = Mat::Zero(C, Vp), dB = Mat::Zero(C, Vp);
   Mat Bm = Mat::Zero(C, Vp), BT = Mat::Zero(Vp, C), UT = Mat::Zero(Vp, C), ST = Mat::Zero(Vp, Kp), dST = Mat::Zero(Vp, Kp);
-  Mat Z = Mat::Zero(2 * C, Kp), dKd = Mat::Zero(C, Kp), AqkT = Mat::Zero(C, C), AT = Mat::Zero(C, C), QKT = Mat::Zero(K, 2 * C);
+  Mat Z = Mat::Zero(2 * C, Kp), dKd = Mat::Zero(C, Kp), AqkT = Mat::Zero(C, C), AT = Mat::Zero(C, C), T1 = Mat::Zero(C, C), QKT = Mat::Zero(K, 2 * C);
   index_t const nch = (Tn + C - 1) / C;
   bool const given = present(a.saved);
   bool const in_place = given && V == Vp;  // the forward's records are read where they are
@@ -401,14 +400,23 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
       // variation of A is strictly lower and the rest of dA does not reach dKK.
       lower_product(dU.data(), BT.data(), w.dA, true);
       prefetch_next(hv, tp, cp, 2, true);
-      auto A = CMap(Ap, C, C).topLeftCorner(c, c);
-      auto dA = w.dA.topLeftCorner(c, c);
-      Mat t1 = A.transpose() * dA;
-      auto dKK = w.dKK.topLeftCorner(c, c);
-      dKK.noalias() = -t1 * A.transpose();
-      dKK.template triangularView<Eigen::Upper>().setZero();
-      dbeta.head(c) += (dKK.array() * CMap(KKp, C, C).topLeftCorner(c, c).array()).rowwise().sum().matrix();
-      dKK = w.beta.head(c).asDiagonal() * dKK;
+      // dL = -A^T dA A^T (strictly lower part; L = Diag(beta) KK): A^T is upper triangular.
+      // Columns c..cL-1 of the products are padding and never read.
+      gemm::run(c, cL, c, AT.data(), C, w.dA.data(), C, T1.data(), C, gemm::zero, nullptr, 2);
+      gemm::run(c, cL, c, T1.data(), C, AT.data(), C, w.dKK.data(), C);
+      for (index_t i = 0; i < c; ++i) {
+        Acc* x = w.dKK.row(i).data();
+        Acc const* kk = KKp + i * C;
+        Acc const bi = w.beta(i);
+        Acc acc = 0;
+        for (index_t j = 0; j < i; ++j) {
+          Acc const dl_ij = -x[j];
+          acc += dl_ij * kk[j];
+          x[j] = bi * dl_ij;
+        }
+        for (index_t j = i; j < c; ++j) x[j] = 0;
+        dbeta(i) += acc;
+      }
       // [dO; -dR] S^T = [d(scale Qe)/scale; dKe], U dS^T = dKd
       transpose_fast(Sp, K, Vp, ldv, ST.data(), Kp);
       transpose_fast(dS.data(), K, Vp, Vp, dST.data(), Kp);
