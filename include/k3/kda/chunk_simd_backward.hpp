@@ -110,27 +110,40 @@ struct chunk_intra_backward_simd {
         }
         index_t const j0 = diag ? i0 : 0, nj = diag ? ci : i0;
         for (index_t r = 0; r < ci; ++r) {
-          Acc const* g = w.G.row(i0 + r).data();
-          Acc const* q = w.Q.row(i0 + r).data();
-          Acc const* k = w.Kc.row(i0 + r).data();
-          Acc* ei = EI.row(r).data();
-          Acc* qa = QKa.row(r).data();
-          Acc* ka = QKa.row(ci + r).data();
-          for (index_t d = 0; d < K; ++d) ei[d] = g[d] - an[d];
-          chunk_exp_row<Arch>(ei, ei, K);
-          for (index_t d = 0; d < K; ++d) {
+          Acc const* K3_RESTRICT g = w.G.row(i0 + r).data();
+          Acc const* K3_RESTRICT q = w.Q.row(i0 + r).data();
+          Acc const* K3_RESTRICT k = w.Kc.row(i0 + r).data();
+          Acc* K3_RESTRICT ei = EI.row(r).data();
+          Acc* K3_RESTRICT qa = QKa.row(r).data();
+          Acc* K3_RESTRICT ka = QKa.row(ci + r).data();
+          index_t d = 0;
+          for (; d + L <= K; d += L) {
+            batch const e = xsimd::exp(batch::load_unaligned(g + d) - batch::load_unaligned(an + d));
+            e.store_unaligned(ei + d);
+            (batch::load_unaligned(q + d) * e).store_unaligned(qa + d);
+            (batch::load_unaligned(k + d) * e).store_unaligned(ka + d);
+          }
+          for (; d < K; ++d) {
+            ei[d] = std::exp(g[d] - an[d]);
             qa[d] = q[d] * ei[d];
             ka[d] = k[d] * ei[d];
           }
         }
         for (index_t j = 0; j < nj; ++j) {
-          Acc const* g = w.G.row(j0 + j).data();
-          Acc const* k = w.Kc.row(j0 + j).data();
-          Acc* ej = EJ.row(j).data();
-          Acc* kb = Kb.row(j).data();
-          for (index_t d = 0; d < K; ++d) ej[d] = an[d] - g[d];
-          chunk_exp_row<Arch>(ej, ej, K);
-          for (index_t d = 0; d < K; ++d) kb[d] = k[d] * ej[d];
+          Acc const* K3_RESTRICT g = w.G.row(j0 + j).data();
+          Acc const* K3_RESTRICT k = w.Kc.row(j0 + j).data();
+          Acc* K3_RESTRICT ej = EJ.row(j).data();
+          Acc* K3_RESTRICT kb = Kb.row(j).data();
+          index_t d = 0;
+          for (; d + L <= K; d += L) {
+            batch const e = xsimd::exp(batch::load_unaligned(an + d) - batch::load_unaligned(g + d));
+            e.store_unaligned(ej + d);
+            (batch::load_unaligned(k + d) * e).store_unaligned(kb + d);
+          }
+          for (; d < K; ++d) {
+            ej[d] = std::exp(an[d] - g[d]);
+            kb[d] = k[d] * ej[d];
+          }
         }
         for (index_t r = 0; r < ci; ++r) {
           Acc const* aq = w.dAqk.row(i0 + r).data() + j0;
@@ -146,25 +159,25 @@ struct chunk_intra_backward_simd {
         transpose_fast(Xa.data(), 2 * ci, nj, C, XaT.data(), 2 * BC);
         gemm::run(nj, Kp, 2 * ci, XaT.data(), 2 * BC, QKa.data(), Kp, dKb.data(), Kp);
         for (index_t j = 0; j < nj; ++j) {
-          Acc const* x = dKb.row(j).data();
-          Acc const* ej = EJ.row(j).data();
-          Acc const* kb = Kb.row(j).data();
-          Acc* dk = w.dK.row(j0 + j).data();
-          Acc* dg = w.dG.row(j0 + j).data();
+          Acc const* K3_RESTRICT x = dKb.row(j).data();
+          Acc const* K3_RESTRICT ej = EJ.row(j).data();
+          Acc const* K3_RESTRICT kb = Kb.row(j).data();
+          Acc* K3_RESTRICT dk = w.dK.row(j0 + j).data();
+          Acc* K3_RESTRICT dg = w.dG.row(j0 + j).data();
           for (index_t d = 0; d < K; ++d) {
             dk[d] += x[d] * ej[d];
             dg[d] -= x[d] * kb[d];
           }
         }
         for (index_t r = 0; r < ci; ++r) {
-          Acc const* dqa = D1.row(r).data();
-          Acc const* dka = D1.row(ci + r).data();
-          Acc const* ei = EI.row(r).data();
-          Acc const* qa = QKa.row(r).data();
-          Acc const* ka = QKa.row(ci + r).data();
-          Acc* dq = w.dQ.row(i0 + r).data();
-          Acc* dk = w.dK.row(i0 + r).data();
-          Acc* dg = w.dG.row(i0 + r).data();
+          Acc const* K3_RESTRICT dqa = D1.row(r).data();
+          Acc const* K3_RESTRICT dka = D1.row(ci + r).data();
+          Acc const* K3_RESTRICT ei = EI.row(r).data();
+          Acc const* K3_RESTRICT qa = QKa.row(r).data();
+          Acc const* K3_RESTRICT ka = QKa.row(ci + r).data();
+          Acc* K3_RESTRICT dq = w.dQ.row(i0 + r).data();
+          Acc* K3_RESTRICT dk = w.dK.row(i0 + r).data();
+          Acc* K3_RESTRICT dg = w.dG.row(i0 + r).data();
           for (index_t d = 0; d < K; ++d) {
             dq[d] += dqa[d] * ei[d];
             dk[d] += dka[d] * ei[d];
