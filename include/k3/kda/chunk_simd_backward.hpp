@@ -164,7 +164,14 @@ struct chunk_intra_backward_simd {
           Acc const* K3_RESTRICT kb = Kb.row(j).data();
           Acc* K3_RESTRICT dk = w.dK.row(j0 + j).data();
           Acc* K3_RESTRICT dg = w.dG.row(j0 + j).data();
-          for (index_t d = 0; d < K; ++d) {
+          // explicit batches: g++ does not vectorise these loops (it ignores restrict on locals)
+          index_t d = 0;
+          for (; d + L <= K; d += L) {
+            batch const xv = batch::load_unaligned(x + d);
+            xsimd::fma(xv, batch::load_unaligned(ej + d), batch::load_unaligned(dk + d)).store_unaligned(dk + d);
+            xsimd::fnma(xv, batch::load_unaligned(kb + d), batch::load_unaligned(dg + d)).store_unaligned(dg + d);
+          }
+          for (; d < K; ++d) {
             dk[d] += x[d] * ej[d];
             dg[d] -= x[d] * kb[d];
           }
@@ -178,7 +185,15 @@ struct chunk_intra_backward_simd {
           Acc* K3_RESTRICT dq = w.dQ.row(i0 + r).data();
           Acc* K3_RESTRICT dk = w.dK.row(i0 + r).data();
           Acc* K3_RESTRICT dg = w.dG.row(i0 + r).data();
-          for (index_t d = 0; d < K; ++d) {
+          index_t d = 0;
+          for (; d + L <= K; d += L) {
+            batch const a1 = batch::load_unaligned(dqa + d), a2 = batch::load_unaligned(dka + d), e = batch::load_unaligned(ei + d);
+            xsimd::fma(a1, e, batch::load_unaligned(dq + d)).store_unaligned(dq + d);
+            xsimd::fma(a2, e, batch::load_unaligned(dk + d)).store_unaligned(dk + d);
+            xsimd::fma(a2, batch::load_unaligned(ka + d), xsimd::fma(a1, batch::load_unaligned(qa + d), batch::load_unaligned(dg + d)))
+                .store_unaligned(dg + d);
+          }
+          for (; d < K; ++d) {
             dq[d] += dqa[d] * ei[d];
             dk[d] += dka[d] * ei[d];
             dg[d] += dqa[d] * qa[d] + dka[d] * ka[d];
@@ -284,6 +299,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
   using gemm = small_gemm<Arch, Acc>;
   using Mat = typename chunk_workspace<Acc>::Mat;
   using Vec = typename chunk_workspace<Acc>::Vec;
+  using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = gemm::L;
   index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), Kp = padded_v<Arch, Acc>(K);
   index_t const b = p.batch(n), bos = p.bos(n), eos = p.eos(n), Tn = eos - bos, C = chunk_size;
@@ -424,9 +440,10 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         Acc const* db = dB.row(r).data();
         Acc* bm = Bm.row(r).data();
         Acc* y = Y.row(c + r).data();
-        for (index_t e = 0; e < Vp; ++e) {
-          bm[e] = br * rr[e];
-          y[e] = -br * db[e];  // -dR
+        batch const bv(br), nbv(-br);
+        for (index_t e = 0; e < Vp; e += L) {  // Vp: a multiple of the batch width
+          (bv * batch::load_unaligned(rr + e)).store_unaligned(bm + e);
+          (nbv * batch::load_unaligned(db + e)).store_unaligned(y + e);  // -dR
         }
         dbeta(r) = dot_simd<Arch>(rr, db, Vp);
       }
@@ -477,7 +494,17 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         Acc* K3_RESTRICT dKr = w.dK.row(r).data();
         Acc* K3_RESTRICT dGr = w.dG.row(r).data();
         Acc* K3_RESTRICT dlp = dl.data();
-        for (index_t d = 0; d < K; ++d) {
+        index_t d = 0;
+        for (; d + L <= K; d += L) {
+          batch const a1 = batch::load_unaligned(dkd + d), zqv = batch::load_unaligned(zq + d), zkv = batch::load_unaligned(zk + d);
+          batch const egv = batch::load_unaligned(eg + d);
+          batch const t = a1 * batch::load_unaligned(kd + d);
+          (xsimd::fma(zkv, batch::load_unaligned(ke + d), zqv * batch::load_unaligned(qe + d)) - t).store_unaligned(dGr + d);
+          (batch::load_unaligned(dlp + d) + t).store_unaligned(dlp + d);
+          (batch(scale) * zqv * egv).store_unaligned(dQr + d);
+          xsimd::fma(zkv, egv, a1 * batch::load_unaligned(egd + d)).store_unaligned(dKr + d);
+        }
+        for (; d < K; ++d) {
           Acc const t = dkd[d] * kd[d];
           dGr[d] = zq[d] * qe[d] + zk[d] * ke[d] - t;
           dlp[d] += t;
@@ -493,7 +520,10 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         store_row(w.dG.row(r).data(), &a.dg(b, t0 + r, hv, 0), K);
         Acc const* y = Y.row(c + r).data();
         In* dv = &a.dv(b, t0 + r, hv, 0);
-        for (index_t e = 0; e < V; ++e) dv[e] = store_as<In>(-y[e]);
+        index_t e = 0;
+        if constexpr (std::is_same_v<In, Acc>)
+          for (; e + L <= V; e += L) (-batch::load_unaligned(y + e)).store_unaligned(dv + e);
+        for (; e < V; ++e) dv[e] = store_as<In>(-y[e]);
         a.dbeta(b, t0 + r, hv) = store_as<In>(dbeta(r));
       }
       if (p.G == 1) {
