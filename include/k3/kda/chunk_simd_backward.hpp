@@ -19,6 +19,7 @@
 #include "k3/kda/chunk_simd.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
+#include "k3/kda/recurrent_simd.hpp"
 
 namespace k3::kda::detail {
 
@@ -204,36 +205,16 @@ struct chunk_intra_backward_simd {
   }
 };
 
-// Software prefetch into L2 (for reading, or for writing where the ISA has prefetchw). An asm
-// statement, not __builtin_prefetch: g++ 12 deletes a loop whose body is only the builtin
-// (no side effect), which is what happened to chunk_simd.hpp's prefetch_rows (no prefetch
-// instruction is emitted for it).
-template <bool Write>
-inline void prefetch_l2(void const* p) noexcept {
-#if defined(__GNUC__) && defined(__x86_64__)
-  if constexpr (Write) {
-#if defined(__PRFCHW__)
-    asm volatile("prefetchw (%0)" : : "r"(p));
-#else
-    asm volatile("prefetcht1 (%0)" : : "r"(p));
-#endif
-  } else {
-    asm volatile("prefetcht1 (%0)" : : "r"(p));
-  }
-#else
-  __builtin_prefetch(p, Write ? 1 : 0, 2);
-#endif
-}
-
 // The rows of one head sit at a stride of H*K (HV*V) elements, each on its own page, which the
-// hardware prefetchers do not follow: the next chunk's input rows (read) and gradient rows
-// (written) are prefetched while this chunk computes.
-template <bool Write, class T>
+// hardware prefetchers do not follow: the next chunk's input rows are prefetched while this
+// chunk computes, with recurrent_simd.hpp's prefetch_l2 (an asm prefetcht1: g++ deletes loops of
+// __builtin_prefetch, which is what happens to chunk_simd.hpp's prefetch_rows).
+template <class T>
 void prefetch_rows_l2(tensor_view<T, 4> x, index_t b, index_t t0, index_t h, index_t r0, index_t r1) noexcept {
   index_t const bytes = x.extent(3) * index_t(sizeof(T));
   for (index_t r = r0; r < r1; ++r) {
     char const* c = reinterpret_cast<char const*>(&x(b, t0 + r, h, 0));
-    for (index_t o = 0; o < bytes; o += 64) prefetch_l2<Write>(c + o);
+    for (index_t o = 0; o < bytes; o += 64) prefetch_l2(c + o);
   }
 }
 
@@ -337,19 +318,12 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
   Vec dbeta(C), dl(K);
   auto prefetch_next = [&](index_t hv, index_t tn, index_t cn, index_t part, bool grad) {
     index_t const r0 = cn * part / 4, r1 = cn * (part + 1) / 4;
-    prefetch_rows_l2<false>(a.q, b, tn, h, r0, r1);
-    prefetch_rows_l2<false>(a.k, b, tn, h, r0, r1);
-    prefetch_rows_l2<false>(a.v, b, tn, hv, r0, r1);
-    prefetch_rows_l2<false>(a.g, b, tn, hv, r0, r1);
-    if (grad) {
-      prefetch_rows_l2<false>(a.d_o, b, tn, hv, r0, r1);
-      prefetch_rows_l2<true>(a.dg, b, tn, hv, r0, r1);
-      prefetch_rows_l2<true>(a.dv, b, tn, hv, r0, r1);
-      if (p.G == 1) {
-        prefetch_rows_l2<true>(a.dq, b, tn, h, r0, r1);
-        prefetch_rows_l2<true>(a.dk, b, tn, h, r0, r1);
-      }
-    }
+    prefetch_rows_l2(a.q, b, tn, h, r0, r1);
+    prefetch_rows_l2(a.k, b, tn, h, r0, r1);
+    prefetch_rows_l2(a.v, b, tn, hv, r0, r1);
+    prefetch_rows_l2(a.g, b, tn, hv, r0, r1);
+    // (prefetching the gradient rows for writing as well measured no different)
+    if (grad) prefetch_rows_l2(a.d_o, b, tn, hv, r0, r1);
   };
   for (index_t hv = h * p.G; hv < (h + 1) * p.G; ++hv) {
     if (!given) {
