@@ -35,6 +35,15 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   a.o = k3::host_view(o.data(), B, T_, HV, V);
   if (h0) a.h0 = h0->view<T, 4>("h0");
   a.ht = k3::host_view(ht.data(), std::max<index_t>(N, 0), HV, K, V);
+  // With --backward in chunk mode the forward also keeps what the backward needs per chunk
+  // (forward_args::saved), so the backward does not recompute the state recurrence; the
+  // gradients are the same bit for bit.
+  std::vector<T> saved;
+  if (backward && opt.mode == k3::kda::algorithm::chunk) {
+    auto const sh = k3::kda::saved_shape(a, opt);
+    saved.resize(std::size_t(sh[0] * sh[1] * sh[2]));
+    a.saved = k3::host_view(saved.data(), sh[0], sh[1], sh[2]);
+  }
   k3::cpu::threads<> be;
   k3::kda::forward(be, a, opt);
   args.save("o", a.o);
@@ -59,6 +68,7 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   b.dg = k3::host_view(dg.data(), B, T_, HV, K);
   b.dbeta = k3::host_view(dbeta.data(), B, T_, HV);
   b.dh0 = k3::host_view(dh0.data(), std::max<index_t>(N, 0), HV, K, V);
+  b.saved = a.saved;
   k3::kda::backward(be, b, opt);
   args.save("dq", b.dq);
   args.save("dk", b.dk);

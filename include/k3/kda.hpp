@@ -7,6 +7,10 @@
 //
 // In is the storage type of q, k, v, g, beta, o and their gradients (float, double or
 // bfloat16); S is the state type (float or double) and also the accumulation type.
+// Training (chunked form): give forward_args::saved, a [HV, chunks, record] tensor of the state
+// type sized by k3::kda::saved_shape(args, options), and pass the same tensor as
+// backward_args::saved; the backward then reads the forward's per-chunk states instead of
+// recomputing them (same gradients, bit for bit).
 // Backends: k3::cpu::serial (one thread; with algorithm::recurrent it is the reference),
 // k3::cpu::simd<Arch> (one thread, vectorised kernels) and k3::cpu::threads<Arch> (the same
 // kernels over (sequence x head) tasks on a thread pool).
@@ -28,6 +32,7 @@
 #include "k3/core/concepts.hpp"
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/chunk_simd.hpp"
+#include "k3/kda/chunk_simd_backward.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
 #include "k3/kda/recurrent_simd.hpp"

@@ -1,7 +1,9 @@
 // Random KDA problems for the tests: generated in double, stored in any storage type, run
 // through any backend and algorithm, results returned in double.
 #pragma once
+#include <array>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -131,20 +133,36 @@ struct typed_data {
   }
 };
 
+// The forward's saved states (forward_args::saved) and their shape.
+template <class S>
+struct saved_states {
+  std::vector<S> data;
+  std::array<index_t, 3> shape{};
+  tensor_view<S, 3> view() { return host_view(data.data(), shape[0], shape[1], shape[2]); }
+  tensor_view<S const, 3> view() const { return host_view(data.data(), shape[0], shape[1], shape[2]); }
+};
+
+// With `saved`, the chunked forward also fills it (sized here from kda::saved_shape).
 template <class In, class S = kda::default_state_t<In>, class Backend = cpu::serial>
-fwd_result run_forward(typed_data<In, S> const& d, kda::algorithm m, Backend const& be = {}) {
+fwd_result run_forward(typed_data<In, S> const& d, kda::algorithm m, Backend const& be = {}, saved_states<S>* saved = nullptr) {
   auto const& c = d.c;
   std::vector<In> o(std::size_t(c.B * c.T * c.HV * c.V));
   std::vector<S> ht(std::size_t(c.N() * c.HV * c.K * c.V), S(-7));
   kda::forward_args<In, S> a{.q = d.qv(), .k = d.kv(), .v = d.vv(), .g = d.gv(), .beta = d.bv(),
                              .o = host_view(o.data(), c.B, c.T, c.HV, c.V), .h0 = d.h0v(),
                              .ht = host_view(ht.data(), c.N(), c.HV, c.K, c.V)};
+  if (saved) {
+    saved->shape = kda::saved_shape(a, d.opts(m));
+    // poison: every entry the backward reads must be written by the forward
+    saved->data.assign(std::size_t(saved->shape[0] * saved->shape[1] * saved->shape[2]), std::numeric_limits<S>::quiet_NaN());
+    a.saved = saved->view();
+  }
   kda::forward(be, a, d.opts(m));
   return {to_double(o), to_double(ht)};
 }
 
 template <class In, class S = kda::default_state_t<In>, class Backend = cpu::serial>
-bwd_result run_backward(typed_data<In, S> const& d, kda::algorithm m, Backend const& be = {}) {
+bwd_result run_backward(typed_data<In, S> const& d, kda::algorithm m, Backend const& be = {}, saved_states<S> const* saved = nullptr) {
   auto const& c = d.c;
   std::vector<In> dq(d.q.size(), store_as<In>(-7.0)), dk(d.k.size(), store_as<In>(-7.0)), dv(d.v.size(), store_as<In>(-7.0)), dg(d.g.size(), store_as<In>(-7.0)),
       db(d.beta.size(), store_as<In>(-7.0));
@@ -155,6 +173,7 @@ bwd_result run_backward(typed_data<In, S> const& d, kda::algorithm m, Backend co
                               .dv = host_view(dv.data(), c.B, c.T, c.HV, c.V), .dg = host_view(dg.data(), c.B, c.T, c.HV, c.K),
                               .dbeta = host_view(db.data(), c.B, c.T, c.HV),
                               .dh0 = host_view(dh0.data(), c.N(), c.HV, c.K, c.V)};
+  if (saved) a.saved = saved->view();
   kda::backward(be, a, d.opts(m));
   return {to_double(dq), to_double(dk), to_double(dv), to_double(dg), to_double(db), to_double(dh0)};
 }

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <limits>
+#include <random>
 
 #include "kda/kda_fixture.hpp"
 
@@ -48,6 +49,37 @@ void check_chunk_vs_serial(kda_case c, double tol = 1e-12) {
   CHECK(rel_rms(t1.o, tf.o) == 0);
   auto tb1 = run_backward(td, kda::algorithm::chunk, cpu::threads<>(1));
   CHECK(rel_rms(tb1.dg, tb.dg) == 0);
+  // Saved states: the forward that fills them gives the same outputs, and the backward that
+  // reads them the same gradients, bit for bit, as the backward that recomputes them.
+  auto same = [](bwd_result const& x, bwd_result const& y) {
+    CHECK(x.dq == y.dq);
+    CHECK(x.dk == y.dk);
+    CHECK(x.dv == y.dv);
+    CHECK(x.dg == y.dg);
+    CHECK(x.dbeta == y.dbeta);
+    CHECK(x.dh0 == y.dh0);
+  };
+  saved_states<double> ss, st;
+  auto cfs = run_forward(td, kda::algorithm::chunk, cpu::serial{}, &ss);
+  CHECK(cfs.o == cf.o);
+  CHECK(cfs.ht == cf.ht);
+  same(run_backward(td, kda::algorithm::chunk, cpu::serial{}, &ss), cb);
+  auto tfs = run_forward(td, kda::algorithm::chunk, cpu::threads<>(2), &st);
+  CHECK(tfs.o == tf.o);
+  CHECK(tfs.ht == tf.ht);
+  same(run_backward(td, kda::algorithm::chunk, cpu::threads<>(2), &st), tb);
+  same(run_backward(td, kda::algorithm::chunk, cpu::simd<>{}, &st), tb);
+  // Records are interchangeable between backends (same algebra, other rounding).
+  auto xs = run_backward(td, kda::algorithm::chunk, cpu::serial{}, &st);
+  auto xt = run_backward(td, kda::algorithm::chunk, cpu::threads<>(2), &ss);
+  for (auto const* x : {&xs, &xt}) {
+    CHECK(rel_rms(rb.dq, x->dq) < tol);
+    CHECK(rel_rms(rb.dk, x->dk) < tol);
+    CHECK(rel_rms(rb.dv, x->dv) < tol);
+    CHECK(rel_rms(rb.dg, x->dg) < tol);
+    CHECK(rel_rms(rb.dbeta, x->dbeta) < tol);
+    CHECK(rel_rms(rb.dh0, x->dh0) < tol);
+  }
 }
 
 }  // namespace
@@ -83,6 +115,34 @@ TEST_CASE("chunked equals serial in double: varlen, resets, lower-bound gate") {
   check_chunk_vs_serial({.B = 1, .T = 65, .H = 1, .HV = 1, .K = 16, .V = 16, .gate = gate_kind::lower_bound, .lb = -0.5, .seed = 37});
 }
 
+TEST_CASE("saved states in float: bitwise equal gradients, grouped heads, varlen, padded V") {
+  for (kda_case c : {kda_case{.B = 1, .T = 200, .H = 2, .HV = 4, .K = 60, .V = 40, .cu = {0, 0, 1, 70, 130, 200},
+                              .gate = gate_kind::lower_bound, .lb = -5, .seed = 38},
+                     kda_case{.B = 3, .T = 129, .H = 1, .HV = 2, .K = 32, .V = 64, .gate = gate_kind::resets, .seed = 39},
+                     kda_case{.B = 2, .T = 1, .H = 1, .HV = 1, .K = 16, .V = 16, .seed = 40}}) {
+    typed_data<float> td(make_data(c));
+    for (int threads : {1, 3}) {
+      cpu::threads<> be(threads);
+      auto tb = run_backward(td, kda::algorithm::chunk, be);
+      saved_states<float> st;
+      run_forward(td, kda::algorithm::chunk, be, &st);
+      auto sb = run_backward(td, kda::algorithm::chunk, be, &st);
+      CHECK(sb.dq == tb.dq);
+      CHECK(sb.dk == tb.dk);
+      CHECK(sb.dv == tb.dv);
+      CHECK(sb.dg == tb.dg);
+      CHECK(sb.dbeta == tb.dbeta);
+      CHECK(sb.dh0 == tb.dh0);
+      // ... and the backward really reads them: a changed record changes the gradients.
+      if (st.data.empty()) continue;
+      for (auto& x : st.data) x *= 1.5f;
+      auto xb = run_backward(td, kda::algorithm::chunk, be, &st);
+      CHECK(xb.dv != tb.dv);
+      CHECK(xb.dh0 != tb.dh0);
+    }
+  }
+}
+
 TEST_CASE("empty sequences pass the initial state through") {
   kda_case c{.B = 1, .T = 20, .H = 1, .HV = 2, .K = 8, .V = 4, .cu = {0, 0, 20, 20}, .seed = 41};
   kda_data64 d = make_data(c);
@@ -97,11 +157,21 @@ TEST_CASE("empty sequences pass the initial state through") {
         CHECK(b.dh0[std::size_t(n * per + i)] == d.dht[std::size_t(n * per + i)]);
       }
   }
+  // With saved states: the empty sequences own no chunk record (3 sequences, 1 chunk).
+  saved_states<double> ss;
+  run_forward(td, kda::algorithm::chunk, cpu::threads<>(2), &ss);
+  CHECK(ss.shape == std::array<index_t, 3>{c.HV, 1, kda::detail::saved_layout{c.K, c.V}.per()});
+  auto b = run_backward(td, kda::algorithm::chunk, cpu::threads<>(2), &ss);
+  CHECK(b.dh0 == run_backward(td, kda::algorithm::chunk, cpu::threads<>(2)).dh0);
   // B = 0 and T = 0 are no-ops.
   kda_case e{.B = 0, .T = 0, .H = 1, .HV = 1, .K = 4, .V = 4, .seed = 42};
   typed_data<double> te(make_data(e));
   CHECK_NOTHROW(run_forward(te, kda::algorithm::chunk));
   CHECK_NOTHROW(run_backward(te, kda::algorithm::chunk));
+  saved_states<double> se;
+  CHECK_NOTHROW(run_forward(te, kda::algorithm::chunk, cpu::threads<>(2), &se));
+  CHECK(se.data.empty());
+  CHECK_NOTHROW(run_backward(te, kda::algorithm::chunk, cpu::threads<>(2), &se));
 }
 
 // Changing tokens after t must not change outputs or gradients at or before t (fla #1240):
@@ -150,4 +220,21 @@ TEST_CASE("prefix invariance (bitwise)") {
       }
     }
   }
+}
+
+TEST_CASE("the backward's block transpose equals the scalar one") {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  for (index_t rows : {1, 15, 16, 17, 33, 64, 128})
+    for (index_t cols : {1, 16, 31, 48, 128}) {
+      index_t const lds = cols + 3, ldd = rows + 5;
+      std::vector<float> src(std::size_t(rows * lds)), a(std::size_t(cols * ldd), -1.0f), b = a;
+      for (auto& x : src) x = nd(rng);
+      kda::detail::transpose_into(src.data(), rows, cols, lds, a.data(), ldd);
+      kda::detail::transpose_fast(src.data(), rows, cols, lds, b.data(), ldd);
+      INFO("rows " << rows << " cols " << cols);
+      CHECK(a == b);
+      for (index_t i = 0; i < rows; ++i)
+        for (index_t j = 0; j < cols; ++j) REQUIRE(b[std::size_t(j * ldd + i)] == src[std::size_t(i * lds + j)]);
+    }
 }

@@ -140,6 +140,42 @@ TEST_CASE("forward and backward validate their arguments") {
   b = bbase();
   b.d_o = host_view(d.d_o.data(), c.B, c.T, c.HV, c.V - 1);
   CHECK(has(error_of([&] { kda::backward(cpu::serial{}, b); }), "'do'"));
+
+  // saved states: shape [HV, chunks, record], chunked form only, apart from the other arguments
+  auto sh = kda::saved_shape(base());
+  CHECK(sh[0] == c.HV);
+  CHECK(sh[1] == 1);
+  CHECK(sh == kda::saved_shape(bbase()));
+  std::vector<float> sv(std::size_t(sh[0] * sh[1] * sh[2]));
+  a = base();
+  a.saved = host_view(sv.data(), sh[0], sh[1], sh[2]);
+  CHECK_NOTHROW(kda::forward(cpu::threads<>(2), a));
+  b = bbase();
+  b.saved = host_view(static_cast<float const*>(sv.data()), sh[0], sh[1], sh[2]);
+  CHECK_NOTHROW(kda::backward(cpu::threads<>(2), b));
+  a.saved = host_view(sv.data(), sh[0], sh[1] + 1, sh[2] - 1);
+  m = error_of([&] { kda::forward(cpu::serial{}, a); });
+  CHECK(has(m, "'saved'"));
+  CHECK(has(m, "[" + std::to_string(sh[0]) + ", " + std::to_string(sh[1]) + ", " + std::to_string(sh[2]) + "]"));
+  b.saved = host_view(static_cast<float const*>(sv.data()), sh[0] - 1, sh[1], sh[2]);
+  CHECK(has(error_of([&] { kda::backward(cpu::serial{}, b); }), "'saved'"));
+  kda::options rec;
+  rec.mode = kda::algorithm::recurrent;
+  a.saved = host_view(sv.data(), sh[0], sh[1], sh[2]);
+  CHECK(has(error_of([&] { kda::forward(cpu::serial{}, a, rec); }), "chunked form"));
+  b.saved = host_view(static_cast<float const*>(sv.data()), sh[0], sh[1], sh[2]);
+  CHECK(has(error_of([&] { kda::backward(cpu::serial{}, b, rec); }), "chunked form"));
+  std::vector<float> big(sv.size());  // saved sharing memory with o (forward) or dq (backward)
+  a.saved = host_view(big.data(), sh[0], sh[1], sh[2]);
+  a.o = host_view(big.data() + 7, c.B, c.T, c.HV, c.V);
+  m = error_of([&] { kda::forward(cpu::serial{}, a); });
+  CHECK(has(m, "overlap"));
+  CHECK(has(m, "'saved'"));
+  b.saved = host_view(static_cast<float const*>(big.data()), sh[0], sh[1], sh[2]);
+  b.dq = host_view(big.data() + 7, c.B, c.T, c.H, c.K);
+  m = error_of([&] { kda::backward(cpu::serial{}, b); });
+  CHECK(has(m, "overlap"));
+  CHECK(has(m, "'saved'"));
 }
 
 TEST_CASE("a NaN stays in its sequence or head") {
@@ -147,10 +183,14 @@ TEST_CASE("a NaN stays in its sequence or head") {
   kda_data64 clean = make_data(c), dirty = clean;
   // NaN in v of sequence 1 (token 50), value head 1 (q/k head 0).
   dirty.v[std::size_t((50 * c.HV + 1) * c.V + 3)] = NAN;
-  for (auto m : {kda::algorithm::chunk, kda::algorithm::recurrent}) {
+  for (int variant : {0, 1, 2}) {  // chunk, chunk with saved states, recurrent
+    auto const m = variant == 2 ? kda::algorithm::recurrent : kda::algorithm::chunk;
     typed_data<float> tc(clean), td(dirty);
-    auto fc = run_forward(tc, m, cpu::threads<>(2)), fd = run_forward(td, m, cpu::threads<>(2));
-    auto bc = run_backward(tc, m, cpu::threads<>(2)), bd = run_backward(td, m, cpu::threads<>(2));
+    saved_states<float> sc, sd;
+    auto fc = run_forward(tc, m, cpu::threads<>(2), variant == 1 ? &sc : nullptr);
+    auto fd = run_forward(td, m, cpu::threads<>(2), variant == 1 ? &sd : nullptr);
+    auto bc = run_backward(tc, m, cpu::threads<>(2), variant == 1 ? &sc : nullptr);
+    auto bd = run_backward(td, m, cpu::threads<>(2), variant == 1 ? &sd : nullptr);
     bool nan_seen = false;
     for (index_t t = 0; t < c.T; ++t)
       for (index_t hv = 0; hv < c.HV; ++hv) {

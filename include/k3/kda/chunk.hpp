@@ -31,9 +31,6 @@
 
 namespace k3::kda::detail {
 
-inline constexpr index_t chunk_size = 64;
-inline constexpr index_t sub_chunk = 16;
-
 template <class Acc>
 struct chunk_workspace {
   using Mat = Eigen::Matrix<Acc, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -226,6 +223,31 @@ void chunk_state_update(chunk_workspace<Acc>& w, index_t c) {
   w.S.noalias() += w.Kd.topRows(c).transpose() * w.U.topRows(c);
 }
 
+// The per-chunk record of saved_layout (Vw = V): what the backward's second pass reads.
+template <class Acc>
+void save_chunk(chunk_workspace<Acc> const& w, Acc* dst) {
+  saved_layout const l{w.K, w.V};
+  index_t const C = chunk_size;
+  std::copy(w.S.data(), w.S.data() + w.K * w.V, dst + l.S());
+  std::copy(w.Aqk.data(), w.Aqk.data() + C * C, dst + l.Aqk());
+  std::copy(w.KK.data(), w.KK.data() + C * C, dst + l.KK());
+  std::copy(w.A.data(), w.A.data() + C * C, dst + l.A());
+  std::copy(w.R.data(), w.R.data() + C * w.V, dst + l.R());
+  std::copy(w.U.data(), w.U.data() + C * w.V, dst + l.U());
+}
+
+template <class Acc>
+void restore_chunk(chunk_workspace<Acc>& w, Acc const* src) {
+  saved_layout const l{w.K, w.V};
+  index_t const C = chunk_size;
+  std::copy(src + l.S(), src + l.S() + w.K * w.V, w.S.data());
+  std::copy(src + l.Aqk(), src + l.Aqk() + C * C, w.Aqk.data());
+  std::copy(src + l.KK(), src + l.KK() + C * C, w.KK.data());
+  std::copy(src + l.A(), src + l.A() + C * C, w.A.data());
+  std::copy(src + l.R(), src + l.R() + C * w.V, w.R.data());
+  std::copy(src + l.U(), src + l.U() + C * w.V, w.U.data());
+}
+
 template <class Acc, class In, class S>
 void chunk_forward_task(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv) {
   index_t const K = p.K, V = p.V, b = p.batch(n), h = hv / p.G, bos = p.bos(n), eos = p.eos(n);
@@ -236,6 +258,7 @@ void chunk_forward_task(problem const& p, forward_args<In, S> const& a, index_t 
     index_t const c = std::min(chunk_size, eos - t0);
     load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
     chunk_prepare(w, c, scale, p.lower_bound);
+    if (present(a.saved)) save_chunk(w, &a.saved(hv, p.first_chunk(n) + (t0 - bos) / chunk_size, 0));
     auto O = w.O.topRows(c);
     O.noalias() = scale * w.Qe.topRows(c) * w.S;
     O.noalias() += w.Aqk.topLeftCorner(c, c) * w.U.topRows(c);
@@ -336,35 +359,26 @@ void chunk_backward_task(problem const& p, backward_args<In, S> const& a, index_
   index_t const K = p.K, V = p.V, b = p.batch(n), bos = p.bos(n), eos = p.eos(n), Tn = eos - bos;
   Acc const scale = static_cast<Acc>(p.scale);
   chunk_workspace<Acc> w(K, V, true);
-  index_t const nch = (Tn + chunk_size - 1) / chunk_size, C = chunk_size;
-  // Everything the first pass computes per chunk and the second pass needs (chunk-start
-  // state, Aqk, KK, A, R, U), so the second pass does not recompute the intra-chunk matrices.
-  index_t const per = K * V + 3 * C * C + 2 * C * V;
-  std::vector<Acc> saved(std::size_t(nch * per));
-  auto save = [&](Acc const* src, index_t n, Acc*& dst) {
-    std::copy(src, src + n, dst);
-    dst += n;
-  };
-  auto restore = [&](Acc* dst, index_t n, Acc const*& src) {
-    std::copy(src, src + n, dst);
-    src += n;
-  };
+  index_t const nch = (Tn + chunk_size - 1) / chunk_size;
+  // Without the forward's saved states, a first pass recomputes them into the same record.
+  bool const given = present(a.saved);
+  saved_layout const lay{K, V};
+  std::vector<Acc> own(given ? 0 : std::size_t(nch * lay.per()));
   Mat dq = Mat::Zero(Tn, K), dk = Mat::Zero(Tn, K);
   Vec dbeta(chunk_size), dl(K);
   for (index_t hv = h * p.G; hv < (h + 1) * p.G; ++hv) {
-    load_state<Acc>(a.h0, n, hv, w.S.data(), K, V);
-    for (index_t ch = 0; ch < nch; ++ch) {
-      index_t const t0 = bos + ch * chunk_size, c = std::min(chunk_size, eos - t0);
-      load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
-      chunk_prepare(w, c, scale, p.lower_bound);
-      Acc* dst = saved.data() + ch * per;
-      save(w.S.data(), K * V, dst);
-      save(w.Aqk.data(), C * C, dst);
-      save(w.KK.data(), C * C, dst);
-      save(w.A.data(), C * C, dst);
-      save(w.R.data(), C * V, dst);
-      save(w.U.data(), C * V, dst);
-      chunk_state_update(w, c);
+    auto record = [&](index_t ch) -> Acc const* {
+      return given ? &a.saved(hv, p.first_chunk(n) + ch, 0) : own.data() + ch * lay.per();
+    };
+    if (!given) {
+      load_state<Acc>(a.h0, n, hv, w.S.data(), K, V);
+      for (index_t ch = 0; ch < nch; ++ch) {
+        index_t const t0 = bos + ch * chunk_size, c = std::min(chunk_size, eos - t0);
+        load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
+        chunk_prepare(w, c, scale, p.lower_bound);
+        save_chunk(w, own.data() + ch * lay.per());
+        chunk_state_update(w, c);
+      }
     }
     if (present(a.dht))
       load_state<Acc>(a.dht, n, hv, w.dS.data(), K, V);
@@ -373,13 +387,7 @@ void chunk_backward_task(problem const& p, backward_args<In, S> const& a, index_
     for (index_t ch = nch; ch-- > 0;) {
       index_t const t0 = bos + ch * chunk_size, c = std::min(chunk_size, eos - t0);
       load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
-      Acc const* src = saved.data() + ch * per;
-      restore(w.S.data(), K * V, src);
-      restore(w.Aqk.data(), C * C, src);
-      restore(w.KK.data(), C * C, src);
-      restore(w.A.data(), C * C, src);
-      restore(w.R.data(), C * V, src);
-      restore(w.U.data(), C * V, src);
+      restore_chunk(w, record(ch));
       chunk_gates(w, c);
       w.B.topRows(c) = w.beta.head(c).asDiagonal() * w.R.topRows(c);
       for (index_t r = 0; r < c; ++r) load_row(&a.d_o(b, t0 + r, hv, 0), w.dO.row(r).data(), V);

@@ -582,112 +582,25 @@ struct chunk_intra_simd {
   }
 };
 
-// chunk_intra_backward for the lower-bounded gate with the same batching as chunk_intra_simd:
-// per row block I and anchor, [dQa; dKa] = [scale dAq; dAk] Kb and
-// dKb = [scale dAq; dAk]^T [Qa; Ka] over all columns J at once (the anchors drop out, as there).
-template <class Arch, class Acc>
-struct chunk_intra_backward_simd {
-  using Mat = typename chunk_workspace<Acc>::Mat;
-  using batch = xsimd::batch<Acc, Arch>;
-  static constexpr index_t L = index_t(batch::size);
-  index_t K, Kp;
-  Mat EI, QKa, EJ, Kb, Xa, XaT, D1, dKb;
-  std::vector<Acc> cv;
-
-  explicit chunk_intra_backward_simd(index_t K_) : K(K_), Kp(padded_v<Arch, Acc>(K_)) {
-    index_t const C = chunk_size, s = sub_chunk;
-    EI.setZero(s, Kp);
-    QKa.setZero(2 * s, Kp);
-    EJ.setZero(C, Kp);
-    Kb.setZero(C, Kp);
-    Xa.setZero(2 * s, C);
-    XaT.setZero(C, 2 * s);
-    D1.setZero(2 * s, Kp);
-    dKb.setZero(C, Kp);
-    cv.assign(std::size_t(K), Acc(0));
+// One chunk's record of saved_layout{K, Vw} (see common.hpp): the first V columns of each
+// source row, zeros in the columns [V, Vw) of a padded record.
+template <class Acc>
+void save_chunk_record(Acc* K3_RESTRICT dst, saved_layout l, index_t V, index_t c, Acc const* S, index_t lds, Acc const* Aqk, Acc const* KK,
+                       Acc const* A, Acc const* R, index_t ldr, Acc const* U, index_t ldu) noexcept {
+  index_t const C = chunk_size;
+  auto row = [&](Acc const* src, Acc* out) {
+    std::copy(src, src + V, out);
+    std::fill(out + V, out + l.Vw, Acc(0));
+  };
+  for (index_t d = 0; d < l.K; ++d) row(S + d * lds, dst + l.S() + d * l.Vw);
+  std::copy(Aqk, Aqk + c * C, dst + l.Aqk());
+  std::copy(KK, KK + c * C, dst + l.KK());
+  std::copy(A, A + c * C, dst + l.A());
+  for (index_t r = 0; r < c; ++r) {
+    row(R + r * ldr, dst + l.R() + r * l.Vw);
+    row(U + r * ldu, dst + l.U() + r * l.Vw);
   }
-
-  void operator()(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
-    if (!lb) return chunk_intra_backward(w, c, scale, lb);
-    using gemm = small_gemm<Arch, Acc>;
-    index_t const C = chunk_size, BC = sub_chunk;
-    Acc const lb8 = Acc(8 * *lb);
-    for (index_t i0 = 0; i0 < c; i0 += BC) {
-      index_t const ci = std::min(BC, c - i0);
-      for (int diag = 0; diag < 2; ++diag) {
-        if (!diag && i0 == 0) continue;
-        Acc const* an = w.G.row(i0).data();
-        if (diag) {
-          for (index_t d = 0; d < K; ++d) cv[std::size_t(d)] = (i0 == 0 ? Acc(0) : w.G(i0 - 1, d)) + lb8;
-          an = cv.data();
-        }
-        index_t const j0 = diag ? i0 : 0, nj = diag ? ci : i0;
-        for (index_t r = 0; r < ci; ++r) {
-          Acc const* g = w.G.row(i0 + r).data();
-          Acc const* q = w.Q.row(i0 + r).data();
-          Acc const* k = w.Kc.row(i0 + r).data();
-          Acc* ei = EI.row(r).data();
-          Acc* qa = QKa.row(r).data();
-          Acc* ka = QKa.row(ci + r).data();
-          for (index_t d = 0; d < K; ++d) ei[d] = g[d] - an[d];
-          chunk_exp_row<Arch>(ei, ei, K);
-          for (index_t d = 0; d < K; ++d) {
-            qa[d] = q[d] * ei[d];
-            ka[d] = k[d] * ei[d];
-          }
-        }
-        for (index_t j = 0; j < nj; ++j) {
-          Acc const* g = w.G.row(j0 + j).data();
-          Acc const* k = w.Kc.row(j0 + j).data();
-          Acc* ej = EJ.row(j).data();
-          Acc* kb = Kb.row(j).data();
-          for (index_t d = 0; d < K; ++d) ej[d] = an[d] - g[d];
-          chunk_exp_row<Arch>(ej, ej, K);
-          for (index_t d = 0; d < K; ++d) kb[d] = k[d] * ej[d];
-        }
-        for (index_t r = 0; r < ci; ++r) {
-          Acc const* aq = w.dAqk.row(i0 + r).data() + j0;
-          Acc const* ak = w.dKK.row(i0 + r).data() + j0;
-          Acc* xq = Xa.row(r).data();
-          Acc* xk = Xa.row(ci + r).data();
-          for (index_t j = 0; j < nj; ++j) {
-            xq[j] = scale * aq[j];
-            xk[j] = ak[j];
-          }
-        }
-        gemm::run(2 * ci, Kp, nj, Xa.data(), C, Kb.data(), Kp, D1.data(), Kp);
-        transpose_into(Xa.data(), 2 * ci, nj, C, XaT.data(), 2 * BC);
-        gemm::run(nj, Kp, 2 * ci, XaT.data(), 2 * BC, QKa.data(), Kp, dKb.data(), Kp);
-        for (index_t j = 0; j < nj; ++j) {
-          Acc const* x = dKb.row(j).data();
-          Acc const* ej = EJ.row(j).data();
-          Acc const* kb = Kb.row(j).data();
-          Acc* dk = w.dK.row(j0 + j).data();
-          Acc* dg = w.dG.row(j0 + j).data();
-          for (index_t d = 0; d < K; ++d) {
-            dk[d] += x[d] * ej[d];
-            dg[d] -= x[d] * kb[d];
-          }
-        }
-        for (index_t r = 0; r < ci; ++r) {
-          Acc const* dqa = D1.row(r).data();
-          Acc const* dka = D1.row(ci + r).data();
-          Acc const* ei = EI.row(r).data();
-          Acc const* qa = QKa.row(r).data();
-          Acc const* ka = QKa.row(ci + r).data();
-          Acc* dq = w.dQ.row(i0 + r).data();
-          Acc* dk = w.dK.row(i0 + r).data();
-          Acc* dg = w.dG.row(i0 + r).data();
-          for (index_t d = 0; d < K; ++d) {
-            dq[d] += dqa[d] * ei[d];
-            dk[d] += dka[d] * ei[d];
-            dg[d] += dqa[d] * qa[d] + dka[d] * ka[d];
-          }
-        }
-      }
-    }
-  }
-};
+}
 
 // Buffers of chunk_forward_simd_group for a group of nq q/k heads and nv value heads:
 // staged chunk inputs per head (q/k per q/k head, the rest per value head), the states, the
@@ -767,6 +680,7 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       for (index_t j = 0; j < nv; ++j) {
         Acc* Gr = SG[std::size_t(j)].row(r).data();
         load_row(&a.g(b, t, hv0 + j, 0), Gr, K);
+        for (index_t d = 0; d < K; ++d) Gr[d] = ::k3::detail::clamp_log_decay(Gr[d]);
         if (r > 0) {
           Acc const* Gp = Gr - K;
           for (index_t d = 0; d < K; ++d) Gr[d] += Gp[d];
@@ -810,6 +724,9 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
         for (index_t e = 0; e < Vp; ++e) pr[e] = vr[e] - pr[e];
       }
       gemm::run(c, Vp, c, op.Ab.data(), C, P.row(c).data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1, pf);
+      if (present(a.saved))
+        save_chunk_record(&a.saved(hv0 + index_t(jv), p.first_chunk(n) + (t0 - bos) / C, 0), saved_layout{K, V}, V, c, St_.data(), Vp,
+                          w.Aqk.data(), w.KK.data(), w.A.data(), P.row(c).data(), Vp, U.data(), Vp);
       gemm::run(c, Vp, c, w.Aqk.data(), C, U.data(), Vp, P.data(), Vp, gemm::accumulate, nullptr, 1, pf);
       std::copy(P.data(), P.data() + c * Vp, SO[jv].data());
       gemm::run(K, Vp, c, op.KdT.data(), C, U.data(), Vp, St_.data(), Vp, gemm::row_scaled, op.decay.data(), 0, pf);
@@ -833,210 +750,6 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
 inline index_t forward_head_group(index_t N, index_t HV, index_t threads) {
   index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, 2 * threads));
   return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
-}
-
-// Backward of sequence n, q/k head h, all value heads of its group: the algebra of
-// chunk_backward_task with every product over the state or the value dimension done by
-// small_gemm (operands contracted over V are transposed once per chunk).
-template <class Arch, class Acc, class In, class S>
-void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, index_t n, index_t h) {
-  using gemm = small_gemm<Arch, Acc>;
-  using Mat = typename chunk_workspace<Acc>::Mat;
-  using Vec = typename chunk_workspace<Acc>::Vec;
-  constexpr index_t L = gemm::L;
-  index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), Kp = padded_v<Arch, Acc>(K);
-  index_t const b = p.batch(n), bos = p.bos(n), eos = p.eos(n), Tn = eos - bos, C = chunk_size;
-  Acc const scale = static_cast<Acc>(p.scale);
-  chunk_workspace<Acc> w(K, Vp, true);
-  for (Mat* m : {&w.Q, &w.Kc, &w.G, &w.Vc, &w.Aqk, &w.KK, &w.A, &w.dAqk, &w.dKK, &w.dA, &w.dQ, &w.dK, &w.dG}) m->setZero();
-  chunk_simd_operands<Arch, Acc> op(K, Vp);
-  chunk_intra_simd<Arch, Acc> intra(K);
-  chunk_intra_backward_simd<Arch, Acc> intra_bwd(K);
-  Mat St = Mat::Zero(K, Vp), dS = Mat::Zero(K, Vp), P = Mat::Zero(2 * C, Vp);
-  Mat R = Mat::Zero(C, Vp), U = Mat::Zero(C, Vp), Y = Mat::Zero(2 * C, Vp), dU = Mat::Zero(C, Vp), dB = Mat::Zero(C, Vp);
-  Mat Bm = Mat::Zero(C, Vp), BT = Mat::Zero(Vp, C), UT = Mat::Zero(Vp, C), ST = Mat::Zero(Vp, Kp), dST = Mat::Zero(Vp, Kp);
-  Mat Z = Mat::Zero(2 * C, Kp), dKd = Mat::Zero(C, Kp), AqkT = Mat::Zero(C, C), AT = Mat::Zero(C, C), QKT = Mat::Zero(K, 2 * C);
-  index_t const nch = (Tn + C - 1) / C;
-  index_t const per = K * Vp + 3 * C * C + 2 * C * Vp;
-  // Per-thread, grow-only, never zeroed (every entry is written by the first pass before the
-  // second reads it): a fresh zeroed vector per task cost page faults and a memset of
-  // ~11 MiB per head at T = 4096 and ~90 MiB at T = 32768.
-  struct scratch {
-    std::unique_ptr<Acc[]> p;
-    std::size_t n = 0;
-  };
-  thread_local scratch saved_buf;
-  std::size_t const need = std::size_t(nch * per);
-  if (saved_buf.n < need) {
-    saved_buf.p.reset();
-    saved_buf.p.reset(new Acc[need]);
-    saved_buf.n = need;
-  }
-  Acc* const saved_data = saved_buf.p.get();
-  auto save = [](Acc const* src, index_t cnt, Acc*& dst) {
-    std::copy(src, src + cnt, dst);
-    dst += cnt;
-  };
-  auto restore = [](Acc* dst, index_t cnt, Acc const*& src) {
-    std::copy(src, src + cnt, dst);
-    src += cnt;
-  };
-  Mat dq = Mat::Zero(Tn, K), dk = Mat::Zero(Tn, K);
-  Vec dbeta(C), dl(K);
-  auto prefetch_next = [&](index_t hv, index_t tn, index_t cn, index_t part, bool grad) {
-    index_t const r0 = cn * part / 4, r1 = cn * (part + 1) / 4;
-    prefetch_rows(a.q, b, tn, h, r0, r1);
-    prefetch_rows(a.k, b, tn, h, r0, r1);
-    prefetch_rows(a.v, b, tn, hv, r0, r1);
-    prefetch_rows(a.g, b, tn, hv, r0, r1);
-    if (grad) prefetch_rows(a.d_o, b, tn, hv, r0, r1);
-  };
-  for (index_t hv = h * p.G; hv < (h + 1) * p.G; ++hv) {
-    St.setZero();
-    if (present(a.h0))
-      for (index_t d = 0; d < K; ++d) load_row(&a.h0(n, hv, d, 0), St.row(d).data(), V);
-    for (index_t ch = 0; ch < nch; ++ch) {
-      index_t const t0 = bos + ch * C, c = std::min(C, eos - t0);
-      load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
-      index_t const cn = std::min(C, eos - t0 - c);
-      prefetch_next(hv, t0 + c, cn, 0, false);
-      intra(w, c, scale, p.lower_bound);
-      prefetch_next(hv, t0 + c, cn, 1, false);
-      chunk_inverse(w, c);
-      op.build(w, c, scale);
-      prefetch_next(hv, t0 + c, cn, 2, false);
-      gemm::run(c, Vp, K, op.QK.row(c).data(), K, St.data(), Vp, P.data(), Vp);  // Ke S
-      prefetch_next(hv, t0 + c, cn, 3, false);
-      for (index_t r = 0; r < c; ++r) {
-        Acc* rr = R.row(r).data();
-        Acc const* pr = P.row(r).data();
-        Acc const* vr = w.Vc.row(r).data();
-        for (index_t e = 0; e < Vp; ++e) rr[e] = vr[e] - pr[e];
-      }
-      gemm::run(c, Vp, c, op.Ab.data(), C, R.data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1);
-      Acc* dst = saved_data + ch * per;
-      save(St.data(), K * Vp, dst);
-      save(w.Aqk.data(), C * C, dst);
-      save(w.KK.data(), C * C, dst);
-      save(w.A.data(), C * C, dst);
-      save(R.data(), C * Vp, dst);
-      save(U.data(), C * Vp, dst);
-      gemm::run(K, Vp, c, op.KdT.data(), C, U.data(), Vp, St.data(), Vp, gemm::row_scaled, op.decay.data());
-    }
-    dS.setZero();
-    if (present(a.dht))
-      for (index_t d = 0; d < K; ++d) load_row(&a.dht(n, hv, d, 0), dS.row(d).data(), V);
-    for (index_t ch = nch; ch-- > 0;) {
-      index_t const t0 = bos + ch * C, c = std::min(C, eos - t0);
-      load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
-      for (index_t r = 0; r < c; ++r) load_row(&a.d_o(b, t0 + r, hv, 0), Y.row(r).data(), V);
-      index_t const cp = ch > 0 ? C : 0, tp = t0 - cp;  // previous chunk (next to be processed)
-      prefetch_next(hv, tp, cp, 0, true);
-      Acc const* src = saved_data + ch * per;
-      restore(St.data(), K * Vp, src);
-      restore(w.Aqk.data(), C * C, src);
-      restore(w.KK.data(), C * C, src);
-      restore(w.A.data(), C * C, src);
-      restore(R.data(), C * Vp, src);
-      restore(U.data(), C * Vp, src);
-      op.build(w, c, scale);
-      prefetch_next(hv, tp, cp, 1, true);
-      index_t const cL = (c + L - 1) / L * L;  // columns of the c x c products, padded
-      // dU = Kd dS + Aqk^T dO
-      gemm::run(c, Vp, K, op.Kd.data(), K, dS.data(), Vp, dU.data(), Vp);
-      transpose_into(w.Aqk.data(), c, c, C, AqkT.data(), C);
-      gemm::run(c, Vp, c, AqkT.data(), C, Y.data(), Vp, dU.data(), Vp, gemm::accumulate, nullptr, 2);
-      // dAqk = dO U^T (lower part kept)
-      transpose_into(U.data(), c, Vp, Vp, UT.data(), C);
-      gemm::run(c, cL, Vp, Y.data(), Vp, UT.data(), C, w.dAqk.data(), C);
-      auto dAqk = w.dAqk.topLeftCorner(c, c);
-      dAqk.template triangularView<Eigen::StrictlyUpper>().setZero();
-      // dB = A^T dU, dA = dU B^T
-      transpose_into(w.A.data(), c, c, C, AT.data(), C);
-      gemm::run(c, Vp, c, AT.data(), C, dU.data(), Vp, dB.data(), Vp, gemm::zero, nullptr, 2);
-      for (index_t r = 0; r < c; ++r) {
-        Acc const br = w.beta(r);
-        Acc const* rr = R.row(r).data();
-        Acc const* db = dB.row(r).data();
-        Acc* bm = Bm.row(r).data();
-        Acc* y = Y.row(c + r).data();
-        Acc acc = 0;
-        for (index_t e = 0; e < Vp; ++e) {
-          bm[e] = br * rr[e];
-          y[e] = -br * db[e];  // -dR
-          acc += rr[e] * db[e];
-        }
-        dbeta(r) = acc;
-      }
-      transpose_into(Bm.data(), c, Vp, Vp, BT.data(), C);
-      gemm::run(c, cL, Vp, dU.data(), Vp, BT.data(), C, w.dA.data(), C);
-      prefetch_next(hv, tp, cp, 2, true);
-      auto A = w.A.topLeftCorner(c, c);
-      auto dA = w.dA.topLeftCorner(c, c);
-      Mat t1 = A.transpose() * dA;
-      auto dKK = w.dKK.topLeftCorner(c, c);
-      dKK.noalias() = -t1 * A.transpose();
-      dKK.template triangularView<Eigen::Upper>().setZero();
-      dbeta.head(c) += (dKK.array() * w.KK.topLeftCorner(c, c).array()).rowwise().sum().matrix();
-      dKK = w.beta.head(c).asDiagonal() * dKK;
-      // [dO; -dR] S^T = [d(scale Qe)/scale; dKe], U dS^T = dKd
-      transpose_into(St.data(), K, Vp, Vp, ST.data(), Kp);
-      transpose_into(dS.data(), K, Vp, Vp, dST.data(), Kp);
-      gemm::run(2 * c, Kp, Vp, Y.data(), Vp, ST.data(), Kp, Z.data(), Kp);
-      gemm::run(c, Kp, Vp, U.data(), Vp, dST.data(), Kp, dKd.data(), Kp);
-      // d G_last from the state decay: e^{G_last} rowsum(S .* dS)
-      for (index_t d = 0; d < K; ++d) {
-        Acc const* sr = St.row(d).data();
-        Acc const* dsr = dS.row(d).data();
-        Acc acc = 0;
-        for (index_t e = 0; e < Vp; ++e) acc += sr[e] * dsr[e];
-        dl(d) = op.decay[std::size_t(d)] * acc;
-      }
-      // state gradient for the previous chunk: e^{G_last} dS + scale Qe^T dO - Ke^T dR
-      transpose_into(op.QK.data(), 2 * c, K, K, QKT.data(), 2 * C);
-      // (in place: dS has no reader after this point in the chunk)
-      gemm::run(K, Vp, 2 * c, QKT.data(), 2 * C, Y.data(), Vp, dS.data(), Vp, gemm::row_scaled, op.decay.data());
-      prefetch_next(hv, tp, cp, 3, true);
-      for (index_t r = 0; r < c; ++r) {
-        Acc const* zq = Z.row(r).data();
-        Acc const* zk = Z.row(c + r).data();
-        Acc const* dkd = dKd.row(r).data();
-        Acc const* qe = op.QK.row(r).data();  // scale Q e^G
-        Acc const* ke = op.QK.row(c + r).data();
-        Acc const* kd = op.Kd.row(r).data();
-        Acc const* eg = op.EG.row(r).data();
-        Acc const* egd = op.EGd.row(r).data();
-        Acc* dQr = w.dQ.row(r).data();
-        Acc* dKr = w.dK.row(r).data();
-        Acc* dGr = w.dG.row(r).data();
-        for (index_t d = 0; d < K; ++d) {
-          dGr[d] = zq[d] * qe[d] + zk[d] * ke[d] - dkd[d] * kd[d];
-          dl(d) += dkd[d] * kd[d];
-          dQr[d] = scale * zq[d] * eg[d];
-          dKr[d] = dkd[d] * egd[d] + zk[d] * eg[d];
-        }
-      }
-      w.dG.row(c - 1) += dl.transpose();
-      intra_bwd(w, c, scale, p.lower_bound);
-      auto dG = w.dG.topRows(c);
-      for (index_t r = c - 1; r-- > 0;) dG.row(r) += dG.row(r + 1);
-      for (index_t r = 0; r < c; ++r) {
-        store_row(w.dG.row(r).data(), &a.dg(b, t0 + r, hv, 0), K);
-        Acc const* y = Y.row(c + r).data();
-        In* dv = &a.dv(b, t0 + r, hv, 0);
-        for (index_t e = 0; e < V; ++e) dv[e] = store_as<In>(-y[e]);
-        a.dbeta(b, t0 + r, hv) = store_as<In>(dbeta(r));
-      }
-      dq.middleRows(t0 - bos, c) += w.dQ.topRows(c);
-      dk.middleRows(t0 - bos, c) += w.dK.topRows(c);
-    }
-    if (present(a.dh0))
-      for (index_t d = 0; d < K; ++d) store_row(dS.row(d).data(), &a.dh0(n, hv, d, 0), V);
-  }
-  for (index_t t = 0; t < Tn; ++t) {
-    store_row(dq.row(t).data(), &a.dq(b, bos + t, h, 0), K);
-    store_row(dk.row(t).data(), &a.dk(b, bos + t, h, 0), K);
-  }
 }
 
 }  // namespace k3::kda::detail

@@ -5,6 +5,7 @@
 // per-channel decay; beta [B,T,HV]; states [N,HV,K,V] in the state type S (float, or double
 // when computing in double). Value head hv reads q/k head hv / (HV/H).
 #pragma once
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -76,6 +77,9 @@ struct forward_args {
   tensor_view<In, 4> o;
   tensor_view<S const, 4> h0 = {};  // optional initial state [N,HV,K,V]
   tensor_view<S, 4> ht = {};        // optional final state [N,HV,K,V]
+  // Optional, chunked form only: what the backward needs per chunk (see saved_shape), so that
+  // backward_args::saved can skip recomputing the forward's state recurrence.
+  tensor_view<S, 3> saved = {};
 };
 
 template <Storage In, class S = default_state_t<In>>
@@ -88,6 +92,10 @@ struct backward_args {
   tensor_view<In, 4> dq, dk, dv, dg;
   tensor_view<In, 3> dbeta;
   tensor_view<S, 4> dh0 = {};  // optional
+  // Optional: forward_args::saved as filled by a chunked forward on the SAME inputs (q, k, v,
+  // g, beta, h0) and options (any CPU backend). Only its shape can be checked here; contents
+  // from other inputs give wrong gradients. Absent: the backward recomputes the states.
+  tensor_view<S const, 3> saved = {};
 };
 
 // One decode step for N independent sequences whose states live in a pool, addressed by slot.
@@ -104,6 +112,23 @@ struct decode_args {
 };
 
 namespace detail {
+
+inline constexpr index_t chunk_size = 64;
+inline constexpr index_t sub_chunk = 16;
+
+// Per-chunk record of the saved states (Vw columns: V in the public tensor, the padded V in
+// the simd backward's own buffer): the chunk-start state S (K x Vw), Aqk, KK, A (C x C each),
+// R = V - (K e^G) S and U (C x Vw each), all row-major; rows past a short chunk's end unused.
+struct saved_layout {
+  index_t K, Vw;
+  index_t S() const noexcept { return 0; }
+  index_t Aqk() const noexcept { return K * Vw; }
+  index_t KK() const noexcept { return Aqk() + chunk_size * chunk_size; }
+  index_t A() const noexcept { return KK() + chunk_size * chunk_size; }
+  index_t R() const noexcept { return A() + chunk_size * chunk_size; }
+  index_t U() const noexcept { return R() + chunk_size * Vw; }
+  index_t per() const noexcept { return U() + chunk_size * Vw; }
+};
 
 using ::k3::detail::check_inner_contiguous;
 using ::k3::detail::check_no_overlap;
@@ -122,6 +147,11 @@ struct problem {
   index_t batch(index_t n) const noexcept { return varlen ? 0 : n; }
   index_t bos(index_t n) const noexcept { return varlen ? offsets[std::size_t(n)] : 0; }
   index_t eos(index_t n) const noexcept { return varlen ? offsets[std::size_t(n) + 1] : T; }
+  index_t chunks(index_t n) const noexcept { return (eos(n) - bos(n) + chunk_size - 1) / chunk_size; }
+  // Index of sequence n's first chunk among all sequences' chunks (the saved states' rows).
+  std::vector<index_t> chunk_offsets;  // N+1 when varlen
+  index_t first_chunk(index_t n) const noexcept { return varlen ? chunk_offsets[std::size_t(n)] : n * chunks(0); }
+  index_t total_chunks() const noexcept { return first_chunk(N); }
 };
 
 template <class V>
@@ -191,6 +221,8 @@ problem make_problem(tensor_view<In const, 4> q, tensor_view<In const, 4> v, opt
       return "argument 'cu_seqlens': expected the last offset to equal T = " + std::to_string(p.T) + ", got " +
              std::to_string(p.offsets.back());
     });
+    p.chunk_offsets.assign(std::size_t(p.N) + 1, 0);
+    for (index_t n = 0; n < p.N; ++n) p.chunk_offsets[std::size_t(n) + 1] = p.chunk_offsets[std::size_t(n)] + p.chunks(n);
   } else {
     p.N = p.B;
   }
@@ -278,6 +310,15 @@ void check_outputs_apart(Outs&& outs, Ins&& ins) {
   });
 }
 
+// The saved states: [HV, total chunks, per-chunk record], from the chunked form only.
+template <class V>
+void check_saved(V const& saved, problem const& p, options const& opt) {
+  if (!present(saved)) return;
+  ::k3::detail::require(opt.mode == algorithm::chunk,
+                        "argument 'saved': saved states belong to the chunked form, got options::mode = recurrent");
+  check_input("saved", saved, {p.HV, p.total_chunks(), saved_layout{p.K, p.V}.per()});
+}
+
 // check_gate: false leaves the gate bound to the caller (the threaded forward scans g in
 // parallel first, see kda.hpp).
 template <class In, class S>
@@ -287,10 +328,12 @@ problem validate(forward_args<In, S> const& a, options const& opt, bool check_ga
   check_shared_inputs(a, p);
   check_input("o", a.o, {B, T, HV, V});
   check_optional("ht", a.ht, {N, HV, K, V});
+  check_saved(a.saved, p, opt);
   check_outputs_apart(
       [&](auto&& f) {
         f("o", a.o);
         f("ht", a.ht);
+        f("saved", a.saved);
       },
       [&](auto&& f) { for_each_shared_input(a, f); });
   if (check_gate) check_gate_bound<In>(p, a.g);
@@ -310,6 +353,7 @@ problem validate(backward_args<In, S> const& a, options const& opt) {
   check_input("dg", a.dg, {B, T, HV, K});
   check_input("dbeta", a.dbeta, {B, T, HV});
   check_optional("dh0", a.dh0, {N, HV, K, V});
+  check_saved(a.saved, p, opt);
   check_outputs_apart(
       [&](auto&& f) {
         f("dq", a.dq);
@@ -323,6 +367,7 @@ problem validate(backward_args<In, S> const& a, options const& opt) {
         for_each_shared_input(a, f);
         f("do", a.d_o);
         f("dht", a.dht);
+        f("saved", a.saved);
       });
   check_gate_bound<In>(p, a.g);
   return p;
@@ -395,4 +440,15 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
 }
 
 }  // namespace detail
+
+// Shape of forward_args::saved / backward_args::saved for these arguments and options:
+// {HV, number of 64-token chunks over all sequences, floats per chunk record}. Any args type
+// with q and v (forward_args or backward_args).
+template <class Args>
+std::array<index_t, 3> saved_shape(Args const& a, options const& opt = {}) {
+  using In = typename decltype(a.q)::value_type;
+  detail::problem const p = detail::make_problem<In>(a.q, a.v, opt);
+  return {p.HV, p.total_chunks(), detail::saved_layout{p.K, p.V}.per()};
+}
+
 }  // namespace k3::kda
