@@ -19,9 +19,12 @@
 // clamps log decays at the underflow of e^g (k3/core/math.hpp full_decay_log), where they
 // already give 0. A NaN or Inf in an input of token t (sequence n, value head hv) makes that
 // head's outputs non-finite from t on (the state carries it) and never touches other heads or
-// sequences (tested); the chunked form can also reach the earlier tokens of t's own chunk
-// (a masked-out entry times a non-finite row is 0 * NaN), never an earlier chunk. The
-// recurrent form is exactly causal. In the backward the whole head can become non-finite.
+// sequences (tested). The recurrent form and the chunked form of the simd and threads
+// backends are exactly causal: outputs before t stay as they were (tested; their triangular
+// kernels skip the zeros above the diagonal instead of multiplying them). The serial
+// backend's chunked form (Eigen products over whole chunks) can also reach the earlier tokens
+// of t's own chunk (0 * NaN), never an earlier chunk. In the backward the whole head can
+// become non-finite.
 #pragma once
 #include <algorithm>
 #include <type_traits>

@@ -222,6 +222,30 @@ TEST_CASE("prefix invariance (bitwise)") {
   }
 }
 
+TEST_CASE("a non-finite input at token t leaves the outputs before t untouched (simd and threads backends)") {
+  double const nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (gate_kind gk : {gate_kind::logsigmoid, gate_kind::lower_bound})
+    for (index_t cut : {5, 10, 63, 64, 70})
+      for (int what = 0; what < 4; ++what) {
+        kda_case c{.B = 1, .T = 80, .H = 1, .HV = 2, .K = 16, .V = 40, .gate = gk, .seed = 52};
+        kda_data64 a = make_data(c);
+        kda_data64 b = a;
+        // token `cut`, value head 1 (q/k head 0 feeds both value heads)
+        if (what == 0) b.v[std::size_t((cut * c.HV + 1) * c.V + 3)] = nan;
+        if (what == 1) b.k[std::size_t(cut * c.H * c.K + 2)] = inf;
+        if (what == 2) b.g[std::size_t((cut * c.HV + 1) * c.K + 1)] = nan;
+        if (what == 3) b.beta[std::size_t(cut * c.HV + 1)] = nan;
+        INFO("gate " << int(gk) << " cut " << cut << " input " << what);
+        typed_data<double> ta(a), tb(b);
+        auto check = [&](auto const& be) {
+          auto fa = run_forward(ta, kda::algorithm::chunk, be), fb = run_forward(tb, kda::algorithm::chunk, be);
+          for (std::size_t i = 0; i < std::size_t(cut * c.HV * c.V); ++i) REQUIRE(fa.o[i] == fb.o[i]);
+        };
+        check(cpu::simd<>{});
+        check(cpu::threads<>(2));
+      }
+}
+
 TEST_CASE("the backward's block transpose equals the scalar one") {
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;

@@ -42,10 +42,13 @@ struct small_gemm {
 
   enum init_mode { zero, accumulate, row_scaled };
 
-  // C[MRr x NVr*L] (init) + A[rows, kb..ke) B[kb..ke, cols).
+  // C[MRr x NVr*L] (init) + A[rows, kb..ke) B[kb..ke, cols). From k = tri on, row i takes
+  // only k <= tri + i (a lower triangular A's diagonal block): its zeros above the diagonal
+  // are skipped, not multiplied, so a non-finite later row of B cannot reach an earlier row
+  // of C (0 * NaN), and the triangular products stay causal.
   template <int MRr, int NVr>
-  static void micro(index_t kb, index_t ke, T const* K3_RESTRICT A, index_t lda, T const* K3_RESTRICT B, index_t ldb, T* K3_RESTRICT C,
-                    index_t ldc, init_mode init, T const* rs) noexcept {
+  static void micro(index_t kb, index_t ke, index_t tri, T const* K3_RESTRICT A, index_t lda, T const* K3_RESTRICT B, index_t ldb,
+                    T* K3_RESTRICT C, index_t ldc, init_mode init, T const* rs) noexcept {
     batch acc[MRr][NVr];
     for (int i = 0; i < MRr; ++i)
       for (int j = 0; j < NVr; ++j) {
@@ -56,10 +59,20 @@ struct small_gemm {
         else
           acc[i][j] = batch::load_unaligned(C + i * ldc + j * L) * batch(rs[i]);
       }
-    for (index_t p = kb; p < ke; ++p) {
+    index_t const kf = std::min(ke, std::max(kb, tri));
+    for (index_t p = kb; p < kf; ++p) {
       batch bv[NVr];
       for (int j = 0; j < NVr; ++j) bv[j] = batch::load_unaligned(B + p * ldb + j * L);
       for (int i = 0; i < MRr; ++i) {
+        batch const a(A[i * lda + p]);
+        for (int j = 0; j < NVr; ++j) acc[i][j] = xsimd::fma(a, bv[j], acc[i][j]);
+      }
+    }
+    for (index_t p = kf; p < ke; ++p) {
+      batch bv[NVr];
+      for (int j = 0; j < NVr; ++j) bv[j] = batch::load_unaligned(B + p * ldb + j * L);
+      for (int i = 0; i < MRr; ++i) {
+        if (p - tri > i) continue;
         batch const a(A[i * lda + p]);
         for (int j = 0; j < NVr; ++j) acc[i][j] = xsimd::fma(a, bv[j], acc[i][j]);
       }
@@ -69,22 +82,22 @@ struct small_gemm {
   }
 
   template <int NVr>
-  static void rows(index_t mr, index_t kb, index_t ke, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc, init_mode init,
-                   T const* rs) noexcept {
+  static void rows(index_t mr, index_t kb, index_t ke, index_t tri, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc,
+                   init_mode init, T const* rs) noexcept {
     if constexpr (MR == 8) {
       switch (mr) {
-        case 8: return micro<8, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-        case 7: return micro<7, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-        case 6: return micro<6, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-        case 5: return micro<5, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+        case 8: return micro<8, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+        case 7: return micro<7, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+        case 6: return micro<6, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+        case 5: return micro<5, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
         default: break;
       }
     }
     switch (mr) {
-      case 4: return micro<4, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-      case 3: return micro<3, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-      case 2: return micro<2, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
-      default: return micro<1, NVr>(kb, ke, A, lda, B, ldb, C, ldc, init, rs);
+      case 4: return micro<4, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+      case 3: return micro<3, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+      case 2: return micro<2, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+      default: return micro<1, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
     }
   }
 
@@ -94,8 +107,8 @@ struct small_gemm {
   };
 
   // C (m x n, n a multiple of L) = init + A (m x k) B (k x n); all row-major.
-  // shape: 0 dense; 1 A lower triangular (row block i0 reads k < i0 + mr; entries above the
-  // diagonal inside the block must be zero); 2 A upper triangular (row block reads k >= i0).
+  // shape: 0 dense; 1 A lower triangular (row i reads k <= i only); 2 A upper triangular (row
+  // block i0 reads k >= i0; entries below the diagonal inside the block must be zero).
   template <class Hook = no_hook>
   static void run(index_t m, index_t n, index_t k, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc,
                   init_mode init = zero, T const* rs = nullptr, int shape = 0, Hook&& hook = {}) noexcept {
@@ -109,12 +122,13 @@ struct small_gemm {
         T const* Ai = A + i0 * lda;
         T const* Bj = B + j0 * L;
         T* Cij = C + i0 * ldc + j0 * L;
+        index_t const tri = shape == 1 ? i0 : ke;
         T const* r = rs ? rs + i0 : nullptr;
         hook();
         if (nv == NV)
-          rows<NV>(mr, kb, ke, Ai, lda, Bj, ldb, Cij, ldc, init, r);
+          rows<NV>(mr, kb, ke, tri, Ai, lda, Bj, ldb, Cij, ldc, init, r);
         else
-          rows<1>(mr, kb, ke, Ai, lda, Bj, ldb, Cij, ldc, init, r);
+          rows<1>(mr, kb, ke, tri, Ai, lda, Bj, ldb, Cij, ldc, init, r);
       }
     }
   }
