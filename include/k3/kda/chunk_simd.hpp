@@ -361,11 +361,7 @@ struct chunk_simd_operands {
   }
 };
 
-// A = (I + Diag(beta) KK)^{-1} (c x c, unit lower triangular) as chunk_inverse computes it
-// (A_i = e_i - sum_{m<i} beta_i KK_im A_m, the sum taken in increasing m), right-looking
-// and vectorised: once row m is final it is subtracted from every later row at once, over
-// the whole batches covering its nonzero columns 0..m. Rows are zeroed over all C columns
-// first, so the columns right of row m's diagonal contribute exact zeros.
+// Rows i in [i0, i1) of A minus beta_i KK_im times row m (NB batches of row m).
 template <class Arch, class Acc, int NB>
 inline void chunk_inverse_rows(Acc* K3_RESTRICT A, index_t ld, Acc const* K3_RESTRICT Am, Acc const* K3_RESTRICT lcol, index_t ldl,
                                Acc const* K3_RESTRICT beta, index_t i0, index_t i1) noexcept {
@@ -380,6 +376,11 @@ inline void chunk_inverse_rows(Acc* K3_RESTRICT A, index_t ld, Acc const* K3_RES
   }
 }
 
+// A = (I + Diag(beta) KK)^{-1} (c x c, unit lower triangular) as chunk_inverse computes it
+// (A_i = e_i - sum_{m<i} beta_i KK_im A_m, the sum taken in increasing m), right-looking
+// and vectorised: once row m is final it is subtracted from every later row at once, over
+// the whole batches covering its nonzero columns 0..m. Rows are zeroed over all C columns
+// first, so the columns right of row m's diagonal contribute exact zeros.
 template <class Arch, class Acc>
 void chunk_inverse_simd(chunk_workspace<Acc>& w, index_t c) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
