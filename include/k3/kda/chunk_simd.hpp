@@ -827,12 +827,12 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       for (index_t d = 0; d < K; ++d) store_row(St[std::size_t(j)].row(d).data(), &a.ht(n, hv0 + j, d, 0), V);
 }
 
-// Value heads per forward task: as many as leave two tasks per thread (a thread slowed by
-// other load does not hold up the call), up to 8 (a token's rows of the group are then runs
-// of up to 8 x 512 bytes, and the group's staged chunk inputs, 128 KiB per head at
-// K = V = 128, stay near L2).
+// Value heads per forward task: as many as give every thread one task, up to 8 (a token's
+// rows of the group are then runs of up to 8 x 512 bytes, and the group's staged chunk
+// inputs, 128 KiB per head at K = V = 128, stay near L2). Two smaller groups per thread
+// measured worse (0.68-0.80 vs 0.76-0.82 x GEMM, alternated runs on the shared machine).
 inline index_t forward_head_group(index_t N, index_t HV, index_t threads) {
-  index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, 2 * threads));
+  index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, threads));
   return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
 }
 
