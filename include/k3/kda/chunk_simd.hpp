@@ -375,11 +375,7 @@ struct chunk_simd_operands {
   }
 };
 
-// A = (I + Diag(beta) KK)^{-1} (c x c, unit lower triangular) as chunk_inverse computes it
-// (A_i = e_i - sum_{m<i} beta_i KK_im A_m, the sum taken in increasing m), right-looking
-// and vectorised: once row m is final it is subtracted from every later row at once, over
-// the whole batches covering its nonzero columns 0..m. Rows are zeroed over all C columns
-// first, so the columns right of row m's diagonal contribute exact zeros.
+// Rows i in [i0, i1) of A minus beta_i KK_im times row m (NB batches of row m).
 template <class Arch, class Acc, int NB>
 inline void chunk_inverse_rows(Acc* K3_RESTRICT A, index_t ld, Acc const* K3_RESTRICT Am, Acc const* K3_RESTRICT lcol, index_t ldl,
                                Acc const* K3_RESTRICT beta, index_t i0, index_t i1) noexcept {
@@ -394,6 +390,11 @@ inline void chunk_inverse_rows(Acc* K3_RESTRICT A, index_t ld, Acc const* K3_RES
   }
 }
 
+// A = (I + Diag(beta) KK)^{-1} (c x c, unit lower triangular) as chunk_inverse computes it
+// (A_i = e_i - sum_{m<i} beta_i KK_im A_m, the sum taken in increasing m), right-looking
+// and vectorised: once row m is final it is subtracted from every later row at once, over
+// the whole batches covering its nonzero columns 0..m. Rows are zeroed over all C columns
+// first, so the columns right of row m's diagonal contribute exact zeros.
 template <class Arch, class Acc>
 void chunk_inverse_simd(chunk_workspace<Acc>& w, index_t c) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
@@ -757,12 +758,12 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       for (index_t d = 0; d < K; ++d) store_row(St[std::size_t(j)].row(d).data(), &a.ht(n, hv0 + j, d, 0), V);
 }
 
-// Value heads per forward task: as many as leave two tasks per thread (a thread slowed by
-// other load does not hold up the call), up to 8 (a token's rows of the group are then runs
-// of up to 8 x 512 bytes, and the group's staged chunk inputs, 128 KiB per head at
-// K = V = 128, stay near L2).
+// Value heads per forward task: as many as give every thread one task, up to 8 (a token's
+// rows of the group are then runs of up to 8 x 512 bytes, and the group's staged chunk
+// inputs, 128 KiB per head at K = V = 128, stay near L2). Two smaller groups per thread
+// measured worse (0.68-0.80 vs 0.76-0.82 x GEMM, alternated runs on the shared machine).
 inline index_t forward_head_group(index_t N, index_t HV, index_t threads) {
-  index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, 2 * threads));
+  index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, threads));
   return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
 }
 
