@@ -198,38 +198,6 @@ inline void transpose_fast(T const* K3_RESTRICT src, index_t rows, index_t cols,
   transpose_into(src, rows, cols, lds, dst, ldd);
 }
 
-// The inputs of one head are rows of 256-512 bytes at a stride of H*K elements, which the
-// hardware prefetchers follow poorly: the next chunk's rows are prefetched in a few batches
-// while the current chunk computes, instead of each row missing to memory when it is loaded.
-inline void prefetch_bytes(void const* p, index_t bytes) noexcept {
-  char const* c = static_cast<char const*>(p);
-  for (index_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
-}
-
-template <class In>
-void prefetch_rows(tensor_view<In const, 4> x, index_t b, index_t t0, index_t h, index_t r0, index_t r1) noexcept {
-  index_t const n = x.extent(3);
-  for (index_t r = r0; r < r1; ++r) prefetch_bytes(&x(b, t0 + r, h, 0), n * index_t(sizeof(In)));
-}
-
-// Into L2, as an asm statement on x86: g++ 12 deletes a loop whose body is only
-// __builtin_prefetch calls (no side effect to keep), which silently disabled prefetch_bytes.
-inline void prefetch_line_l2(void const* p) noexcept {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("prefetcht1 (%0)" : : "r"(p));
-#elif defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 2);
-#else
-  (void)p;
-#endif
-}
-
-inline void prefetch_range_l2(void const* p, index_t bytes) noexcept {
-  char const* c = static_cast<char const*>(p);
-  for (index_t o = 0; o < bytes; o += 64) prefetch_line_l2(c + o);
-  if (bytes > 0) prefetch_line_l2(c + bytes - 1);  // the last line when the run is not line-aligned
-}
-
 // Walks a list of byte runs, a few cache lines per call: called between the register tiles
 // of the big products, it keeps a handful of prefetches in flight at a time (bursts of
 // hundreds stall on the miss buffers and gained nothing).
@@ -262,10 +230,10 @@ struct line_prefetcher {
   }
   void operator()() noexcept {
     for (index_t n = 0; n < per_call && ri < runs.size(); ++n) {
-      prefetch_line_l2(runs[ri].p + off);
+      prefetch_l2(runs[ri].p + off);
       off += 64;
       if (off >= runs[ri].bytes) {
-        prefetch_line_l2(runs[ri].p + runs[ri].bytes - 1);
+        prefetch_l2(runs[ri].p + runs[ri].bytes - 1);
         ++ri;
         off = 0;
       }

@@ -160,8 +160,7 @@ struct chunk_intra_backward_simd {
 
 // The rows of one head sit at a stride of H*K (HV*V) elements, each on its own page, which the
 // hardware prefetchers do not follow: the next chunk's input rows are prefetched while this
-// chunk computes, with recurrent_simd.hpp's prefetch_l2 (an asm prefetcht1: g++ deletes loops of
-// __builtin_prefetch, which is what happens to chunk_simd.hpp's prefetch_rows).
+// chunk computes, with prefetch_l2 (common.hpp).
 template <class T>
 void prefetch_rows_l2(tensor_view<T, 4> x, index_t b, index_t t0, index_t h, index_t r0, index_t r1) noexcept {
   index_t const bytes = x.extent(3) * index_t(sizeof(T));

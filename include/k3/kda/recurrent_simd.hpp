@@ -159,21 +159,8 @@ void recurrent_forward_simd_task(problem const& p, forward_args<In, S> const& a,
 //   - the per-pair inputs (q scaled, k, e^g, e^g k, v) are converted into a small stack
 //     buffer: no heap allocation per pair.
 
-// Into L2 (prefetcht1): the next state is needed after the current one, and pulling it into
-// L1 would evict the rows pass 2 is about to re-read. On x86 an asm statement: g++ 12 deletes
-// a loop whose body is only __builtin_prefetch calls (it has no side effect to keep). The
-// address goes in a register, not as a memory operand, so the compiler need not assume the
-// asm reads memory (it would then spill the register accumulators around every prefetch).
-inline void prefetch_l2(void const* p) noexcept {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("prefetcht1 (%0)" : : "r"(p));
-#elif defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 2);
-#else
-  (void)p;
-#endif
-}
-
+// prefetch_l2 (common.hpp) takes the next state into L2, not L1: pulling it into L1 would evict
+// the rows pass 2 is about to re-read.
 // Prefetches the state of the next pair, half a row per call: call i in [0, 2 K) covers row
 // i / 2, half i % 2, so one call per row step of the two passes covers the whole state.
 struct decode_prefetcher {
