@@ -73,6 +73,17 @@ inline void exp_rows(Block&& b) {
   }
 }
 
+// Row r of the chunk-local gate cumsum G from the gate row g (K values) and row r - 1 (null for
+// the chunk's first row). Hard resets are clamped first (core/math.hpp full_decay_log): e^g is
+// already 0 there, and the cumsum stays finite and small. Every chunked path loads G here.
+template <class Acc, class In>
+inline void load_gate_cumsum_row(In const* g, Acc* G, Acc const* G_prev, index_t K) noexcept {
+  load_row(g, G, K);
+  for (index_t d = 0; d < K; ++d) G[d] = ::k3::detail::clamp_log_decay(G[d]);
+  if (G_prev)
+    for (index_t d = 0; d < K; ++d) G[d] += G_prev[d];
+}
+
 // Loads chunk rows [t0, t0+c) of sequence batch row b, heads h (q/k) and hv, and the gate cumsum.
 template <class Acc, class In>
 void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view<In const, 4> k, tensor_view<In const, 4> v,
@@ -84,13 +95,7 @@ void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view
     load_row(&q(b, t0 + r, h, 0), w.Q.row(r).data(), K);
     load_row(&k(b, t0 + r, h, 0), w.Kc.row(r).data(), K);
     load_row(&v(b, t0 + r, hv, 0), w.Vc.row(r).data(), V);
-    Acc* Gr = w.G.row(r).data();
-    load_row(&g(b, t0 + r, hv, 0), Gr, K);
-    for (index_t d = 0; d < K; ++d) Gr[d] = ::k3::detail::clamp_log_decay(Gr[d]);
-    if (r > 0) {
-      Acc const* Gp = w.G.row(r - 1).data();
-      for (index_t d = 0; d < K; ++d) Gr[d] += Gp[d];
-    }
+    load_gate_cumsum_row(&g(b, t0 + r, hv, 0), w.G.row(r).data(), r > 0 ? w.G.row(r - 1).data() : nullptr, K);
     w.beta(r) = load_as<Acc>(beta(b, t0 + r, hv));
   }
 }

@@ -28,6 +28,7 @@
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
+#include "k3/kda/recurrent_simd.hpp"
 
 namespace k3::kda::detail {
 
@@ -133,15 +134,6 @@ struct small_gemm {
     }
   }
 };
-
-template <class Arch, class Acc>
-inline void chunk_exp_row(Acc const* x, Acc* y, index_t n) noexcept {
-  using batch = xsimd::batch<Acc, Arch>;
-  constexpr index_t L = index_t(batch::size);
-  index_t i = 0;
-  for (; i + L <= n; i += L) xsimd::exp(batch::load_unaligned(x + i)).store_unaligned(y + i);
-  for (; i < n; ++i) y[i] = std::exp(x[i]);
-}
 
 // dst (cols x rows, leading dimension ldd) = src^T (src rows x cols, leading dimension lds).
 template <class T>
@@ -276,9 +268,9 @@ struct chunk_simd_operands {
       Acc const* G = w.G.row(r).data();
       Acc* eg = EG.row(r).data();
       Acc* egd = EGd.row(r).data();
-      chunk_exp_row<Arch>(G, eg, K);
+      exp_row<Arch>(G, eg, K);
       for (index_t d = 0; d < K; ++d) egd[d] = gl[d] - G[d];
-      chunk_exp_row<Arch>(egd, egd, K);
+      exp_row<Arch>(egd, egd, K);
       Acc const* q = w.Q.row(r).data();
       Acc const* k = w.Kc.row(r).data();
       Acc* qe = QK.row(r).data();
@@ -291,7 +283,7 @@ struct chunk_simd_operands {
       }
     }
     transpose_into(Kd.data(), c, K, K, KdT.data(), chunk_size);
-    chunk_exp_row<Arch>(gl, decay.data(), K);
+    exp_row<Arch>(gl, decay.data(), K);
     for (index_t i = 0; i < c; ++i)
       for (index_t j = 0; j <= i; ++j) Ab(i, j) = w.A(i, j) * w.beta(j);
   }
@@ -329,7 +321,7 @@ struct chunk_simd_operands {
       }
       transpose_fast(Kd.data(), c, K, K, KdT.data(), chunk_size);
     }
-    chunk_exp_row<Arch>(gl, decay.data(), K);
+    exp_row<Arch>(gl, decay.data(), K);
     // Only j <= i is written (the rest stays zero): the triangular kernel reads the entries
     // above the diagonal inside a row block, and they must not pick up later tokens' beta.
     Acc const* beta = w.beta.data();
@@ -500,7 +492,7 @@ struct chunk_intra_simd {
         row_factors(w, i0, ci, gn, scale, QKo);
         if (fwd_QK) {
           // e^{G_r} = e^{G_r - G_{i0}} e^{G_{i0}}
-          chunk_exp_row<Arch>(gn, s4.data(), K);
+          exp_row<Arch>(gn, s4.data(), K);
           scale_rows_into(QKo, 0, ci, s4.data(), *fwd_QK, i0);
           scale_rows_into(QKo, ci, ci, s4.data(), *fwd_QK, c + i0);
         }
@@ -661,13 +653,8 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       for (index_t j = 0; j < nq; ++j) load_row(&a.k(b, t, hq0 + j, 0), SK[std::size_t(j)].row(r).data(), K);
       for (index_t j = 0; j < nv; ++j) load_row(&a.v(b, t, hv0 + j, 0), SV[std::size_t(j)].row(r).data(), V);
       for (index_t j = 0; j < nv; ++j) {
-        Acc* Gr = SG[std::size_t(j)].row(r).data();
-        load_row(&a.g(b, t, hv0 + j, 0), Gr, K);
-        for (index_t d = 0; d < K; ++d) Gr[d] = ::k3::detail::clamp_log_decay(Gr[d]);
-        if (r > 0) {
-          Acc const* Gp = Gr - K;
-          for (index_t d = 0; d < K; ++d) Gr[d] += Gp[d];
-        }
+        Mat& G = SG[std::size_t(j)];
+        load_gate_cumsum_row(&a.g(b, t, hv0 + j, 0), G.row(r).data(), r > 0 ? G.row(r - 1).data() : nullptr, K);
       }
       for (index_t j = 0; j < nv; ++j) Sb[std::size_t(j)](r) = load_as<Acc>(a.beta(b, t, hv0 + j));
     }

@@ -223,7 +223,7 @@ void build_backward_operands(chunk_simd_operands<Arch, Acc>& op, chunk_workspace
       kd[d] = k[d] * egd[d];
     }
   }
-  chunk_exp_row<Arch>(gl, op.decay.data(), K);
+  exp_row<Arch>(gl, op.decay.data(), K);
 }
 
 // Backward of sequence n, q/k head h, all value heads of its group.
