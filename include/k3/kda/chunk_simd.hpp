@@ -14,6 +14,7 @@
 // row block streams over it. V is padded to a multiple of the batch width with zero columns
 // (zero state columns and zero values give zero updates and outputs there).
 #pragma once
+#include <cstdlib>
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -584,20 +585,18 @@ void save_chunk_record(Acc* K3_RESTRICT dst, saved_layout l, index_t V, index_t 
 template <class Arch, class Acc>
 struct forward_scratch {
   using Mat = typename chunk_workspace<Acc>::Mat;
-  using Vec = typename chunk_workspace<Acc>::Vec;
-  index_t K = -1, Vp = -1, nq = -1, nv = -1;
+  index_t K = -1, Vp = -1, nv = -1;
   std::optional<chunk_workspace<Acc>> w;
   std::optional<chunk_simd_operands<Arch, Acc>> op;
   std::optional<chunk_intra_simd<Arch, Acc>> intra;
-  Mat P, U;
-  std::vector<Mat> SQ, SK, SG, SV, SO, St;
-  std::vector<Vec> Sb;
+  Mat P, U, Vc;
+  std::vector<Mat> St;
   line_prefetcher pf;
 
-  void ensure(index_t K_, index_t Vp_, index_t nq_, index_t nv_) {
-    if (K_ == K && Vp_ == Vp && nq_ == nq && nv_ == nv) return;
+  void ensure(index_t K_, index_t Vp_, index_t nv_) {
+    if (K_ == K && Vp_ == Vp && nv_ == nv) return;
     index_t const C = chunk_size;
-    K = K_, Vp = Vp_, nq = nq_, nv = nv_;
+    K = K_, Vp = Vp_, nv = nv_;
     w.emplace(K, Vp, false);
     op.emplace(K, Vp);
     intra.emplace(K);
@@ -605,84 +604,76 @@ struct forward_scratch {
     intra->fwd_KdT = &op->KdT;
     P = Mat::Zero(2 * C, Vp);
     U = Mat::Zero(C, Vp);
-    SQ.assign(std::size_t(nq), Mat::Zero(C, K));
-    SK = SQ;
-    SG.assign(std::size_t(nv), Mat::Zero(C, K));
-    SV.assign(std::size_t(nv), Mat::Zero(C, Vp));
-    SO = SV;
+    Vc = Mat::Zero(C, Vp);
     St.assign(std::size_t(nv), Mat::Zero(K, Vp));
-    Sb.assign(std::size_t(nv), Vec::Zero(C));
   }
 };
 
-// Forward of sequence n, value heads [hv0, hv1), in lockstep chunk by chunk.
-// The inputs are token-major: one head's row is K elements at a stride of H*K, so a task that
-// walks one head alone touches a new page for nearly every row, and the hardware prefetchers
-// cannot follow it (load-latency bound). A group of adjacent heads instead reads, per token
-// and tensor, one contiguous run of (heads x K) elements, which streams. Every head keeps its
-// own state and runs exactly the per-head arithmetic of a single-head task, so results do not
-// depend on the grouping (nor on the thread count that picks it).
+// Forward of sequence n, value heads [hv0, hv1), in lockstep chunk by chunk: every head keeps
+// its own state and runs exactly the per-head arithmetic of a single-head task, so results do
+// not depend on the grouping (nor on the thread count that picks it).
+// The inputs are token-major: one head's chunk rows are K elements at a stride of H*K, which
+// the hardware prefetchers follow badly (load-latency bound). So while head j computes, the
+// rows of the next (chunk, head) pair are prefetched into L2 in small slices spread over its
+// products; staging them then reads from L2. One head ahead (128 KiB at K = V = 128) stays in
+// L2 next to the working set, where a whole chunk of the group ahead (1 MiB for 8 heads) was
+// evicted before use.
 template <class Arch, class Acc, class In, class S>
 void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv0, index_t hv1) {
   using gemm = small_gemm<Arch, Acc>;
   using Mat = typename chunk_workspace<Acc>::Mat;
-  using Vec = typename chunk_workspace<Acc>::Vec;
   index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), b = p.batch(n), bos = p.bos(n), eos = p.eos(n);
-  index_t const C = chunk_size, hq0 = hv0 / p.G, nq = (hv1 - 1) / p.G + 1 - hq0, nv = hv1 - hv0;
+  index_t const C = chunk_size, nv = hv1 - hv0;
   // Per-thread buffers kept between calls (rebuilt when the dimensions change): allocating
   // ~2 MiB per task cost page faults and zeroing on every call.
   thread_local forward_scratch<Arch, Acc> scratch;
-  scratch.ensure(K, Vp, nq, nv);
+  scratch.ensure(K, Vp, nv);
   chunk_workspace<Acc>& w = *scratch.w;
   chunk_simd_operands<Arch, Acc>& op = *scratch.op;
   chunk_intra_simd<Arch, Acc>& intra = *scratch.intra;
-  Mat &P = scratch.P, &U = scratch.U;
-  std::vector<Mat> &SQ = scratch.SQ, &SK = scratch.SK, &SG = scratch.SG, &SV = scratch.SV, &SO = scratch.SO, &St = scratch.St;
-  std::vector<Vec>& Sb = scratch.Sb;
+  Mat &P = scratch.P, &U = scratch.U, &Vc = scratch.Vc;
+  std::vector<Mat>& St = scratch.St;
   line_prefetcher& pf = scratch.pf;
   for (Mat& m : St) m.setZero();
   Acc const scale = static_cast<Acc>(p.scale);
   if (present(a.h0))
     for (index_t j = 0; j < nv; ++j)
       for (index_t d = 0; d < K; ++d) load_row(&a.h0(n, hv0 + j, d, 0), St[std::size_t(j)].row(d).data(), V);
+  // register tiles per head of [Qe; Ke] S, U, O and the state update: the prefetch hooks
+  auto tiles_of = [&](index_t c) {
+    index_t const mt = (c + gemm::MR - 1) / gemm::MR;
+    return ((Vp / gemm::L + gemm::NV - 1) / gemm::NV) * ((2 * c + gemm::MR - 1) / gemm::MR + 2 * mt + (K + gemm::MR - 1) / gemm::MR);
+  };
+  index_t staged_q = -1;  // the query head whose rows w.Q / w.Kc hold for this chunk
   for (index_t t0 = bos; t0 < eos; t0 += C) {
     index_t const c = std::min(C, eos - t0);
-    for (index_t r = 0; r < c; ++r) {
-      index_t const t = t0 + r;
-      for (index_t j = 0; j < nq; ++j) load_row(&a.q(b, t, hq0 + j, 0), SQ[std::size_t(j)].row(r).data(), K);
-      for (index_t j = 0; j < nq; ++j) load_row(&a.k(b, t, hq0 + j, 0), SK[std::size_t(j)].row(r).data(), K);
-      for (index_t j = 0; j < nv; ++j) load_row(&a.v(b, t, hv0 + j, 0), SV[std::size_t(j)].row(r).data(), V);
-      for (index_t j = 0; j < nv; ++j) {
-        Mat& G = SG[std::size_t(j)];
-        load_gate_cumsum_row(&a.g(b, t, hv0 + j, 0), G.row(r).data(), r > 0 ? G.row(r - 1).data() : nullptr, K);
-      }
-      for (index_t j = 0; j < nv; ++j) Sb[std::size_t(j)](r) = load_as<Acc>(a.beta(b, t, hv0 + j));
-    }
-    // The next chunk's rows are prefetched (into L2) in small slices spread over the heads'
-    // computations, so the staging copy above reads from cache and the DRAM traffic overlaps
-    // the arithmetic.
-    index_t const tn = t0 + c, cn = std::min(C, eos - tn);
-    pf.reset();
-    for (index_t r = 0; r < cn; ++r) {
-      pf.add_heads(a.q, b, tn + r, hq0, nq);
-      pf.add_heads(a.k, b, tn + r, hq0, nq);
-      pf.add_heads(a.v, b, tn + r, hv0, nv);
-      pf.add_heads(a.g, b, tn + r, hv0, nv);
-    }
-    {
-      // hooks per head: the register tiles of [Qe; Ke] S, U, O and the state update
-      index_t const mt = (c + gemm::MR - 1) / gemm::MR;
-      index_t const tiles = ((Vp / gemm::L + gemm::NV - 1) / gemm::NV) * ((2 * c + gemm::MR - 1) / gemm::MR + 2 * mt + (K + gemm::MR - 1) / gemm::MR);
-      pf.per_call = pf.lines() / std::max<index_t>(1, nv * tiles) + 1;
-    }
+    staged_q = -1;
     for (index_t j = 0; j < nv; ++j) {
-      std::size_t const jq = std::size_t((hv0 + j) / p.G - hq0), jv = std::size_t(j);
-      w.Q.swap(SQ[jq]);
-      w.Kc.swap(SK[jq]);
-      w.G.swap(SG[jv]);
-      w.beta.swap(Sb[jv]);
-      Mat& St_ = St[jv];
-      Mat const& Vc = SV[jv];
+      index_t const hv = hv0 + j, hq = hv / p.G;
+      if (hq != staged_q) {
+        for (index_t r = 0; r < c; ++r) load_row(&a.q(b, t0 + r, hq, 0), w.Q.row(r).data(), K);
+        for (index_t r = 0; r < c; ++r) load_row(&a.k(b, t0 + r, hq, 0), w.Kc.row(r).data(), K);
+        staged_q = hq;
+      }
+      for (index_t r = 0; r < c; ++r) load_row(&a.v(b, t0 + r, hv, 0), Vc.row(r).data(), V);
+      for (index_t r = 0; r < c; ++r) load_gate_cumsum_row(&a.g(b, t0 + r, hv, 0), w.G.row(r).data(), r > 0 ? w.G.row(r - 1).data() : nullptr, K);
+      for (index_t r = 0; r < c; ++r) w.beta(r) = load_as<Acc>(a.beta(b, t0 + r, hv));
+      {
+        // the next (chunk, head) pair's rows
+        index_t const tn = j + 1 < nv ? t0 : t0 + c, cn = std::min(C, eos - tn), hvn = j + 1 < nv ? hv + 1 : hv0, hqn = hvn / p.G;
+        bool const new_q = j + 1 >= nv || hqn != hq;
+        pf.reset();
+        for (index_t r = 0; r < cn; ++r) {
+          if (new_q) {
+            pf.add_heads(a.q, b, tn + r, hqn, 1);
+            pf.add_heads(a.k, b, tn + r, hqn, 1);
+          }
+          pf.add_heads(a.v, b, tn + r, hvn, 1);
+          pf.add_heads(a.g, b, tn + r, hvn, 1);
+        }
+        pf.per_call = pf.lines() / std::max<index_t>(1, tiles_of(c)) + 1;
+      }
+      Mat& St_ = St[std::size_t(j)];
       intra(w, c, scale, p.lower_bound);
       chunk_inverse_simd<Arch>(w, c);
       op.build_forward(w, c, scale, !p.lower_bound);
@@ -695,18 +686,12 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
       }
       gemm::run(c, Vp, c, op.Ab.data(), C, P.row(c).data(), Vp, U.data(), Vp, gemm::zero, nullptr, 1, pf);
       if (present(a.saved))
-        save_chunk_record(&a.saved(hv0 + index_t(jv), p.first_chunk(n) + (t0 - bos) / C, 0), saved_layout{K, V}, V, c, St_.data(), Vp,
-                          w.Aqk.data(), w.KK.data(), w.A.data(), P.row(c).data(), Vp, U.data(), Vp);
+        save_chunk_record(&a.saved(hv, p.first_chunk(n) + (t0 - bos) / C, 0), saved_layout{K, V}, V, c, St_.data(), Vp, w.Aqk.data(),
+                          w.KK.data(), w.A.data(), P.row(c).data(), Vp, U.data(), Vp);
       gemm::run(c, Vp, c, w.Aqk.data(), C, U.data(), Vp, P.data(), Vp, gemm::accumulate, nullptr, 1, pf);
-      std::copy(P.data(), P.data() + c * Vp, SO[jv].data());
+      for (index_t r = 0; r < c; ++r) store_row(P.row(r).data(), &a.o(b, t0 + r, hv, 0), V);
       gemm::run(K, Vp, c, op.KdT.data(), C, U.data(), Vp, St_.data(), Vp, gemm::row_scaled, op.decay.data(), 0, pf);
-      w.Q.swap(SQ[jq]);
-      w.Kc.swap(SK[jq]);
-      w.G.swap(SG[jv]);
-      w.beta.swap(Sb[jv]);
     }
-    for (index_t r = 0; r < c; ++r)
-      for (index_t j = 0; j < nv; ++j) store_row(SO[std::size_t(j)].row(r).data(), &a.o(b, t0 + r, hv0 + j, 0), V);
   }
   if (present(a.ht))
     for (index_t j = 0; j < nv; ++j)
@@ -718,6 +703,7 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
 // inputs, 128 KiB per head at K = V = 128, stay near L2). Two smaller groups per thread
 // measured worse (0.68-0.80 vs 0.76-0.82 x GEMM, alternated runs on the shared machine).
 inline index_t forward_head_group(index_t N, index_t HV, index_t threads) {
+  if (char const* e = std::getenv("K3_GS")) return std::atoi(e);
   index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, threads));
   return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
 }
