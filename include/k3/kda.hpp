@@ -61,11 +61,13 @@ void run_tasks(B const& be, index_t n, F&& f) {
 
 template <HostBackend B, Storage In, Real S>
 void forward(B const& be, forward_args<In, S> const& a, options const& opt = {}) {
+  // The vectorised backends check the gate's lower bound themselves (validate reads all of g
+  // sequentially): the chunked form while staging its rows, the recurrent form by a scan on
+  // every thread. Either runs the exact sequential check (which names the first offending
+  // element and throws) only when its fast float filter hits.
   detail::problem const p = detail::validate(a, opt, !detail::SimdBackend<B>);
   if constexpr (detail::SimdBackend<B>) {
-    // The gate-bound check reads all of g: scanned by every thread (a quick filter), then the
-    // exact sequential check (which names the first offending element) only when it hits.
-    if (p.lower_bound && p.T > 0) {
+    if (p.lower_bound && p.T > 0 && opt.mode == algorithm::recurrent) {
       index_t parts = 1;
       if constexpr (requires { be.concurrency(); }) parts = std::min<index_t>(p.T, 4 * index_t(be.concurrency()));
       std::vector<char> hit(std::size_t(parts), 0);
@@ -89,10 +91,13 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
       index_t threads = 1;
       if constexpr (requires { be.concurrency(); }) threads = index_t(be.concurrency());
       index_t const gs = detail::forward_head_group(p.N, p.HV, threads), groups = (p.HV + gs - 1) / gs;
+      std::vector<char> hit(std::size_t(p.N * groups), 0);
       detail::run_tasks(be, p.N * groups, [&](index_t i) {
         index_t const hv0 = i % groups * gs;
-        detail::chunk_forward_simd_group<typename B::arch_type, S>(p, a, i / groups, hv0, std::min(p.HV, hv0 + gs));
+        hit[std::size_t(i)] = detail::chunk_forward_simd_group<typename B::arch_type, S>(p, a, i / groups, hv0, std::min(p.HV, hv0 + gs));
       });
+      // Outputs are unspecified when this throws (as for any error raised after the kernels ran).
+      if (std::find(hit.begin(), hit.end(), char(1)) != hit.end()) detail::check_gate_bound(p, a.g);
       return;
     }
     detail::run_tasks(be, tasks, [&](index_t i) { detail::chunk_forward_task<S>(p, a, i / p.HV, i % p.HV); });

@@ -3,9 +3,13 @@
 // unchanged), decode after a chunked prefill, and backend agreement.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "kda/kda_fixture.hpp"
 
@@ -27,6 +31,11 @@ std::string error_of(F&& f) {
 bool has(std::string const& s, std::string const& sub) { return s.find(sub) != std::string::npos; }
 
 }  // namespace
+
+// cu_seqlens is a view: binding it to a temporary vector (which would dangle) does not compile.
+static_assert(std::is_constructible_v<kda::cu_seqlens_view, std::vector<std::int64_t> const&>);
+static_assert(!std::is_constructible_v<kda::cu_seqlens_view, std::vector<std::int64_t>&&>);
+static_assert(!std::is_constructible_v<kda::cu_seqlens_view, std::vector<std::int32_t>&&>);
 
 TEST_CASE("forward and backward validate their arguments") {
   kda_case c{.B = 1, .T = 10, .H = 2, .HV = 4, .K = 8, .V = 6, .seed = 80};
@@ -104,7 +113,8 @@ TEST_CASE("forward and backward validate their arguments") {
     a2.beta = d2.bv();
     a2.o = host_view(o2.data(), c2.B, c2.T, c2.HV, c2.V);
     kda::options o4;
-    o4.cu_seqlens = std::vector<std::int64_t>{0, 5};
+    std::vector<std::int64_t> const cu05{0, 5};
+    o4.cu_seqlens = cu05;
     CHECK(has(error_of([&] { kda::forward(cpu::serial{}, a2, o4); }), "B = 1"));
   }
 
@@ -115,6 +125,40 @@ TEST_CASE("forward and backward validate their arguments") {
   CHECK(has(error_of([&] { kda::forward(cpu::serial{}, a, lbo); }), "gate_lower_bound"));
   lbo.gate_lower_bound = -0.01;  // the logsigmoid gate goes below this
   CHECK(has(error_of([&] { kda::forward(cpu::serial{}, a, lbo); }), "argument 'g'"));
+  {
+    // The vectorised chunked forward checks the bound while staging g's rows (no separate
+    // pass): one value below it anywhere (here the last token of the last head, and a token in
+    // the middle of the second of two sequences) is still an error naming it, on any thread count.
+    std::vector<float> g = d.g;
+    for (auto& x : g) x = std::max(x, -4.f);
+    a = base();
+    a.g = host_view(g.data(), c.B, c.T, c.HV, c.K);
+    a.h0 = {};
+    a.ht = {};
+    kda::options ok;
+    ok.gate_lower_bound = -4.f;
+    std::vector<std::int64_t> const two_seqs{0, 4, c.T};
+    for (int threads : {1, 2, 3}) {
+      cpu::threads<> be(threads);
+      CHECK(error_of([&] { kda::forward(be, a, ok); }) == "<no error>");
+      for (auto [t, h] : {std::pair{c.T - 1, c.HV - 1}, std::pair{index_t(6), index_t(1)}}) {
+        float& x = g[std::size_t(((t * c.HV) + h) * c.K + 3)];
+        float const keep = x;
+        x = -4.0001f;
+        ok.cu_seqlens = t == 6 ? kda::cu_seqlens_view(two_seqs) : kda::cu_seqlens_view();
+        std::string const e = error_of([&] { kda::forward(be, a, ok); });
+        INFO(e, " threads ", threads, " t ", t);
+        CHECK(has(e, "argument 'g'"));
+        CHECK(has(e, "[0, " + std::to_string(t) + ", " + std::to_string(h) + ", 3]"));
+        x = keep;
+        ok.cu_seqlens = {};
+      }
+    }
+    // a bound that is not a float: g equal to it rounded up to float passes
+    ok.gate_lower_bound = -3.9;
+    for (auto& x : g) x = std::max(x, float(-3.9));
+    CHECK(error_of([&] { kda::forward(cpu::threads<>(2), a, ok); }) == "<no error>");
+  }
 
   // backward: outputs must not alias inputs or each other
   std::vector<float> dq(d.q.size()), dk(d.k.size()), dv(d.v.size()), dg(d.g.size()), db(d.beta.size());

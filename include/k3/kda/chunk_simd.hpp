@@ -195,40 +195,45 @@ inline void transpose_fast(T const* K3_RESTRICT src, index_t rows, index_t cols,
 // of the big products, it keeps a handful of prefetches in flight at a time (bursts of
 // hundreds stall on the miss buffers and gained nothing).
 struct line_prefetcher {
-  struct span {
+  // rows of `bytes` bytes, `stride` bytes apart (one head's rows of a token-major tensor)
+  struct block {
     char const* p;
-    index_t bytes;
+    index_t stride, rows, bytes;
   };
-  std::vector<span> runs;
-  std::size_t ri = 0;
-  index_t off = 0, per_call = 0;
+  std::vector<block> blocks;
+  std::size_t bi = 0;
+  index_t row = 0, off = 0, per_call = 0;
 
   void reset() noexcept {
-    runs.clear();
-    ri = 0;
+    blocks.clear();
+    bi = 0;
+    row = 0;
     off = 0;
   }
+  // rows [t0, t0 + rows) of head h of x [B, T, H, n]
   template <class In>
-  void add_heads(tensor_view<In const, 4> x, index_t b, index_t t, index_t h0, index_t nh) {
-    index_t const n = x.extent(3);
-    if (x.stride(2) == n)
-      runs.push_back({reinterpret_cast<char const*>(&x(b, t, h0, 0)), nh * n * index_t(sizeof(In))});
-    else
-      for (index_t h = h0; h < h0 + nh; ++h) runs.push_back({reinterpret_cast<char const*>(&x(b, t, h, 0)), n * index_t(sizeof(In))});
+  void add_rows(tensor_view<In const, 4> x, index_t b, index_t t0, index_t rows, index_t h) {
+    if (rows <= 0) return;
+    blocks.push_back({reinterpret_cast<char const*>(&x(b, t0, h, 0)), x.stride(1) * index_t(sizeof(In)), rows, x.extent(3) * index_t(sizeof(In))});
   }
   index_t lines() const noexcept {
     index_t l = 0;
-    for (span const& r : runs) l += (r.bytes + 63) / 64;
+    for (block const& k : blocks) l += k.rows * ((k.bytes + 63) / 64);
     return l;
   }
   void operator()() noexcept {
-    for (index_t n = 0; n < per_call && ri < runs.size(); ++n) {
-      prefetch_l2(runs[ri].p + off);
+    for (index_t n = 0; n < per_call && bi < blocks.size(); ++n) {
+      block const& k = blocks[bi];
+      char const* r = k.p + row * k.stride;
+      prefetch_l2(r + off);
       off += 64;
-      if (off >= runs[ri].bytes) {
-        prefetch_l2(runs[ri].p + runs[ri].bytes - 1);
-        ++ri;
+      if (off >= k.bytes) {
+        prefetch_l2(r + k.bytes - 1);  // a row not aligned to a line ends in one more
         off = 0;
+        if (++row == k.rows) {
+          row = 0;
+          ++bi;
+        }
       }
     }
   }
@@ -618,8 +623,11 @@ struct forward_scratch {
 // products; staging them then reads from L2. One head ahead (128 KiB at K = V = 128) stays in
 // L2 next to the working set, where a whole chunk of the group ahead (1 MiB for 8 heads) was
 // evicted before use.
+// Returns true when a staged g may be below the gate's lower bound (row_may_be_below): the
+// caller then runs the exact check, which throws. Scanning here, on rows already in cache,
+// saves a separate pass over all of g.
 template <class Arch, class Acc, class In, class S>
-void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv0, index_t hv1) {
+bool chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv0, index_t hv1) {
   using gemm = small_gemm<Arch, Acc>;
   using Mat = typename chunk_workspace<Acc>::Mat;
   index_t const K = p.K, V = p.V, Vp = padded_v<Arch, Acc>(V), b = p.batch(n), bos = p.bos(n), eos = p.eos(n);
@@ -645,6 +653,8 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
     return ((Vp / gemm::L + gemm::NV - 1) / gemm::NV) * ((2 * c + gemm::MR - 1) / gemm::MR + 2 * mt + (K + gemm::MR - 1) / gemm::MR);
   };
   index_t staged_q = -1;  // the query head whose rows w.Q / w.Kc hold for this chunk
+  bool below = false;
+  float const lbf = p.lower_bound ? static_cast<float>(*p.lower_bound) : 0.f;
   for (index_t t0 = bos; t0 < eos; t0 += C) {
     index_t const c = std::min(C, eos - t0);
     staged_q = -1;
@@ -656,21 +666,23 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
         staged_q = hq;
       }
       for (index_t r = 0; r < c; ++r) load_row(&a.v(b, t0 + r, hv, 0), Vc.row(r).data(), V);
-      for (index_t r = 0; r < c; ++r) load_gate_cumsum_row(&a.g(b, t0 + r, hv, 0), w.G.row(r).data(), r > 0 ? w.G.row(r - 1).data() : nullptr, K);
+      for (index_t r = 0; r < c; ++r) {
+        In const* g = &a.g(b, t0 + r, hv, 0);
+        if (p.lower_bound) below |= row_may_be_below(g, K, lbf);
+        load_gate_cumsum_row(g, w.G.row(r).data(), r > 0 ? w.G.row(r - 1).data() : nullptr, K);
+      }
       for (index_t r = 0; r < c; ++r) w.beta(r) = load_as<Acc>(a.beta(b, t0 + r, hv));
       {
         // the next (chunk, head) pair's rows
         index_t const tn = j + 1 < nv ? t0 : t0 + c, cn = std::min(C, eos - tn), hvn = j + 1 < nv ? hv + 1 : hv0, hqn = hvn / p.G;
         bool const new_q = j + 1 >= nv || hqn != hq;
         pf.reset();
-        for (index_t r = 0; r < cn; ++r) {
-          if (new_q) {
-            pf.add_heads(a.q, b, tn + r, hqn, 1);
-            pf.add_heads(a.k, b, tn + r, hqn, 1);
-          }
-          pf.add_heads(a.v, b, tn + r, hvn, 1);
-          pf.add_heads(a.g, b, tn + r, hvn, 1);
+        if (new_q) {
+          pf.add_rows(a.q, b, tn, cn, hqn);
+          pf.add_rows(a.k, b, tn, cn, hqn);
         }
+        pf.add_rows(a.v, b, tn, cn, hvn);
+        pf.add_rows(a.g, b, tn, cn, hvn);
         pf.per_call = pf.lines() / std::max<index_t>(1, tiles_of(c)) + 1;
       }
       Mat& St_ = St[std::size_t(j)];
@@ -696,6 +708,7 @@ void chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
   if (present(a.ht))
     for (index_t j = 0; j < nv; ++j)
       for (index_t d = 0; d < K; ++d) store_row(St[std::size_t(j)].row(d).data(), &a.ht(n, hv0 + j, d, 0), V);
+  return below;
 }
 
 // Value heads per forward task: as many as give every thread one task, up to 8 (a token's

@@ -40,6 +40,10 @@ class cu_seqlens_view {
   cu_seqlens_view(tensor_view<std::int64_t, 1> v) : cu_seqlens_view(tensor_view<std::int64_t const, 1>(v)) {}
   cu_seqlens_view(std::vector<std::int64_t> const& v) : p64_(v.data()), n_(static_cast<index_t>(v.size())), s_(1), on_(true) {}
   cu_seqlens_view(std::vector<std::int32_t> const& v) : p32_(v.data()), n_(static_cast<index_t>(v.size())), s_(1), on_(true) {}
+  // A view: offsets in a temporary vector would dangle once the statement ends, so that does
+  // not compile (name the vector).
+  cu_seqlens_view(std::vector<std::int64_t>&&) = delete;
+  cu_seqlens_view(std::vector<std::int32_t>&&) = delete;
 
   // Any explicitly given offsets (even an empty list, which is then rejected) mean packed.
   bool present() const noexcept { return on_; }
@@ -245,9 +249,18 @@ problem make_problem(tensor_view<In const, 4> q, tensor_view<In const, 4> v, opt
   return p;
 }
 
-// Fast scan of tokens [t0, t1) (vectorisable: no early exit, float compares for float input):
+// Fast scan of one row of g (vectorisable: no early exit, float compares for float input):
 // true when some g may be below the bound; the exact test of check_gate_bound can only fail
 // for a value below lb rounded to float.
+template <class In>
+bool row_may_be_below(In const* row, index_t K, float lb) noexcept {
+  bool below = false;
+  if constexpr (std::is_same_v<In, float>)
+    for (index_t d = 0; d < K; ++d) below |= row[d] < lb;
+  else
+    for (index_t d = 0; d < K; ++d) below |= load_as<double>(row[d]) < static_cast<double>(lb);
+  return below;
+}
 template <class In>
 bool gate_may_be_below(problem const& p, tensor_view<In const, 4> g, index_t t0, index_t t1) noexcept {
   if (!p.lower_bound) return false;
@@ -255,13 +268,7 @@ bool gate_may_be_below(problem const& p, tensor_view<In const, 4> g, index_t t0,
   bool below = false;
   for (index_t b = 0; b < p.B; ++b)
     for (index_t t = t0; t < t1; ++t)
-      for (index_t h = 0; h < p.HV; ++h) {
-        In const* row = &g(b, t, h, 0);
-        if constexpr (std::is_same_v<In, float>)
-          for (index_t d = 0; d < p.K; ++d) below |= row[d] < lb;
-        else
-          for (index_t d = 0; d < p.K; ++d) below |= load_as<double>(row[d]) < static_cast<double>(lb);
-      }
+      for (index_t h = 0; h < p.HV; ++h) below |= row_may_be_below(&g(b, t, h, 0), p.K, lb);
   return below;
 }
 
@@ -273,12 +280,7 @@ void check_gate_bound(problem const& p, tensor_view<In const, 4> g) {
     for (index_t t = 0; t < p.T; ++t)
       for (index_t h = 0; h < p.HV; ++h) {
         In const* row = &g(b, t, h, 0);
-        bool below = false;  // fast scan of the row first, as in gate_may_be_below
-        if constexpr (std::is_same_v<In, float>)
-          for (index_t d = 0; d < p.K; ++d) below |= row[d] < lb;
-        else
-          for (index_t d = 0; d < p.K; ++d) below |= load_as<double>(row[d]) < static_cast<double>(lb);
-        if (!below) continue;
+        if (!row_may_be_below(row, p.K, lb)) continue;  // the fast filter first
         for (index_t d = 0; d < p.K; ++d) {
           double x = load_as<double>(row[d]);
           // Compare in the storage precision's terms: a float g equal to lb rounded is fine.
