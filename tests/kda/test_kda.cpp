@@ -141,7 +141,8 @@ TEST_CASE("forward and backward validate their arguments") {
     for (int threads : {1, 2, 3}) {
       cpu::threads<> be(threads);
       CHECK(error_of([&] { kda::forward(be, a, ok); }) == "<no error>");
-      for (auto [t, h] : {std::pair{c.T - 1, c.HV - 1}, std::pair{index_t(6), index_t(1)}}) {
+      for (auto const& th : {std::pair{c.T - 1, c.HV - 1}, std::pair{index_t(6), index_t(1)}}) {
+        index_t const t = th.first, h = th.second;  // not a structured binding: clang 14 cannot capture those
         float& x = g[std::size_t(((t * c.HV) + h) * c.K + 3)];
         float const keep = x;
         x = -4.0001f;
