@@ -378,8 +378,10 @@ inline void emit_token512(index_t i, float const* s, float const* tz, std::int32
   alignas(64) float sv[64];
   float sum = 0.f;
   for (index_t r = 0; r < k; ++r) {
-    sv[r] = s[tj[r]];
-    sum += sv[r];
+    float x = s[tj[r]];
+    asm("" : "+x"(x));  // 16 plain loads: a vector gather is slower here
+    sv[r] = x;
+    sum += x;
   }
   __m512 const denom = _mm512_set1_ps(sum + 1e-20f), scale = _mm512_set1_ps(opt.routed_scale);
   if (contiguous) {
