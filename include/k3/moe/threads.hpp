@@ -347,7 +347,7 @@ inline bool rank_candidates512(float const* K3_RESTRICT cz, std::int32_t const* 
 // that reports non-finite scores). On success st.tz / st.tj hold the kk best in ranking order.
 inline bool select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, index_t kk, select_state512& st) {
   if (!st.primed || n > 1024 || kk > 49) return false;
-  float const g_lo = st.mean - 3.f * st.dev - 1e-30f, g_hi = st.mean - st.dev;
+  float const g_lo = st.mean - 2.5f * st.dev - 1e-30f, g_hi = st.mean - 0.6f * st.dev;
   if (!mask_pass512(s, b, n, g_lo, g_hi, st.mlo, st.mhi)) return false;  // non-finite: the general path reports it
   std::uint64_t nz;
   // The tight set if it holds k+1 candidates (the k+1 best overall are then among them),
