@@ -546,8 +546,10 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     (void)contiguous;
     for (index_t i = lo_i; i < hi_i; ++i) {
       float const* s = &scores(i, 0);
+#if defined(K3_MOE_SELECT512)
       float const* rz = nullptr;  // the AVX-512 path's ranked k+1 best (else `best`)
       std::int32_t const* rj = nullptr;
+#endif
       if (fast) {
 #if defined(K3_MOE_SELECT512)
         if (use512 && kk <= 49) {
