@@ -13,6 +13,7 @@
 #include <cmath>
 #include <type_traits>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -475,10 +476,29 @@ void bin_token_simd(float const* K3_RESTRICT s, float alpha, index_t n, float lo
   for (; j < n; ++j) out[j] = static_cast<std::uint16_t>(qb_bin(alpha - s[j], lo, inv_w, B));
 }
 
-// Bins of `tokens` tokens (row t at bins + t * ld) land expert by expert.
+// Bins of `tokens` tokens (row t at bins + t * ld) land expert by expert, four experts per
+// pass: one 8-byte load feeds four increments (into four different rows), half the loads of
+// one expert at a time.
 inline void scatter_block(std::uint16_t const* K3_RESTRICT bins, index_t tokens, index_t n, index_t ld, std::int32_t B,
                           std::uint16_t* K3_RESTRICT h) {
-  for (index_t j = 0; j < n; ++j) {
+  index_t j = 0;
+  if constexpr (std::endian::native == std::endian::little) {
+    for (; j + 4 <= n; j += 4) {
+      std::uint16_t* K3_RESTRICT r0 = h + j * B;
+      std::uint16_t* K3_RESTRICT r1 = r0 + B;
+      std::uint16_t* K3_RESTRICT r2 = r1 + B;
+      std::uint16_t* K3_RESTRICT r3 = r2 + B;
+      for (index_t t = 0; t < tokens; ++t) {
+        std::uint64_t w;
+        std::memcpy(&w, bins + t * ld + j, sizeof w);
+        ++r0[w & 0xffffu];
+        ++r1[(w >> 16) & 0xffffu];
+        ++r2[(w >> 32) & 0xffffu];
+        ++r3[w >> 48];
+      }
+    }
+  }
+  for (; j < n; ++j) {
     std::uint16_t* K3_RESTRICT row = h + j * B;
     for (index_t t = 0; t < tokens; ++t) ++row[bins[t * ld + j]];
   }
