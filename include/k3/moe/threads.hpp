@@ -537,7 +537,8 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     std::int64_t since_spill = 0;
     // 128 tokens per block: each expert's row gets ~128 increments per visit (16: ~1 per
     // cache line), while the block's lines that one group of 32 experts reads stay in L1.
-    constexpr index_t block = 128;
+    // Fewer for a short share of tokens (no 237 KB buffer for a handful of tokens).
+    index_t const block = std::min<index_t>(128, hi_i - lo_i);
     bool const blocked = B <= 65536;
     index_t const bin_ld = block_stride(n);
     std::vector<std::uint16_t> bins(static_cast<std::size_t>(blocked && hist ? block * bin_ld : 0));
