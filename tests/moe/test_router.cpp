@@ -372,3 +372,138 @@ TEST_CASE("threads router: a non-finite score after the running guess is primed 
     }
   }
 }
+
+namespace {
+
+// Serial reference vs cpu::threads (1..3 threads) with a padding mask, strided or contiguous
+// outputs and a fused histogram: indices, weights, cut-offs, loads and counts bit-identical.
+void check_threads_vs_serial_ex(std::vector<float> const& s, std::vector<float> const& b, index_t m, index_t n, index_t k,
+                                std::vector<std::uint8_t> const& mask, bool strided) {
+  moe::router_options opt;
+  opt.k = k;
+  opt.routed_scale = 2.5f;
+  k3::const_view<std::uint8_t, 1> mv = mask.empty() ? k3::const_view<std::uint8_t, 1>{} : k3::const_view<std::uint8_t, 1>(mask.data(), {m});
+  routed r1(m, k, n);
+  auto h1 = moe::qb_histogram::for_bias(cview(b), 97);
+  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, mv, &h1);
+  for (int nt : {1, 2, 3}) {
+    CAPTURE(nt);
+    index_t const ld = strided ? k + 3 : k;  // row stride of the outputs (padding columns)
+    std::vector<std::int32_t> idx(static_cast<std::size_t>(m * ld), 77);
+    std::vector<float> w(static_cast<std::size_t>(m * ld), 77.f), cut(static_cast<std::size_t>(m));
+    std::vector<std::int64_t> load(static_cast<std::size_t>(n));
+    moe::route_outputs out{k3::tensor_view<std::int32_t, 2>(idx.data(), {m, k}, {ld, 1}), k3::tensor_view<float, 2>(w.data(), {m, k}, {ld, 1}),
+                           k3::host_view(cut.data(), m), k3::host_view(load.data(), n)};
+    auto h2 = moe::qb_histogram::for_bias(cview(b), 97);
+    moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), out, opt, mv, &h2);
+    bool same_idx = true, same_w = true, pad_kept = true;
+    for (index_t i = 0; i < m; ++i) {
+      for (index_t x = 0; x < k; ++x) {
+        same_idx &= idx[i * ld + x] == r1.idx[i * k + x];
+        same_w &= std::memcmp(&w[i * ld + x], &r1.w[i * k + x], sizeof(float)) == 0;
+      }
+      for (index_t x = k; x < ld; ++x) pad_kept &= idx[i * ld + x] == 77 && w[i * ld + x] == 77.f;
+    }
+    CHECK(same_idx);
+    CHECK(same_w);
+    CHECK(pad_kept);
+    CHECK(std::memcmp(cut.data(), r1.cut.data(), cut.size() * sizeof(float)) == 0);
+    CHECK(load == r1.load);
+    CHECK(h1 == h2);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("threads router: mask-pass selection on awkward widths, failed guesses, ties, padding and strided outputs") {
+  // Widths around the 16-lane vectors and the 64-expert chunks of the candidate pass (tails of
+  // 1..63 experts, rows shorter than one vector), k from 1 to n - 1 on both sides of the
+  // AVX-512 path's k <= 48 limit. After a stationary stretch primes the running cut-off, rows
+  // break the guesses: far below (both guesses fail: the lowered retries and the general
+  // path), slightly below (the tight set fails, the generous one holds), a near-flat top with
+  // more than 64 candidates, exact ties at and around the cut-off, +-0, and every
+  // candidate in the tail chunk.
+  for (index_t n : {2, 3, 15, 16, 17, 31, 48, 63, 64, 65, 80, 127, 129, 200, 1000, 1023, 1024, 1025}) {
+    for (index_t k : {index_t(1), std::min<index_t>(n - 1, 16), std::min<index_t>(n - 1, 48), n - 1}) {
+      CAPTURE(n);
+      CAPTURE(k);
+      index_t const m = 72;
+      auto s = skewed_scores(m, n, 2.0, std::uint64_t(7 * n + k));
+      auto b = uniform(n, -0.05, 0.05, std::uint64_t(n + 3 * k));
+      auto row = [&](index_t i) { return s.begin() + i * n; };
+      for (index_t j = 0; j < n; ++j) {
+        s[50 * n + j] *= 1e-3f;                                 // far below
+        s[51 * n + j] *= 0.97f;                                 // slightly below
+        s[52 * n + j] = 0.95f + 1e-4f * float(j % 97) / 97.f;   // flat top: > 64 candidates
+        s[53 * n + j] = std::round(s[53 * n + j] * 32.f) / 32.f;  // ties everywhere
+        s[55 * n + j] = (j % 2) ? 0.f : -0.f;                   // +-0 ties
+        s[56 * n + j] = j >= n - (n % 64 == 0 ? 64 : n % 64) ? 0.9f + 0.05f * float(j % 13) / 13.f : 0.01f;  // tail chunk only
+      }
+      std::copy(row(20), row(21), row(54));  // a repeated row, with one exact tie at its cut-off below
+      if (k + 1 < n) {
+        std::vector<std::pair<float, index_t>> z;
+        for (index_t j = 0; j < n; ++j) z.push_back({s[54 * n + j] + b[j], j});
+        std::sort(z.begin(), z.end(), [](auto const& x, auto const& y) { return x.first > y.first; });
+        index_t const a = z[k].second, c = z[k + 1].second;  // make rank k+1 tie rank k exactly
+        s[54 * n + c] = s[54 * n + a];
+        b[c] = b[a];
+      }
+      std::vector<std::uint8_t> mask(static_cast<std::size_t>(m), 1);
+      for (index_t i = 3; i < m; i += 7) mask[i] = 0;
+      check_threads_vs_serial_ex(s, b, m, n, k, {}, false);
+      check_threads_vs_serial_ex(s, b, m, n, k, mask, true);
+    }
+  }
+}
+
+TEST_CASE("threads router: non-finite scores in the candidate pass's tail chunk and last vector are rejected by position") {
+  for (index_t n : {16, 64, 100, 1000}) {
+    index_t const m = 40, k = 4;
+    moe::router_options opt;
+    opt.k = k;
+    for (index_t bad_j : {index_t(0), index_t(15), n / 2, n - 17 < 0 ? index_t(1) : n - 17, n - 1}) {
+      for (float v : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+        CAPTURE(n);
+        CAPTURE(bad_j);
+        auto s = skewed_scores(m, n, 1.0, 11);
+        auto b = uniform(n, -0.05, 0.05, 12);
+        s[33 * n + bad_j] = v;
+        routed r(m, k, n);
+        std::string msg;
+        try {
+          moe::route(k3::cpu::threads<>(1), cview(s, m, n), cview(b), r.out(), opt);
+        } catch (k3::error const& e) {
+          msg = e.what();
+        }
+        CHECK(msg.find("'scores': non-finite value at token 33, expert " + std::to_string(bad_j)) != std::string::npos);
+      }
+    }
+  }
+}
+
+TEST_CASE("threads router: 16-bit per-thread counts spill exactly past 65535 tokens per thread") {
+  // One thread sees all 140001 tokens (two spills; two threads: 70000 each, one spill). Scores
+  // in (0.45, 0.55) put every margin into the middle one of 3 bins, so each 65535-token window
+  // fills that bin's 16-bit count exactly: tokens still pending in the block buffer at a spill
+  // would overflow it. n = 19: a 16-expert vector plus a tail, on the mask-pass path.
+  index_t const m = 140001, n = 19, k = 2;
+  auto s = skewed_scores(m, n, 1.0, 77);
+  for (auto& x : s) x = 0.45f + 0.1f * x;
+  auto b = uniform(n, -0.02, 0.02, 78);
+  moe::router_options opt;
+  opt.k = k;
+  routed r1(m, k, n);
+  auto h1 = moe::qb_histogram::for_bias(cview(b), 3);
+  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, {}, &h1);
+  std::int64_t maxc = 0;
+  for (index_t j = 0; j < n; ++j)
+    for (index_t x = 0; x < 3; ++x) maxc = std::max(maxc, h1(j, x));
+  CHECK(maxc > 65535);
+  for (int nt : {1, 2}) {
+    routed r2(m, k, n);
+    auto h2 = moe::qb_histogram::for_bias(cview(b), 3);
+    moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
+    CHECK(h1 == h2);
+    CHECK(r1.idx == r2.idx);
+  }
+}

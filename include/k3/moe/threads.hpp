@@ -13,6 +13,7 @@
 #include <cmath>
 #include <type_traits>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -213,164 +214,194 @@ bool select_token_simd(float const* K3_RESTRICT s, float const* K3_RESTRICT b, i
   return true;
 }
 
-#if defined(__AVX512F__) && defined(__BMI2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__BMI2__)
 #define K3_MOE_SELECT512 1
 // AVX-512 top-(k+1) for one token, exact and bit-identical to rank_token:
-//  1. one pass compresses the candidates z >= g_lo (generous guess, from running statistics of
-//     the cut-off) into a buffer, in index order, and checks finiteness;
-//  2. in registers, the candidates z >= g_hi (tight guess) are compressed again; if at least
+//  1. one pass over the row keeps only the 16-lane masks of z >= g_lo (generous guess, from
+//     running statistics of the cut-off) and checks finiteness: no compress, no data stores;
+//  2. the ~20 non-empty vectors give the candidates (index order): their s and b are
+//     reloaded from L1 and compressed;
+//  3. in registers, the candidates z >= g_hi (tight guess) are compressed again; if at least
 //     k+1 remain, only they are ranked (the k+1 best overall are among them);
-//  3. rank(a) = #{b : z_b > z_a} by broadcasting each candidate against the candidate vectors
-//     (no ties: the ranks are a permutation, checked by their sum), so each candidate lands
-//     in its slot directly. A tie, too few or too many candidates take the general path.
+//  4. rank(a) = #{b : z_b > z_a}, a popcount of one broadcast compare per candidate vector;
+//     without ties the ranks are 0..c-1 (checked), so each candidate lands in its slot.
+//     A tie, too few or too many candidates take the general path.
 // The guesses only affect speed.
 struct select_state512 {
   float mean = 0.f, dev = 0.f;  // running mean / mean absolute deviation of the cut-off
   bool primed = false;
-  alignas(64) float cz[1024 + 64];
-  alignas(64) std::int32_t cj[1024 + 64];
-  alignas(64) float z2[64 + 32];
-  alignas(64) std::int32_t j2[64 + 32];
-  alignas(64) float tz[64];
-  alignas(64) std::int32_t tj[64];
+  // Candidate masks of the two guesses, 1024 experts at most; past the row: 0.
+  alignas(64) std::uint16_t mlo[64] = {};
+  alignas(64) std::uint16_t mhi[64] = {};
+  alignas(64) float cz[64 + 64] = {};  // <= 64 candidates, plus room for the -inf pads
+  alignas(64) std::int32_t cj[64 + 64] = {};
+  alignas(64) float tz[64] = {};  // the result: biased scores and experts in ranking order
+  alignas(64) std::int32_t tj[64] = {};
 };
 
-// Ranks the c candidates (index order, c <= 16 NV, lanes from c on padded with -inf) and
-// writes the kk best to `best` in ranking order. Returns false on a tie (the caller then
-// takes the general path). With `fixed`, the broadcast loop runs over all 16 NV slots (pads
-// never count): a constant trip count costs fewer cycles than a mispredicted loop exit.
-template <int NV, bool fixed>
-K3_INLINE bool rank_candidates512(float const* cz, std::int32_t const* cj, index_t c, index_t kk, ranked* best, float* tz,
-                                   std::int32_t* tj) {
-  __m512 za[NV];
-  __m512i acc[NV];
-  __m512i const ones = _mm512_set1_epi32(-1);
-  for (int v = 0; v < NV; ++v) {
-    za[v] = _mm512_load_ps(cz + 16 * v);
-    acc[v] = _mm512_setzero_si512();
+// Count and bitmap of the non-empty 16-lane masks (bit v: experts 16 v .. 16 v + 15).
+inline index_t mask_summary512(std::uint16_t const* masks, std::uint64_t& nz) {
+  __m512i const m0 = _mm512_load_si512(masks), m1 = _mm512_load_si512(masks + 32);
+  nz = std::uint64_t(_mm512_test_epi16_mask(m0, m0)) | std::uint64_t(_mm512_test_epi16_mask(m1, m1)) << 32;
+#if defined(__AVX512VPOPCNTDQ__)
+  return static_cast<index_t>(_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_popcnt_epi64(m0), _mm512_popcnt_epi64(m1))));
+#else
+  alignas(64) std::uint64_t words[16];
+  _mm512_store_si512(words, m0);
+  _mm512_store_si512(words + 8, m1);
+  index_t c = 0;
+  for (auto x : words) c += std::popcount(x);
+  return c;
+#endif
+}
+
+// The candidate pass: the masks of z >= lo and z >= hi (lo <= hi), nothing else stored.
+// Finiteness rides along as an FMA accumulator z * 0 + acc (NaN iff some z is inf or NaN; a
+// finite s whose s + b overflows also lands there, and the general path then tells the two
+// apart), one per unrolled vector so that its latency chain stays short.
+inline bool mask_pass512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, float lo, float hi,
+                         std::uint16_t* K3_RESTRICT mlo, std::uint16_t* K3_RESTRICT mhi) {
+  __m512 const vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi), zero = _mm512_setzero_ps();
+  __m512 f0 = zero, f1 = zero, f2 = zero, f3 = zero;
+  index_t const nw = n / 64;
+  for (index_t q = 0; q < nw; ++q) {
+    float const* K3_RESTRICT sq = s + 64 * q;
+    float const* K3_RESTRICT bq = b + 64 * q;
+    __m512 const z0 = _mm512_add_ps(_mm512_loadu_ps(sq), _mm512_loadu_ps(bq));
+    __m512 const z1 = _mm512_add_ps(_mm512_loadu_ps(sq + 16), _mm512_loadu_ps(bq + 16));
+    __m512 const z2 = _mm512_add_ps(_mm512_loadu_ps(sq + 32), _mm512_loadu_ps(bq + 32));
+    __m512 const z3 = _mm512_add_ps(_mm512_loadu_ps(sq + 48), _mm512_loadu_ps(bq + 48));
+    f0 = _mm512_fmadd_ps(z0, zero, f0);
+    f1 = _mm512_fmadd_ps(z1, zero, f1);
+    f2 = _mm512_fmadd_ps(z2, zero, f2);
+    f3 = _mm512_fmadd_ps(z3, zero, f3);
+    mlo[4 * q] = _mm512_cmp_ps_mask(z0, vlo, _CMP_GE_OQ);
+    mlo[4 * q + 1] = _mm512_cmp_ps_mask(z1, vlo, _CMP_GE_OQ);
+    mlo[4 * q + 2] = _mm512_cmp_ps_mask(z2, vlo, _CMP_GE_OQ);
+    mlo[4 * q + 3] = _mm512_cmp_ps_mask(z3, vlo, _CMP_GE_OQ);
+    mhi[4 * q] = _mm512_cmp_ps_mask(z0, vhi, _CMP_GE_OQ);
+    mhi[4 * q + 1] = _mm512_cmp_ps_mask(z1, vhi, _CMP_GE_OQ);
+    mhi[4 * q + 2] = _mm512_cmp_ps_mask(z2, vhi, _CMP_GE_OQ);
+    mhi[4 * q + 3] = _mm512_cmp_ps_mask(z3, vhi, _CMP_GE_OQ);
   }
-  index_t const nb = fixed ? 16 * NV : c;
-  for (index_t b = 0; b < nb; ++b) {
-    __m512 const zb = _mm512_set1_ps(cz[b]);
-    for (int v = 0; v < NV; ++v) acc[v] = _mm512_mask_sub_epi32(acc[v], _mm512_cmp_ps_mask(zb, za[v], _CMP_GT_OQ), acc[v], ones);
+  for (index_t j = 64 * nw; j < n; j += 16) {
+    __mmask16 const valid = static_cast<__mmask16>(_bzhi_u32(0xffffu, static_cast<unsigned>(std::min<index_t>(n - j, 16))));
+    __m512 const z = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, s + j), _mm512_maskz_loadu_ps(valid, b + j));
+    f0 = _mm512_fmadd_ps(z, zero, f0);
+    mlo[j / 16] = _mm512_mask_cmp_ps_mask(valid, z, vlo, _CMP_GE_OQ);
+    mhi[j / 16] = _mm512_mask_cmp_ps_mask(valid, z, vhi, _CMP_GE_OQ);
   }
-  // Tie-free iff the ranks of the c real lanes are 0..c-1 (pad lanes, -inf, all rank c).
-  __m512i sum = acc[0];
-  for (int v = 1; v < NV; ++v) sum = _mm512_add_epi32(sum, acc[v]);
-  std::int64_t const expect = c * (c - 1) / 2 + (16 * NV - c) * c;
-  if (std::int64_t(_mm512_reduce_add_epi32(sum)) != expect) return false;
-  alignas(64) std::int32_t rk[16 * NV];
-  for (int v = 0; v < NV; ++v) _mm512_store_si512(rk + 16 * v, acc[v]);
-  index_t const na = fixed ? 16 * NV : c;  // pad lanes all land in slot c >= kk: harmless
-  for (index_t a = 0; a < na; ++a) {
-    tz[rk[a]] = cz[a];
-    tj[rk[a]] = cj[a];
+  __m512 const f = _mm512_add_ps(_mm512_add_ps(f0, f1), _mm512_add_ps(f2, f3));
+  return _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q) == 0;
+}
+
+// The candidates of one mask set, in index order, from the non-empty vectors only (their s
+// and b are still in L1), padded with -inf to whole vectors (two past the count).
+inline index_t extract512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, std::uint16_t const* K3_RESTRICT masks,
+                          std::uint64_t nz, float* K3_RESTRICT cz, std::int32_t* K3_RESTRICT cj) {
+  __m512i const lane_iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 const ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  index_t o = 0;
+  while (nz) {
+    unsigned const v = static_cast<unsigned>(std::countr_zero(nz));
+    nz &= nz - 1;
+    __mmask16 const mk = masks[v];
+    index_t const j = 16 * index_t(v);
+    __m512 const z = _mm512_add_ps(_mm512_maskz_loadu_ps(mk, s + j), _mm512_maskz_loadu_ps(mk, b + j));
+    _mm512_storeu_ps(cz + o, _mm512_maskz_compress_ps(mk, z));
+    _mm512_storeu_si512(cj + o, _mm512_maskz_compress_epi32(mk, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)), lane_iota)));
+    o += std::popcount(static_cast<unsigned>(mk));
   }
-  for (index_t r = 0; r < kk; ++r) best[r] = {tz[r], tj[r]};
-  return true;
+  _mm512_storeu_ps(cz + o, ninf);
+  _mm512_storeu_ps(cz + o + 16, ninf);
+  return o;
+}
+
+// Ranks the c candidates (index order; lanes from c up to 16 NV hold -inf, which never
+// counts) into tz/tj in ranking order. Returns false on a tie (two candidates with one rank).
+template <int NV>
+inline bool rank_candidates512(float const* K3_RESTRICT cz, std::int32_t const* K3_RESTRICT cj, index_t c, float* K3_RESTRICT tz,
+                               std::int32_t* K3_RESTRICT tj) {
+  __m512 zv[NV];
+  for (int v = 0; v < NV; ++v) zv[v] = _mm512_load_ps(cz + 16 * v);
+  std::uint64_t used = 0;
+  for (index_t a = 0; a < c; ++a) {
+    __m512 const za = _mm512_set1_ps(cz[a]);
+    std::uint64_t gt;
+    if constexpr (NV == 1) {
+      gt = _mm512_cmp_ps_mask(zv[0], za, _CMP_GT_OQ);
+    } else if constexpr (NV == 2) {
+      gt = _cvtmask32_u32(_mm512_kunpackw(_mm512_cmp_ps_mask(zv[1], za, _CMP_GT_OQ), _mm512_cmp_ps_mask(zv[0], za, _CMP_GT_OQ)));
+    } else {
+      gt = 0;
+      for (int v = 0; v < NV; ++v) gt |= std::uint64_t(_mm512_cmp_ps_mask(zv[v], za, _CMP_GT_OQ)) << (16 * v);
+    }
+    unsigned const r = static_cast<unsigned>(std::popcount(gt));
+    tz[r] = cz[a];
+    tj[r] = cj[a];
+    used |= std::uint64_t(1) << r;
+  }
+  return used == _bzhi_u64(~std::uint64_t(0), static_cast<unsigned>(c));
 }
 
 // Returns false when the caller must use the general path (exact for any input, and the one
-// that reports non-finite scores).
-inline bool select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, index_t kk, ranked* best,
-                           select_state512& st) {
-  if (!st.primed || n > 1024 || kk > 48) return false;
-  float const g_lo = st.mean - 3.f * st.dev - 1e-30f, g_hi = st.mean - 0.6f * st.dev;
-  __m512i const lane_iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  float* K3_RESTRICT cz = st.cz;
-  std::int32_t* K3_RESTRICT cj = st.cj;
-  // Candidates z >= g in index order. Finiteness rides along as an unsigned max of |z|'s bits
-  // (above 0x7f7fffff means inf or NaN; a finite s whose s + b overflows also lands there, and
-  // the general path then tells the two apart). An FMA accumulator (z * 0 + acc) is as exact
-  // but its latency chain slows the loop.
-  auto collect = [&](float g, bool& finite) {
-    __m512 const vg = _mm512_set1_ps(g);
-    __m512i const abs_bits = _mm512_set1_epi32(0x7fffffff);
-    __m512i mag = _mm512_setzero_si512();
-    __m512i ids = lane_iota;
-    __m512i const sixteen = _mm512_set1_epi32(16);
-    index_t c = 0, j = 0;
-    for (; j + 16 <= n; j += 16) {
-      __m512 const z = _mm512_add_ps(_mm512_loadu_ps(s + j), _mm512_loadu_ps(b + j));
-      mag = _mm512_max_epu32(mag, _mm512_and_si512(_mm512_castps_si512(z), abs_bits));
-      __mmask16 const mk = _mm512_cmp_ps_mask(z, vg, _CMP_GE_OQ);
-      _mm512_storeu_ps(cz + c, _mm512_maskz_compress_ps(mk, z));
-      _mm512_storeu_si512(cj + c, _mm512_maskz_compress_epi32(mk, ids));
-      ids = _mm512_add_epi32(ids, sixteen);
-      c += std::popcount(static_cast<unsigned>(mk));
+// that reports non-finite scores). On success st.tz / st.tj hold the kk best in ranking order.
+inline bool select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, index_t kk, select_state512& st) {
+  if (!st.primed || n > 1024 || kk > 49) return false;
+  float const g_lo = st.mean - 2.5f * st.dev - 1e-30f, g_hi = st.mean - 0.6f * st.dev;
+  if (!mask_pass512(s, b, n, g_lo, g_hi, st.mlo, st.mhi)) return false;  // non-finite: the general path reports it
+  std::uint64_t nz;
+  // The tight set if it holds k+1 candidates (the k+1 best overall are then among them),
+  // else the generous one; a token far below the running cut-off lowers the guess twice.
+  index_t c = mask_summary512(st.mhi, nz);
+  std::uint16_t const* masks = st.mhi;
+  if (c < kk) {
+    masks = st.mlo;
+    c = mask_summary512(st.mlo, nz);
+    for (int tries = 0; c < kk && tries < 2; ++tries) {
+      float const g = g_lo - float(4 << (2 * tries)) * (st.dev + 1e-30f);
+      mask_pass512(s, b, n, g, g, st.mlo, st.mhi);
+      c = mask_summary512(st.mlo, nz);
     }
-    if (j < n) {
-      __mmask16 const tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
-      __m512 const z = _mm512_add_ps(_mm512_maskz_loadu_ps(tail, s + j), _mm512_maskz_loadu_ps(tail, b + j));
-      mag = _mm512_max_epu32(mag, _mm512_and_si512(_mm512_castps_si512(z), abs_bits));
-      __mmask16 const mk = _mm512_mask_cmp_ps_mask(tail, z, vg, _CMP_GE_OQ);
-      _mm512_storeu_ps(cz + c, _mm512_maskz_compress_ps(mk, z));
-      _mm512_storeu_si512(cj + c, _mm512_maskz_compress_epi32(mk, ids));
-      c += std::popcount(static_cast<unsigned>(mk));
-    }
-    finite = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7f7fffff)) == 0;
-    return c;
-  };
-  bool finite = true;
-  index_t c = collect(g_lo, finite);
-  if (!finite) return false;  // the general path tells a non-finite score from an overflow
-  // Too few (a token far below the running cut-off): lower the guess, twice at most.
-  for (int tries = 0; c < kk && tries < 2; ++tries) c = collect(g_lo - float(4 << (2 * tries)) * (st.dev + 1e-30f), finite);
+  }
   if (c < kk || c > 64) return false;
-  // Tight set z >= g_hi, compressed in registers (still index order), both sets padded with
-  // -inf to whole vectors.
-  __m512 const ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 const vh = _mm512_set1_ps(g_hi);
-  float* K3_RESTRICT z2 = st.z2;
-  std::int32_t* K3_RESTRICT j2 = st.j2;
-  index_t c2 = 0;
-  for (index_t o = 0; o < 64; o += 16) {
-    __mmask16 const valid = static_cast<__mmask16>(_bzhi_u32(0xffffu, static_cast<unsigned>(std::clamp<index_t>(c - o, 0, 16))));
-    __m512 const z = _mm512_mask_loadu_ps(ninf, valid, cz + o);
-    _mm512_store_ps(cz + o, z);
-    __mmask16 const mk = _mm512_cmp_ps_mask(z, vh, _CMP_GE_OQ);
-    _mm512_storeu_ps(z2 + c2, _mm512_mask_compress_ps(ninf, mk, z));
-    _mm512_storeu_si512(j2 + c2, _mm512_maskz_compress_epi32(mk, _mm512_loadu_si512(cj + o)));
-    c2 += std::popcount(static_cast<unsigned>(mk));
-  }
-  _mm512_storeu_ps(z2 + c2, ninf);  // pads up to the next two whole vectors (rank loops read them)
-  _mm512_storeu_ps(z2 + c2 + 16, ninf);
-  if (c2 >= kk) {
-    cz = z2;
-    cj = j2;
-    c = c2;
-  }
-  bool ok;
-  if (c <= 32) {
-    ok = rank_candidates512<2, true>(cz, cj, c, kk, best, st.tz, st.tj);
-  } else if (c <= 48) {
-    ok = rank_candidates512<3, false>(cz, cj, c, kk, best, st.tz, st.tj);
-  } else {
-    ok = rank_candidates512<4, false>(cz, cj, c, kk, best, st.tz, st.tj);
-  }
-  return ok;
+  extract512(s, b, masks, nz, st.cz, st.cj);
+  if (c <= 16) return rank_candidates512<1>(st.cz, st.cj, c, st.tz, st.tj);
+  if (c <= 32) return rank_candidates512<2>(st.cz, st.cj, c, st.tz, st.tj);
+  return rank_candidates512<4>(st.cz, st.cj, c, st.tz, st.tj);
 }
 
-// emit_token with the divisions done 16 lanes at a time (the same IEEE operations per
-// weight, so the results are identical; the sum keeps its sequential order).
-inline void emit_token512(index_t i, float const* s, ranked const* best, router_options const& opt, route_outputs const& out) {
+// emit_token from the ranked arrays, the divisions done 16 lanes at a time (the same IEEE
+// operations per weight, so the results are identical; the sum keeps its sequential order).
+inline void emit_token512(index_t i, float const* s, float const* tz, std::int32_t const* tj, router_options const& opt,
+                          route_outputs const& out, bool contiguous) {
   index_t const k = opt.k;
   alignas(64) float sv[64];
   float sum = 0.f;
   for (index_t r = 0; r < k; ++r) {
-    sv[r] = s[best[r].j];
-    sum += sv[r];
+    float x = s[tj[r]];
+    asm("" : "+x"(x));  // 16 plain loads: a vector gather is slower here
+    sv[r] = x;
+    sum += x;
   }
   __m512 const denom = _mm512_set1_ps(sum + 1e-20f), scale = _mm512_set1_ps(opt.routed_scale);
-  for (index_t r = 0; r < k; r += 16) {
-    __m512 const v = _mm512_load_ps(sv + r);
-    _mm512_store_ps(sv + r, _mm512_mul_ps(_mm512_div_ps(v, denom), scale));
+  if (contiguous) {
+    float* K3_RESTRICT wrow = &out.weights(i, 0);
+    std::int32_t* K3_RESTRICT irow = &out.indices(i, 0);
+    for (index_t r = 0; r < k; r += 16) {
+      __mmask16 const m = static_cast<__mmask16>(_bzhi_u32(0xffffu, static_cast<unsigned>(std::min<index_t>(k - r, 16))));
+      _mm512_mask_storeu_ps(wrow + r, m, _mm512_mul_ps(_mm512_div_ps(_mm512_load_ps(sv + r), denom), scale));
+      _mm512_mask_storeu_epi32(irow + r, m, _mm512_load_si512(tj + r));
+    }
+  } else {
+    for (index_t r = 0; r < k; r += 16)
+      _mm512_store_ps(sv + r, _mm512_mul_ps(_mm512_div_ps(_mm512_load_ps(sv + r), denom), scale));
+    for (index_t r = 0; r < k; ++r) {
+      out.indices(i, r) = tj[r];
+      out.weights(i, r) = sv[r];
+    }
   }
-  for (index_t r = 0; r < k; ++r) {
-    out.indices(i, r) = best[r].j;
-    out.weights(i, r) = sv[r];
-  }
-  if (!out.cutoff.empty()) out.cutoff(i) = best[k].z;
+  if (!out.cutoff.empty()) out.cutoff(i) = tz[k];
 }
 
 // Running statistics of the cut-off (rank k) that set the next token's guesses.
@@ -445,11 +476,40 @@ void bin_token_simd(float const* K3_RESTRICT s, float alpha, index_t n, float lo
   for (; j < n; ++j) out[j] = static_cast<std::uint16_t>(qb_bin(alpha - s[j], lo, inv_w, B));
 }
 
-inline void scatter_block(std::uint16_t const* K3_RESTRICT bins, index_t tokens, index_t n, std::int32_t B, std::uint16_t* K3_RESTRICT h) {
-  for (index_t j = 0; j < n; ++j) {
-    std::uint16_t* K3_RESTRICT row = h + j * B;
-    for (index_t t = 0; t < tokens; ++t) ++row[bins[t * n + j]];
+// Bins of `tokens` tokens (row t at bins + t * ld) land expert by expert, four experts per
+// pass: one 8-byte load feeds four increments (into four different rows), half the loads of
+// one expert at a time.
+inline void scatter_block(std::uint16_t const* K3_RESTRICT bins, index_t tokens, index_t n, index_t ld, std::int32_t B,
+                          std::uint16_t* K3_RESTRICT h) {
+  index_t j = 0;
+  if constexpr (std::endian::native == std::endian::little) {
+    for (; j + 4 <= n; j += 4) {
+      std::uint16_t* K3_RESTRICT r0 = h + j * B;
+      std::uint16_t* K3_RESTRICT r1 = r0 + B;
+      std::uint16_t* K3_RESTRICT r2 = r1 + B;
+      std::uint16_t* K3_RESTRICT r3 = r2 + B;
+      for (index_t t = 0; t < tokens; ++t) {
+        std::uint64_t w;
+        std::memcpy(&w, bins + t * ld + j, sizeof w);
+        ++r0[w & 0xffffu];
+        ++r1[(w >> 16) & 0xffffu];
+        ++r2[(w >> 32) & 0xffffu];
+        ++r3[w >> 48];
+      }
+    }
   }
+  for (; j < n; ++j) {
+    std::uint16_t* K3_RESTRICT row = h + j * B;
+    for (index_t t = 0; t < tokens; ++t) ++row[bins[t * ld + j]];
+  }
+}
+
+// Row stride (uint16 elements) of the block buffer: a whole number of cache lines, odd, so that
+// the `block` lines one expert's loads touch spread over every L1 set (with n = 896 the plain
+// stride of 28 lines maps 128 tokens onto 16 sets and thrashes).
+inline index_t block_stride(index_t n) {
+  index_t lines = (n + 31) / 32;
+  return 32 * (lines | 1);
 }
 
 template <class Arch>
@@ -475,12 +535,16 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     index_t const lo_i = m * p / parts, hi_i = m * (p + 1) / parts;
     std::uint16_t* h = nullptr;
     std::int64_t since_spill = 0;
-    constexpr index_t block = 16;
+    // 128 tokens per block: each expert's row gets ~128 increments per visit (16: ~1 per
+    // cache line), while the block's lines that one group of 32 experts reads stay in L1.
+    // Fewer for a short share of tokens (no 237 KB buffer for a handful of tokens).
+    index_t const block = std::min<index_t>(128, hi_i - lo_i);
     bool const blocked = B <= 65536;
-    std::vector<std::uint16_t> bins(static_cast<std::size_t>(blocked && hist ? block * n : 0));
+    index_t const bin_ld = block_stride(n);
+    std::vector<std::uint16_t> bins(static_cast<std::size_t>(blocked && hist ? block * bin_ld : 0));
     index_t in_block = 0;
     auto flush = [&] {
-      if (in_block > 0) scatter_block(bins.data(), in_block, n, B, h);
+      if (in_block > 0) scatter_block(bins.data(), in_block, n, bin_ld, B, h);
       in_block = 0;
     };
     if (hist) {
@@ -499,22 +563,36 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     auto st512 = std::make_unique<select_state512>();
 #endif
     std::vector<float> srow(static_cast<std::size_t>(n));
+    bool const contiguous = out.indices.stride(1) == 1 && out.weights.stride(1) == 1;
+    (void)contiguous;
     for (index_t i = lo_i; i < hi_i; ++i) {
       float const* s = &scores(i, 0);
+#if defined(K3_MOE_SELECT512)
+      float const* rz = nullptr;  // the AVX-512 path's ranked k+1 best (else `best`)
+      std::int32_t const* rj = nullptr;
+#endif
       if (fast) {
 #if defined(K3_MOE_SELECT512)
-        bool const done = use512 && select_token512(s, bvec.data(), n, kk, best.data(), *st512);
-        if (!done && !select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
-          bad_token[p] = i;
-          return;
-        }
-        if (use512) observe_cutoff512(*st512, best[kk - 1].z, best[0].z);
-#else
-        if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
-          bad_token[p] = i;
-          return;
-        }
+        if (use512 && kk <= 49) {
+          if (!select_token512(s, bvec.data(), n, kk, *st512)) {
+            if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
+              bad_token[p] = i;
+              return;
+            }
+            for (index_t r = 0; r < kk; ++r) {
+              st512->tz[r] = best[r].z;
+              st512->tj[r] = best[r].j;
+            }
+          }
+          observe_cutoff512(*st512, st512->tz[kk - 1], st512->tz[0]);
+          rz = st512->tz;
+          rj = st512->tj;
+        } else
 #endif
+            if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
+          bad_token[p] = i;
+          return;
+        }
       } else {
         for (index_t j = 0; j < n; ++j) {
           if (!std::isfinite(s[j])) {
@@ -529,15 +607,22 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
         emit_padding(i, opt, out);
         continue;
       }
-      if (!fast) rank_token(s, bias, opt, n, z, best);
+      float alpha;  // the cut-off, rank k
 #if defined(K3_MOE_SELECT512)
-      if (use512 && fast && opt.k <= 48)
-        emit_token512(i, s, best.data(), opt, out);
-      else
+      if (rz) {
+        emit_token512(i, s, rz, rj, opt, out, contiguous);
+        if (ld)
+          for (index_t r = 0; r < opt.k; ++r) ++ld[rj[r]];
+        alpha = rz[opt.k];
+      } else
 #endif
+      {
+        if (!fast) rank_token(s, bias, opt, n, z, best);
         emit_token(i, s, best.data(), opt, out);
-      if (ld)
-        for (index_t r = 0; r < opt.k; ++r) ++ld[best[r].j];
+        if (ld)
+          for (index_t r = 0; r < opt.k; ++r) ++ld[best[r].j];
+        alpha = best[opt.k].z;
+      }
       if (h) {
         if (since_spill == 65535) {
           flush();
@@ -548,10 +633,10 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
           since_spill = 0;
         }
         if (blocked) {
-          bin_token_simd<Arch>(s, best[opt.k].z, n, hist->lo(), hist->inv_width(), B, bins.data() + in_block * n);
+          bin_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, bins.data() + in_block * bin_ld);
           if (++in_block == block) flush();
         } else {
-          scatter_token_simd<Arch>(s, best[opt.k].z, n, hist->lo(), hist->inv_width(), B, h);
+          scatter_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, h);
         }
         ++since_spill;
       }
