@@ -163,6 +163,12 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: v heads", setup({"v": np.zeros((1, 5, 3, 2))}), must_mention="v")
     ck.expect_error("bad: h0 shape", setup({"h0": f["h0"][:, :1]}), must_mention="h0")
     ck.expect_error("bad: h0 dtype", setup({"h0": f["h0"].astype(np.float32)}), must_mention="h0")
+    # an empty optional array is a wrong shape, not "absent" (was silently dropped)
+    ck.expect_error("bad: h0 empty [0,H,K,V]", setup({"h0": f["h0"][:0]}), must_mention="h0")
+    ck.expect_error("bad: h0 empty [0]", setup({"h0": np.zeros(0)}), must_mention="h0")
+    ck.expect_error("bad: h0 empty [0,0,0,0]", setup({"h0": np.zeros((0, 0, 0, 0))}), must_mention="h0")
+    ck.expect_error("bad: dht empty", setup(extra={"do": np.zeros((1, 5, 2, 2)), "dht": np.zeros((0, 2, 3, 2))}), ["--backward"],
+                    must_mention="dht")
     ck.expect_error("bad: missing gk", setup(drop=("gk",)), must_mention="gk")
     for cu, lab in (([0, 3, 2, 5], "non-decreasing"), ([0, 2, 4], "not ending at T"), ([1, 3, 5], "not starting at 0"),
                     ([], "empty"), ([0, 6], "beyond T")):

@@ -123,6 +123,23 @@ TEST_CASE("regression: running shape products must fit int64 even when a later e
   CHECK(k3::io::parse_npy(first).size() == 0);
 }
 
+TEST_CASE("regression: an empty array read from a file has a non-null data pointer") {
+  // Ops read a null view as an absent optional argument; k3 kda/dplr silently dropped an
+  // h0.npy or dht.npy of shape [0, ...] instead of reporting its wrong shape.
+  for (char const* shape : {"(0,)", "(0, 2, 3, 4)", "(2, 0)", "()"}) {
+    auto f = make_file(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape + ", }",
+                       std::string(shape) == "()" ? 4 : 0);
+    auto a = k3::io::parse_npy(f);
+    CHECK(a.data() != nullptr);
+  }
+  auto f = make_file("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 2, 3, 4), }", 0);
+  auto a = k3::io::parse_npy(f);
+  auto v = a.view<float, 4>("h0");
+  CHECK(v.data_handle() != nullptr);
+  CHECK(v.extent(0) == 0);
+  CHECK(v.extent(3) == 4);
+}
+
 TEST_CASE("more malformed headers: each gives its own message") {
   auto err = [](std::string const& dict, std::size_t bytes = 4) { return error_of(make_file(dict, bytes)); };
   CHECK(err("{'descr': '<f4, 'fortran_order': False, 'shape': (1,), }").find("malformed .npy header") != std::string::npos);

@@ -74,7 +74,10 @@ class npy_array {
  public:
   npy_array() = default;
   npy_array(dtype t, std::vector<index_t> shape) : type_(t), shape_(std::move(shape)) {
-    words_.resize((byte_size() + 7) / 8);
+    // At least one word, so that an array read from a file never has a null data pointer: ops
+    // take a null view as an absent optional argument (h0, dht, ...), and an empty h0.npy must
+    // be checked against its expected shape, not silently dropped.
+    words_.resize(std::max<std::size_t>(1, (byte_size() + 7) / 8));
   }
 
   dtype type() const noexcept { return type_; }
