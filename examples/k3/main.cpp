@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <exception>
 #include <iostream>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,11 @@ int main(int argc, char** argv) {
   } catch (k3::cli::usage_error const& e) {
     std::cerr << "k3 " << it->name << ": " << e.what() << "\n";
     return 2;
+  } catch (std::bad_alloc const&) {
+    // Consistent but absurd shapes (e.g. a zero-token input declaring 2^34 experts, whose
+    // outputs must still be written) can need more memory than there is.
+    std::cerr << "k3 " << it->name << ": out of memory: the input shapes need more memory than is available\n";
+    return 1;
   } catch (std::exception const& e) {
     std::string msg = e.what();
     if (msg.rfind("k3: ", 0) == 0) msg = msg.substr(4);
