@@ -69,7 +69,8 @@ int run_route(k3::cli::args& args) {
   std::vector<float> new_bias = bias;
   if (args.flag("solve")) {
     // Offline solver on this batch; then route with the solved bias.
-    k3::index_t const it = args.integer("iterations", 12);
+    // Bounded: each iteration is O(m n); the solver converges in ~10 (spec A.4.1).
+    k3::index_t const it = args.integer_in("iterations", 12, 1, 10000);
     moe::qb_offline_solve(sv, opt, it, k3::host_view(new_bias.data(), n), mv);
     bias = new_bias;
   }
@@ -123,7 +124,7 @@ k3::cli::registrar reg({"route", "MoE top-k routing with Quantile Balancing (sig
                                              {"groups", true, "expert groups for group-limited routing (default 1: off; no QB)"},
                                              {"topk-groups", true, "groups kept per token (default 1)"},
                                              {"solve", false, "run the offline QB solver on this batch"},
-                                             {"iterations", true, "offline solver iterations (default 12)"},
+                                             {"iterations", true, "offline solver iterations in [1, 10000] (default 12)"},
                                              {"threads", true, "worker threads (default: all)"}}),
                         true, run_route});
 

@@ -235,6 +235,12 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: k > experts in kept groups", setup(np.tile(s, (1, 2)), np.zeros(2 * n, f32)),
                     ["--k", "7", "--groups", "2", "--topk-groups", "1"], must_mention=["k", "group"])
     ck.expect_error("bad: --iterations -1", setup(s, b), ["--k", "2", "--solve", "--iterations", "-1"], must_mention="iteration")
+    # absurd iteration counts must be refused, not run for hours (was a hang)
+    ck.expect_error("bad: --iterations 1e11", setup(s, b), ["--k", "2", "--solve", "--iterations", "100000000000"], must_mention="iteration")
+    ck.expect_error("bad: --iterations abc", setup(s, b), ["--k", "2", "--solve", "--iterations", "abc"], must_mention="iteration")
+    # the offline solver balances ungrouped top-k only: with --groups its bias would not balance (was silently ignored)
+    ck.expect_error("bad: --solve with --groups", setup(np.tile(s, (1, 2)), np.zeros(2 * n, f32)),
+                    ["--k", "2", "--groups", "2", "--topk-groups", "1", "--solve"], must_mention="group")
     # NOT run: --threads 100000 (or 100000000000, which wraps to 1215752192 in the int cast) makes the
     # thread pool try to start that many threads; it never finishes and exhausts the machine's
     # process limit for everyone (seen: "fork: Resource temporarily unavailable"). Reported instead.
