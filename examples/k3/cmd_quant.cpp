@@ -38,7 +38,7 @@ struct spec {
 
 std::vector<std::string> const formats = {"e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "mxfp8", "mxfp8_e5m2", "mxfp6", "mxfp6_e2m3", "mxfp4", "nvfp4"};
 
-spec parse(k3::cli::args const& a, bool quantizing) {
+spec parse(k3::cli::args const& a) {
   if (!a.has("format")) throw k3::cli::usage_error("missing --format (one of e4m3|e5m2|e3m2|e2m3|e2m1|mxfp8|mxfp8_e5m2|mxfp6|mxfp6_e2m3|mxfp4|nvfp4)");
   std::string const f = a.choice("format", formats);
   spec s{family::mx};
@@ -58,11 +58,10 @@ spec parse(k3::cli::args const& a, bool quantizing) {
   std::string const block = a.value("block", f == "e4m3" ? "1x128" : "32");
   if (block == "32") {
     s.fam = family::mx;
-    if (quantizing) {
-      std::string const sc = a.value("scale", "floor");
-      if (sc != "floor" && sc != "rceil") throw k3::cli::usage_error("MX scales are --scale floor|rceil, got '" + sc + "'");
-      s.rule = sc == "floor" ? q::mx_rule::floor : q::mx_rule::rceil;
-    }
+    // Checked for k3 dequant too (where the rule does not matter): a bad value is an error there as well.
+    std::string const sc = a.value("scale", "floor");
+    if (sc != "floor" && sc != "rceil") throw k3::cli::usage_error("MX scales are --scale floor|rceil, got '" + sc + "'");
+    s.rule = sc == "floor" ? q::mx_rule::floor : q::mx_rule::rceil;
     return s;
   }
   if (mx_name || f != "e4m3")
@@ -135,7 +134,7 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
 }
 
 int run_quant(k3::cli::args& a) {
-  spec const s = parse(a, true);
+  spec const s = parse(a);
   auto xa = a.load("x");
   if (xa.type() == k3::io::dtype::float32) return quantize_as<float>(a, s, xa);
   if (xa.type() == k3::io::dtype::bfloat16 || xa.type() == k3::io::dtype::uint16) return quantize_as<k3::bfloat16>(a, s, xa);
@@ -143,7 +142,7 @@ int run_quant(k3::cli::args& a) {
 }
 
 int run_dequant(k3::cli::args& a) {
-  spec const s = parse(a, false);
+  spec const s = parse(a);
   k3::cpu::threads<> be;
   auto ca = a.load("codes");
   auto sa = a.load("scales");
@@ -153,6 +152,17 @@ int run_dequant(k3::cli::args& a) {
   std::vector<float> y(static_cast<std::size_t>(m * k));
   auto yv = k3::host_view(y.data(), m, k);
   auto const sshape = matrix_shape(sa.shape(), "scales");
+  // The library names its arguments q/s/y; check the files here so the error names them.
+  if (s.fam != family::deepseek && k % (s.fam == family::mx ? q::mx_block : q::nvfp4_block) != 0)
+    throw k3::error("argument 'codes': " + std::string(s.fam == family::mx ? "MX" : "NVFP4") + " codes of shape " +
+                    k3::detail::format_shape(ca.shape()) + " hold " + std::to_string(k) + " elements per row, not a multiple of " +
+                    std::to_string(s.fam == family::mx ? q::mx_block : q::nvfp4_block));
+  index_t const want_r = s.fam == family::deepseek ? (m + s.tile.rows - 1) / s.tile.rows : m;
+  index_t const want_c = s.fam == family::deepseek ? (k + s.tile.cols - 1) / s.tile.cols : k / (s.fam == family::mx ? q::mx_block : q::nvfp4_block);
+  if (sshape.first != want_r || sshape.second != want_c)
+    throw k3::error("argument 'scales': expected " + std::to_string(want_r) + " x " + std::to_string(want_c) + " scales for codes of shape " +
+                    k3::detail::format_shape(ca.shape()) + " (" + std::to_string(m) + " rows of " + std::to_string(k) +
+                    " elements), got shape " + k3::detail::format_shape(sa.shape()));
   auto flat = [&](k3::io::npy_array const& arr, char const* name, auto tag, index_t rows, index_t cols) {
     using E = decltype(tag);
     if (arr.shape().empty()) throw k3::error(std::string("argument '") + name + "': expected rank >= 1");

@@ -356,13 +356,13 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: truncated x", d, ["--format", "e4m3"], must_mention="x")
     # dequant
     c = np.zeros((4, 128), np.uint8)
-    ck.expect_error("dq bad: scales shape", setup({"codes": c, "scales": np.ones((4, 2), f32)}), ["--format", "e4m3"], must_mention="s", )
-    ck.expect_error("dq bad: scales rows", setup({"codes": c, "scales": np.ones((3, 1), f32)}), ["--format", "e4m3"], must_mention="s")
+    ck.expect_error("dq bad: scales shape", setup({"codes": c, "scales": np.ones((4, 2), f32)}), ["--format", "e4m3"], must_mention="'scales'")
+    ck.expect_error("dq bad: scales rows", setup({"codes": c, "scales": np.ones((3, 1), f32)}), ["--format", "e4m3"], must_mention="'scales'")
     ck.expect_error("dq bad: scales dtype", setup({"codes": c, "scales": np.ones((4, 1), np.float64)}), ["--format", "e4m3"], must_mention="scales")
     ck.expect_error("dq bad: codes dtype", setup({"codes": c.astype(np.int32), "scales": np.ones((4, 1), f32)}), ["--format", "e4m3"],
                     must_mention="codes")
     ck.expect_error("dq bad: missing scales", setup({"codes": c}), ["--format", "e4m3"], must_mention="scales")
-    ck.expect_error("dq bad: mx scales shape", setup({"codes": c, "scales": np.zeros((4, 3), np.uint8)}), ["--format", "mxfp8"], must_mention="s")
+    ck.expect_error("dq bad: mx scales shape", setup({"codes": c, "scales": np.zeros((4, 3), np.uint8)}), ["--format", "mxfp8"], must_mention="'scales'")
     ck.expect_error("dq bad: mx scales as float", setup({"codes": c, "scales": np.zeros((4, 4), f32)}), ["--format", "mxfp8"], must_mention="scales")
     ck.expect_error("dq bad: mx codes K=40", setup({"codes": np.zeros((4, 40), np.uint8), "scales": np.zeros((4, 1), np.uint8)}),
                     ["--format", "mxfp8"], must_mention="32")
@@ -372,7 +372,14 @@ def bad_inputs(ck, rng):
         ck.expect_error(f"dq bad: tensor_scale {g}", setup({"codes": np.zeros((4, 8), np.uint8), "scales": np.zeros((4, 1), np.uint8),
                                                             "tensor_scale": np.array([g], f32)}), ["--format", "nvfp4"], must_mention="tensor_scale")
     ck.expect_error("dq bad: scales total size matches but shape differs (1x128)", setup({"codes": np.zeros((2, 256), np.uint8),
-                    "scales": np.ones((4, 1), f32)}), ["--format", "e4m3"], must_mention="s")
+                    "scales": np.ones((4, 1), f32)}), ["--format", "e4m3"], must_mention="'scales'")
+    # the option list is shared with k3 quant: a bad --scale is an error in k3 dequant too (was ignored)
+    ck.expect_error("dq bad: --scale xx (mx)", setup({"codes": c, "scales": np.zeros((4, 4), np.uint8)}), ["--format", "mxfp8", "--scale", "xx"],
+                    must_mention="scale")
+    ck.expect_error("dq bad: --scale floor (DeepSeek)", setup({"codes": c, "scales": np.ones((4, 1), f32)}), ["--format", "e4m3", "--scale", "floor"],
+                    must_mention="scale")
+    ck.expect_error("dq bad: nvfp4 scales shape", setup({"codes": np.zeros((4, 16), np.uint8), "scales": np.zeros((4, 1), np.uint8),
+                                                         "tensor_scale": np.ones(1, f32)}), ["--format", "nvfp4"], must_mention="'scales'")
     ck.expect_error("dq bad: codes scalar", setup({"codes": np.array(3, np.uint8), "scales": np.ones((1, 1), f32)}), ["--format", "e4m3"],
                     must_mention="codes")
 
