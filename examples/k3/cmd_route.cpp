@@ -1,4 +1,5 @@
 // k3 route — MoE routing with Quantile Balancing on .npy files.
+#include <cmath>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -85,6 +86,14 @@ int run_route(k3::cli::args& args) {
       // QB does not cover group-limited routing: route only, the bias is kept.
       moe::route(backend, sv, bv, out, opt, mv);
     } else if (update == "histogram") {
+      // Spec A.4.3/A.7: the histogram range [min b - 1, max b + 1] holds every margin only for
+      // scores in [0, 1]; outside it the margins would be clamped into the end bins (a wrong bias).
+      if (opt.input == moe::score_kind::scores)
+        for (k3::index_t i = 0; i < m * n; ++i)
+          if ((mask.empty() || mask[static_cast<std::size_t>(i / n)]) && !(s[static_cast<std::size_t>(i)] >= 0.f && s[static_cast<std::size_t>(i)] <= 1.f) && std::isfinite(s[static_cast<std::size_t>(i)]))
+            throw k3::error("argument 'scores': --update histogram needs router probabilities in [0, 1], got " +
+                            std::to_string(s[static_cast<std::size_t>(i)]) + " at [" + std::to_string(i / n) + ", " + std::to_string(i % n) +
+                            "] (use --update exact, or give logits.npy)");
       auto hist = moe::qb_histogram::for_bias(bv, bins);
       moe::route(backend, sv, bv, out, opt, mv, &hist);
       moe::qb_histogram_update(hist, opt.k, k3::host_view(new_bias.data(), n), ema);
@@ -119,7 +128,7 @@ k3::cli::registrar reg({"route", "MoE top-k routing with Quantile Balancing (sig
                         k3::cli::io_options({{"k", true, "experts per token (default 16)"},
                                              {"scale", true, "routed scaling factor (default 1.0)"},
                                              {"bins", true, "histogram bins (default 1000)"},
-                                             {"update", true, "histogram|exact (default histogram)"},
+                                             {"update", true, "histogram|exact (default histogram; histogram needs scores in [0, 1])"},
                                              {"ema", true, "EMA coefficient for the bias update in [0, 1) (default 0)"},
                                              {"groups", true, "expert groups for group-limited routing (default 1: off; no QB)"},
                                              {"topk-groups", true, "groups kept per token (default 1)"},

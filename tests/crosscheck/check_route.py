@@ -251,9 +251,21 @@ def bad_inputs(ck, rng):
     d = setup(x, b)
     rc, text, cmd = ck.run(d, ["--k", "2"])
     if rc == 0:
-        ck.warn("scores outside (0,1)", "accepted silently with --update histogram (spec A.4.3: range assumes s in (0,1))", cmd)
+        ck.fail("scores outside (0,1)", "accepted silently with --update histogram (spec A.4.3/A.7: histogram mode requires sigmoid scores)", cmd)
     else:
-        ck.ok("scores outside (0,1): error")
+        ck.expect_error("scores outside (0,1): error", d, ["--k", "2"], must_mention="scores")
+    # the same scores are fine with the exact update, and on padding rows
+    rc, text, cmd = ck.run(d, ["--k", "2", "--update", "exact"])
+    if rc != 0:
+        ck.fail("scores outside (0,1) exact", f"exit {rc}: {text[:300]}", cmd)
+    else:
+        ck.ok("scores outside (0,1) exact")
+    save(d, "mask", np.array([0, 0, 1, 1, 1, 1], np.uint8))
+    rc, text, cmd = ck.run(d, ["--k", "2"])
+    if rc != 0:
+        ck.fail("scores outside (0,1) on padding rows", f"exit {rc}: {text[:300]}", cmd)
+    else:
+        ck.ok("scores outside (0,1) on padding rows")
     d = setup(s, b)
     np.save(os.path.join(d, "in", "scores.npy"), np.asfortranarray(s))
     ck.expect_error("bad: Fortran scores", d, must_mention="scores")
