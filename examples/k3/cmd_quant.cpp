@@ -171,6 +171,14 @@ int run_dequant(k3::cli::args& a) {
   };
   if (ca.type() != k3::io::dtype::uint8) throw k3::error(std::string("argument 'codes': expected uint8, got ") + k3::io::dtype_name(ca.type()));
   auto cv = flat(ca, "codes", std::uint8_t{}, m, qc);
+  if (s.fam == family::mx && (s.elem == q::mx_element::e3m2 || s.elem == q::mx_element::e2m3)) {
+    // One FP6 code per byte in the low 6 bits: a set high bit means the file holds something else.
+    auto const* c = static_cast<std::uint8_t const*>(ca.data());
+    for (index_t i = 0; i < m * qc; ++i)
+      if (c[i] > 0x3F)
+        throw k3::error("argument 'codes': FP6 codes use the low 6 bits of each byte, got " + std::to_string(c[i]) + " at flat index " +
+                        std::to_string(i));
+  }
   if (s.fam == family::deepseek) {
     if (sa.type() != k3::io::dtype::float32) throw k3::error("argument 'scales': expected float32 DeepSeek scales");
     auto sv = flat(sa, "scales", float{}, sshape.first, sshape.second);
