@@ -60,6 +60,8 @@ class args {
       }
       option_spec const* spec = find(name);
       if (!spec) throw usage_error("unknown option '--" + name + "' for 'k3 " + cmd.name + "' (see k3 " + cmd.name + " --help)");
+      // A repeated option is a mistake (which one was meant?), not "the last one wins".
+      if (values_.count(name) || flags_.count(name)) throw usage_error("option '--" + name + "' given more than once");
       if (spec->takes_value) {
         if (!has_inline) {
           if (i + 1 >= argv.size()) throw usage_error("option '--" + name + "' needs a value");
