@@ -111,7 +111,7 @@ def run_case(ck, label, rng, m, n, k, scale=1.0, bias_scale=0.05, masked=False, 
         save(d, "scores", s.astype(sdtype))
     save(d, "bias", b)
     if masked:
-        save(d, "mask", mask.astype(np.uint8) if m % 2 else mask.astype(np.int32))
+        save(d, "mask", mask.astype([bool, np.uint8, np.int32][m % 3]))  # numpy bool is the natural mask dtype
     opts = ["--k", str(k), "--scale", repr(scale), "--update", update]
     if bins is not None:
         opts += ["--bins", str(bins)]

@@ -140,6 +140,16 @@ TEST_CASE("regression: an empty array read from a file has a non-null data point
   CHECK(v.extent(3) == 4);
 }
 
+TEST_CASE("numpy bool arrays read as uint8 (a token mask saved as bool)") {
+  auto f = make_file("{'descr': '|b1', 'fortran_order': False, 'shape': (3,), }", 3);
+  f[f.size() - 2] = 1;
+  auto a = k3::io::parse_npy(f);
+  CHECK(a.type() == k3::io::dtype::uint8);
+  CHECK(a.as_int(0) == 0);
+  CHECK(a.as_int(1) == 1);
+  CHECK(a.as_double(1) == 1.0);
+}
+
 TEST_CASE("more malformed headers: each gives its own message") {
   auto err = [](std::string const& dict, std::size_t bytes = 4) { return error_of(make_file(dict, bytes)); };
   CHECK(err("{'descr': '<f4, 'fortran_order': False, 'shape': (1,), }").find("malformed .npy header") != std::string::npos);

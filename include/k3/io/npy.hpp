@@ -4,7 +4,7 @@
 // overflow checks, the data length must match exactly, and each failure throws k3::error
 // with one line saying what is wrong. Supported dtypes: float32 '<f4', float64 '<f8',
 // bfloat16 ('<u2' as written by torch .view(torch.uint16), or '|V2'/'<V2' as written by
-// ml_dtypes), int32 '<i4', int64 '<i8', uint8 '|u1'. Big-endian and Fortran-order files are
+// ml_dtypes), int32 '<i4', int64 '<i8', uint8 '|u1' (numpy bool '|b1' reads as uint8). Big-endian and Fortran-order files are
 // rejected rather than silently reinterpreted.
 #pragma once
 #include <algorithm>
@@ -275,9 +275,10 @@ inline dtype parse_descr(std::string const& d) {
   if (d == "<i4") return dtype::int32;
   if (d == "<i8") return dtype::int64;
   if (d == "|u1" || d == "<u1") return dtype::uint8;
+  if (d == "|b1") return dtype::uint8;  // numpy bool: one byte, 0 or 1 (e.g. a token mask)
   if (!d.empty() && d[0] == '>') throw k3::error("unsupported .npy dtype '" + d + "': big-endian data is not supported");
   throw k3::error("unsupported .npy dtype '" + d +
-                  "' (supported: <f4 <f8 <u2/|V2 (bfloat16) <i4 <i8 |u1)");
+                  "' (supported: <f4 <f8 <u2/|V2 (bfloat16) <i4 <i8 |u1 |b1)");
 }
 
 inline char const* descr_of(dtype t) noexcept {
