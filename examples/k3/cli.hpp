@@ -77,6 +77,8 @@ class args {
       if (!has("in")) throw usage_error("missing --in DIR");
       if (!has("out")) throw usage_error("missing --out DIR");
       if (!std::filesystem::is_directory(value("in"))) throw usage_error("--in '" + value("in") + "' is not a directory");
+      if (std::filesystem::exists(value("out")) && !std::filesystem::is_directory(value("out")))
+        throw usage_error("--out '" + value("out") + "' exists and is not a directory");
       std::filesystem::create_directories(value("out"));
     }
   }

@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
     print_help();
     return a.empty() ? 2 : 0;
   }
+  if (a[0] == "--version") a[0] = "version";  // the usual spelling works too
   auto const& cmds = k3::cli::registry();
   auto it = std::find_if(cmds.begin(), cmds.end(), [&](auto const& c) { return c.name == a[0]; });
   if (it == cmds.end()) {

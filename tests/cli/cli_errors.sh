@@ -20,6 +20,9 @@ expect() {  # expect <exit code | nz (non-zero, not a signal)> <substring> -- ar
 }
 expect 0 "usage: k3" -- --help
 expect 0 "simd isa" -- version
+expect 0 "simd isa" -- --version
+expect 2 "unexpected argument 'extra'" -- version extra
+: >"$tmp/afile"
 expect 2 "unknown op 'frobnicate'" -- frobnicate
 expect 2 "usage: k3" --
 ops=$("$k3" --help | awk '/^ops:/{f=1;next} f{print $1}')
@@ -28,6 +31,8 @@ for op in $ops; do
   expect 0 "usage: k3 $op" -- "$op" --help
   expect 2 "missing --in" -- "$op" --out "$tmp/o"
   expect 2 "is not a directory" -- "$op" --in "$tmp/nope" --out "$tmp/o"
+  expect 2 "is not a directory" -- "$op" --in "$tmp/afile" --out "$tmp/o"
+  expect 2 "--out '$tmp/afile' exists and is not a directory" -- "$op" --in "$tmp" --out "$tmp/afile"
   expect 2 "unknown option '--bogus'" -- "$op" --bogus 1
   expect 2 "unknown option '--bogus'" -- "$op" --bogus=1
   expect 2 "unexpected argument 'stray'" -- "$op" stray
