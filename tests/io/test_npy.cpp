@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -138,6 +139,14 @@ TEST_CASE("regression: an empty array read from a file has a non-null data point
   CHECK(v.data_handle() != nullptr);
   CHECK(v.extent(0) == 0);
   CHECK(v.extent(3) == 4);
+}
+
+TEST_CASE("regression: reading a directory is a k3::error naming the path") {
+  // It threw std::ios_base::failure ("basic_filebuf::underflow error"), naming no file.
+  auto dir = std::filesystem::temp_directory_path() / "k3_npy_test_dir.npy";
+  std::filesystem::create_directories(dir);
+  CHECK_THROWS_WITH_AS(k3::io::read_npy(dir.string()), doctest::Contains("k3_npy_test_dir.npy"), k3::error);
+  std::filesystem::remove(dir);
 }
 
 TEST_CASE("numpy bool arrays read as uint8 (a token mask saved as bool)") {

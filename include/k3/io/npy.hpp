@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -347,7 +348,12 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
 inline npy_array read_npy(std::string const& path) {
   std::ifstream f(path, std::ios::binary);
   detail::require(static_cast<bool>(f), [&] { return "cannot open '" + path + "' for reading"; });
-  std::vector<unsigned char> buf((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<unsigned char> buf;
+  try {  // a directory opens, then throws std::ios_base::failure on the first read
+    buf.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  } catch (std::exception const& e) {
+    throw k3::error("cannot read '" + path + "': " + e.what());
+  }
   try {
     return parse_npy(buf);
   } catch (k3::error const& e) {
