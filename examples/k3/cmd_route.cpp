@@ -1,5 +1,6 @@
 // k3 route — MoE routing with Quantile Balancing on .npy files.
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -15,11 +16,13 @@ std::vector<float> as_float(k3::io::npy_array const& a, std::string const& name,
   k3::detail::require(a.rank() == rank, [&] {
     return "argument '" + name + "': expected rank " + std::to_string(rank) + ", got shape " + k3::detail::format_shape(a.shape());
   });
-  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16, [&] {
-    return "argument '" + name + "': expected a float32/float64/bfloat16 array";
-  });
+  bool const bf16_bits = a.type() == k3::io::dtype::uint16;  // '<u2': PyTorch's bfloat16 dump (k3/io/npy.hpp)
+  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16 || bf16_bits,
+                      [&] { return "argument '" + name + "': expected a float32/float64/bfloat16 array, got " + k3::io::dtype_name(a.type()); });
   std::vector<float> v(static_cast<std::size_t>(a.size()));
-  for (k3::index_t i = 0; i < a.size(); ++i) v[static_cast<std::size_t>(i)] = static_cast<float>(a.as_double(i));
+  for (k3::index_t i = 0; i < a.size(); ++i)
+    v[static_cast<std::size_t>(i)] = bf16_bits ? float(k3::bfloat16::from_bits(static_cast<std::uint16_t>(a.as_int(i))))
+                                               : static_cast<float>(a.as_double(i));
   return v;
 }
 
