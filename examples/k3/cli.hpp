@@ -160,6 +160,17 @@ class args {
   std::map<std::string, bool> flags_;
 };
 
+// Elements of an output of the given shape. Inputs of size 0 can declare extents whose product
+// overflows int64 (e.g. q [1, 0, 1, 2^32] and v [1, 0, 1, 2^32] make a state K x V = 2^64):
+// refuse those instead of allocating a wrapped-around size and writing past it.
+inline index_t output_elements(std::string const& name, std::vector<index_t> const& shape) {
+  index_t n = 1;
+  for (index_t e : shape)
+    if (e < 0 || __builtin_mul_overflow(n, e, &n))
+      throw k3::error("output '" + name + "': shape " + detail::format_shape(shape) + " has more elements than can be addressed");
+  return n;
+}
+
 // The options every op that reads and writes .npy directories takes.
 inline std::vector<option_spec> io_options(std::vector<option_spec> more = {}) {
   std::vector<option_spec> o = {{"in", true, "directory holding the input .npy files"},

@@ -14,6 +14,7 @@
 // (scales.npy uint8 E8M0 [rows, K/32]); nvfp4 (--block 16) gives UE4M3 scales [rows, K/16].
 // FP4 codes are packed two per byte (even element in the low nibble): codes.npy has K/2 columns.
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -148,7 +149,10 @@ int run_dequant(k3::cli::args& a) {
   auto sa = a.load("scales");
   auto [m, qc] = matrix_shape(ca.shape(), "codes");
   bool const packed = s.fam == family::nvfp4 || (s.fam == family::mx && s.elem == q::mx_element::e2m1);
+  if (packed && qc > std::numeric_limits<index_t>::max() / 2)
+    throw k3::error("argument 'codes': shape " + k3::detail::format_shape(ca.shape()) + " unpacks to more elements than can be addressed");
   index_t const k = packed ? 2 * qc : qc;
+  k3::cli::output_elements("x", {m, k});
   std::vector<float> y(static_cast<std::size_t>(m * k));
   auto yv = k3::host_view(y.data(), m, k);
   auto const sshape = matrix_shape(sa.shape(), "scales");

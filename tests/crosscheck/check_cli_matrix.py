@@ -176,6 +176,29 @@ def absurd_shapes(ck):
             save(d, nm, x)
         rc, err, cmd = run_limited(ck, d, op, opts)
         clean_outcome(ck, "absurd " + label, rc, err, cmd, False, [])
+    # zero-size inputs whose extents multiply past 2^63 in an output (state K x V = 2^64, or
+    # 2^64 - 1, or one that wraps to a small positive number): refused, never a wrapped allocation
+    for K, V in ((2 ** 32, 2 ** 32), (2 ** 32 + 1, 2 ** 32 - 1), (2 ** 33 + 1, 2 ** 31 + 3)):
+        for op in ("kda", "dplr"):
+            lab = f"absurd {op} overflowing state K={K} V={V}"
+            if not ck.want(lab):
+                continue
+            d = ck.newdir()
+            names = ("q", "k", "g") if op == "kda" else ("q", "k", "a", "b", "gk")
+            for nm in names:
+                write_raw_npy(os.path.join(d, "in", nm + ".npy"), header("<f4", (1, 0, 1, K)), b"")
+            write_raw_npy(os.path.join(d, "in", "v.npy"), header("<f4", (1, 0, 1, V)), b"")
+            if op == "kda":
+                write_raw_npy(os.path.join(d, "in", "beta.npy"), header("<f4", (1, 0, 1)), b"")
+            rc, err, cmd = run_limited(ck, d, op, [])
+            clean_outcome(ck, lab, rc, err, cmd, True, ["ht", "state", "memory"])
+    if ck.want("absurd dequant"):
+        d = ck.newdir()
+        write_raw_npy(os.path.join(d, "in", "codes.npy"), header("|u1", (0, 2 ** 62)), b"")
+        write_raw_npy(os.path.join(d, "in", "scales.npy"), header("|u1", (0, 2 ** 58)), b"")
+        save(d, "tensor_scale", np.ones(1, f32))
+        rc, err, cmd = run_limited(ck, d, "dequant", ["--format", "nvfp4"])
+        clean_outcome(ck, "absurd dequant nvfp4 codes [0, 2^62]", rc, err, cmd, False, [])
     # a header declaring a zero-size array with 2^34 experts
     if ck.want("absurd route n=2^34"):
         d = ck.newdir()
