@@ -53,7 +53,7 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
   ar::options opt;
   opt.eps = args.number("eps", 1e-5);
   auto src = part ? ar::make_sources(bank, *part) : ar::make_sources(bank);
-  std::vector<S> h(static_cast<std::size_t>(T * d));
+  std::vector<S> h(static_cast<std::size_t>(k3::cli::output_elements("h", {T, d})));
   ar::mix_forward(b, src, wv, gv, k3::host_view(h.data(), T, d), opt);
   args.save("h", k3::host_view(h.data(), T, d));
   if (args.flag("backward")) {

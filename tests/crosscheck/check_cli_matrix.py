@@ -192,6 +192,13 @@ def absurd_shapes(ck):
                 write_raw_npy(os.path.join(d, "in", "beta.npy"), header("<f4", (1, 0, 1)), b"")
             rc, err, cmd = run_limited(ck, d, op, [])
             clean_outcome(ck, lab, rc, err, cmd, True, ["ht", "state", "memory"])
+    if ck.want("absurd attnres"):
+        d = ck.newdir()
+        write_raw_npy(os.path.join(d, "in", "sources.npy"), header("<f4", (0, 2 ** 32 + 1, 2 ** 32 - 1)), b"")
+        save(d, "w", np.ones(4, f32))
+        save(d, "gain", np.ones(4, f32))
+        rc, err, cmd = run_limited(ck, d, "attnres", [])
+        clean_outcome(ck, "absurd attnres sources [0, 2^32+1, 2^32-1]", rc, err, cmd, True, ["sources", "'h'"])
     if ck.want("absurd dequant"):
         d = ck.newdir()
         write_raw_npy(os.path.join(d, "in", "codes.npy"), header("|u1", (0, 2 ** 62)), b"")
