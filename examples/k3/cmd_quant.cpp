@@ -209,9 +209,9 @@ std::vector<k3::cli::option_spec> options() {
 }
 
 k3::cli::registrar reg_q({"quant", "block-quantize x.npy (FP8/MX/NVFP4): codes.npy, scales.npy, dequant.npy",
-                          "Quantises DIR/x.npy along its last axis. Outputs codes.npy (uint8; FP4 packed two per byte, even element in\n"
-                          "the low nibble), scales.npy (float32 DeepSeek scales or uint8 E8M0/UE4M3), dequant.npy (float32) and, for\n"
-                          "nvfp4, tensor_scale.npy.",
+                          "Quantises DIR/x.npy (float32 or bfloat16, any rank >= 1) along its last axis. Outputs codes.npy (uint8; FP4\n"
+                          "packed two per byte, even element in the low nibble), scales.npy (float32 DeepSeek scales or uint8\n"
+                          "E8M0/UE4M3), dequant.npy (float32) and, for nvfp4, tensor_scale.npy.",
                           options(), true, run_quant});
 k3::cli::registrar reg_d({"dequant", "dequantize codes.npy + scales.npy back to x.npy (float32)",
                           "The reverse of k3 quant with the same --format/--block.", options(), true, run_dequant});
