@@ -115,13 +115,22 @@ TEST_CASE("regression: running shape products must fit int64 even when a later e
   // reported signed overflow before the fix).
   auto f = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 2147483648, 0), }", 0);
   CHECK(error_of(f).find("overflows") != std::string::npos);
-  // A zero-size array whose running products stay in range is fine.
+  // A zero-size array whose nonzero extents multiply within int64 is fine.
   auto ok = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (0, 1099511627776, 4096), }", 0);
   auto a = k3::io::parse_npy(ok);
   CHECK(a.size() == 0);
   CHECK(a.shape() == std::vector<k3::index_t>{0, 1099511627776, 4096});
-  auto first = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 0, 2147483648), }", 0);
+  auto first = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 0, 2147483647), }", 0);
   CHECK(k3::io::parse_npy(first).size() == 0);
+}
+
+TEST_CASE("regression: the nonzero extents of an empty array must multiply within int64 (view strides)") {
+  // (0, 2^32, 2^32) passed (its running products are 0) and a view of it overflowed computing
+  // stride(0) = 2^32 * 2^32 (UBSan in k3 kda/attnres on such a file).
+  for (char const* shape : {"(0, 4294967296, 4294967296)", "(4294967296, 0, 4294967296)", "(4294967296, 4294967296, 0)"}) {
+    auto f = make_file(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape + ", }", 0);
+    CHECK(error_of(f).find("overflows") != std::string::npos);
+  }
 }
 
 TEST_CASE("regression: an empty array read from a file has a non-null data pointer") {

@@ -334,6 +334,16 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
       throw k3::error("malformed .npy file: shape " + detail::format_shape(shape) + " overflows");
     n *= static_cast<std::uint64_t>(e);
   }
+  // Views compute C-order strides from the right (stride(0) = product of the later extents), so
+  // the extents other than 0 must multiply within index_t too: (0, 2^32, 2^32) holds nothing,
+  // but a view of it would overflow computing its strides.
+  std::uint64_t nz = 1;
+  for (index_t e : shape) {
+    if (e == 0) continue;
+    if (nz > max_elems / static_cast<std::uint64_t>(e))
+      throw k3::error("malformed .npy file: shape " + detail::format_shape(shape) + " overflows (its nonzero extents multiply past 2^63)");
+    nz *= static_cast<std::uint64_t>(e);
+  }
   std::size_t const isz = dtype_size(t);
   detail::require(n <= avail / isz && n * isz == avail, [&] {
     return "malformed .npy file: shape " + detail::format_shape(shape) + " of " + dtype_name(t) + " needs " +
