@@ -44,6 +44,8 @@ int run_route(k3::cli::args& args) {
   if (!input) throw k3::error("missing input: need scores.npy or logits.npy [m, n] in " + args.value("in"));
   std::vector<float> s = as_float(*input, in_name, 2);
   k3::index_t const m = input->shape()[0], n = input->shape()[1];
+  // Before anything is sized from n (a zero-token file may declare 2^34 experts).
+  k3::detail::require(m >= 1, [&] { return "argument '" + in_name + "': zero tokens (shape " + k3::detail::format_shape(input->shape()) + "); need m >= 1"; });
   std::vector<float> bias(static_cast<std::size_t>(n), 0.f);
   if (auto b = args.load_optional("bias")) {
     bias = as_float(*b, "bias", 1);
