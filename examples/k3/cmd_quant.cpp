@@ -13,6 +13,7 @@
 // e4m3|e5m2|e3m2|e2m3|e2m1 with --block 32, is OCP MX with --scale floor (default) | rceil
 // (scales.npy uint8 E8M0 [rows, K/32]); nvfp4 (--block 16) gives UE4M3 scales [rows, K/16].
 // FP4 codes are packed two per byte (even element in the low nibble): codes.npy has K/2 columns.
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -102,12 +103,17 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
   k3::tensor_view<T const, 2> x(static_cast<T const*>(xa.data()), {m, k});
   std::vector<float> y(static_cast<std::size_t>(m * k));
   auto yv = k3::host_view(y.data(), m, k);
+  // Nothing to quantise: the outputs are empty (the ops would still walk 2^34 empty rows of a
+  // [2^34, 0] file). An all-zero tensor's NVFP4 tensor scale is 1.
+  bool const empty = m == 0 || k == 0;
   if (s.fam == family::deepseek) {
     index_t const sr = (m + s.tile.rows - 1) / s.tile.rows, sc = (k + s.tile.cols - 1) / s.tile.cols;
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k));
     std::vector<float> scales(static_cast<std::size_t>(sr * sc));
-    q::fp8_quantize(be, x, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), s.tile, s.ds_scale);
-    q::fp8_dequantize(be, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), yv, s.tile);
+    if (!empty) {
+      q::fp8_quantize(be, x, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), s.tile, s.ds_scale);
+      q::fp8_dequantize(be, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), yv, s.tile);
+    }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, xa.shape(), codes.data());
     a.save("scales", k3::host_view(scales.data(), sr, sc));
   } else if (s.fam == family::mx) {
@@ -115,17 +121,21 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
     if (k % q::mx_block != 0)
       throw k3::error("argument 'x': MX needs the last extent (" + std::to_string(k) + ") to be a multiple of 32");
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * qc)), scales(static_cast<std::size_t>(m * (k / 32)));
-    q::mx_quantize(be, x, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), s.elem, s.rule);
-    q::mx_dequantize(be, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), yv, s.elem);
+    if (!empty) {
+      q::mx_quantize(be, x, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), s.elem, s.rule);
+      q::mx_dequantize(be, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), yv, s.elem);
+    }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, with_last(xa.shape(), qc), codes.data());
     k3::io::write_npy(a.out_path("scales"), k3::io::dtype::uint8, with_last(xa.shape(), k / 32), scales.data());
   } else {
     if (k % q::nvfp4_block != 0)
       throw k3::error("argument 'x': NVFP4 needs the last extent (" + std::to_string(k) + ") to be a multiple of 16");
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k / 2)), scales(static_cast<std::size_t>(m * (k / 16)));
-    float g = q::nvfp4_tensor_scale(be, x);
-    q::nvfp4_quantize(be, x, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g);
-    q::nvfp4_dequantize(be, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g, yv);
+    float g = empty ? 1.f : q::nvfp4_tensor_scale(be, x);
+    if (!empty) {
+      q::nvfp4_quantize(be, x, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g);
+      q::nvfp4_dequantize(be, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g, yv);
+    }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, with_last(xa.shape(), k / 2), codes.data());
     k3::io::write_npy(a.out_path("scales"), k3::io::dtype::uint8, with_last(xa.shape(), k / 16), scales.data());
     a.save("tensor_scale", k3::host_view(&g, 1));
@@ -186,16 +196,18 @@ int run_dequant(k3::cli::args& a) {
   if (s.fam == family::deepseek) {
     if (sa.type() != k3::io::dtype::float32) throw k3::error("argument 'scales': expected float32 DeepSeek scales");
     auto sv = flat(sa, "scales", float{}, sshape.first, sshape.second);
-    q::fp8_dequantize(be, cv, sv, yv, s.tile);
+    if (m != 0 && k != 0) q::fp8_dequantize(be, cv, sv, yv, s.tile);  // an empty [2^34, 0] file: no row walk
   } else {
     if (sa.type() != k3::io::dtype::uint8) throw k3::error("argument 'scales': expected uint8 E8M0/UE4M3 scales");
     auto sv = flat(sa, "scales", std::uint8_t{}, sshape.first, sshape.second);
     if (s.fam == family::mx) {
-      q::mx_dequantize(be, cv, sv, yv, s.elem);
+      if (m != 0 && k != 0) q::mx_dequantize(be, cv, sv, yv, s.elem);
     } else {
       auto ga = a.load("tensor_scale");
       if (ga.type() != k3::io::dtype::float32 || ga.size() != 1) throw k3::error("argument 'tensor_scale': expected one float32");
-      q::nvfp4_dequantize(be, cv, sv, *static_cast<float const*>(ga.data()), yv);
+      float const g = *static_cast<float const*>(ga.data());
+      if (m != 0 && k != 0) q::nvfp4_dequantize(be, cv, sv, g, yv);
+      else if (!(std::isfinite(g) && g > 0)) q::nvfp4_dequantize(be, cv, sv, g, yv);  // the library's tensor_scale check
     }
   }
   k3::io::write_npy(a.out_path("x"), k3::io::dtype::float32, with_last(ca.shape(), k), y.data());

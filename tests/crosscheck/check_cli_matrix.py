@@ -147,7 +147,8 @@ def malformed_matrix(ck, rng):
                     if other != nm:
                         save(d, other, x)
                 write(os.path.join(d, "in", nm + ".npy"))
-                rc, err, cmd = run_limited(ck, d, op, opts)
+                # nothing to compute in a zero-size input: a quick exit (quant walked 2^34 empty rows for 15 s)
+                rc, err, cmd = run_limited(ck, d, op, opts, timeout=10 if "zero" in vname else 30)
                 clean_outcome(ck, label, rc, err, cmd, must_fail, [nm])
                 if vname == "version 2" and rc == 0:
                     for f, a in ref.items():
