@@ -60,6 +60,8 @@ class args {
       }
       option_spec const* spec = find(name);
       if (!spec) throw usage_error("unknown option '--" + name + "' for 'k3 " + cmd.name + "' (see k3 " + cmd.name + " --help)");
+      // A repeated option is a mistake (which one was meant?), not "the last one wins".
+      if (values_.count(name) || flags_.count(name)) throw usage_error("option '--" + name + "' given more than once");
       if (spec->takes_value) {
         if (!has_inline) {
           if (i + 1 >= argv.size()) throw usage_error("option '--" + name + "' needs a value");
@@ -75,6 +77,8 @@ class args {
       if (!has("in")) throw usage_error("missing --in DIR");
       if (!has("out")) throw usage_error("missing --out DIR");
       if (!std::filesystem::is_directory(value("in"))) throw usage_error("--in '" + value("in") + "' is not a directory");
+      if (std::filesystem::exists(value("out")) && !std::filesystem::is_directory(value("out")))
+        throw usage_error("--out '" + value("out") + "' exists and is not a directory");
       std::filesystem::create_directories(value("out"));
     }
   }
@@ -155,6 +159,17 @@ class args {
   std::map<std::string, std::string> values_;
   std::map<std::string, bool> flags_;
 };
+
+// Elements of an output of the given shape. Inputs of size 0 can declare extents whose product
+// overflows int64 (e.g. q [1, 0, 1, 2^32] and v [1, 0, 1, 2^32] make a state K x V = 2^64):
+// refuse those instead of allocating a wrapped-around size and writing past it.
+inline index_t output_elements(std::string const& name, std::vector<index_t> const& shape) {
+  index_t n = 1;
+  for (index_t e : shape)
+    if (e < 0 || __builtin_mul_overflow(n, e, &n))
+      throw k3::error("output '" + name + "': shape " + detail::format_shape(shape) + " has more elements than can be addressed");
+  return n;
+}
 
 // The options every op that reads and writes .npy directories takes.
 inline std::vector<option_spec> io_options(std::vector<option_spec> more = {}) {

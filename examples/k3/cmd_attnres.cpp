@@ -4,6 +4,7 @@
 //   out: h.npy [T, d] (the sources' dtype); with --backward also dsources.npy [n, T, d],
 //        dw.npy [d], dgain.npy [d] and, when a partial was given, dpartial.npy [T, d]
 //        (gradients in float32, float64 for float64 sources)
+#include <cstdint>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -16,15 +17,23 @@ namespace {
 
 namespace ar = k3::attnres;
 
+// Element i as a double; '<u2' arrays are bfloat16 bits (how PyTorch bfloat16 tensors are dumped,
+// .view(torch.uint16), as k3/io/npy.hpp documents), not integers.
+double element(k3::io::npy_array const& a, k3::index_t i) {
+  if (a.type() == k3::io::dtype::uint16) return float(k3::bfloat16::from_bits(static_cast<std::uint16_t>(a.as_int(i))));
+  return a.as_double(i);
+}
+
 template <class C>
 std::vector<C> load_vector(k3::io::npy_array const& a, std::string const& name) {
   k3::detail::require(a.rank() == 1, [&] {
     return "argument '" + name + "': expected rank 1 ([d]), got shape " + k3::detail::format_shape(a.shape());
   });
-  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16,
+  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16 ||
+                          a.type() == k3::io::dtype::uint16,
                       [&] { return "argument '" + name + "': expected a floating-point dtype, got " + k3::io::dtype_name(a.type()); });
   std::vector<C> v(static_cast<std::size_t>(a.size()));
-  for (k3::index_t i = 0; i < a.size(); ++i) v[static_cast<std::size_t>(i)] = C(a.as_double(i));
+  for (k3::index_t i = 0; i < a.size(); ++i) v[static_cast<std::size_t>(i)] = C(element(a, i));
   return v;
 }
 
@@ -44,7 +53,7 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
   ar::options opt;
   opt.eps = args.number("eps", 1e-5);
   auto src = part ? ar::make_sources(bank, *part) : ar::make_sources(bank);
-  std::vector<S> h(static_cast<std::size_t>(T * d));
+  std::vector<S> h(static_cast<std::size_t>(k3::cli::output_elements("h", {T, d})));
   ar::mix_forward(b, src, wv, gv, k3::host_view(h.data(), T, d), opt);
   args.save("h", k3::host_view(h.data(), T, d));
   if (args.flag("backward")) {
@@ -54,7 +63,7 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
              k3::detail::format_shape(dh_arr.shape());
     });
     std::vector<C> dh(static_cast<std::size_t>(T * d));
-    for (k3::index_t i = 0; i < T * d; ++i) dh[static_cast<std::size_t>(i)] = C(dh_arr.as_double(i));
+    for (k3::index_t i = 0; i < T * d; ++i) dh[static_cast<std::size_t>(i)] = C(element(dh_arr, i));
     k3::index_t const n = bank.extent(0);
     std::vector<C> ds(static_cast<std::size_t>(n * T * d)), dp(static_cast<std::size_t>(T * d)), dw(w.size()), dg(g.size());
     ar::mix_backward(b, src, wv, gv, k3::tensor_view<C const, 2>(dh.data(), {T, d}),
@@ -75,7 +84,8 @@ int run_attnres(k3::cli::args& args) {
   switch (src.type()) {
     case k3::io::dtype::float32: return run_typed<float>(args, src);
     case k3::io::dtype::float64: return run_typed<double>(args, src);
-    case k3::io::dtype::bfloat16: return run_typed<k3::bfloat16>(args, src);
+    case k3::io::dtype::bfloat16:
+    case k3::io::dtype::uint16: return run_typed<k3::bfloat16>(args, src);  // '<u2': PyTorch's bfloat16 dump
     default:
       throw k3::error(std::string("argument 'sources': expected float32, float64 or bfloat16, got ") + k3::io::dtype_name(src.type()));
   }

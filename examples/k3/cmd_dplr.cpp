@@ -41,7 +41,11 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q) {
   std::string const mode = args.choice("mode", {"chunked", "recurrent"});
   k3::cpu::threads<> th(args.threads(1));
   index_t B = in.q.extent(0), T_ = in.q.extent(1), H = in.q.extent(2), K = in.q.extent(3), V = in.v.extent(3);
-  index_t N = cu ? std::max<index_t>(cu->size() - 1, 0) : B;
+  // Every input shape (and cu_seqlens, h0) checked before the outputs are sized from them.
+  index_t const N = k3::detail::dplr::make_problem(in, opt).N;
+  k3::cli::output_elements("o", {B, T_, H, V});
+  k3::cli::output_elements("ht", {N, H, K, V});
+  k3::cli::output_elements("one state", {H, K, V});  // per-sequence scratch, even when N = 0
   k3::tensor<T, 4> o({B, T_, H, V});
   k3::tensor<S, 4> ht({N, H, K, V});
   k3::dplr_outputs<T> out{o.view(), ht.view()};

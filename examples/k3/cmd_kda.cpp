@@ -21,11 +21,14 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   bool const backward = args.flag("backward");
   auto qv = q.view<T, 4>("q");
   auto vv = v.view<T, 4>("v");
-  index_t const B = qv.extent(0), T_ = qv.extent(1), H = qv.extent(2), K = qv.extent(3), HV = vv.extent(2), V = vv.extent(3);
-  (void)H;
-  index_t const N = opt.cu_seqlens.present() ? opt.cu_seqlens.size() - 1 : B;
-  std::vector<T> o(std::size_t(std::max<index_t>(0, B * T_ * HV * V)));
-  std::vector<T> ht(std::size_t(std::max<index_t>(0, N * HV * K * V)));
+  index_t const B = qv.extent(0), T_ = qv.extent(1), K = qv.extent(3), HV = vv.extent(2), V = vv.extent(3);
+  // The outputs are sized from q's and v's extents: check them (and cu_seqlens) before
+  // allocating, so that inconsistent shapes give the shape error, not a huge allocation.
+  k3::detail::check_shape("v", vv, {B, T_, k3::detail::any_extent, k3::detail::any_extent});
+  index_t const N = k3::kda::detail::make_problem<T>(qv, vv, opt).N;
+  std::vector<T> o(std::size_t(k3::cli::output_elements("o", {B, T_, HV, V})));
+  std::vector<T> ht(std::size_t(k3::cli::output_elements("ht", {N, HV, K, V})));
+  k3::cli::output_elements("one state", {HV, K, V});  // per-sequence scratch, even when N = 0
   k3::kda::forward_args<T, T> a;
   a.q = qv;
   a.k = k.view<T, 4>("k");

@@ -13,7 +13,9 @@
 // e4m3|e5m2|e3m2|e2m3|e2m1 with --block 32, is OCP MX with --scale floor (default) | rceil
 // (scales.npy uint8 E8M0 [rows, K/32]); nvfp4 (--block 16) gives UE4M3 scales [rows, K/16].
 // FP4 codes are packed two per byte (even element in the low nibble): codes.npy has K/2 columns.
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -38,7 +40,7 @@ struct spec {
 
 std::vector<std::string> const formats = {"e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "mxfp8", "mxfp8_e5m2", "mxfp6", "mxfp6_e2m3", "mxfp4", "nvfp4"};
 
-spec parse(k3::cli::args const& a, bool quantizing) {
+spec parse(k3::cli::args const& a) {
   if (!a.has("format")) throw k3::cli::usage_error("missing --format (one of e4m3|e5m2|e3m2|e2m3|e2m1|mxfp8|mxfp8_e5m2|mxfp6|mxfp6_e2m3|mxfp4|nvfp4)");
   std::string const f = a.choice("format", formats);
   spec s{family::mx};
@@ -58,11 +60,10 @@ spec parse(k3::cli::args const& a, bool quantizing) {
   std::string const block = a.value("block", f == "e4m3" ? "1x128" : "32");
   if (block == "32") {
     s.fam = family::mx;
-    if (quantizing) {
-      std::string const sc = a.value("scale", "floor");
-      if (sc != "floor" && sc != "rceil") throw k3::cli::usage_error("MX scales are --scale floor|rceil, got '" + sc + "'");
-      s.rule = sc == "floor" ? q::mx_rule::floor : q::mx_rule::rceil;
-    }
+    // Checked for k3 dequant too (where the rule does not matter): a bad value is an error there as well.
+    std::string const sc = a.value("scale", "floor");
+    if (sc != "floor" && sc != "rceil") throw k3::cli::usage_error("MX scales are --scale floor|rceil, got '" + sc + "'");
+    s.rule = sc == "floor" ? q::mx_rule::floor : q::mx_rule::rceil;
     return s;
   }
   if (mx_name || f != "e4m3")
@@ -102,12 +103,17 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
   k3::tensor_view<T const, 2> x(static_cast<T const*>(xa.data()), {m, k});
   std::vector<float> y(static_cast<std::size_t>(m * k));
   auto yv = k3::host_view(y.data(), m, k);
+  // Nothing to quantise: the outputs are empty (the ops would still walk 2^34 empty rows of a
+  // [2^34, 0] file). An all-zero tensor's NVFP4 tensor scale is 1.
+  bool const empty = m == 0 || k == 0;
   if (s.fam == family::deepseek) {
     index_t const sr = (m + s.tile.rows - 1) / s.tile.rows, sc = (k + s.tile.cols - 1) / s.tile.cols;
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k));
     std::vector<float> scales(static_cast<std::size_t>(sr * sc));
-    q::fp8_quantize(be, x, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), s.tile, s.ds_scale);
-    q::fp8_dequantize(be, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), yv, s.tile);
+    if (!empty) {
+      q::fp8_quantize(be, x, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), s.tile, s.ds_scale);
+      q::fp8_dequantize(be, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), yv, s.tile);
+    }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, xa.shape(), codes.data());
     a.save("scales", k3::host_view(scales.data(), sr, sc));
   } else if (s.fam == family::mx) {
@@ -115,17 +121,21 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
     if (k % q::mx_block != 0)
       throw k3::error("argument 'x': MX needs the last extent (" + std::to_string(k) + ") to be a multiple of 32");
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * qc)), scales(static_cast<std::size_t>(m * (k / 32)));
-    q::mx_quantize(be, x, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), s.elem, s.rule);
-    q::mx_dequantize(be, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), yv, s.elem);
+    if (!empty) {
+      q::mx_quantize(be, x, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), s.elem, s.rule);
+      q::mx_dequantize(be, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), yv, s.elem);
+    }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, with_last(xa.shape(), qc), codes.data());
     k3::io::write_npy(a.out_path("scales"), k3::io::dtype::uint8, with_last(xa.shape(), k / 32), scales.data());
   } else {
     if (k % q::nvfp4_block != 0)
       throw k3::error("argument 'x': NVFP4 needs the last extent (" + std::to_string(k) + ") to be a multiple of 16");
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k / 2)), scales(static_cast<std::size_t>(m * (k / 16)));
-    float g = q::nvfp4_tensor_scale(be, x);
-    q::nvfp4_quantize(be, x, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g);
-    q::nvfp4_dequantize(be, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g, yv);
+    float g = empty ? 1.f : q::nvfp4_tensor_scale(be, x);
+    if (!empty) {
+      q::nvfp4_quantize(be, x, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g);
+      q::nvfp4_dequantize(be, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g, yv);
+    }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, with_last(xa.shape(), k / 2), codes.data());
     k3::io::write_npy(a.out_path("scales"), k3::io::dtype::uint8, with_last(xa.shape(), k / 16), scales.data());
     a.save("tensor_scale", k3::host_view(&g, 1));
@@ -135,7 +145,7 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
 }
 
 int run_quant(k3::cli::args& a) {
-  spec const s = parse(a, true);
+  spec const s = parse(a);
   auto xa = a.load("x");
   if (xa.type() == k3::io::dtype::float32) return quantize_as<float>(a, s, xa);
   if (xa.type() == k3::io::dtype::bfloat16 || xa.type() == k3::io::dtype::uint16) return quantize_as<k3::bfloat16>(a, s, xa);
@@ -143,16 +153,30 @@ int run_quant(k3::cli::args& a) {
 }
 
 int run_dequant(k3::cli::args& a) {
-  spec const s = parse(a, false);
+  spec const s = parse(a);
   k3::cpu::threads<> be;
   auto ca = a.load("codes");
   auto sa = a.load("scales");
   auto [m, qc] = matrix_shape(ca.shape(), "codes");
   bool const packed = s.fam == family::nvfp4 || (s.fam == family::mx && s.elem == q::mx_element::e2m1);
+  if (packed && qc > std::numeric_limits<index_t>::max() / 2)
+    throw k3::error("argument 'codes': shape " + k3::detail::format_shape(ca.shape()) + " unpacks to more elements than can be addressed");
   index_t const k = packed ? 2 * qc : qc;
+  k3::cli::output_elements("x", {m, k});
   std::vector<float> y(static_cast<std::size_t>(m * k));
   auto yv = k3::host_view(y.data(), m, k);
   auto const sshape = matrix_shape(sa.shape(), "scales");
+  // The library names its arguments q/s/y; check the files here so the error names them.
+  if (s.fam != family::deepseek && k % (s.fam == family::mx ? q::mx_block : q::nvfp4_block) != 0)
+    throw k3::error("argument 'codes': " + std::string(s.fam == family::mx ? "MX" : "NVFP4") + " codes of shape " +
+                    k3::detail::format_shape(ca.shape()) + " hold " + std::to_string(k) + " elements per row, not a multiple of " +
+                    std::to_string(s.fam == family::mx ? q::mx_block : q::nvfp4_block));
+  index_t const want_r = s.fam == family::deepseek ? (m + s.tile.rows - 1) / s.tile.rows : m;
+  index_t const want_c = s.fam == family::deepseek ? (k + s.tile.cols - 1) / s.tile.cols : k / (s.fam == family::mx ? q::mx_block : q::nvfp4_block);
+  if (sshape.first != want_r || sshape.second != want_c)
+    throw k3::error("argument 'scales': expected " + std::to_string(want_r) + " x " + std::to_string(want_c) + " scales for codes of shape " +
+                    k3::detail::format_shape(ca.shape()) + " (" + std::to_string(m) + " rows of " + std::to_string(k) +
+                    " elements), got shape " + k3::detail::format_shape(sa.shape()));
   auto flat = [&](k3::io::npy_array const& arr, char const* name, auto tag, index_t rows, index_t cols) {
     using E = decltype(tag);
     if (arr.shape().empty()) throw k3::error(std::string("argument '") + name + "': expected rank >= 1");
@@ -161,19 +185,29 @@ int run_dequant(k3::cli::args& a) {
   };
   if (ca.type() != k3::io::dtype::uint8) throw k3::error(std::string("argument 'codes': expected uint8, got ") + k3::io::dtype_name(ca.type()));
   auto cv = flat(ca, "codes", std::uint8_t{}, m, qc);
+  if (s.fam == family::mx && (s.elem == q::mx_element::e3m2 || s.elem == q::mx_element::e2m3)) {
+    // One FP6 code per byte in the low 6 bits: a set high bit means the file holds something else.
+    auto const* c = static_cast<std::uint8_t const*>(ca.data());
+    for (index_t i = 0; i < m * qc; ++i)
+      if (c[i] > 0x3F)
+        throw k3::error("argument 'codes': FP6 codes use the low 6 bits of each byte, got " + std::to_string(c[i]) + " at flat index " +
+                        std::to_string(i));
+  }
   if (s.fam == family::deepseek) {
     if (sa.type() != k3::io::dtype::float32) throw k3::error("argument 'scales': expected float32 DeepSeek scales");
     auto sv = flat(sa, "scales", float{}, sshape.first, sshape.second);
-    q::fp8_dequantize(be, cv, sv, yv, s.tile);
+    if (m != 0 && k != 0) q::fp8_dequantize(be, cv, sv, yv, s.tile);  // an empty [2^34, 0] file: no row walk
   } else {
     if (sa.type() != k3::io::dtype::uint8) throw k3::error("argument 'scales': expected uint8 E8M0/UE4M3 scales");
     auto sv = flat(sa, "scales", std::uint8_t{}, sshape.first, sshape.second);
     if (s.fam == family::mx) {
-      q::mx_dequantize(be, cv, sv, yv, s.elem);
+      if (m != 0 && k != 0) q::mx_dequantize(be, cv, sv, yv, s.elem);
     } else {
       auto ga = a.load("tensor_scale");
       if (ga.type() != k3::io::dtype::float32 || ga.size() != 1) throw k3::error("argument 'tensor_scale': expected one float32");
-      q::nvfp4_dequantize(be, cv, sv, *static_cast<float const*>(ga.data()), yv);
+      float const g = *static_cast<float const*>(ga.data());
+      if (m != 0 && k != 0) q::nvfp4_dequantize(be, cv, sv, g, yv);
+      else if (!(std::isfinite(g) && g > 0)) q::nvfp4_dequantize(be, cv, sv, g, yv);  // the library's tensor_scale check
     }
   }
   k3::io::write_npy(a.out_path("x"), k3::io::dtype::float32, with_last(ca.shape(), k), y.data());
@@ -187,9 +221,9 @@ std::vector<k3::cli::option_spec> options() {
 }
 
 k3::cli::registrar reg_q({"quant", "block-quantize x.npy (FP8/MX/NVFP4): codes.npy, scales.npy, dequant.npy",
-                          "Quantises DIR/x.npy along its last axis. Outputs codes.npy (uint8; FP4 packed two per byte, even element in\n"
-                          "the low nibble), scales.npy (float32 DeepSeek scales or uint8 E8M0/UE4M3), dequant.npy (float32) and, for\n"
-                          "nvfp4, tensor_scale.npy.",
+                          "Quantises DIR/x.npy (float32 or bfloat16, any rank >= 1) along its last axis. Outputs codes.npy (uint8; FP4\n"
+                          "packed two per byte, even element in the low nibble), scales.npy (float32 DeepSeek scales or uint8\n"
+                          "E8M0/UE4M3), dequant.npy (float32) and, for nvfp4, tensor_scale.npy.",
                           options(), true, run_quant});
 k3::cli::registrar reg_d({"dequant", "dequantize codes.npy + scales.npy back to x.npy (float32)",
                           "The reverse of k3 quant with the same --format/--block.", options(), true, run_dequant});

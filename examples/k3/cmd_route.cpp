@@ -1,4 +1,6 @@
 // k3 route — MoE routing with Quantile Balancing on .npy files.
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -14,11 +16,13 @@ std::vector<float> as_float(k3::io::npy_array const& a, std::string const& name,
   k3::detail::require(a.rank() == rank, [&] {
     return "argument '" + name + "': expected rank " + std::to_string(rank) + ", got shape " + k3::detail::format_shape(a.shape());
   });
-  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16, [&] {
-    return "argument '" + name + "': expected a float32/float64/bfloat16 array";
-  });
+  bool const bf16_bits = a.type() == k3::io::dtype::uint16;  // '<u2': PyTorch's bfloat16 dump (k3/io/npy.hpp)
+  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16 || bf16_bits,
+                      [&] { return "argument '" + name + "': expected a float32/float64/bfloat16 array, got " + k3::io::dtype_name(a.type()); });
   std::vector<float> v(static_cast<std::size_t>(a.size()));
-  for (k3::index_t i = 0; i < a.size(); ++i) v[static_cast<std::size_t>(i)] = static_cast<float>(a.as_double(i));
+  for (k3::index_t i = 0; i < a.size(); ++i)
+    v[static_cast<std::size_t>(i)] = bf16_bits ? float(k3::bfloat16::from_bits(static_cast<std::uint16_t>(a.as_int(i))))
+                                               : static_cast<float>(a.as_double(i));
   return v;
 }
 
@@ -40,6 +44,8 @@ int run_route(k3::cli::args& args) {
   if (!input) throw k3::error("missing input: need scores.npy or logits.npy [m, n] in " + args.value("in"));
   std::vector<float> s = as_float(*input, in_name, 2);
   k3::index_t const m = input->shape()[0], n = input->shape()[1];
+  // Before anything is sized from n (a zero-token file may declare 2^34 experts).
+  k3::detail::require(m >= 1, [&] { return "argument '" + in_name + "': zero tokens (shape " + k3::detail::format_shape(input->shape()) + "); need m >= 1"; });
   std::vector<float> bias(static_cast<std::size_t>(n), 0.f);
   if (auto b = args.load_optional("bias")) {
     bias = as_float(*b, "bias", 1);
@@ -69,7 +75,8 @@ int run_route(k3::cli::args& args) {
   std::vector<float> new_bias = bias;
   if (args.flag("solve")) {
     // Offline solver on this batch; then route with the solved bias.
-    k3::index_t const it = args.integer("iterations", 12);
+    // Bounded: each iteration is O(m n); the solver converges in ~10 (spec A.4.1).
+    k3::index_t const it = args.integer_in("iterations", 12, 1, 10000);
     moe::qb_offline_solve(sv, opt, it, k3::host_view(new_bias.data(), n), mv);
     bias = new_bias;
   }
@@ -84,6 +91,14 @@ int run_route(k3::cli::args& args) {
       // QB does not cover group-limited routing: route only, the bias is kept.
       moe::route(backend, sv, bv, out, opt, mv);
     } else if (update == "histogram") {
+      // Spec A.4.3/A.7: the histogram range [min b - 1, max b + 1] holds every margin only for
+      // scores in [0, 1]; outside it the margins would be clamped into the end bins (a wrong bias).
+      if (opt.input == moe::score_kind::scores)
+        for (k3::index_t i = 0; i < m * n; ++i)
+          if ((mask.empty() || mask[static_cast<std::size_t>(i / n)]) && !(s[static_cast<std::size_t>(i)] >= 0.f && s[static_cast<std::size_t>(i)] <= 1.f) && std::isfinite(s[static_cast<std::size_t>(i)]))
+            throw k3::error("argument 'scores': --update histogram needs router probabilities in [0, 1], got " +
+                            std::to_string(s[static_cast<std::size_t>(i)]) + " at [" + std::to_string(i / n) + ", " + std::to_string(i % n) +
+                            "] (use --update exact, or give logits.npy)");
       auto hist = moe::qb_histogram::for_bias(bv, bins);
       moe::route(backend, sv, bv, out, opt, mv, &hist);
       moe::qb_histogram_update(hist, opt.k, k3::host_view(new_bias.data(), n), ema);
@@ -118,12 +133,12 @@ k3::cli::registrar reg({"route", "MoE top-k routing with Quantile Balancing (sig
                         k3::cli::io_options({{"k", true, "experts per token (default 16)"},
                                              {"scale", true, "routed scaling factor (default 1.0)"},
                                              {"bins", true, "histogram bins (default 1000)"},
-                                             {"update", true, "histogram|exact (default histogram)"},
+                                             {"update", true, "histogram|exact (default histogram; histogram needs scores in [0, 1])"},
                                              {"ema", true, "EMA coefficient for the bias update in [0, 1) (default 0)"},
                                              {"groups", true, "expert groups for group-limited routing (default 1: off; no QB)"},
                                              {"topk-groups", true, "groups kept per token (default 1)"},
                                              {"solve", false, "run the offline QB solver on this batch"},
-                                             {"iterations", true, "offline solver iterations (default 12)"},
+                                             {"iterations", true, "offline solver iterations in [1, 10000] (default 12)"},
                                              {"threads", true, "worker threads (default: all)"}}),
                         true, run_route});
 

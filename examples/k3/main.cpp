@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <exception>
 #include <iostream>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,7 @@ int main(int argc, char** argv) {
     print_help();
     return a.empty() ? 2 : 0;
   }
+  if (a[0] == "--version") a[0] = "version";  // the usual spelling works too
   auto const& cmds = k3::cli::registry();
   auto it = std::find_if(cmds.begin(), cmds.end(), [&](auto const& c) { return c.name == a[0]; });
   if (it == cmds.end()) {
@@ -60,6 +62,11 @@ int main(int argc, char** argv) {
   } catch (k3::cli::usage_error const& e) {
     std::cerr << "k3 " << it->name << ": " << e.what() << "\n";
     return 2;
+  } catch (std::bad_alloc const&) {
+    // Consistent but absurd shapes (e.g. a zero-token input declaring 2^34 experts, whose
+    // outputs must still be written) can need more memory than there is.
+    std::cerr << "k3 " << it->name << ": out of memory: the input shapes need more memory than is available\n";
+    return 1;
   } catch (std::exception const& e) {
     std::string msg = e.what();
     if (msg.rfind("k3: ", 0) == 0) msg = msg.substr(4);

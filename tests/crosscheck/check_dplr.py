@@ -163,6 +163,12 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: v heads", setup({"v": np.zeros((1, 5, 3, 2))}), must_mention="v")
     ck.expect_error("bad: h0 shape", setup({"h0": f["h0"][:, :1]}), must_mention="h0")
     ck.expect_error("bad: h0 dtype", setup({"h0": f["h0"].astype(np.float32)}), must_mention="h0")
+    # an empty optional array is a wrong shape, not "absent" (was silently dropped)
+    ck.expect_error("bad: h0 empty [0,H,K,V]", setup({"h0": f["h0"][:0]}), must_mention="h0")
+    ck.expect_error("bad: h0 empty [0]", setup({"h0": np.zeros(0)}), must_mention="h0")
+    ck.expect_error("bad: h0 empty [0,0,0,0]", setup({"h0": np.zeros((0, 0, 0, 0))}), must_mention="h0")
+    ck.expect_error("bad: dht empty", setup(extra={"do": np.zeros((1, 5, 2, 2)), "dht": np.zeros((0, 2, 3, 2))}), ["--backward"],
+                    must_mention="dht")
     ck.expect_error("bad: missing gk", setup(drop=("gk",)), must_mention="gk")
     for cu, lab in (([0, 3, 2, 5], "non-decreasing"), ([0, 2, 4], "not ending at T"), ([1, 3, 5], "not starting at 0"),
                     ([], "empty"), ([0, 6], "beyond T")):
@@ -206,6 +212,55 @@ def hard_resets(ck):
                 run_case(ck, lab, rng, x, mode=mode, backward=False, tol_f=1e-10)
             else:
                 run_case(ck, lab, rng, x, mode=mode, backward=True)
+
+
+def nan_confinement(ck, rng):
+    """A NaN/Inf in one input of token t (sequence n, head h) must leave every other sequence and
+    head exactly as the reference has them, with threads and both long-sequence strategies; tokens
+    of (n, h) before t should stay finite too (reported as WARN: the chunked form's within-chunk
+    products can carry it back inside t's chunk)."""
+    cu = np.array([0, 4, 4, 9, 80, 150])
+    for dt in (np.float64, np.float32):
+        for i, nm in enumerate(("q", "k", "v", "a", "b", "gk")):
+            val = [np.nan, np.inf, -np.inf][i % 3]
+            opts = [[], ["--threads", "2"], ["--threads", "2", "--long-sequence", "segment-maps"], ["--mode", "recurrent"],
+                    ["--chunk-size", "16", "--threads", "7"]][i % 5]
+            lab = f"nan {np.dtype(dt).name} {nm}={val} {' '.join(opts)}"
+            if not ck.want(lab):
+                continue
+            x = make_case(rng, 1, 150, 2, 5, 3, np.float64, cu=cu)
+            x = {k: (None if v is None else v.astype(dt)) for k, v in x.items()}
+            x[nm][0, 20, 1, 0] = val  # sequence 3 (tokens 9..79), head 1
+            d = ck.newdir()
+            for n in NAMES:
+                save(d, n, x[n])
+            save(d, "cu_seqlens", cu)
+            rc, text, cmd = ck.run(d, opts)
+            if rc != 0:
+                ck.fail(lab, f"exit {rc}: {text[:300]}", cmd)
+                continue
+            o, ht = ck.out(d, "o"), ck.out(d, "ht")
+            f64 = {k: v.astype(np.float64) for k, v in x.items()}
+            with np.errstate(all="ignore"):
+                o_ref, ht_ref = dplr_ref(*(f64[n] for n in ["q", "k", "v", "a", "b", "gk"]), 5 ** -0.5, f64["h0"], cu)
+            inside = np.zeros(o.shape, bool)
+            inside[0, 9:80, 1] = True
+            leak = ~np.isfinite(o) & ~inside
+            if leak.any():
+                ck.fail(lab, f"o: non-finite outside the poisoned sequence/head at {np.argwhere(leak)[:4].tolist()}", cmd)
+                continue
+            tol = 1e-12 if dt == np.float64 else 2e-5
+            compare(ck, lab, o[~inside], o_ref[~inside], tol, cmd, "o outside")
+            hin = np.zeros(ht.shape, bool)
+            hin[3, 1] = True
+            compare(ck, lab, ht[~hin], ht_ref[~hin], tol, cmd, "ht outside")
+            before = np.zeros(o.shape, bool)
+            before[0, 9:20, 1] = True
+            if not np.isfinite(o[before]).all():
+                ck.warn(lab, "tokens of the poisoned sequence/head BEFORE the non-finite input are non-finite "
+                        "(chunked form; the recurrent form keeps them)", cmd)
+            else:
+                compare(ck, lab, o[before], o_ref[before], tol, cmd, "o before")
 
 
 def main():
@@ -256,6 +311,7 @@ def main():
                 lab = f"f32 s{seed} {mode} B{B} T{T} H{H} K{K} V{V}"
                 if ck.want(lab):
                     run_case(ck, lab, rng, make_case(rng, B, T, H, K, V, np.float32), mode=mode, threads=2)
+    nan_confinement(ck, np.random.default_rng(2100))
     if ck.want("hard reset"):
         hard_resets(ck)
     if ck.want("bad"):

@@ -189,6 +189,12 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: beta shape", setup({"beta": f["beta"][..., None]}), must_mention="beta")
     ck.expect_error("bad: h0 shape", setup({"h0": f["h0"][:, :2]}), must_mention="h0")
     ck.expect_error("bad: h0 dtype", setup({"h0": f["h0"].astype(np.float32)}), must_mention="h0")
+    # an empty optional array is a wrong shape, not "absent" (was silently dropped)
+    ck.expect_error("bad: h0 empty [0,HV,K,V]", setup({"h0": f["h0"][:0]}), must_mention="h0")
+    ck.expect_error("bad: h0 empty [0]", setup({"h0": np.zeros(0)}), must_mention="h0")
+    ck.expect_error("bad: h0 empty [0,0,0,0]", setup({"h0": np.zeros((0, 0, 0, 0))}), must_mention="h0")
+    ck.expect_error("bad: dht empty", setup(extra={"do": rng.standard_normal((1, 5, 4, 2)), "dht": np.zeros((0, 4, 3, 2))}),
+                    ["--backward"], must_mention="dht")
     ck.expect_error("bad: missing beta", setup(drop=("beta",)), must_mention="beta")
     for cu, lab in (([0, 3, 2, 5], "non-decreasing"), ([0, 2, 4], "not ending at T"), ([1, 3, 5], "not starting at 0"),
                     ([0, 3, 6], "beyond T"), ([], "empty"), ([0, -1, 5], "negative")):

@@ -111,7 +111,7 @@ def run_case(ck, label, rng, m, n, k, scale=1.0, bias_scale=0.05, masked=False, 
         save(d, "scores", s.astype(sdtype))
     save(d, "bias", b)
     if masked:
-        save(d, "mask", mask.astype(np.uint8) if m % 2 else mask.astype(np.int32))
+        save(d, "mask", mask.astype([bool, np.uint8, np.int32][m % 3]))  # numpy bool is the natural mask dtype
     opts = ["--k", str(k), "--scale", repr(scale), "--update", update]
     if bins is not None:
         opts += ["--bins", str(bins)]
@@ -235,6 +235,12 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: k > experts in kept groups", setup(np.tile(s, (1, 2)), np.zeros(2 * n, f32)),
                     ["--k", "7", "--groups", "2", "--topk-groups", "1"], must_mention=["k", "group"])
     ck.expect_error("bad: --iterations -1", setup(s, b), ["--k", "2", "--solve", "--iterations", "-1"], must_mention="iteration")
+    # absurd iteration counts must be refused, not run for hours (was a hang)
+    ck.expect_error("bad: --iterations 1e11", setup(s, b), ["--k", "2", "--solve", "--iterations", "100000000000"], must_mention="iteration")
+    ck.expect_error("bad: --iterations abc", setup(s, b), ["--k", "2", "--solve", "--iterations", "abc"], must_mention="iteration")
+    # the offline solver balances ungrouped top-k only: with --groups its bias would not balance (was silently ignored)
+    ck.expect_error("bad: --solve with --groups", setup(np.tile(s, (1, 2)), np.zeros(2 * n, f32)),
+                    ["--k", "2", "--groups", "2", "--topk-groups", "1", "--solve"], must_mention="group")
     # NOT run: --threads 100000 (or 100000000000, which wraps to 1215752192 in the int cast) makes the
     # thread pool try to start that many threads; it never finishes and exhausts the machine's
     # process limit for everyone (seen: "fork: Resource temporarily unavailable"). Reported instead.
@@ -245,9 +251,21 @@ def bad_inputs(ck, rng):
     d = setup(x, b)
     rc, text, cmd = ck.run(d, ["--k", "2"])
     if rc == 0:
-        ck.warn("scores outside (0,1)", "accepted silently with --update histogram (spec A.4.3: range assumes s in (0,1))", cmd)
+        ck.fail("scores outside (0,1)", "accepted silently with --update histogram (spec A.4.3/A.7: histogram mode requires sigmoid scores)", cmd)
     else:
-        ck.ok("scores outside (0,1): error")
+        ck.expect_error("scores outside (0,1): error", d, ["--k", "2"], must_mention="scores")
+    # the same scores are fine with the exact update, and on padding rows
+    rc, text, cmd = ck.run(d, ["--k", "2", "--update", "exact"])
+    if rc != 0:
+        ck.fail("scores outside (0,1) exact", f"exit {rc}: {text[:300]}", cmd)
+    else:
+        ck.ok("scores outside (0,1) exact")
+    save(d, "mask", np.array([0, 0, 1, 1, 1, 1], np.uint8))
+    rc, text, cmd = ck.run(d, ["--k", "2"])
+    if rc != 0:
+        ck.fail("scores outside (0,1) on padding rows", f"exit {rc}: {text[:300]}", cmd)
+    else:
+        ck.ok("scores outside (0,1) on padding rows")
     d = setup(s, b)
     np.save(os.path.join(d, "in", "scores.npy"), np.asfortranarray(s))
     ck.expect_error("bad: Fortran scores", d, must_mention="scores")

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -114,13 +115,57 @@ TEST_CASE("regression: running shape products must fit int64 even when a later e
   // reported signed overflow before the fix).
   auto f = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 2147483648, 0), }", 0);
   CHECK(error_of(f).find("overflows") != std::string::npos);
-  // A zero-size array whose running products stay in range is fine.
+  // A zero-size array whose nonzero extents multiply within int64 is fine.
   auto ok = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (0, 1099511627776, 4096), }", 0);
   auto a = k3::io::parse_npy(ok);
   CHECK(a.size() == 0);
   CHECK(a.shape() == std::vector<k3::index_t>{0, 1099511627776, 4096});
-  auto first = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 0, 2147483648), }", 0);
+  auto first = make_file("{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 0, 2147483647), }", 0);
   CHECK(k3::io::parse_npy(first).size() == 0);
+}
+
+TEST_CASE("regression: the nonzero extents of an empty array must multiply within int64 (view strides)") {
+  // (0, 2^32, 2^32) passed (its running products are 0) and a view of it overflowed computing
+  // stride(0) = 2^32 * 2^32 (UBSan in k3 kda/attnres on such a file).
+  for (char const* shape : {"(0, 4294967296, 4294967296)", "(4294967296, 0, 4294967296)", "(4294967296, 4294967296, 0)"}) {
+    auto f = make_file(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape + ", }", 0);
+    CHECK(error_of(f).find("overflows") != std::string::npos);
+  }
+}
+
+TEST_CASE("regression: an empty array read from a file has a non-null data pointer") {
+  // Ops read a null view as an absent optional argument; k3 kda/dplr silently dropped an
+  // h0.npy or dht.npy of shape [0, ...] instead of reporting its wrong shape.
+  for (char const* shape : {"(0,)", "(0, 2, 3, 4)", "(2, 0)", "()"}) {
+    auto f = make_file(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape + ", }",
+                       std::string(shape) == "()" ? 4 : 0);
+    auto a = k3::io::parse_npy(f);
+    CHECK(a.data() != nullptr);
+  }
+  auto f = make_file("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 2, 3, 4), }", 0);
+  auto a = k3::io::parse_npy(f);
+  auto v = a.view<float, 4>("h0");
+  CHECK(v.data_handle() != nullptr);
+  CHECK(v.extent(0) == 0);
+  CHECK(v.extent(3) == 4);
+}
+
+TEST_CASE("regression: reading a directory is a k3::error naming the path") {
+  // It threw std::ios_base::failure ("basic_filebuf::underflow error"), naming no file.
+  auto dir = std::filesystem::temp_directory_path() / "k3_npy_test_dir.npy";
+  std::filesystem::create_directories(dir);
+  CHECK_THROWS_WITH_AS(k3::io::read_npy(dir.string()), doctest::Contains("k3_npy_test_dir.npy"), k3::error);
+  std::filesystem::remove(dir);
+}
+
+TEST_CASE("numpy bool arrays read as uint8 (a token mask saved as bool)") {
+  auto f = make_file("{'descr': '|b1', 'fortran_order': False, 'shape': (3,), }", 3);
+  f[f.size() - 2] = 1;
+  auto a = k3::io::parse_npy(f);
+  CHECK(a.type() == k3::io::dtype::uint8);
+  CHECK(a.as_int(0) == 0);
+  CHECK(a.as_int(1) == 1);
+  CHECK(a.as_double(1) == 1.0);
 }
 
 TEST_CASE("more malformed headers: each gives its own message") {

@@ -292,6 +292,12 @@ TEST_CASE("QB inputs are validated") {
   CHECK_THROWS_AS(moe::qb_histogram(4, 10, 1.f, 1.f), k3::error);
   std::vector<float> b5(5, 0.f);
   CHECK_THROWS_AS(moe::qb_offline_solve(cview(s, 3, 4), opt, 3, mview(b5)), k3::error);
+  // regression: the offline solver ignored n_groups (k3 route --solve --groups 2 solved for
+  // ungrouped routing, then routed group-limited with that bias)
+  opt.n_groups = 2;
+  opt.topk_groups = 1;
+  CHECK_THROWS_WITH_AS(moe::qb_offline_solve(cview(s, 3, 4), opt, 3, mview(b)), doctest::Contains("group-limited"), k3::error);
+  opt.n_groups = 1;
   auto h = moe::qb_histogram::for_bias(cview(b5), 10);
   routed r(3, 1, 4);
   CHECK_THROWS_AS(moe::route(k3::cpu::serial{}, cview(s, 3, 4), cview(b), r.out(), opt, {}, &h), k3::error);

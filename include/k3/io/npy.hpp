@@ -4,13 +4,14 @@
 // overflow checks, the data length must match exactly, and each failure throws k3::error
 // with one line saying what is wrong. Supported dtypes: float32 '<f4', float64 '<f8',
 // bfloat16 ('<u2' as written by torch .view(torch.uint16), or '|V2'/'<V2' as written by
-// ml_dtypes), int32 '<i4', int64 '<i8', uint8 '|u1'. Big-endian and Fortran-order files are
+// ml_dtypes), int32 '<i4', int64 '<i8', uint8 '|u1' (numpy bool '|b1' reads as uint8). Big-endian and Fortran-order files are
 // rejected rather than silently reinterpreted.
 #pragma once
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -74,7 +75,10 @@ class npy_array {
  public:
   npy_array() = default;
   npy_array(dtype t, std::vector<index_t> shape) : type_(t), shape_(std::move(shape)) {
-    words_.resize((byte_size() + 7) / 8);
+    // At least one word, so that an array read from a file never has a null data pointer: ops
+    // take a null view as an absent optional argument (h0, dht, ...), and an empty h0.npy must
+    // be checked against its expected shape, not silently dropped.
+    words_.resize(std::max<std::size_t>(1, (byte_size() + 7) / 8));
   }
 
   dtype type() const noexcept { return type_; }
@@ -272,9 +276,10 @@ inline dtype parse_descr(std::string const& d) {
   if (d == "<i4") return dtype::int32;
   if (d == "<i8") return dtype::int64;
   if (d == "|u1" || d == "<u1") return dtype::uint8;
+  if (d == "|b1") return dtype::uint8;  // numpy bool: one byte, 0 or 1 (e.g. a token mask)
   if (!d.empty() && d[0] == '>') throw k3::error("unsupported .npy dtype '" + d + "': big-endian data is not supported");
   throw k3::error("unsupported .npy dtype '" + d +
-                  "' (supported: <f4 <f8 <u2/|V2 (bfloat16) <i4 <i8 |u1)");
+                  "' (supported: <f4 <f8 <u2/|V2 (bfloat16) <i4 <i8 |u1 |b1)");
 }
 
 inline char const* descr_of(dtype t) noexcept {
@@ -329,6 +334,16 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
       throw k3::error("malformed .npy file: shape " + detail::format_shape(shape) + " overflows");
     n *= static_cast<std::uint64_t>(e);
   }
+  // Views compute C-order strides from the right (stride(0) = product of the later extents), so
+  // the extents other than 0 must multiply within index_t too: (0, 2^32, 2^32) holds nothing,
+  // but a view of it would overflow computing its strides.
+  std::uint64_t nz = 1;
+  for (index_t e : shape) {
+    if (e == 0) continue;
+    if (nz > max_elems / static_cast<std::uint64_t>(e))
+      throw k3::error("malformed .npy file: shape " + detail::format_shape(shape) + " overflows (its nonzero extents multiply past 2^63)");
+    nz *= static_cast<std::uint64_t>(e);
+  }
   std::size_t const isz = dtype_size(t);
   detail::require(n <= avail / isz && n * isz == avail, [&] {
     return "malformed .npy file: shape " + detail::format_shape(shape) + " of " + dtype_name(t) + " needs " +
@@ -343,7 +358,12 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
 inline npy_array read_npy(std::string const& path) {
   std::ifstream f(path, std::ios::binary);
   detail::require(static_cast<bool>(f), [&] { return "cannot open '" + path + "' for reading"; });
-  std::vector<unsigned char> buf((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<unsigned char> buf;
+  try {  // a directory opens, then throws std::ios_base::failure on the first read
+    buf.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  } catch (std::exception const& e) {
+    throw k3::error("cannot read '" + path + "': " + e.what());
+  }
   try {
     return parse_npy(buf);
   } catch (k3::error const& e) {

@@ -293,6 +293,9 @@ inline void qb_offline_solve(const_view<float, 2> scores, router_options const& 
     return "argument 'k': need 1 <= k < n, got k = " + std::to_string(opt.k) + ", n = " + std::to_string(n);
   });
   detail::require(iterations >= 1, [&] { return "argument 'iterations': must be >= 1, got " + std::to_string(iterations); });
+  // Like the per-step updates: the solver ranks all n experts per token, which group-limited
+  // routing would not do, so its bias would not balance the routing it is used with.
+  detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
   detail::check_shape("bias", bias, {n});
   if (!mask.empty()) detail::check_shape("mask", mask, {m});
   std::vector<index_t> rows;
