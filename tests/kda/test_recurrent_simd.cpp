@@ -70,6 +70,9 @@ void check_double(Backend const& be, char const* name) {
       {{.T = 140, .K = 16, .V = 16, .seed = 307}, decay::growth},
       {{.B = 2, .T = 97, .H = 1, .HV = 2, .K = 128, .V = 128, .gate = gate_kind::lower_bound, .seed = 308}, decay::fixture},
       {{.T = 70, .K = 9, .V = 12, .seed = 309}, decay::strong},  // V not a multiple of a batch: the portable path
+      // head groups (several value heads per task): uneven (5 heads), and the largest (8)
+      {{.T = 70, .H = 1, .HV = 5, .K = 24, .V = 32, .seed = 310}, decay::strong},
+      {{.T = 66, .H = 2, .HV = 16, .K = 16, .V = 16, .cu = {0, 30, 30, 66}, .seed = 311}, decay::fixture},
   };
   for (auto const& sc : cases)
     for (bool with_ht : {true, false}) {
@@ -94,7 +97,8 @@ void check_double(Backend const& be, char const* name) {
 TEST_CASE("simd recurrent forward matches the reference recurrence in double") {
   check_double(cpu::simd<>{}, "simd");
   check_double(cpu::threads<>(2), "threads(2)");
-  check_double(cpu::threads<>(5), "threads(5)");  // more threads than (sequence, head) pairs
+  check_double(cpu::threads<>(5), "threads(5)");  // more threads than tasks
+  check_double(cpu::threads<>(1), "threads(1)");
   check_double(cpu::threads<xsimd::avx2>(2), "threads<avx2>");
   check_double(cpu::simd<xsimd::sse2>{}, "simd<sse2>");
 }

@@ -7,7 +7,7 @@
 // the block's cumulative decay, per row), which turns the decay multiply into a per-token
 // rescaling of the K-vectors; each token touches a state row once: the write of token t
 // (S~ += k~ u^T, o += q~.S~) is fused with the prediction of token t+1, so the state is loaded
-// and stored once per token with 3 FMAs per element (see recurrent_forward_simd_task).
+// and stored once per token with 3 FMAs per element (see recurrent_forward_simd_group).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -201,7 +201,7 @@ void recurrent_token_vectors(index_t ks, index_t nt, Acc const* qs, Acc const* k
   }
 }
 
-// One (sequence, value head) pair. The state is kept per block of tokens in a rescaled form:
+// One sequence, value heads [hv0, hv1). The state is kept per block of tokens in a rescaled form:
 // with A_t the product of the decays e^g since the block's start (row-wise, A = 1 at the
 // start, whose own decay is applied to the stored state), S_t = diag(A_t) S~_t and
 //   S~_t = S~_{t-1} + (k_t / A_t) u_t^T,  pred_t = (A_t k_t)^T S~_{t-1},  o_t = (A_t qs_t)^T S~_t,
@@ -211,15 +211,16 @@ void recurrent_token_vectors(index_t ks, index_t nt, Acc const* qs, Acc const* k
 // newest, largest terms scales back with A), and g = -inf (A = 0) starts a block whose decay
 // zeroes the state, exactly.
 template <class Arch, class Acc, class In, class S>
-void recurrent_forward_simd_task(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv) {
+void recurrent_forward_simd_group(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv0, index_t hv1) {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
-  index_t const K = p.K, V = p.V, b = p.batch(n), h = hv / p.G, bos = p.bos(n), eos = p.eos(n);
+  index_t const K = p.K, V = p.V, b = p.batch(n), bos = p.bos(n), eos = p.eos(n), gh = hv1 - hv0;
   int const NB = V % (2 * L) == 0 ? 2 : 1;
   index_t const W = NB * L, ns = V / W, ks = (K + L - 1) / L * L;
   constexpr index_t TB = 64;
   using avec = std::vector<Acc, xsimd::aligned_allocator<Acc>>;
-  avec st(std::size_t(ns * K * W));
+  index_t const hs = ns * K * W;  // one head's state
+  avec st(std::size_t(gh * hs));
   std::size_t const tk = std::size_t(TB * ks);
   // per buffer: qs, kk, aa (inputs), kt, qt, pt, ct (token vectors); padding stays neutral
   avec in(3 * tk), tv(4 * tk);
@@ -227,48 +228,68 @@ void recurrent_forward_simd_task(problem const& p, forward_args<In, S> const& a,
   Acc *kt = tv.data(), *qt = kt + tk, *pt = qt + tk, *ct = pt + tk;
   std::fill(qs, qs + 2 * tk, Acc(0));
   std::fill(aa, aa + tk, Acc(1));
-  avec A(std::size_t(ks), Acc(1)), An(A.size());
+  avec A(std::size_t(gh * ks), Acc(1)), An(static_cast<std::size_t>(ks));  // A: per head of the group
   std::vector<Acc> vv(std::size_t(TB * V)), ob(vv.size()), bb(static_cast<std::size_t>(TB)), row(static_cast<std::size_t>(V));
   std::vector<unsigned char> start(static_cast<std::size_t>(TB));
-  for (index_t d = 0; d < K; ++d) {
-    if (present(a.h0))
-      load_row(&a.h0(n, hv, d, 0), row.data(), V);
-    else
-      std::fill(row.begin(), row.end(), Acc(0));
-    for (index_t s = 0; s < ns; ++s) std::copy(row.begin() + s * W, row.begin() + (s + 1) * W, st.begin() + (s * K + d) * W);
-  }
+  for (index_t j = 0; j < gh; ++j)
+    for (index_t d = 0; d < K; ++d) {
+      if (present(a.h0))
+        load_row(&a.h0(n, hv0 + j, d, 0), row.data(), V);
+      else
+        std::fill(row.begin(), row.end(), Acc(0));
+      for (index_t s = 0; s < ns; ++s) std::copy(row.begin() + s * W, row.begin() + (s + 1) * W, st.begin() + j * hs + (s * K + d) * W);
+    }
   Acc const scale = static_cast<Acc>(p.scale);
+  // The heads of the group take turns per buffer of tokens: a token's rows of neighbouring
+  // heads share pages, so the group walks each page of the inputs once per buffer (one head
+  // at a time walked a new page per row: TLB misses cost a quarter of the time).
   for (index_t t0 = bos; t0 < eos; t0 += TB) {
     index_t const nt = std::min(TB, eos - t0);
-    for (index_t t = 0; t < nt; ++t) {
-      Acc* q = qs + t * ks;
-      load_row(&a.q(b, t0 + t, h, 0), q, K);
-      for (index_t d = 0; d < K; ++d) q[d] *= scale;
-      load_row(&a.k(b, t0 + t, h, 0), kk + t * ks, K);
-      Acc* g = aa + t * ks;
-      load_row(&a.g(b, t0 + t, hv, 0), g, K);
-      exp_row<Arch>(g, g, K);
-      load_row(&a.v(b, t0 + t, hv, 0), vv.data() + t * V, V);
-      bb[std::size_t(t)] = load_as<Acc>(a.beta(b, t0 + t, hv));
+    for (index_t j = 0; j < gh; ++j) {
+      index_t const hv = hv0 + j, h = hv / p.G;
+      for (index_t t = 0; t < nt; ++t) {
+        Acc* q = qs + t * ks;
+        load_row(&a.q(b, t0 + t, h, 0), q, K);
+        for (index_t d = 0; d < K; ++d) q[d] *= scale;
+        load_row(&a.k(b, t0 + t, h, 0), kk + t * ks, K);
+        Acc* g = aa + t * ks;
+        load_row(&a.g(b, t0 + t, hv, 0), g, K);
+        exp_row<Arch>(g, g, K);
+        load_row(&a.v(b, t0 + t, hv, 0), vv.data() + t * V, V);
+        bb[std::size_t(t)] = load_as<Acc>(a.beta(b, t0 + t, hv));
+      }
+      Acc* Aj = A.data() + j * ks;
+      recurrent_token_vectors<Arch>(ks, nt, qs, kk, aa, kt, qt, pt, ct, start.data(), Aj, An.data());
+      // next unit: the next head on this buffer, or the group's first head on the next buffer
+      index_t const nhv = j + 1 < gh ? hv + 1 : hv0, nt0 = j + 1 < gh ? t0 : t0 + nt;
+      forward_prefetcher<In, S> pf{&p, &a, b, nhv / p.G, nhv, nt0, std::clamp<index_t>(eos - nt0, 0, TB), ns * nt};
+      for (index_t s = 0; s < ns; ++s) {
+        Acc* Ss = st.data() + j * hs + s * K * W;
+        auto pfs = [&](index_t t) { pf(s * nt + t); };
+        if (NB == 2)
+          recurrent_slice_block<Arch, Acc, 2>(Ss, K, ks, nt, kt, qt, pt, ct, start.data(), vv.data() + s * W, bb.data(), ob.data() + s * W, V, pfs);
+        else
+          recurrent_slice_block<Arch, Acc, 1>(Ss, K, ks, nt, kt, qt, pt, ct, start.data(), vv.data() + s * W, bb.data(), ob.data() + s * W, V, pfs);
+      }
+      for (index_t t = 0; t < nt; ++t) store_row(ob.data() + t * V, &a.o(b, t0 + t, hv, 0), V);
     }
-    recurrent_token_vectors<Arch>(ks, nt, qs, kk, aa, kt, qt, pt, ct, start.data(), A.data(), An.data());
-    forward_prefetcher<In, S> pf{&p, &a, b, h, hv, t0 + nt, std::clamp<index_t>(eos - t0 - nt, 0, TB), ns * nt};
-    for (index_t s = 0; s < ns; ++s) {
-      Acc* Ss = st.data() + s * K * W;
-      auto pfs = [&](index_t t) { pf(s * nt + t); };
-      if (NB == 2)
-        recurrent_slice_block<Arch, Acc, 2>(Ss, K, ks, nt, kt, qt, pt, ct, start.data(), vv.data() + s * W, bb.data(), ob.data() + s * W, V, pfs);
-      else
-        recurrent_slice_block<Arch, Acc, 1>(Ss, K, ks, nt, kt, qt, pt, ct, start.data(), vv.data() + s * W, bb.data(), ob.data() + s * W, V, pfs);
-    }
-    for (index_t t = 0; t < nt; ++t) store_row(ob.data() + t * V, &a.o(b, t0 + t, hv, 0), V);
   }
   if (present(a.ht))
-    for (index_t d = 0; d < K; ++d) {
-      for (index_t s = 0; s < ns; ++s)
-        for (index_t e = 0; e < W; ++e) row[std::size_t(s * W + e)] = A[std::size_t(d)] * st[std::size_t((s * K + d) * W + e)];
-      store_row(row.data(), &a.ht(n, hv, d, 0), V);
-    }
+    for (index_t j = 0; j < gh; ++j)
+      for (index_t d = 0; d < K; ++d) {
+        Acc const Ad = A[std::size_t(j * ks + d)];
+        for (index_t s = 0; s < ns; ++s)
+          for (index_t e = 0; e < W; ++e) row[std::size_t(s * W + e)] = Ad * st[std::size_t(j * hs + (s * K + d) * W + e)];
+        store_row(row.data(), &a.ht(n, hv0 + j, d, 0), V);
+      }
+}
+
+// Value heads per task of the recurrent forward: up to 8 (see recurrent_forward_simd_group),
+// but at least two tasks per thread where the heads allow, so a thread slowed by other load
+// hands work to the other (B = 1, H = 16 on 2 threads: groups of 4).
+inline index_t recurrent_head_group(index_t N, index_t HV, index_t threads) {
+  index_t const target = (N * HV) / std::max<index_t>(1, 2 * threads);
+  return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
 }
 
 // ---------------------------------------------------------------------------------------------
