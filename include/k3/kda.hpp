@@ -79,8 +79,12 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
   if (opt.mode == algorithm::recurrent) {
     if constexpr (detail::SimdBackend<B>) {
       if (detail::simd_recurrent_ok<typename B::arch_type, S>(p.V)) {
-        detail::run_tasks(be, tasks, [&](index_t i) {
-          detail::recurrent_forward_simd_task<typename B::arch_type, S>(p, a, i / p.HV, i % p.HV);
+        index_t threads = 1;
+        if constexpr (requires { be.concurrency(); }) threads = index_t(be.concurrency());
+        index_t const gs = detail::recurrent_head_group(p.N, p.HV, threads), groups = (p.HV + gs - 1) / gs;
+        detail::run_tasks(be, p.N * groups, [&](index_t i) {
+          index_t const hv0 = i % groups * gs;
+          detail::recurrent_forward_simd_group<typename B::arch_type, S>(p, a, i / groups, hv0, std::min(p.HV, hv0 + gs));
         });
         return;
       }

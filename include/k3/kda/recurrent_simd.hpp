@@ -3,9 +3,11 @@
 //
 // The state of one value head is split into column slices of W = 2 SIMD batches (32 floats
 // with AVX-512), stored slice-major so a K x W slice (16 KiB for K = 128) stays in L1 while a
-// block of tokens streams through it. Each token touches a state row once: the write of token
-// t (S += k u^T, o += q.S) is fused with the decay and the prediction of token t+1
-// (S <- a S, pred += k.S), so the state is loaded and stored once per token.
+// buffer of tokens streams through it. Within a block of tokens the state is kept as S / A (A
+// the block's cumulative decay, per row), which turns the decay multiply into a per-token
+// rescaling of the K-vectors; each token touches a state row once: the write of token t
+// (S~ += k~ u^T, o += q~.S~) is fused with the prediction of token t+1, so the state is loaded
+// and stored once per token with 3 FMAs per element (see recurrent_forward_simd_group).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -33,48 +35,60 @@ constexpr bool simd_recurrent_ok(index_t V) noexcept {
   return V % index_t(xsimd::batch<Acc, Arch>::size) == 0;
 }
 
-// NB batches per slice. Runs tokens [0, nt) of a block on one slice S (K x NB*L, contiguous).
-// qs, kk, aa: [nt][K]; vv: [nt][vstride] already offset to the slice; ob likewise.
-template <class Arch, class Acc, int NB>
-void recurrent_slice_block(Acc* K3_RESTRICT S, index_t K, index_t nt, Acc const* qs, Acc const* kk, Acc const* aa, Acc const* vv,
-                           Acc const* bb, Acc* ob, index_t vstride) noexcept {
+// NB batches per slice. Runs tokens [0, nt) of a buffer on one slice S (K x NB*L, contiguous;
+// it holds the slice of S~, see recurrent_forward_simd_task). kt, qt, pt, ct: [nt][ks] (ks >= K),
+// start: [nt]; vv: [nt][vstride] already offset to the slice; ob likewise. Token 0 is a block start.
+template <class Arch, class Acc, int NB, class Pf>
+void recurrent_slice_block(Acc* K3_RESTRICT S, index_t K, index_t ks, index_t nt, Acc const* kt, Acc const* qt, Acc const* pt, Acc const* ct,
+                           unsigned char const* start, Acc const* vv, Acc const* bb, Acc* ob, index_t vstride, Pf const& pf) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size), W = NB * L;
   batch pred[NB];
-  // prologue: decay for token 0 and its prediction
+  // prologue: token 0 starts a block: the decay c (previous block's cumulative decay times
+  // a_0) is applied to the stored slice, and token 0's prediction taken from the result
   for (int j = 0; j < NB; ++j) pred[j] = batch(Acc(0));
-  {
-    Acc const* a0 = aa;
-    Acc const* k0 = kk;
-    for (index_t d = 0; d < K; ++d) {
-      batch const ad(a0[d]), kd(k0[d]);
-      for (int j = 0; j < NB; ++j) {
-        batch s = batch::load_aligned(S + d * W + j * L) * ad;
-        s.store_aligned(S + d * W + j * L);
-        pred[j] = xsimd::fma(kd, s, pred[j]);
-      }
+  for (index_t d = 0; d < K; ++d) {
+    batch const cd(ct[d]), pd(pt[d]);
+    for (int j = 0; j < NB; ++j) {
+      batch s = batch::load_aligned(S + d * W + j * L) * cd;
+      s.store_aligned(S + d * W + j * L);
+      pred[j] = xsimd::fma(pd, s, pred[j]);
     }
   }
   for (index_t t = 0; t < nt; ++t) {
-    Acc const* q = qs + t * K;
-    Acc const* k = kk + t * K;
+    Acc const* k = kt + t * ks;
+    Acc const* q = qt + t * ks;
     batch const beta(bb[t]);
+    pf(t);
     batch u[NB], o[NB], pn[NB];
     for (int j = 0; j < NB; ++j) {
       u[j] = beta * (batch::load_unaligned(vv + t * vstride + j * L) - pred[j]);
       o[j] = batch(Acc(0));
       pn[j] = batch(Acc(0));
     }
-    if (t + 1 < nt) {
-      Acc const* an = aa + (t + 1) * K;
-      Acc const* kn = kk + (t + 1) * K;
+    if (t + 1 < nt && !start[t + 1]) {
+      // inside a block: S~ += (k / A) u^T, o = (A q)^T S~, next pred = (A' k')^T S~
+      Acc const* p = pt + (t + 1) * ks;
       for (index_t d = 0; d < K; ++d) {
-        batch const kd(k[d]), qd(q[d]), ad(an[d]), knd(kn[d]);
+        batch const kd(k[d]), qd(q[d]), pd(p[d]);
+        for (int j = 0; j < NB; ++j) {
+          batch const s = xsimd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
+          o[j] = xsimd::fma(qd, s, o[j]);
+          pn[j] = xsimd::fma(pd, s, pn[j]);
+          s.store_aligned(S + d * W + j * L);
+        }
+      }
+    } else if (t + 1 < nt) {
+      // token t + 1 starts a block: its decay c is applied here
+      Acc const* p = pt + (t + 1) * ks;
+      Acc const* c = ct + (t + 1) * ks;
+      for (index_t d = 0; d < K; ++d) {
+        batch const kd(k[d]), qd(q[d]), cd(c[d]), pd(p[d]);
         for (int j = 0; j < NB; ++j) {
           batch s = xsimd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
           o[j] = xsimd::fma(qd, s, o[j]);
-          s *= ad;
-          pn[j] = xsimd::fma(knd, s, pn[j]);
+          s *= cd;
+          pn[j] = xsimd::fma(pd, s, pn[j]);
           s.store_aligned(S + d * W + j * L);
         }
       }
@@ -82,7 +96,7 @@ void recurrent_slice_block(Acc* K3_RESTRICT S, index_t K, index_t nt, Acc const*
       for (index_t d = 0; d < K; ++d) {
         batch const kd(k[d]), qd(q[d]);
         for (int j = 0; j < NB; ++j) {
-          batch s = xsimd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
+          batch const s = xsimd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
           o[j] = xsimd::fma(qd, s, o[j]);
           s.store_aligned(S + d * W + j * L);
         }
@@ -95,50 +109,187 @@ void recurrent_slice_block(Acc* K3_RESTRICT S, index_t K, index_t nt, Acc const*
   }
 }
 
-template <class Arch, class Acc, class In, class S>
-void recurrent_forward_simd_task(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv) {
+// Takes the rows of the next buffer of tokens (inputs, and o's rows, written soon) into L2 while
+// the current buffer runs, spread over its (slice, token) steps: the rows of one head are
+// strided H K values apart, which the hardware prefetchers do not follow, and loading them
+// only when the buffer is built left the core waiting on DRAM for a fifth of the time.
+template <class In, class S>
+struct forward_prefetcher {
+  problem const* p = nullptr;
+  forward_args<In, S> const* a = nullptr;
+  index_t b = 0, h = 0, hv = 0, t0 = 0, nt = 0, steps = 1;  // next buffer: tokens [t0, t0 + nt)
+  static void bytes(void const* ptr, index_t n) noexcept {
+    if (n <= 0) return;
+    char const* c = static_cast<char const*>(ptr);
+    for (index_t i = 0; i < n; i += 64) prefetch_l2(c + i);
+    prefetch_l2(c + n - 1);
+  }
+  // Call i of steps takes its share of the buffer's rows (6 per token: q, k, g, v, o, beta),
+  // so a few rows at a time are in flight (a whole token's at once stalled on the miss queue).
+  void operator()(index_t i) const noexcept {
+    index_t const lo = 6 * nt * i / steps, hi = 6 * nt * (i + 1) / steps;
+    index_t const kb = p->K * index_t(sizeof(In)), vb = p->V * index_t(sizeof(In));
+    for (index_t r = lo; r < hi; ++r) {
+      index_t const t = t0 + r / 6;
+      switch (r % 6) {
+        case 0: bytes(&a->q(b, t, h, 0), kb); break;
+        case 1: bytes(&a->k(b, t, h, 0), kb); break;
+        case 2: bytes(&a->g(b, t, hv, 0), kb); break;
+        case 3: bytes(&a->v(b, t, hv, 0), vb); break;
+        case 4: bytes(&a->o(b, t, hv, 0), vb); break;
+        default: prefetch_l2(&a->beta(b, t, hv)); break;
+      }
+    }
+  }
+};
+
+// Smallest cumulative decay a block may reach (and the inverse of the largest): S~ = S / A
+// grows like 1 / A, so this bounds it (float: 1 / A <= 2^40, far from overflow for any
+// sensible input); a block ends when a row's A would leave [thr, 1 / thr].
+template <class Acc>
+constexpr Acc block_decay_floor() noexcept {
+  if constexpr (sizeof(Acc) >= 8)
+    return Acc(0x1p-80);
+  else
+    return Acc(0x1p-40);
+}
+
+// The per-token vectors of a buffer of nt tokens (rows of ks >= K values, ks a multiple of the
+// batch size, the padding neutral: q = k = 0, a = 1), shared by all slices. In: qs = scale q,
+// kk = k, aa = e^g. Out: kt = k / A, qt = A qs, pt = A k (k at a block start), ct = the decay a
+// block start applies to the stored state (a_t times the previous block's final A), start.
+// A (ks values) is the cumulative decay of the current block up to the previous token; it
+// carries from one buffer to the next (every buffer's token 0 starts a block).
+template <class Arch, class Acc>
+void recurrent_token_vectors(index_t ks, index_t nt, Acc const* qs, Acc const* kk, Acc const* aa, Acc* kt, Acc* qt, Acc* pt, Acc* ct,
+                             unsigned char* start, Acc* A, Acc* An) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
-  index_t const K = p.K, V = p.V, b = p.batch(n), h = hv / p.G, bos = p.bos(n), eos = p.eos(n);
-  int const NB = V % (2 * L) == 0 ? 2 : 1;
-  index_t const W = NB * L, ns = V / W;
-  constexpr index_t TB = 64;
-  std::vector<Acc, xsimd::aligned_allocator<Acc>> st(std::size_t(ns * K * W));
-  std::vector<Acc> qs(std::size_t(TB * K)), kk(qs.size()), gg(qs.size()), aa(qs.size()), vv(std::size_t(TB * V)), ob(vv.size()),
-      bb(static_cast<std::size_t>(TB)), row(static_cast<std::size_t>(V));
-  for (index_t d = 0; d < K; ++d) {
-    if (present(a.h0))
-      load_row(&a.h0(n, hv, d, 0), row.data(), V);
-    else
-      std::fill(row.begin(), row.end(), Acc(0));
-    for (index_t s = 0; s < ns; ++s) std::copy(row.begin() + s * W, row.begin() + (s + 1) * W, st.begin() + (s * K + d) * W);
+  batch const lo(block_decay_floor<Acc>()), hi(Acc(1) / block_decay_floor<Acc>()), one(Acc(1));
+  for (index_t t = 0; t < nt; ++t) {
+    Acc const *q = qs + t * ks, *k = kk + t * ks, *a = aa + t * ks;
+    Acc *kto = kt + t * ks, *qto = qt + t * ks, *pto = pt + t * ks, *cto = ct + t * ks;
+    bool in_block = t > 0;
+    if (in_block) {
+      auto ok = batch(Acc(0)) == batch(Acc(0));
+      for (index_t d = 0; d < ks; d += L) {
+        batch const x = batch::load_unaligned(A + d) * batch::load_unaligned(a + d);
+        x.store_unaligned(An + d);
+        ok = ok & (x >= lo) & (x <= hi);  // false for NaN: a NaN starts a block (and spreads anyway)
+      }
+      in_block = xsimd::all(ok);
+    }
+    start[t] = !in_block;
+    if (in_block) {
+      for (index_t d = 0; d < ks; d += L) {
+        batch const x = batch::load_unaligned(An + d), kd = batch::load_unaligned(k + d);
+        x.store_unaligned(A + d);
+        (kd / x).store_unaligned(kto + d);
+        (x * batch::load_unaligned(q + d)).store_unaligned(qto + d);
+        (x * kd).store_unaligned(pto + d);
+      }
+    } else {
+      for (index_t d = 0; d < ks; d += L) {
+        batch const kd = batch::load_unaligned(k + d);
+        (batch::load_unaligned(A + d) * batch::load_unaligned(a + d)).store_unaligned(cto + d);
+        one.store_unaligned(A + d);
+        kd.store_unaligned(kto + d);
+        batch::load_unaligned(q + d).store_unaligned(qto + d);
+        kd.store_unaligned(pto + d);
+      }
+    }
   }
+}
+
+// One sequence, value heads [hv0, hv1). The state is kept per block of tokens in a rescaled form:
+// with A_t the product of the decays e^g since the block's start (row-wise, A = 1 at the
+// start, whose own decay is applied to the stored state), S_t = diag(A_t) S~_t and
+//   S~_t = S~_{t-1} + (k_t / A_t) u_t^T,  pred_t = (A_t k_t)^T S~_{t-1},  o_t = (A_t qs_t)^T S~_t,
+// so a token costs 3 FMAs per state element instead of a decay multiply and 3 FMAs; the
+// multiply is paid once per block. Blocks end where A would leave [floor, 1 / floor] (see
+// block_decay_floor): rounding stays as in the direct recurrence (S~'s error relative to its
+// newest, largest terms scales back with A), and g = -inf (A = 0) starts a block whose decay
+// zeroes the state, exactly.
+template <class Arch, class Acc, class In, class S>
+void recurrent_forward_simd_group(problem const& p, forward_args<In, S> const& a, index_t n, index_t hv0, index_t hv1) {
+  using batch = xsimd::batch<Acc, Arch>;
+  constexpr index_t L = index_t(batch::size);
+  index_t const K = p.K, V = p.V, b = p.batch(n), bos = p.bos(n), eos = p.eos(n), gh = hv1 - hv0;
+  int const NB = V % (2 * L) == 0 ? 2 : 1;
+  index_t const W = NB * L, ns = V / W, ks = (K + L - 1) / L * L;
+  constexpr index_t TB = 64;
+  using avec = std::vector<Acc, xsimd::aligned_allocator<Acc>>;
+  index_t const hs = ns * K * W;  // one head's state
+  avec st(std::size_t(gh * hs));
+  std::size_t const tk = std::size_t(TB * ks);
+  // per buffer: qs, kk, aa (inputs), kt, qt, pt, ct (token vectors); padding stays neutral
+  avec in(3 * tk), tv(4 * tk);
+  Acc *qs = in.data(), *kk = qs + tk, *aa = kk + tk;
+  Acc *kt = tv.data(), *qt = kt + tk, *pt = qt + tk, *ct = pt + tk;
+  std::fill(qs, qs + 2 * tk, Acc(0));
+  std::fill(aa, aa + tk, Acc(1));
+  avec A(std::size_t(gh * ks), Acc(1)), An(static_cast<std::size_t>(ks));  // A: per head of the group
+  std::vector<Acc> vv(std::size_t(TB * V)), ob(vv.size()), bb(static_cast<std::size_t>(TB)), row(static_cast<std::size_t>(V));
+  std::vector<unsigned char> start(static_cast<std::size_t>(TB));
+  for (index_t j = 0; j < gh; ++j)
+    for (index_t d = 0; d < K; ++d) {
+      if (present(a.h0))
+        load_row(&a.h0(n, hv0 + j, d, 0), row.data(), V);
+      else
+        std::fill(row.begin(), row.end(), Acc(0));
+      for (index_t s = 0; s < ns; ++s) std::copy(row.begin() + s * W, row.begin() + (s + 1) * W, st.begin() + j * hs + (s * K + d) * W);
+    }
   Acc const scale = static_cast<Acc>(p.scale);
+  // The heads of the group take turns per buffer of tokens: a token's rows of neighbouring
+  // heads share pages, so the group walks each page of the inputs once per buffer (one head
+  // at a time walked a new page per row: TLB misses cost a quarter of the time).
   for (index_t t0 = bos; t0 < eos; t0 += TB) {
     index_t const nt = std::min(TB, eos - t0);
-    for (index_t t = 0; t < nt; ++t) {
-      load_row(&a.q(b, t0 + t, h, 0), qs.data() + t * K, K);
-      for (index_t d = 0; d < K; ++d) qs[std::size_t(t * K + d)] *= scale;
-      load_row(&a.k(b, t0 + t, h, 0), kk.data() + t * K, K);
-      load_row(&a.g(b, t0 + t, hv, 0), gg.data() + t * K, K);
-      load_row(&a.v(b, t0 + t, hv, 0), vv.data() + t * V, V);
-      bb[std::size_t(t)] = load_as<Acc>(a.beta(b, t0 + t, hv));
+    for (index_t j = 0; j < gh; ++j) {
+      index_t const hv = hv0 + j, h = hv / p.G;
+      for (index_t t = 0; t < nt; ++t) {
+        Acc* q = qs + t * ks;
+        load_row(&a.q(b, t0 + t, h, 0), q, K);
+        for (index_t d = 0; d < K; ++d) q[d] *= scale;
+        load_row(&a.k(b, t0 + t, h, 0), kk + t * ks, K);
+        Acc* g = aa + t * ks;
+        load_row(&a.g(b, t0 + t, hv, 0), g, K);
+        exp_row<Arch>(g, g, K);
+        load_row(&a.v(b, t0 + t, hv, 0), vv.data() + t * V, V);
+        bb[std::size_t(t)] = load_as<Acc>(a.beta(b, t0 + t, hv));
+      }
+      Acc* Aj = A.data() + j * ks;
+      recurrent_token_vectors<Arch>(ks, nt, qs, kk, aa, kt, qt, pt, ct, start.data(), Aj, An.data());
+      // next unit: the next head on this buffer, or the group's first head on the next buffer
+      index_t const nhv = j + 1 < gh ? hv + 1 : hv0, nt0 = j + 1 < gh ? t0 : t0 + nt;
+      forward_prefetcher<In, S> pf{&p, &a, b, nhv / p.G, nhv, nt0, std::clamp<index_t>(eos - nt0, 0, TB), ns * nt};
+      for (index_t s = 0; s < ns; ++s) {
+        Acc* Ss = st.data() + j * hs + s * K * W;
+        auto pfs = [&](index_t t) { pf(s * nt + t); };
+        if (NB == 2)
+          recurrent_slice_block<Arch, Acc, 2>(Ss, K, ks, nt, kt, qt, pt, ct, start.data(), vv.data() + s * W, bb.data(), ob.data() + s * W, V, pfs);
+        else
+          recurrent_slice_block<Arch, Acc, 1>(Ss, K, ks, nt, kt, qt, pt, ct, start.data(), vv.data() + s * W, bb.data(), ob.data() + s * W, V, pfs);
+      }
+      for (index_t t = 0; t < nt; ++t) store_row(ob.data() + t * V, &a.o(b, t0 + t, hv, 0), V);
     }
-    exp_row<Arch>(gg.data(), aa.data(), nt * K);
-    for (index_t s = 0; s < ns; ++s) {
-      Acc* Ss = st.data() + s * K * W;
-      if (NB == 2)
-        recurrent_slice_block<Arch, Acc, 2>(Ss, K, nt, qs.data(), kk.data(), aa.data(), vv.data() + s * W, bb.data(), ob.data() + s * W, V);
-      else
-        recurrent_slice_block<Arch, Acc, 1>(Ss, K, nt, qs.data(), kk.data(), aa.data(), vv.data() + s * W, bb.data(), ob.data() + s * W, V);
-    }
-    for (index_t t = 0; t < nt; ++t) store_row(ob.data() + t * V, &a.o(b, t0 + t, hv, 0), V);
   }
   if (present(a.ht))
-    for (index_t d = 0; d < K; ++d) {
-      for (index_t s = 0; s < ns; ++s) std::copy(st.begin() + (s * K + d) * W, st.begin() + (s * K + d + 1) * W, row.begin() + s * W);
-      store_row(row.data(), &a.ht(n, hv, d, 0), V);
-    }
+    for (index_t j = 0; j < gh; ++j)
+      for (index_t d = 0; d < K; ++d) {
+        Acc const Ad = A[std::size_t(j * ks + d)];
+        for (index_t s = 0; s < ns; ++s)
+          for (index_t e = 0; e < W; ++e) row[std::size_t(s * W + e)] = Ad * st[std::size_t(j * hs + (s * K + d) * W + e)];
+        store_row(row.data(), &a.ht(n, hv0 + j, d, 0), V);
+      }
+}
+
+// Value heads per task of the recurrent forward: up to 8 (see recurrent_forward_simd_group),
+// but at least two tasks per thread where the heads allow, so a thread slowed by other load
+// hands work to the other (B = 1, H = 16 on 2 threads: groups of 4).
+inline index_t recurrent_head_group(index_t N, index_t HV, index_t threads) {
+  index_t const target = (N * HV) / std::max<index_t>(1, 2 * threads);
+  return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
 }
 
 // ---------------------------------------------------------------------------------------------
