@@ -48,6 +48,15 @@ namespace detail {
 template <class B>
 concept SimdBackend = requires { typename B::arch_type; };
 
+// Threads a backend runs tasks on (1 for the single-threaded ones).
+template <class B>
+index_t concurrency_of(B const& be) {
+  if constexpr (requires { be.concurrency(); })
+    return index_t(be.concurrency());
+  else
+    return 1;
+}
+
 template <class B, class F>
 void run_tasks(B const& be, index_t n, F&& f) {
   if (n <= 0) return;
@@ -79,9 +88,7 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
   if (opt.mode == algorithm::recurrent) {
     if constexpr (detail::SimdBackend<B>) {
       if (detail::simd_recurrent_ok<typename B::arch_type, S>(p.V)) {
-        index_t threads = 1;
-        if constexpr (requires { be.concurrency(); }) threads = index_t(be.concurrency());
-        index_t const gs = detail::recurrent_head_group(p.N, p.HV, threads), groups = (p.HV + gs - 1) / gs;
+        index_t const gs = detail::recurrent_head_group(p.N, p.HV, detail::concurrency_of(be)), groups = (p.HV + gs - 1) / gs;
         detail::run_tasks(be, p.N * groups, [&](index_t i) {
           index_t const hv0 = i % groups * gs;
           detail::recurrent_forward_simd_group<typename B::arch_type, S>(p, a, i / groups, hv0, std::min(p.HV, hv0 + gs));
@@ -92,9 +99,7 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
     detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_forward_task<S>(p, a, i / p.HV, i % p.HV); });
   } else {
     if constexpr (detail::SimdBackend<B>) {
-      index_t threads = 1;
-      if constexpr (requires { be.concurrency(); }) threads = index_t(be.concurrency());
-      index_t const gs = detail::forward_head_group(p.N, p.HV, threads), groups = (p.HV + gs - 1) / gs;
+      index_t const gs = detail::forward_head_group(p.N, p.HV, detail::concurrency_of(be)), groups = (p.HV + gs - 1) / gs;
       std::vector<char> hit(std::size_t(p.N * groups), 0);
       detail::run_tasks(be, p.N * groups, [&](index_t i) {
         index_t const hv0 = i % groups * gs;

@@ -14,6 +14,16 @@ using namespace k3::test;
 
 namespace {
 
+// Every gradient bit for bit (saved-state and recomputing backwards run the same arithmetic).
+void check_same_grads(bwd_result const& x, bwd_result const& y) {
+  CHECK(x.dq == y.dq);
+  CHECK(x.dk == y.dk);
+  CHECK(x.dv == y.dv);
+  CHECK(x.dg == y.dg);
+  CHECK(x.dbeta == y.dbeta);
+  CHECK(x.dh0 == y.dh0);
+}
+
 void check_chunk_vs_serial(kda_case c, double tol = 1e-12) {
   kda_data64 d = make_data(c);
   typed_data<double> td(d);
@@ -50,24 +60,16 @@ void check_chunk_vs_serial(kda_case c, double tol = 1e-12) {
   CHECK(rel_rms(tb1.dg, tb.dg) == 0);
   // Saved states: the forward that fills them gives the same outputs, and the backward that
   // reads them the same gradients, bit for bit, as the backward that recomputes them.
-  auto same = [](bwd_result const& x, bwd_result const& y) {
-    CHECK(x.dq == y.dq);
-    CHECK(x.dk == y.dk);
-    CHECK(x.dv == y.dv);
-    CHECK(x.dg == y.dg);
-    CHECK(x.dbeta == y.dbeta);
-    CHECK(x.dh0 == y.dh0);
-  };
   saved_states<double> ss, st;
   auto cfs = run_forward(td, kda::algorithm::chunk, cpu::serial{}, &ss);
   CHECK(cfs.o == cf.o);
   CHECK(cfs.ht == cf.ht);
-  same(run_backward(td, kda::algorithm::chunk, cpu::serial{}, &ss), cb);
+  check_same_grads(run_backward(td, kda::algorithm::chunk, cpu::serial{}, &ss), cb);
   auto tfs = run_forward(td, kda::algorithm::chunk, cpu::threads<>(2), &st);
   CHECK(tfs.o == tf.o);
   CHECK(tfs.ht == tf.ht);
-  same(run_backward(td, kda::algorithm::chunk, cpu::threads<>(2), &st), tb);
-  same(run_backward(td, kda::algorithm::chunk, cpu::simd<>{}, &st), tb);
+  check_same_grads(run_backward(td, kda::algorithm::chunk, cpu::threads<>(2), &st), tb);
+  check_same_grads(run_backward(td, kda::algorithm::chunk, cpu::simd<>{}, &st), tb);
   // Records are interchangeable between backends (same algebra, other rounding).
   auto xs = run_backward(td, kda::algorithm::chunk, cpu::serial{}, &st);
   auto xt = run_backward(td, kda::algorithm::chunk, cpu::threads<>(2), &ss);
@@ -126,12 +128,7 @@ TEST_CASE("saved states in float: bitwise equal gradients, grouped heads, varlen
       saved_states<float> st;
       run_forward(td, kda::algorithm::chunk, be, &st);
       auto sb = run_backward(td, kda::algorithm::chunk, be, &st);
-      CHECK(sb.dq == tb.dq);
-      CHECK(sb.dk == tb.dk);
-      CHECK(sb.dv == tb.dv);
-      CHECK(sb.dg == tb.dg);
-      CHECK(sb.dbeta == tb.dbeta);
-      CHECK(sb.dh0 == tb.dh0);
+      check_same_grads(sb, tb);
       // ... and the backward really reads them: a changed record changes the gradients.
       if (st.data.empty()) continue;
       for (auto& x : st.data) x *= 1.5f;

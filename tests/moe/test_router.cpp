@@ -352,25 +352,36 @@ TEST_CASE("threads router: one token, and margins exactly on histogram bin edges
   check_threads_vs_serial(s, b, m, n, k, bins);
 }
 
-TEST_CASE("threads router: a non-finite score after the running guess is primed is rejected by position") {
-  index_t const m = 50, n = 37, k = 4;
+namespace {
+
+// The one-thread router's error for skewed scores (m x n, seeds s_seed / b_seed) with v at
+// (token, bad_j): late enough that the running guess is primed.
+std::string nonfinite_route_error(index_t m, index_t n, index_t k, index_t token, index_t bad_j, float v, unsigned s_seed,
+                                  unsigned b_seed) {
   moe::router_options opt;
   opt.k = k;
-  for (index_t bad_j : {0, 15, 16, 31, 32, 36}) {
-    for (float v : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
-      auto s = skewed_scores(m, n, 1.0, 5);
-      auto b = uniform(n, -0.05, 0.05, 6);
-      s[30 * n + bad_j] = v;
-      routed r(m, k, n);
-      std::string msg;
-      try {
-        moe::route(k3::cpu::threads<>(1), cview(s, m, n), cview(b), r.out(), opt);
-      } catch (k3::error const& e) {
-        msg = e.what();
-      }
-      CHECK(msg.find("'scores': non-finite value at token 30, expert " + std::to_string(bad_j)) != std::string::npos);
-    }
+  auto s = skewed_scores(m, n, 1.0, s_seed);
+  auto b = uniform(n, -0.05, 0.05, b_seed);
+  s[std::size_t(token * n + bad_j)] = v;
+  routed r(m, k, n);
+  try {
+    moe::route(k3::cpu::threads<>(1), cview(s, m, n), cview(b), r.out(), opt);
+  } catch (k3::error const& e) {
+    return e.what();
   }
+  return {};
+}
+
+constexpr float nonfinite_values[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                                      -std::numeric_limits<float>::infinity()};
+
+}  // namespace
+
+TEST_CASE("threads router: a non-finite score after the running guess is primed is rejected by position") {
+  for (index_t bad_j : {0, 15, 16, 31, 32, 36})
+    for (float v : nonfinite_values)
+      CHECK(nonfinite_route_error(50, 37, 4, 30, bad_j, v, 5, 6).find("'scores': non-finite value at token 30, expert " +
+                                                                     std::to_string(bad_j)) != std::string::npos);
 }
 
 namespace {
@@ -458,24 +469,12 @@ TEST_CASE("threads router: mask-pass selection on awkward widths, failed guesses
 
 TEST_CASE("threads router: non-finite scores in the candidate pass's tail chunk and last vector are rejected by position") {
   for (index_t n : {16, 64, 100, 1000}) {
-    index_t const m = 40, k = 4;
-    moe::router_options opt;
-    opt.k = k;
     for (index_t bad_j : {index_t(0), index_t(15), n / 2, n - 17 < 0 ? index_t(1) : n - 17, n - 1}) {
-      for (float v : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+      for (float v : nonfinite_values) {
         CAPTURE(n);
         CAPTURE(bad_j);
-        auto s = skewed_scores(m, n, 1.0, 11);
-        auto b = uniform(n, -0.05, 0.05, 12);
-        s[33 * n + bad_j] = v;
-        routed r(m, k, n);
-        std::string msg;
-        try {
-          moe::route(k3::cpu::threads<>(1), cview(s, m, n), cview(b), r.out(), opt);
-        } catch (k3::error const& e) {
-          msg = e.what();
-        }
-        CHECK(msg.find("'scores': non-finite value at token 33, expert " + std::to_string(bad_j)) != std::string::npos);
+        CHECK(nonfinite_route_error(40, n, 4, 33, bad_j, v, 11, 12).find("'scores': non-finite value at token 33, expert " +
+                                                                        std::to_string(bad_j)) != std::string::npos);
       }
     }
   }

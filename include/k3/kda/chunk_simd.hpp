@@ -14,7 +14,6 @@
 // row block streams over it. V is padded to a multiple of the batch width with zero columns
 // (zero state columns and zero values give zero updates and outputs there).
 #pragma once
-#include <cstdlib>
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -652,12 +651,11 @@ bool chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
     index_t const mt = (c + gemm::MR - 1) / gemm::MR;
     return ((Vp / gemm::L + gemm::NV - 1) / gemm::NV) * ((2 * c + gemm::MR - 1) / gemm::MR + 2 * mt + (K + gemm::MR - 1) / gemm::MR);
   };
-  index_t staged_q = -1;  // the query head whose rows w.Q / w.Kc hold for this chunk
   bool below = false;
   float const lbf = p.lower_bound ? static_cast<float>(*p.lower_bound) : 0.f;
   for (index_t t0 = bos; t0 < eos; t0 += C) {
     index_t const c = std::min(C, eos - t0);
-    staged_q = -1;
+    index_t staged_q = -1;  // the query head whose rows w.Q / w.Kc hold for this chunk
     for (index_t j = 0; j < nv; ++j) {
       index_t const hv = hv0 + j, hq = hv / p.G;
       if (hq != staged_q) {
@@ -711,12 +709,10 @@ bool chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
   return below;
 }
 
-// Value heads per forward task: as many as give every thread one task, up to 8 (a token's
-// rows of the group are then runs of up to 8 x 512 bytes, and the group's staged chunk
-// inputs, 128 KiB per head at K = V = 128, stay near L2). Two smaller groups per thread
-// measured worse (0.68-0.80 vs 0.76-0.82 x GEMM, alternated runs on the shared machine).
+// Value heads per forward task: as many as give every thread one task, up to 8 (neighbouring
+// heads share the pages of a token's rows). Two smaller groups per thread measured worse
+// (0.68-0.80 vs 0.76-0.82 x GEMM, session 3, alternated runs on the shared machine).
 inline index_t forward_head_group(index_t N, index_t HV, index_t threads) {
-  if (char const* e = std::getenv("K3_GS")) return std::atoi(e);
   index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, threads));
   return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));
 }
