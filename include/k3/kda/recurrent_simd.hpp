@@ -305,14 +305,17 @@ inline index_t recurrent_head_group(index_t N, index_t HV, index_t threads) {
 //     o = S^T q. The delta rule needs the full prediction before any element is written, so
 //     two touches are unavoidable; the second one hits the cache, so DRAM sees one read and
 //     one write per element, in sequential order;
-//   - while pair i is processed, the state of pair i+1 is prefetched into L2 (half a row per
-//     row step of either pass), so DRAM reads overlap the arithmetic;
+//   - pairs go two at a time: pass 1 of both states runs row by row together (two independent
+//     read streams keep more lines in flight than one), then pass 2 of each; meanwhile the
+//     states of the next two pairs are prefetched into L2 (half a row per row step of either
+//     pass), so DRAM reads overlap the arithmetic. Per state the arithmetic and its order are
+//     those of a single state, so results do not depend on the pairing;
 //   - the per-pair inputs (q scaled, k, e^g, e^g k, v) are converted into a small stack
 //     buffer: no heap allocation per pair.
 
 // prefetch_l2 (common.hpp) takes the next state into L2, not L1: pulling it into L1 would evict
 // the rows pass 2 is about to re-read.
-// Prefetches the state of the next pair, half a row per call: call i in [0, 2 K) covers row
+// Prefetches one state of a coming pair, half a row per call: call i in [0, 2 K) covers row
 // i / 2, half i % 2, so one call per row step of the two passes covers the whole state.
 struct decode_prefetcher {
   char const* base = nullptr;  // null: nothing to prefetch
@@ -336,27 +339,40 @@ struct decode_vectors {
   Acc beta;
 };
 
-// Columns [c0, c0 + NB L) of one state (K rows, row stride rs): both passes.
-template <class Arch, class Acc, int NB>
-inline void decode_column_block(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0, decode_vectors<Acc> const& x, Acc* K3_RESTRICT o,
-                                decode_prefetcher const& pf) noexcept {
+// Pass 1 over columns [c0, c0 + NB L) of one state (K rows, row stride rs), for NS states at
+// once, row by row: acc[s] = (e^g k)^T S_s. Two states read together are two independent
+// streams for the hardware prefetchers.
+template <class Arch, class Acc, int NB, int NS>
+inline void decode_predict(Acc* const (&S)[NS], index_t rs, index_t K, index_t c0, decode_vectors<Acc> const* const (&x)[NS],
+                           xsimd::batch<Acc, Arch> (&acc)[NS][NB], decode_prefetcher const* const (&pf)[NS]) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
-  batch acc[NB];
-  for (int j = 0; j < NB; ++j) acc[j] = batch(Acc(0));
-  Acc* row = S + c0;
-  for (index_t d = 0; d < K; ++d, row += rs) {
-    batch const akd(x.ak[d]);
-    for (int j = 0; j < NB; ++j) acc[j] = xsimd::fma(akd, batch::load_unaligned(row + j * L), acc[j]);
-    pf.half_row(d);
+  for (int s = 0; s < NS; ++s)
+    for (int j = 0; j < NB; ++j) acc[s][j] = batch(Acc(0));
+  for (index_t d = 0; d < K; ++d) {
+    for (int s = 0; s < NS; ++s) {
+      batch const akd(x[s]->ak[d]);
+      Acc const* row = S[s] + d * rs + c0;
+      for (int j = 0; j < NB; ++j) acc[s][j] = xsimd::fma(akd, batch::load_unaligned(row + j * L), acc[s][j]);
+    }
+    for (int s = 0; s < NS; ++s) pf[s]->half_row(d);
   }
-  batch u[NB];
+}
+
+// Pass 2 over the same columns of one state, from the cache: S = e^g S + k u^T with
+// u = beta (v - pred), stored; o = S^T (scale q).
+template <class Arch, class Acc, int NB>
+inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0, decode_vectors<Acc> const& x, xsimd::batch<Acc, Arch> (&pred)[NB],
+                          Acc* K3_RESTRICT o, decode_prefetcher const& pf) noexcept {
+  using batch = xsimd::batch<Acc, Arch>;
+  constexpr index_t L = index_t(batch::size);
+  batch u[NB], acc[NB];
   batch const beta(x.beta);
   for (int j = 0; j < NB; ++j) {
-    u[j] = beta * (batch::load_unaligned(x.v + c0 + j * L) - acc[j]);
+    u[j] = beta * (batch::load_unaligned(x.v + c0 + j * L) - pred[j]);
     acc[j] = batch(Acc(0));
   }
-  row = S + c0;
+  Acc* row = S + c0;
   for (index_t d = 0; d < K; ++d, row += rs) {
     batch const ad(x.a[d]), kd(x.k[d]), qd(x.qs[d]);
     for (int j = 0; j < NB; ++j) {
@@ -367,6 +383,15 @@ inline void decode_column_block(Acc* K3_RESTRICT S, index_t rs, index_t K, index
     pf.half_row(K + d);
   }
   for (int j = 0; j < NB; ++j) acc[j].store_unaligned(o + c0 + j * L);
+}
+
+// Columns [c0, c0 + NB L) of NS states: pass 1 for all of them together, then pass 2 of each.
+template <class Arch, class Acc, int NB, int NS = 1>
+inline void decode_column_block(Acc* const (&S)[NS], index_t rs, index_t K, index_t c0, decode_vectors<Acc> const* const (&x)[NS],
+                                Acc* const (&o)[NS], decode_prefetcher const* const (&pf)[NS]) noexcept {
+  xsimd::batch<Acc, Arch> pred[NS][NB];
+  decode_predict<Arch, Acc, NB, NS>(S, rs, K, c0, x, pred, pf);
+  for (int s = 0; s < NS; ++s) decode_update<Arch, Acc, NB>(S[s], rs, K, c0, *x[s], pred[s], o[s], *pf[s]);
 }
 
 // The columns [c0, V) that do not fill a SIMD batch, scalar.
@@ -394,18 +419,22 @@ constexpr int decode_max_batches() noexcept {
   return sizeof(xsimd::batch<Acc, Arch>) >= 64 ? 8 : 4;
 }
 
-template <class Arch, class Acc>
-inline void decode_state(Acc* S, index_t rs, index_t K, index_t V, decode_vectors<Acc> const& x, Acc* o, decode_prefetcher pf) noexcept {
+// NS states (NS = 1 or 2) with the same K, V and row stride.
+template <class Arch, class Acc, int NS>
+inline void decode_states(Acc* const (&S)[NS], index_t rs, index_t K, index_t V, decode_vectors<Acc> const* const (&x)[NS], Acc* const (&o)[NS],
+                          decode_prefetcher (&pf)[NS]) noexcept {
   constexpr index_t L = index_t(xsimd::batch<Acc, Arch>::size);
   constexpr int NBMAX = decode_max_batches<Arch, Acc>();
+  decode_prefetcher const* pfp[NS];
+  for (int s = 0; s < NS; ++s) pfp[s] = &pf[s];
   index_t c0 = 0;
   for (; c0 + NBMAX * L <= V; c0 += NBMAX * L) {
-    decode_column_block<Arch, Acc, NBMAX>(S, rs, K, c0, x, o, pf);
-    pf.base = nullptr;  // one block's passes already covered the whole next state
+    decode_column_block<Arch, Acc, NBMAX, NS>(S, rs, K, c0, x, o, pfp);
+    for (int s = 0; s < NS; ++s) pf[s].base = nullptr;  // one block's passes already covered the whole next state
   }
   int const nb = int((V - c0) / L);
   auto block = [&](auto NBc) {
-    decode_column_block<Arch, Acc, decltype(NBc)::value>(S, rs, K, c0, x, o, pf);
+    decode_column_block<Arch, Acc, decltype(NBc)::value, NS>(S, rs, K, c0, x, o, pfp);
     c0 += decltype(NBc)::value * L;
   };
   switch (nb) {
@@ -424,7 +453,8 @@ inline void decode_state(Acc* S, index_t rs, index_t K, index_t V, decode_vector
       }
       break;
   }
-  if (c0 < V) decode_column_tail(S, rs, K, c0, V, x, o);
+  if (c0 < V)
+    for (int s = 0; s < NS; ++s) decode_column_tail(S[s], rs, K, c0, V, *x[s], o[s]);
 }
 
 // Pairs [lo, hi) of the flattened (sequence, value head) index n * HV + hv, in place on the
@@ -433,21 +463,23 @@ template <class Arch, class Acc, class In, class SlotOf>
 void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf const& slot, index_t lo, index_t hi) {
   index_t const K = p.K, V = p.V;
   if (lo >= hi) return;
-  // qs, k, a, ak (K each), v, o (V each)
+  // per state in flight: qs, k, a, ak (K each), v, o (V each)
   constexpr std::size_t stack_elems = 4096 / sizeof(Acc) * 4;
   std::size_t const need = std::size_t(4 * K + 2 * V);
   alignas(64) Acc stack_buf[stack_elems];
   std::vector<Acc> heap_buf;  // only for K, V beyond the stack buffer (once per range, not per pair)
   Acc* buf = stack_buf;
-  if (need > stack_elems) {
-    heap_buf.resize(need);
+  if (2 * need > stack_elems) {
+    heap_buf.resize(2 * need);
     buf = heap_buf.data();
   }
-  Acc *qs = buf, *k = qs + K, *ea = k + K, *ak = ea + K, *v = ak + K, *o = v + V;
   Acc const scale = static_cast<Acc>(p.scale);
   index_t const rs = a.state_pool.stride(2);
   auto state_of = [&](index_t i) { return &a.state_pool(slot(i / p.HV), i % p.HV, 0, 0); };
-  for (index_t i = lo; i < hi; ++i) {
+  // Converts pair i's inputs into buffer b (0 or 1).
+  auto stage = [&](index_t i, int b) {
+    Acc* qs = buf + std::size_t(b) * need;
+    Acc *k = qs + K, *ea = k + K, *ak = ea + K, *v = ak + K;
     index_t const n = i / p.HV, hv = i % p.HV, h = hv / p.G;
     load_row(&a.q(n, h, 0), qs, K);
     for (index_t d = 0; d < K; ++d) qs[d] *= scale;
@@ -456,16 +488,43 @@ void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf c
     exp_row<Arch>(ea, ea, K);
     for (index_t d = 0; d < K; ++d) ak[d] = ea[d] * k[d];
     load_row(&a.v(n, hv, 0), v, V);
-    decode_vectors<Acc> const x{qs, k, ea, ak, v, load_as<Acc>(a.beta(n, hv))};
+    return decode_vectors<Acc>{qs, k, ea, ak, v, load_as<Acc>(a.beta(n, hv))};
+  };
+  auto out_of = [&](int b) { return buf + std::size_t(b) * need + std::size_t(4 * K + V); };
+  // The state that pair j's prefetch covers (none past the range).
+  auto prefetcher_for = [&](index_t j) {
     decode_prefetcher pf;
-    if (i + 1 < hi && K > 0) {
-      pf.base = reinterpret_cast<char const*>(state_of(i + 1));
+    if (j < hi && K > 0) {
+      pf.base = reinterpret_cast<char const*>(state_of(j));
       pf.row_bytes = V * index_t(sizeof(Acc));
       pf.half_bytes = pf.row_bytes / 2;
       pf.stride_bytes = rs * index_t(sizeof(Acc));
     }
-    decode_state<Arch>(state_of(i), rs, K, V, x, o, pf);
-    store_row(o, &a.o(n, hv, 0), V);
+    return pf;
+  };
+  // Two pairs at a time: their first passes run together (two read streams), and the two pairs
+  // after them are prefetched meanwhile.
+  index_t i = lo;
+  for (; i + 1 < hi; i += 2) {
+    decode_vectors<Acc> const x0 = stage(i, 0), x1 = stage(i + 1, 1);
+    Acc* const S[2] = {state_of(i), state_of(i + 1)};
+    decode_vectors<Acc> const* const xs[2] = {&x0, &x1};
+    Acc* const o[2] = {out_of(0), out_of(1)};
+    decode_prefetcher pf[2] = {prefetcher_for(i + 2), prefetcher_for(i + 3)};
+    decode_states<Arch, Acc, 2>(S, rs, K, V, xs, o, pf);
+    for (int b = 0; b < 2; ++b) {
+      index_t const n = (i + b) / p.HV, hv = (i + b) % p.HV;
+      store_row(o[b], &a.o(n, hv, 0), V);
+    }
+  }
+  if (i < hi) {
+    decode_vectors<Acc> const x0 = stage(i, 0);
+    Acc* const S[1] = {state_of(i)};
+    decode_vectors<Acc> const* const xs[1] = {&x0};
+    Acc* const o[1] = {out_of(0)};
+    decode_prefetcher pf[1] = {};
+    decode_states<Arch, Acc, 1>(S, rs, K, V, xs, o, pf);
+    store_row(o[0], &a.o(i / p.HV, i % p.HV, 0), V);
   }
 }
 
