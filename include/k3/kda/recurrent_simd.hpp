@@ -305,11 +305,11 @@ inline index_t recurrent_head_group(index_t N, index_t HV, index_t threads) {
 //     o = S^T q. The delta rule needs the full prediction before any element is written, so
 //     two touches are unavoidable; the second one hits the cache, so DRAM sees one read and
 //     one write per element, in sequential order;
-//   - pairs go two at a time: pass 1 of both states runs row by row together (two independent
-//     read streams keep more lines in flight than one), then pass 2 of each; meanwhile the
-//     states of the next two pairs are prefetched into L2 (half a row per row step of either
-//     pass), so DRAM reads overlap the arithmetic. Per state the arithmetic and its order are
-//     those of a single state, so results do not depend on the pairing;
+//   - pairs go decode_streams (4) at a time: pass 1 of all of them runs row by row together
+//     (independent read streams keep more lines in flight than one), then pass 2 of each;
+//     meanwhile the states of the next four pairs are prefetched into L2 (half a row per row
+//     step of either pass), so DRAM reads overlap the arithmetic. Per state the arithmetic and
+//     its order are those of a single state, so results do not depend on the grouping;
 //   - the per-pair inputs (q scaled, k, e^g, e^g k, v) are converted into a small stack
 //     buffer: no heap allocation per pair.
 
@@ -343,19 +343,19 @@ struct decode_vectors {
 // once, row by row: acc[s] = (e^g k)^T S_s. Two states read together are two independent
 // streams for the hardware prefetchers.
 template <class Arch, class Acc, int NB, int NS>
-inline void decode_predict(Acc* const (&S)[NS], index_t rs, index_t K, index_t c0, decode_vectors<Acc> const* const (&x)[NS],
-                           xsimd::batch<Acc, Arch> (&acc)[NS][NB], decode_prefetcher const* const (&pf)[NS]) noexcept {
+inline void decode_predict(Acc* const* S, index_t rs, index_t K, index_t c0, decode_vectors<Acc> const* x, xsimd::batch<Acc, Arch> (&acc)[NS][NB],
+                           decode_prefetcher const* pf) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
   for (int s = 0; s < NS; ++s)
     for (int j = 0; j < NB; ++j) acc[s][j] = batch(Acc(0));
   for (index_t d = 0; d < K; ++d) {
     for (int s = 0; s < NS; ++s) {
-      batch const akd(x[s]->ak[d]);
+      batch const akd(x[s].ak[d]);
       Acc const* row = S[s] + d * rs + c0;
       for (int j = 0; j < NB; ++j) acc[s][j] = xsimd::fma(akd, batch::load_unaligned(row + j * L), acc[s][j]);
     }
-    for (int s = 0; s < NS; ++s) pf[s]->half_row(d);
+    for (int s = 0; s < NS; ++s) pf[s].half_row(d);
   }
 }
 
@@ -387,11 +387,11 @@ inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0,
 
 // Columns [c0, c0 + NB L) of NS states: pass 1 for all of them together, then pass 2 of each.
 template <class Arch, class Acc, int NB, int NS = 1>
-inline void decode_column_block(Acc* const (&S)[NS], index_t rs, index_t K, index_t c0, decode_vectors<Acc> const* const (&x)[NS],
-                                Acc* const (&o)[NS], decode_prefetcher const* const (&pf)[NS]) noexcept {
+inline void decode_column_block(Acc* const* S, index_t rs, index_t K, index_t c0, decode_vectors<Acc> const* x, Acc* const* o,
+                                decode_prefetcher const* pf) noexcept {
   xsimd::batch<Acc, Arch> pred[NS][NB];
   decode_predict<Arch, Acc, NB, NS>(S, rs, K, c0, x, pred, pf);
-  for (int s = 0; s < NS; ++s) decode_update<Arch, Acc, NB>(S[s], rs, K, c0, *x[s], pred[s], o[s], *pf[s]);
+  for (int s = 0; s < NS; ++s) decode_update<Arch, Acc, NB>(S[s], rs, K, c0, x[s], pred[s], o[s], pf[s]);
 }
 
 // The columns [c0, V) that do not fill a SIMD batch, scalar.
@@ -419,22 +419,27 @@ constexpr int decode_max_batches() noexcept {
   return sizeof(xsimd::batch<Acc, Arch>) >= 64 ? 8 : 4;
 }
 
-// NS states (NS = 1 or 2) with the same K, V and row stride.
+// States decoded together (see decode_simd_range).
+// Measured on the 2-core AVX-512 VM (bench_kda --decode-only, per CPU-second, alternated on a
+// loaded machine): 1 stream 0.72-0.83 of the pass, 2: 0.76-0.81, 4: 0.80-0.85, 6: 0.81-0.83,
+// 8: 0.77-0.81; without the software prefetch 4 streams drop to 0.78-0.79 and 8 to 0.58. Four
+// states in flight (256 KiB) plus the four being prefetched fit the 1 MiB L2.
+inline constexpr int decode_streams = 4;
+
+// NS states with the same K, V and row stride.
 template <class Arch, class Acc, int NS>
-inline void decode_states(Acc* const (&S)[NS], index_t rs, index_t K, index_t V, decode_vectors<Acc> const* const (&x)[NS], Acc* const (&o)[NS],
-                          decode_prefetcher (&pf)[NS]) noexcept {
+inline void decode_states(Acc* const* S, index_t rs, index_t K, index_t V, decode_vectors<Acc> const* x, Acc* const* o,
+                          decode_prefetcher* pf) noexcept {
   constexpr index_t L = index_t(xsimd::batch<Acc, Arch>::size);
   constexpr int NBMAX = decode_max_batches<Arch, Acc>();
-  decode_prefetcher const* pfp[NS];
-  for (int s = 0; s < NS; ++s) pfp[s] = &pf[s];
   index_t c0 = 0;
   for (; c0 + NBMAX * L <= V; c0 += NBMAX * L) {
-    decode_column_block<Arch, Acc, NBMAX, NS>(S, rs, K, c0, x, o, pfp);
+    decode_column_block<Arch, Acc, NBMAX, NS>(S, rs, K, c0, x, o, pf);
     for (int s = 0; s < NS; ++s) pf[s].base = nullptr;  // one block's passes already covered the whole next state
   }
   int const nb = int((V - c0) / L);
   auto block = [&](auto NBc) {
-    decode_column_block<Arch, Acc, decltype(NBc)::value, NS>(S, rs, K, c0, x, o, pfp);
+    decode_column_block<Arch, Acc, decltype(NBc)::value, NS>(S, rs, K, c0, x, o, pf);
     c0 += decltype(NBc)::value * L;
   };
   switch (nb) {
@@ -454,7 +459,7 @@ inline void decode_states(Acc* const (&S)[NS], index_t rs, index_t K, index_t V,
       break;
   }
   if (c0 < V)
-    for (int s = 0; s < NS; ++s) decode_column_tail(S[s], rs, K, c0, V, *x[s], o[s]);
+    for (int s = 0; s < NS; ++s) decode_column_tail(S[s], rs, K, c0, V, x[s], o[s]);
 }
 
 // Pairs [lo, hi) of the flattened (sequence, value head) index n * HV + hv, in place on the
@@ -469,14 +474,14 @@ void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf c
   alignas(64) Acc stack_buf[stack_elems];
   std::vector<Acc> heap_buf;  // only for K, V beyond the stack buffer (once per range, not per pair)
   Acc* buf = stack_buf;
-  if (2 * need > stack_elems) {
-    heap_buf.resize(2 * need);
+  if (decode_streams * need > stack_elems) {
+    heap_buf.resize(decode_streams * need);
     buf = heap_buf.data();
   }
   Acc const scale = static_cast<Acc>(p.scale);
   index_t const rs = a.state_pool.stride(2);
   auto state_of = [&](index_t i) { return &a.state_pool(slot(i / p.HV), i % p.HV, 0, 0); };
-  // Converts pair i's inputs into buffer b (0 or 1).
+  // Converts pair i's inputs into buffer b (< decode_streams).
   auto stage = [&](index_t i, int b) {
     Acc* qs = buf + std::size_t(b) * need;
     Acc *k = qs + K, *ea = k + K, *ak = ea + K, *v = ak + K;
@@ -502,30 +507,26 @@ void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf c
     }
     return pf;
   };
-  // Two pairs at a time: their first passes run together (two read streams), and the two pairs
+  // NS pairs at a time: their first passes run together (NS read streams), and the NS pairs
   // after them are prefetched meanwhile.
-  index_t i = lo;
-  for (; i + 1 < hi; i += 2) {
-    decode_vectors<Acc> const x0 = stage(i, 0), x1 = stage(i + 1, 1);
-    Acc* const S[2] = {state_of(i), state_of(i + 1)};
-    decode_vectors<Acc> const* const xs[2] = {&x0, &x1};
-    Acc* const o[2] = {out_of(0), out_of(1)};
-    decode_prefetcher pf[2] = {prefetcher_for(i + 2), prefetcher_for(i + 3)};
-    decode_states<Arch, Acc, 2>(S, rs, K, V, xs, o, pf);
-    for (int b = 0; b < 2; ++b) {
-      index_t const n = (i + b) / p.HV, hv = (i + b) % p.HV;
-      store_row(o[b], &a.o(n, hv, 0), V);
+  auto group = [&](auto NSc, index_t i0) {
+    constexpr int NS = decltype(NSc)::value;
+    decode_vectors<Acc> x[NS];
+    Acc* S[NS];
+    Acc* o[NS];
+    decode_prefetcher pf[NS];
+    for (int b = 0; b < NS; ++b) {
+      x[b] = stage(i0 + b, b);
+      S[b] = state_of(i0 + b);
+      o[b] = out_of(b);
+      pf[b] = prefetcher_for(i0 + NS + b);
     }
-  }
-  if (i < hi) {
-    decode_vectors<Acc> const x0 = stage(i, 0);
-    Acc* const S[1] = {state_of(i)};
-    decode_vectors<Acc> const* const xs[1] = {&x0};
-    Acc* const o[1] = {out_of(0)};
-    decode_prefetcher pf[1] = {};
-    decode_states<Arch, Acc, 1>(S, rs, K, V, xs, o, pf);
-    store_row(o[0], &a.o(i / p.HV, i % p.HV, 0), V);
-  }
+    decode_states<Arch, Acc, NS>(S, rs, K, V, x, o, pf);
+    for (int b = 0; b < NS; ++b) store_row(o[b], &a.o((i0 + b) / p.HV, (i0 + b) % p.HV, 0), V);
+  };
+  index_t i = lo;
+  for (; i + decode_streams <= hi; i += decode_streams) group(std::integral_constant<int, decode_streams>{}, i);
+  for (; i < hi; ++i) group(std::integral_constant<int, 1>{}, i);
 }
 
 }  // namespace k3::kda::detail
