@@ -7,6 +7,7 @@ check_*.py scripts. Two parts:
         to all zeros (the underflow guard cut at FLT_MIN);
       - route: the "+ 1e-20" in the weight renormalisation shrank every weight when the chosen
         scores summed below ~1e-13 (scores 1e-30: weights 1e-10 instead of 1/k);
+      - attnres --backward: dw and dgain differed in the last bits of double between --threads 1/2/3;
   * a quick sweep of every subcommand on awkward shapes and values (T = 1, odd head dims, grouped
     value heads, varlen with empty and length-1 sequences, strong decays, beta = 2, magnitudes
     1e-30..1e20, format boundary values, ties), so these stay covered.
@@ -396,6 +397,22 @@ if ck.want("attnres"):
                     if r is not None:
                         ref = attnres_ref(back(cast(src)), w, gain, back(cast(partial)) if part else None, eps)
                         check_rel(label, "h", back(r["h"]) if kind == "bf16" else r["h"], ref, tol)
+
+    # gradients bitwise the same for --threads 1/2/3 (dw, dgain are sums over tokens)
+    for kind in ("f64", "f32"):
+        pdt = np.float64 if kind == "f64" else f32
+        n, T, d_ = 3, 300, 19
+        ins = dict(sources=rng.standard_normal((n, T, d_)).astype(pdt), partial=rng.standard_normal((T, d_)).astype(pdt),
+                   w=rng.standard_normal(d_).astype(pdt), gain=(1 + 0.3 * rng.standard_normal(d_)).astype(pdt), dh=rng.standard_normal((T, d_)).astype(pdt))
+        outs = []
+        for th in ("1", "2", "3"):
+            dd = ck.newdir()
+            inputs(dd, **ins)
+            outs.append(run(f"attnres threads {kind} {th}", "attnres", dd, ["--backward", "--threads", th]))
+        if all(o is not None for o in outs):
+            for th, o in zip(("2", "3"), outs[1:]):
+                for name in outs[0]:
+                    check_equal(f"attnres {kind} --threads {th} vs 1", name, o[name], outs[0][name])
 
 # ---------------------------------------------------------------- sweep: quant
 if ck.want("quant"):
