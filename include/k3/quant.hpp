@@ -28,7 +28,7 @@
 //     for FP6/FP4, which have no NaN). Elements beyond the range after scaling are clamped to
 //     ±max (FLOOR can clip the top binade; RCEIL never does).
 //   * NVFP4: the tensor scale g = amax/(448·6) is taken over the finite values; g = 1 for an
-//     all-zero tensor (or when g would underflow), so zero tensors encode as zeros. A block
+//     all-zero tensor (or when g < 2^-140: amax < 2.4e-39), so zero tensors encode as zeros. A block
 //     holding NaN/±Inf gets scale 0x7F (NaN) and decodes to NaN; other blocks are unaffected.
 //   * Every element conversion is saturating (saturation::finite, CUDA __NV_SATFINITE).
 // Bad input (wrong shapes, K not a multiple of the MX/NVFP4 block, overlapping outputs, a

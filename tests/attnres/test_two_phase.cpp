@@ -28,15 +28,16 @@ std::vector<double> widen(std::vector<S> const& v) {
 
 // n completed blocks, nq sites, and a partial; compares phase 1 + phase 2 with the one-pass mix.
 template <class S, class B>
-double two_phase_vs_one_pass(B const& b, index_t n, index_t nq, index_t T, index_t d, std::uint64_t seed, bool check_lse) {
+double two_phase_vs_one_pass(B const& b, index_t n, index_t nq, index_t T, index_t d, std::uint64_t seed, bool check_lse,
+                             double scale = 1.0) {
   using C = ar::compute_t<S>;
   attnres_ref::rng r(seed);
   std::vector<double> bankd(std::size_t(n * T * d));
   for (index_t j = 0; j < n; ++j) {
     double sc = std::exp(r.uniform(-1, 1));
-    for (index_t i = 0; i < T * d; ++i) bankd[std::size_t(j * T * d + i)] = sc * r.normal();
+    for (index_t i = 0; i < T * d; ++i) bankd[std::size_t(j * T * d + i)] = scale * sc * r.normal();
   }
-  auto bank = cast<S>(bankd), part = cast<S>(r.normals<double>(std::size_t(T * d), 3.0));
+  auto bank = cast<S>(bankd), part = cast<S>(r.normals<double>(std::size_t(T * d), 3.0 * scale));
   std::vector<double> wd = r.normals<double>(std::size_t(nq * d), 4.0 / std::sqrt(double(d))), gd = r.normals<double>(std::size_t(nq * d), 0.3);
   for (auto& x : gd) x += 1;
   auto w = cast<C>(wd), g = cast<C>(gd);
@@ -97,6 +98,34 @@ TEST_CASE("phase 1 + phase 2 equal the one-pass mix at every site (double: 1e-12
     CHECK(two_phase_vs_one_pass<float>(k3::cpu::threads<>(2), c.n, c.nq, c.T, c.d, seed, false) <= 1e-6);
     CHECK(two_phase_vs_one_pass<k3::bfloat16>(k3::cpu::threads<>(2), c.n, c.nq, c.T, c.d, seed, false) <= 8e-3);  // h rounded to bf16
     ++seed;
+  }
+}
+
+// Round-3 checker: the vector paths summed the partial's sum of squares (phase 2) and the
+// phase-1 scores in float lanes, which overflow for rows beyond ~1e18 (resp. ~1e36): the
+// two-phase result was then off by 100% (float) while the one-pass mix (double sums) was right.
+TEST_CASE("two-phase equals one-pass for huge rows on the vector backends (float lane sums overflow)") {
+  for (double scale : {1e20, 1e30, 1e37}) {
+    CAPTURE(scale);
+    CHECK(two_phase_vs_one_pass<float>(k3::cpu::threads<>(2), 3, 5, 4, 33, 61, false, scale) <= 1e-6);
+    CHECK(two_phase_vs_one_pass<float>(k3::cpu::threads<>(2), 9, 3, 5, 256, 62, false, scale) <= 1e-6);
+    CHECK(two_phase_vs_one_pass<k3::bfloat16>(k3::cpu::threads<>(2), 8, 3, 5, 512, 63, false, scale) <= 8e-3);
+    // the fused residual add (AVX-512 bfloat16 kernel) against phase2 on the summed prefix
+    index_t const T = 3, d = 96;
+    attnres_ref::rng r(64);
+    auto o = cast<k3::bfloat16>(r.normals<double>(std::size_t(T * d), scale)), pre = cast<k3::bfloat16>(r.normals<double>(std::size_t(T * d), scale)),
+         del = cast<k3::bfloat16>(r.normals<double>(std::size_t(T * d), scale));
+    auto u = cast<float>(r.normals<double>(std::size_t(d), 0.2));
+    std::vector<float> lse = {0.5f, -1.f, 2.f};
+    std::vector<k3::bfloat16> pre2(pre.size()), h1(pre.size()), h2(pre.size());
+    for (std::size_t i = 0; i < pre.size(); ++i) pre2[i] = k3::bfloat16(float(pre[i]) + float(del[i]));
+    ar::phase2_add(k3::cpu::threads<>(2), k3::tensor_view<k3::bfloat16 const, 2>(o.data(), {T, d}), k3::tensor_view<float const, 1>(lse.data(), {T}),
+                   k3::host_view(pre.data(), T, d), k3::tensor_view<k3::bfloat16 const, 2>(del.data(), {T, d}),
+                   k3::tensor_view<float const, 1>(u.data(), {d}), k3::host_view(h1.data(), T, d));
+    ar::phase2(k3::cpu::serial{}, k3::tensor_view<k3::bfloat16 const, 2>(o.data(), {T, d}), k3::tensor_view<float const, 1>(lse.data(), {T}),
+               k3::tensor_view<k3::bfloat16 const, 2>(pre2.data(), {T, d}), true, k3::tensor_view<float const, 1>(u.data(), {d}),
+               k3::host_view(h2.data(), T, d));
+    CHECK(rel_err(widen(h1), widen(h2)) <= 8e-3);
   }
 }
 

@@ -86,6 +86,45 @@ TEST_CASE("l2norm backward matches finite differences (double)") {
   check_fd(x, dx, loss, "dx");
 }
 
+// Round-3 checker: the float sum of squares overflowed for |x| beyond ~1e19 (D = 17), and
+// y = x / sqrt(inf) came out 0 instead of a unit vector; the backward gave 0 as well. The op is
+// scale-invariant once |x|^2 >> eps: powers of two must change nothing but the scale.
+TEST_CASE_TEMPLATE("l2norm of huge rows (sum of squares past the type's range) stays exact", S, double, float, bfloat16) {
+  index_t const rows = 4, D = 17;
+  auto xd = randn(static_cast<std::size_t>(rows * D), 41, 1.0);
+  auto dyd = randn(xd.size(), 42, 1.0);
+  int const big = std::is_same_v<S, double> ? 520 : 66;  // 2^66 ~ 7e19: ss ~ 1e41 > FLT_MAX
+  for (int e : {big, big + 40}) {
+    CAPTURE(e);
+    std::vector<double> xs(xd.size());
+    for (std::size_t i = 0; i < xd.size(); ++i) xs[i] = std::ldexp(xd[i], e);
+    auto x = cast<S>(xs);
+    auto dy = cast<S>(dyd);
+    std::vector<S> y(x.size()), dx(x.size());
+    k3::kda::l2norm(serial, k3::host_view(x.data(), rows, D), k3::host_view(y.data(), rows, D));
+    k3::kda::l2norm_backward(serial, k3::host_view(x.data(), rows, D), k3::host_view(dy.data(), rows, D),
+                             k3::host_view(dx.data(), rows, D));
+    // references from the unscaled x (exact: x = x1 * 2^e): y = y1, dx = dx1 * 2^-e
+    auto x1 = widen(x);
+    for (auto& v : x1) v = std::ldexp(v, -e);
+    // (eps = 1e-6 is below the rounding of |x|^2 ~ 2^(2e): the reference leaves it out)
+    std::vector<double> yr(x1.size()), dxr(x1.size());
+    for (index_t r = 0; r < rows; ++r) {
+      double ss = 0, gy = 0;
+      for (index_t d = 0; d < D; ++d) ss += x1[r * D + d] * x1[r * D + d];
+      for (index_t d = 0; d < D; ++d) yr[r * D + d] = x1[r * D + d] / std::sqrt(ss);
+      for (index_t d = 0; d < D; ++d) gy += widen(dy)[r * D + d] * yr[r * D + d];
+      for (index_t d = 0; d < D; ++d) dxr[r * D + d] = std::ldexp((widen(dy)[r * D + d] - gy * yr[r * D + d]) / std::sqrt(ss), -e);
+    }
+    double const tol = std::is_same_v<S, double> ? 1e-13 : std::is_same_v<S, float> ? 1e-6 : 8e-3;
+    check_close(widen(y), yr, tol, 1e-300, "l2norm huge");
+    double dmax = 0;
+    for (double v : dxr) dmax = std::max(dmax, std::fabs(v));
+    double const dtol = std::is_same_v<S, bfloat16> ? 2e-2 : tol;
+    check_close(widen(dx), dxr, dtol, dtol * dmax, "l2norm_backward huge");
+  }
+}
+
 TEST_CASE("l2norm on strided views equals the contiguous result") {
   // q packed inside a wider [T, 3, D] projection buffer: rows of stride 3D.
   index_t const T = 9, D = 20;

@@ -155,6 +155,39 @@ TEST_CASE("weights come from the unbiased scores, renormalised and scaled") {
   CHECK(r.cut[0] == doctest::Approx(0.9f - 1.f));
 }
 
+// Round-3 checker: the "+ 1e-20" of Megatron's renormalisation shrank every weight once the
+// chosen scores summed below ~1e-13 (scores 1e-30 gave weights 1e-10 instead of 1/k; logits
+// below -30 do that). The weights are scale-invariant: scaling all scores by a power of two
+// changes neither the choice nor a single bit of the weights.
+TEST_CASE("weights are scale-invariant for tiny scores; an all-zero choice gives zero weights") {
+  index_t const m = 37, n = 40, k = 16;  // k = 16: the AVX-512 emit path
+  auto s = uniform(m * n, 0.0, 1.0, 91);
+  std::vector<float> b(static_cast<std::size_t>(n), 0.f);
+  moe::router_options opt;
+  opt.k = k;
+  opt.routed_scale = 2.5f;
+  routed r1(m, k, n);
+  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt);
+  for (float sc : {0x1p-100f, 0x1p-60f}) {
+    std::vector<float> t(s.size());
+    for (std::size_t i = 0; i < s.size(); ++i) t[i] = s[i] * sc;  // exact, all normal
+    routed r2(m, k, n), r3(m, k, n);
+    moe::route(k3::cpu::serial{}, cview(t, m, n), cview(b), r2.out(), opt);
+    moe::route(k3::cpu::threads<>(2), cview(t, m, n), cview(b), r3.out(), opt);
+    CHECK(r2.idx == r1.idx);
+    CHECK(r2.w == r1.w);
+    CHECK(r3.idx == r1.idx);
+    CHECK(r3.w == r1.w);
+  }
+  std::vector<float> z = {0.f, 0.f, 0.5f, 0.f};  // bias picks experts 0 and 1, both score 0
+  std::vector<float> bz = {1.f, 1.f, 0.f, 0.f};
+  opt.k = 2;
+  routed rz(1, 2, 4);
+  moe::route(k3::cpu::serial{}, cview(z, 1, 4), cview(bz), rz.out(), opt);
+  CHECK(rz.idx == std::vector<std::int32_t>{0, 1});
+  CHECK(rz.w == std::vector<float>{0.f, 0.f});
+}
+
 TEST_CASE("logit input applies a FP32 sigmoid") {
   index_t const m = 5, n = 12, k = 3;
   auto x = uniform(m * n, -4, 4, 21);

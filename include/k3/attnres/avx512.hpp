@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <xsimd/xsimd.hpp>
 
@@ -432,6 +433,18 @@ void p2_add_token_bf16(bfloat16* K3_RESTRICT pr, D const* K3_RESTRICT dl, O cons
     double const b = double(to_c<float>(v));
     dot += double(ue[k]) * b;
     ss += b * b;
+  }
+  if (!(std::abs(dot) <= std::numeric_limits<double>::max() && ss <= std::numeric_limits<double>::max())) {
+    // Float lanes overflowed (a row beyond ~1e18) or the row holds Inf/NaN: sum the written
+    // row again in double (ue is in the even/odd layout of eo_permute_query).
+    dot = 0;
+    ss = 0;
+    for (index_t k = 0; k < d; ++k) {
+      double const b = double(to_c<float>(pr[k]));
+      index_t const kk = k < d32 ? (k / 32 * 32 + (k % 2) * 16 + (k % 32) / 2) : k;
+      dot += double(ue[kk]) * b;
+      ss += b * b;
+    }
   }
   double const s2 = dot / std::sqrt(ss / double(d) + eps);
   float const p = float(1.0 / (1.0 + std::exp(double(lse) - s2)));

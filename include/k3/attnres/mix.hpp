@@ -164,6 +164,10 @@ struct simd_arch<cpu::threads<A>> {
   using type = A;
 };
 
+// Token blocks of the backward's cross-token sums (dw, dgain): a constant, so the summation
+// order does not depend on the thread count; enough blocks to feed 16 threads 4 each.
+inline constexpr index_t grad_blocks = 64;
+
 // Runs f(lo, hi, task) over contiguous token ranges; returns the task count (task < count).
 template <class B>
 index_t token_tasks(B const& b, index_t T) {
@@ -395,7 +399,10 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
   auto const grows = detail::rows_of(dsrc, src.has_partial);
   C const eps = C(opt.eps);
   using Ops = typename detail::ops_for<B>::template type<C>;
-  index_t const tasks = detail::token_tasks(b, T);
+  // dw and dgain sum over tokens: in a fixed number of contiguous token blocks (not one per
+  // thread task), added in block order, so they are bitwise the same for every backend and
+  // thread count (they differed in the last bits of double between 1, 2 and 3 threads).
+  index_t const tasks = std::min<index_t>(T, detail::grad_blocks);
   std::vector<double> du(std::size_t(std::max<index_t>(tasks, 1) * d), 0.0);
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t task) {
     detail::token_scratch<C> ws;

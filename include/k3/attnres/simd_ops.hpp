@@ -3,7 +3,9 @@
 // The xsimd policy is a template on Arch (ODR: the ISA is part of the type).
 #pragma once
 #include <bit>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <xsimd/xsimd.hpp>
 
@@ -141,9 +143,30 @@ struct simd_reduce {
       sa += double(u[k]) * double(v[k]);
       sb += double(v[k]) * double(v[k]);
     }
+    // Float lanes overflow for rows beyond ~1e18 (v.v past FLT_MAX) where double does not:
+    // such rows (and rows holding Inf/NaN, which stay non-finite) are summed again in double.
+    if (!(std::abs(sa) <= std::numeric_limits<double>::max() && sb <= std::numeric_limits<double>::max())) {
+      dot_ss(v, u, d, dot, ss);
+      return;
+    }
     dot = sa;
     ss = sb;
   }
 };
+
+// Phase-1 scores summed in float registers (phase1_dots_simd, the AVX-512 bfloat16 tiles)
+// overflow for rows beyond ~1e36; those scores (and the non-finite ones of rows holding
+// Inf/NaN, which stay non-finite) are summed again in double, in index order.
+template <class X, class Q>
+void redo_nonfinite_dots(X const* const* x, index_t n, Q const* const* q, index_t nq, index_t d, double* dots) noexcept {
+  for (index_t l = 0; l < nq; ++l)
+    for (index_t j = 0; j < n; ++j) {
+      double& s = dots[l * n + j];
+      if (std::abs(s) <= std::numeric_limits<double>::max()) continue;
+      double a = 0;
+      for (index_t k = 0; k < d; ++k) a += double(q[l][k]) * to_c<double>(x[j][k]);
+      s = a;
+    }
+}
 
 }  // namespace k3::attnres::detail

@@ -250,6 +250,7 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
         for (index_t j = 0; j < n; ++j) x[j] = &bank(j, t, 0);
         for (index_t l = 0; l < nq; ++l) out[l] = &o(l, t, 0);
         detail::p1_dots_bf16<Arch>(x.data(), n, q.data(), nq, d, bzero.data(), acc, dots.data());
+        detail::redo_nonfinite_dots(x.data(), n, q.data(), nq, d, dots.data());
         for (index_t l = 0; l < nq; ++l) lse(l, t) = detail::p1_softmax(dots.data() + l * n, n, [&](index_t j) { return double(bank_rinv(j, t)); }, a.data() + l * n);
         detail::p1_mix_bf16<Arch>(x.data(), n, a.data(), nq, d, out.data(), tile, stream);
       }
@@ -260,6 +261,7 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
     std::vector<C> rowbuf(static_cast<std::size_t>(std::is_same_v<SS, C> ? 0 : n * d)), zero(static_cast<std::size_t>(d), C(0)), a(static_cast<std::size_t>(nq * n));
     std::vector<double> dots(static_cast<std::size_t>(nq * n));
     std::vector<C const*> x(static_cast<std::size_t>(n));
+    [[maybe_unused]] std::vector<std::remove_const_t<U> const*> ul(static_cast<std::size_t>(nq));
     std::vector<O*> out(static_cast<std::size_t>(nq));
     for (index_t t = lo; t < hi; ++t) {
       for (index_t j = 0; j < n; ++j) {
@@ -278,9 +280,11 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
         }
         continue;
       }
-      if constexpr (simd)
+      if constexpr (simd) {
         detail::phase1_dots_simd<typename detail::simd_arch<B>::type>(x.data(), n, &u(0, 0), u.stride(0), nq, d, zero.data(), dots.data());
-      else
+        for (index_t l = 0; l < nq; ++l) ul[l] = &u(l, 0);
+        detail::redo_nonfinite_dots(x.data(), n, ul.data(), nq, d, dots.data());
+      } else
         detail::phase1_dots_scalar(x.data(), n, &u(0, 0), u.stride(0), nq, d, dots.data());
       for (index_t l = 0; l < nq; ++l) lse(l, t) = detail::p1_softmax(dots.data() + l * n, n, [&](index_t j) { return double(bank_rinv(j, t)); }, a.data() + l * n);
       if constexpr (simd)

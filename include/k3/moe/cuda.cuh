@@ -75,7 +75,7 @@ K3_KERNEL void route_kernel(route_args a) {
     if (tid == 0) {
       float sum = 0.f;
       for (int r = 0; r < k; ++r) sum = __fadd_rn(sum, row[top_i[r]]);
-      float const denom = __fadd_rn(sum, 1e-20f);
+      float const denom = sum > 0.f ? sum : 1.f;  // as the CPU router (k3/moe/router.hpp)
       for (int r = 0; r < k; ++r) {
         a.indices[t * k + r] = top_i[r];
         a.weights[t * k + r] = __fmul_rn(__fdiv_rn(row[top_i[r]], denom), a.routed_scale);

@@ -3,7 +3,7 @@
 //
 //   z_ij   = s_ij + b_j                     (selection only; FP32)
 //   T_i    = argtop_k(z_i)                  (optionally group-limited, DeepSeek-V3)
-//   p_ij   = scale * s_ij / (sum_{r in T_i} s_ir + 1e-20)
+//   p_ij   = scale * s_ij / sum_{r in T_i} s_ir     (0 when that sum is 0)
 //   alpha_i = the (k+1)-th largest z_ij     (the Quantile-Balancing cut-off; never dispatched)
 //
 // Tie-breaking (deterministic, identical on every backend): experts are ranked by biased
@@ -167,7 +167,11 @@ inline void rank_token(float const* s, const_view<float, 1> bias, router_options
 inline void emit_token(index_t i, float const* s, ranked const* best, router_options const& opt, route_outputs const& out) {
   float sum = 0.f;
   for (index_t r = 0; r < opt.k; ++r) sum += s[best[r].j];
-  float const denom = sum + 1e-20f;  // Megatron's guard; sigmoid scores make sum > 0 anyway
+  // Renormalised exactly (scale-invariant: tiny scores, e.g. sigmoid of logits below -30, still
+  // give weights summing to the routed scale). Megatron's "+ 1e-20" guard shrank every weight
+  // whenever the chosen scores summed below ~1e-13; only an all-zero choice needs a guard
+  // (its weights are 0, as with Megatron's).
+  float const denom = sum > 0.f ? sum : 1.f;
   for (index_t r = 0; r < opt.k; ++r) {
     out.indices(i, r) = best[r].j;
     out.weights(i, r) = s[best[r].j] / denom * opt.routed_scale;

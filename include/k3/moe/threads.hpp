@@ -384,7 +384,7 @@ inline void emit_token512(index_t i, float const* s, float const* tz, std::int32
     sv[r] = x;
     sum += x;
   }
-  __m512 const denom = _mm512_set1_ps(sum + 1e-20f), scale = _mm512_set1_ps(opt.routed_scale);
+  __m512 const denom = _mm512_set1_ps(sum > 0.f ? sum : 1.f), scale = _mm512_set1_ps(opt.routed_scale);
   if (contiguous) {
     float* K3_RESTRICT wrow = &out.weights(i, 0);
     std::int32_t* K3_RESTRICT irow = &out.indices(i, 0);

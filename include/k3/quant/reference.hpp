@@ -106,11 +106,15 @@ std::uint32_t finite_amax_bits(const_view<T, 2> x, index_t i0, index_t i1) {
   return amax;
 }
 
-// g = amax / (448·6); an all-zero (or all-non-finite) tensor, or an amax so small that g
-// underflows, gets g = 1 (every block then encodes as zeros or NaN).
+// g = amax / (448·6). A subnormal g is kept: cutting at FLT_MIN (amax < 3.2e-35) sent whole
+// tensors of normal floats to zero. Only below 2^-140 (amax < 2.4e-39, subnormal inputs) does
+// an all-zero (or all-non-finite) tensor, or one whose g would lose its last bits, get g = 1
+// (every block then encodes as zeros or NaN); from 2^-140 up the divisor g·sb >= g·2^-6 stays
+// a non-zero float.
+inline constexpr float nvfp4_min_tensor_scale = 0x1p-140f;
 inline float nvfp4_scale_from_amax(std::uint32_t amax_bits) noexcept {
   float const g = k3::detail::bit_cast<float>(amax_bits) / (448.0f * 6.0f);
-  return g >= std::numeric_limits<float>::min() ? g : 1.0f;
+  return g >= nvfp4_min_tensor_scale ? g : 1.0f;
 }
 
 template <class T>

@@ -20,6 +20,27 @@ __device__ __forceinline__ float dsoftplus(float x) { return fmaxf(x, 0.f) + log
 inline unsigned blocks_for(index_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
 // ---- L2 norm: one warp per row ----
+// 1/sqrt(ss + eps) of a row; when the fp32 sum of squares overflowed while the row is finite,
+// the row is summed again scaled by a power of two (k3::kda::detail::l2norm_rstd on the CPU).
+// ss is the warp-reduced sum, so every lane takes the same branch.
+template <class S>
+__device__ __forceinline__ float l2norm_rstd(S const* xr, index_t D, int lane, float ss) {
+  if (ss <= 3.402823466e38f) return 1.f / sqrtf(ss + 1e-6f);
+  float m = 0.f;
+  for (index_t d = lane; d < D; d += 32) m = fmaxf(m, fabsf(ld(xr[d])));
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (!(m <= 3.402823466e38f)) return 1.f / sqrtf(ss + 1e-6f);
+  int e = 0;
+  (void)frexpf(m, &e);
+  float const sc = ldexpf(1.f, -e);
+  float s2 = 0.f;
+  for (index_t d = lane; d < D; d += 32) {
+    float const v = ld(xr[d]) * sc;
+    s2 += v * v;
+  }
+  return sc / sqrtf(warp_sum(s2) + 1e-6f * sc * sc);
+}
+
 template <class S>
 K3_KERNEL void l2norm_fwd_kernel(S const* x, S* y, index_t rows, index_t D) {
   index_t const row = (static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -31,7 +52,7 @@ K3_KERNEL void l2norm_fwd_kernel(S const* x, S* y, index_t rows, index_t D) {
     float const v = ld(xr[d]);
     ss += v * v;
   }
-  float const rstd = 1.f / sqrtf(warp_sum(ss) + 1e-6f);
+  float const rstd = l2norm_rstd(xr, D, lane, warp_sum(ss));
   for (index_t d = lane; d < D; d += 32) y[row * D + d] = st<S>(ld(xr[d]) * rstd);
 }
 
@@ -48,7 +69,7 @@ K3_KERNEL void l2norm_bwd_kernel(S const* x, S const* dy, S* dx, index_t rows, i
   }
   ss = warp_sum(ss);
   gx = warp_sum(gx);
-  float const rstd = 1.f / sqrtf(ss + 1e-6f);
+  float const rstd = l2norm_rstd(x + row * D, D, lane, ss);
   float const c = gx * rstd * rstd;
   for (index_t d = lane; d < D; d += 32) dx[row * D + d] = st<S>(rstd * (ld(dy[row * D + d]) - c * ld(x[row * D + d])));
 }

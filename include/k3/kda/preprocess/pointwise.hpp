@@ -15,7 +15,9 @@
 // backend; parameter gradients are reduced in fixed blocks, so results do not depend on the
 // backend or its thread count.
 #pragma once
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "k3/core/math.hpp"
@@ -38,6 +40,31 @@ void pp_static_row_view() {
 
 inline constexpr double l2norm_eps = 1e-6;
 
+namespace detail {
+
+// 1 / sqrt(ss + eps) for a row whose sum of squares ss was accumulated in T. When ss overflowed
+// (|x| beyond ~1e19 in float, ~1e154 in double) while every element is finite, the row is
+// summed again scaled by a power of two (exact), so huge rows still normalise to unit length
+// instead of to 0 (y = x / inf). Rows whose ss is finite take the plain formula, bit for bit.
+template <class T, class Load>
+T l2norm_rstd(T ss, index_t D, Load const& load) {
+  if (ss <= std::numeric_limits<T>::max()) return T(1) / std::sqrt(ss + T(l2norm_eps));
+  T m = 0;
+  for (index_t d = 0; d < D; ++d) m = std::max(m, std::fabs(load(d)));
+  if (!(m <= std::numeric_limits<T>::max())) return T(1) / std::sqrt(ss + T(l2norm_eps));  // Inf/NaN in the row: as before
+  int e = 0;
+  (void)std::frexp(m, &e);
+  T const sc = std::ldexp(T(1), -e);  // m * sc in [0.5, 1)
+  T s2 = 0;
+  for (index_t d = 0; d < D; ++d) {
+    T const v = load(d) * sc;
+    s2 += v * v;
+  }
+  return sc / std::sqrt(s2 + T(l2norm_eps) * sc * sc);
+}
+
+}  // namespace detail
+
 template <HostBackend Bk, TensorView X, TensorView Y>
 void l2norm(Bk const& b, X const& x, Y const& y) {
   detail::pp_static_row_view<X>();
@@ -59,7 +86,7 @@ void l2norm(Bk const& b, X const& x, Y const& y) {
       T const v = load_as<T>(xp[d * sx]);
       ss += v * v;
     }
-    T const rstd = T(1) / std::sqrt(ss + T(l2norm_eps));
+    T const rstd = detail::l2norm_rstd(ss, D, [&](index_t d) { return load_as<T>(xp[d * sx]); });
     for (index_t d = 0; d < D; ++d) yp[d * sy] = store_as<detail::pp_elem_t<Y>>(load_as<T>(xp[d * sx]) * rstd);
   });
 }
@@ -92,8 +119,8 @@ void l2norm_backward(Bk const& b, X const& x, DY const& dy, DX const& dx) {
       ss += v * v;
       gx += load_as<T>(gp[d * sg]) * v;
     }
-    T const rstd = T(1) / std::sqrt(ss + T(l2norm_eps));
-    T const c = gx * rstd * rstd;  // (dy . y) / |x|_eps, folded so y is never formed
+    T const rstd = detail::l2norm_rstd(ss, D, [&](index_t d) { return load_as<T>(xp[d * sx]); });
+    T const c = gx * rstd * rstd;  // (dy . y) / |x|_eps, folded so y is never formed (left to right: no rstd^2 underflow)
     for (index_t d = 0; d < D; ++d)
       dp[d * sd] = store_as<detail::pp_elem_t<DX>>(rstd * (load_as<T>(gp[d * sg]) - c * load_as<T>(xp[d * sx])));
   });
