@@ -172,23 +172,16 @@ double block_floors(index_t K, index_t ks, index_t V, index_t nt, Acc const* kk,
                     Acc* fl) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
-  index_t const K0 = K / L * L, V0 = V / L * L;
-  // any e^g > 1 in the buffer (NaN ignored): only then is max(1, max a) computed per token
-  batch gm(Acc(1));
-  for (index_t t = 0; t < nt; ++t)
-    for (index_t d = 0; d < K0; d += L) {
-      batch const x = batch::load_unaligned(aa + t * ks + d);
-      gm = xsimd::select(x > gm, x, gm);
-    }
-  bool growth = xsimd::any(gm > batch(Acc(1)));
-  for (index_t t = 0; t < nt && !growth; ++t)
-    for (index_t d = K0; d < K; ++d) growth |= aa[t * ks + d] > Acc(1);
+  index_t const V0 = V / L * L;
+  batch const one(Acc(1));
   double const big = double(std::numeric_limits<Acc>::max()), lim = big * 0x1p-16 * double(block_decay_floor<Acc>());
   for (index_t t = 0; t < nt; ++t) {
     batch sk(Acc(0)), sv(Acc(0));
-    for (index_t d = 0; d < ks; d += L) {  // padding: k = 0
+    auto grow = one > one;  // any e^g > 1 (NaN ignored; the padding is 1)
+    for (index_t d = 0; d < ks; d += L) {  // padding: k = 0, a = 1
       batch const x = batch::load_unaligned(kk + t * ks + d);
       sk = xsimd::fma(x, x, sk);
+      grow = grow | (batch::load_unaligned(aa + t * ks + d) > one);
     }
     for (index_t e = 0; e < V0; e += L) {
       batch const x = batch::load_unaligned(vv + t * V + e);
@@ -199,14 +192,18 @@ double block_floors(index_t K, index_t ks, index_t V, index_t nt, Acc const* kk,
     for (index_t e = V0; e < V; ++e) vn2 += double(vv[t * V + e]) * double(vv[t * V + e]);
     double const b = double(bb[t]);
     double rho = std::max(1.0, std::abs(1 - b * kn2));
-    if (growth) {
+    if (xsimd::any(grow)) {
       double am = 1;
       for (index_t d = 0; d < K; ++d) am = std::max(am, double(aa[t * ks + d]));
       rho *= am;
     }
-    F = rho * F + std::abs(b) * std::sqrt(kn2) * std::sqrt(vn2);
-    double const r = F * 0x1p16 / big;
-    fl[t] = F <= lim ? block_decay_floor<Acc>() : r < 1 ? Acc(r) : Acc(1);
+    F = rho * F + std::abs(b) * std::sqrt(kn2 * vn2);
+    if (F <= lim) {
+      fl[t] = block_decay_floor<Acc>();
+    } else {
+      double const r = F * 0x1p16 / big;  // NaN: 1
+      fl[t] = r < 1 ? Acc(r) : Acc(1);
+    }
   }
   return F;
 }
