@@ -254,3 +254,37 @@ TEST_CASE("chunked DPLR prefix invariance (bitwise, finite inputs)") {
     });
   }
 }
+
+// The transition part M of a segment map never reads k or v (the values enter only N): a NaN
+// or Inf there leaves M finite (from the chunk's twin) and equal to the clean M to rounding.
+TEST_CASE("segment maps: a non-finite k or v reaches N but not M") {
+  std::mt19937_64 rng(94);
+  auto const p = make<double>(rng, 1, 45, 1, 12, 10);
+  index_t const K = p.K, V = p.V;
+  auto maps = [&](problem<double> const& x, auto const& bk, std::vector<double>& M, std::vector<double>& N) {
+    M.assign(std::size_t(K * K), 0);
+    N.assign(std::size_t(K * V), 0);
+    k3::dplr_segment_maps(x.inputs(), k3::host_view(M.data(), 1, 1, K, K), k3::host_view(N.data(), 1, 1, K, V), x.options(16), bk);
+  };
+  auto run = [&](auto const& bk, char const* name) {
+    std::vector<double> Mc, Nc, Mb, Nb;
+    maps(p, bk, Mc, Nc);
+    for (input in : {input::k, input::v})
+      for (double val : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()})
+        for (index_t t : {0, 3, 16, 20, 44}) {
+          auto bad = p;
+          field(bad, in)[std::size_t(t * (in == input::v ? V : K) + 3)] = val;
+          maps(bad, bk, Mb, Nb);
+          INFO(std::string(name) << ": " << std::string(::name(in)) << " = " << val << " at token " << t);
+          bool m_finite = true;
+          for (double e : Mb) m_finite &= std::isfinite(e);
+          CHECK(m_finite);
+          CHECK(rel_err(Mb, Mc) < 1e-13);
+          bool nonfinite = false;
+          for (double e : Nb) nonfinite |= !std::isfinite(e);
+          CHECK(nonfinite);
+        }
+  };
+  run(k3::cpu::serial{}, "serial");
+  run(k3::cpu::threads<>(2), "threads");  // one head: the K + V columns split across threads
+}
