@@ -181,3 +181,56 @@ TEST_CASE("simd recurrent forward is exactly causal") {
   for (std::size_t i = 0; i < std::size_t(t * c.HV * c.V); ++i) REQUIRE(ra.o[i] == rb.o[i]);
   CHECK(ra.o[std::size_t(t * c.HV * c.V)] != rb.o[std::size_t(t * c.HV * c.V)]);
 }
+
+// The rescaled state S~ = S / A may be 2^40 (float; 2^80 in double) times larger than S: a
+// state far from overflow (|S| ~ 1e28 in float, ~1e286 in double) under strong decays
+// (g = -2 per token and channel: a block reaches A = 2^-40 after 14 tokens) used to overflow
+// in S~ while the direct recurrence stays finite. Also a large h0 alone, and a state that is
+// large only in the middle of the sequence (a burst of large values, then ordinary ones).
+TEST_CASE("simd recurrent forward: a large state under strong decays does not overflow the rescaled state") {
+  auto rel_max = [](std::vector<double> const& ref, std::vector<double> const& x) {
+    double m = 0, e = 0;
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      m = std::max(m, std::abs(ref[i]));
+      double const d = std::abs(x[i] - ref[i]);
+      e = std::isnan(d) ? INFINITY : std::max(e, d);
+    }
+    return e / m;
+  };
+  auto all_finite = [](std::vector<double> const& x) {
+    for (double e : x)
+      if (!std::isfinite(e)) return false;
+    return true;
+  };
+  for (bool dbl : {false, true})
+    for (int kind = 0; kind < 3; ++kind) {  // large v and h0; large h0 only; a burst of large v
+      kda_case c{.T = 150, .H = 1, .HV = 2, .K = 32, .V = 32, .seed = 350};
+      kda_data64 d = make_data(c);
+      double const big = dbl ? 1e286 : 1e28;
+      for (auto& x : d.g) x = -2;
+      if (kind != 1)
+        for (index_t t = 0; t < c.T; ++t)
+          if (kind == 0 || (t >= 40 && t < 60))
+            for (index_t i = 0; i < c.HV * c.V; ++i) d.v[std::size_t(t * c.HV * c.V + i)] *= big;
+      if (kind != 2)
+        for (auto& x : d.h0) x *= big;
+      auto check = [&](auto tag) {
+        using T = decltype(tag);
+        typed_data<T> td(d);
+        auto ref = run_forward(td, kda::algorithm::recurrent);  // cpu::serial
+        REQUIRE(all_finite(ref.o));
+        REQUIRE(all_finite(ref.ht));
+        double const tol = sizeof(T) == 8 ? 1e-12 : 1e-5;
+        for (int b = 0; b < 2; ++b) {
+          auto x = b == 0 ? run_forward(td, kda::algorithm::recurrent, cpu::simd<>{}) : run_forward(td, kda::algorithm::recurrent, cpu::threads<>(2));
+          INFO("double " << dbl << " kind " << kind << " backend " << b << " o " << rel_max(ref.o, x.o) << " ht " << rel_max(ref.ht, x.ht));
+          CHECK(rel_max(ref.o, x.o) <= tol);
+          CHECK(rel_max(ref.ht, x.ht) <= tol);
+        }
+      };
+      if (dbl)
+        check(double{});
+      else
+        check(float{});
+    }
+}

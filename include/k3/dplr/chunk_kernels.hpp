@@ -15,7 +15,10 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <memory>
 
 #include "k3/core/math.hpp"
 #include "k3/dplr/common.hpp"
@@ -40,6 +43,52 @@ constexpr R factored_decay_limit() {
 template <class R>
 constexpr R factored_valid_limit() {
   return std::is_same_v<R, double> ? R(700) : R(85);
+}
+
+// Non-finite inputs. Inside a chunk every product is a GEMM over all of its tokens, with the
+// entries that pair token i with a later token j masked to exact zeros; a NaN or Inf at token
+// j then turns those zeros into NaN (0 * NaN), reaching tokens before j. So a chunk holding a
+// non-finite input is also computed once more as its "twin", the same chunk with those
+// inputs set to 0: the twin's rows before the first such token are bit for bit those of the
+// chunk without them (every entry a later token touches is multiplied by an exact 0 either
+// way), and they replace the plain computation's rows there. Which inputs are replaced
+// depends on what the rows are:
+//  - outputs: an output before token j reads no input at or after j (all six replaced);
+//  - kv: a gradient before token j reads later q, a, b, gk (through the state-gradient chain,
+//    where the reference recurrence also gives 0 * NaN) but never later k or v, and neither
+//    does the transition part M of a segment map (the values enter only N);
+// so only k and v are replaced for the backward and for maps.
+enum class twin_kind { none, outputs, kv };
+
+// All n values finite: the largest exponent field of the block is not the all-ones one
+// (an integer max, which vectorises; no branch per element).
+template <class T>
+bool all_finite(T const* x, index_t n) {
+  using U = std::conditional_t<sizeof(T) == 8, std::uint64_t, std::uint32_t>;
+  static_assert(sizeof(T) == sizeof(U) && std::numeric_limits<T>::is_iec559);
+  constexpr U e = sizeof(T) == 8 ? U(0x7ff0000000000000ull) : U(0x7f800000u);
+  U m = 0;
+  for (index_t i = 0; i < n; ++i) {
+    U u;
+    std::memcpy(&u, x + i, sizeof(U));
+    m = std::max<U>(m, u & e);
+  }
+  return m != e;
+}
+
+// First row in [0, c) of tokens t0.. of x holding a non-finite value; c when none.
+template <class T>
+index_t first_nonfinite_row(const_view<T, 2> const& x, index_t t0, index_t c) {
+  for (index_t r = 0; r < c; ++r)
+    if (!all_finite(x.data_handle() + (t0 + r) * x.stride(0), x.extent(1))) return r;
+  return c;
+}
+template <class R>
+index_t first_nonfinite_row(mat<R> const& m) {
+  if (all_finite(m.data(), m.size())) return m.rows();
+  for (index_t r = 0; r < m.rows(); ++r)
+    if (!all_finite(m.data() + r * m.cols(), m.cols())) return r;
+  return m.rows();
 }
 
 template <class T, class R>
@@ -86,6 +135,11 @@ struct chunk_pre {
   //   S' = e^{gi_c} S + KdBd^T [V; X]
   mat<R> P1, P2;
   mat<R> g_, G_, eg_;  // scratch, kept to avoid reallocating per chunk
+  // Non-finite inputs (see twin_kind): `bad` is the chunk's first row holding one (c when
+  // none); then `twin` is the chunk with them set to 0 and `tv` its values (c x V).
+  index_t bad = 0;
+  std::unique_ptr<chunk_pre> twin;
+  mat<R> tv;
 
   // Moves what the backward's steps and parameter gradients read out of a builder's scratch
   // (the scratch keeps its temporaries and P2, hot in the builder's cache).
@@ -98,6 +152,9 @@ struct chunk_pre {
                    &chunk_pre::KdBd, &chunk_pre::Aqk, &chunk_pre::Aqb, &chunk_pre::Aak, &chunk_pre::Tm, &chunk_pre::P1})
       (this->*m).swap(o.*m);
     dC.swap(o.dC);
+    bad = o.bad;
+    twin.swap(o.twin);
+    tv.swap(o.tv);
   }
 
   auto Qe() const { return QA.topRows(c); }
@@ -110,7 +167,11 @@ struct chunk_pre {
 };
 
 template <class T, class R>
-void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p, bool with_tm = true) {
+void make_twin(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p, bool with_tm, twin_kind tk);
+
+template <class T, class R>
+void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p, bool with_tm = true,
+              twin_kind tk = twin_kind::none) {
   p.t0 = t0;
   p.c = c;
   p.scale = scale;
@@ -120,6 +181,14 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   load_rows(hv.b, t0, c, p.b);
   mat<R>& g = p.g_;
   load_rows(hv.gk, t0, c, g);
+  p.bad = c;
+  p.twin.reset();
+  if (tk != twin_kind::none) {
+    p.bad = std::min(first_nonfinite_row(p.k), first_nonfinite_row(hv.v, t0, c));
+    if (tk == twin_kind::outputs)  // the raw gate: a -inf one is clamped below
+      for (auto const* m : {&p.q, &p.a, &p.b, &g}) p.bad = std::min(p.bad, first_nonfinite_row(*m));
+    if (p.bad < c) make_twin(hv, t0, c, scale, mode, p, with_tm, tk);
+  }
   g = g.unaryExpr([](R x) { return ::k3::detail::clamp_log_decay(x); });
   index_t const K = g.cols();
   p.gi.resize(c, K);
@@ -197,6 +266,35 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   p.P2.rightCols(c) = p.Aqb;
 }
 
+// The chunk with its non-finite inputs of kind tk set to 0 (p.twin), and those values (p.tv).
+template <class T, class R>
+void make_twin(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p, bool with_tm, twin_kind tk) {
+  bool const all = tk == twin_kind::outputs;
+  const_view<T, 2> const* src[6] = {&hv.q, &hv.k, &hv.v, &hv.a, &hv.b, &hv.gk};
+  bool const fix[6] = {all, true, true, all, all, all};
+  std::vector<std::vector<T>> buf(6);
+  const_view<T, 2> views[6];
+  for (int i = 0; i < 6; ++i) {
+    const_view<T, 2> const& x = *src[i];
+    index_t const D = x.extent(1);
+    if (!fix[i]) {
+      views[i] = x.sub(0, t0, c);
+      continue;
+    }
+    buf[i].resize(static_cast<std::size_t>(c * D));
+    for (index_t r = 0; r < c; ++r) {
+      T const* row = x.data_handle() + (t0 + r) * x.stride(0);
+      for (index_t d = 0; d < D; ++d) buf[i][std::size_t(r * D + d)] = std::isfinite(row[d]) ? row[d] : T(0);
+    }
+    views[i] = host_view(static_cast<T const*>(buf[i].data()), c, D);
+  }
+  head_views<T> tw{views[0], views[1], views[2], views[3], views[4], views[5], c};
+  p.twin = std::make_unique<chunk_pre<R>>();
+  make_pre(tw, 0, c, scale, mode, *p.twin, with_tm, twin_kind::none);
+  p.twin->t0 = t0;
+  load_rows(tw.v, 0, c, p.tv);
+}
+
 // What the forward state pass of a chunk reads (the rest of chunk_pre is only needed by the
 // backward): the threaded forward moves these out of the builder's scratch, so the ring of
 // built chunks shared between threads stays small.
@@ -205,6 +303,9 @@ struct chunk_fwd {
   index_t t0 = 0, c = 0;
   mat<R> P1, P2, KdBd;
   vec<R> dC;
+  index_t bad = 0;                   // as in chunk_pre
+  std::unique_ptr<chunk_fwd> twin;
+  mat<R> tv;
   void take(chunk_pre<R>& p) {
     t0 = p.t0;
     c = p.c;
@@ -212,6 +313,14 @@ struct chunk_fwd {
     P2.swap(p.P2);
     KdBd.swap(p.KdBd);
     dC.swap(p.dC);
+    bad = p.bad;
+    if (p.twin) {
+      if (!twin) twin = std::make_unique<chunk_fwd>();
+      twin->take(*p.twin);
+      tv.swap(p.tv);
+    } else {
+      twin.reset();
+    }
   }
 };
 
@@ -299,9 +408,10 @@ void chunk_dstate(chunk_pre<R> const& p, mat<R> const& dO, mat<R>& dS) {
 }
 
 // From the summed accumulators to dq dk da db dgk of the chunk's tokens (rows t0..t0+c).
+// Only rows [r0, r1) of the chunk are stored (r1 < 0: to its end).
 template <class T, class R>
 void chunk_param_grads(chunk_pre<R> const& p, chunk_acc<R> const& acc, tensor_view<T, 2> const& dq, tensor_view<T, 2> const& dk,
-                       tensor_view<T, 2> const& da, tensor_view<T, 2> const& db, tensor_view<T, 2> const& dgk) {
+                       tensor_view<T, 2> const& da, tensor_view<T, 2> const& db, tensor_view<T, 2> const& dgk, index_t r0 = 0, index_t r1 = -1) {
   index_t const c = p.c, K = p.q.cols();
   mat<R> gAqk = acc.Aqk.template triangularView<Eigen::Lower>();
   mat<R> gAqb = acc.Aqb.template triangularView<Eigen::Lower>();
@@ -376,11 +486,20 @@ void chunk_param_grads(chunk_pre<R> const& p, chunk_acc<R> const& acc, tensor_vi
     run += dgi.row(r).transpose();
     Dg.row(r) += run.transpose();
   }
-  store_cols(dq, p.t0, 0, Dq);
-  store_cols(dk, p.t0, 0, Dk);
-  store_cols(da, p.t0, 0, Da);
-  store_cols(db, p.t0, 0, Db);
-  store_cols(dgk, p.t0, 0, Dg);
+  if (r0 == 0 && (r1 < 0 || r1 == c)) {
+    store_cols(dq, p.t0, 0, Dq);
+    store_cols(dk, p.t0, 0, Dk);
+    store_cols(da, p.t0, 0, Da);
+    store_cols(db, p.t0, 0, Db);
+    store_cols(dgk, p.t0, 0, Dg);
+    return;
+  }
+  index_t const n = (r1 < 0 ? c : r1) - r0;
+  store_cols(dq, p.t0 + r0, 0, mat<R>(Dq.middleRows(r0, n)));
+  store_cols(dk, p.t0 + r0, 0, mat<R>(Dk.middleRows(r0, n)));
+  store_cols(da, p.t0 + r0, 0, mat<R>(Da.middleRows(r0, n)));
+  store_cols(db, p.t0 + r0, 0, mat<R>(Db.middleRows(r0, n)));
+  store_cols(dgk, p.t0 + r0, 0, mat<R>(Dg.middleRows(r0, n)));
 }
 
 }  // namespace k3::detail::dplr

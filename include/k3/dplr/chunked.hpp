@@ -9,6 +9,14 @@
 //  - segment_maps: the tokens are split into one segment per thread; each segment's affine
 //    map S -> M S + N is computed, an exclusive scan composes them, and each segment is then
 //    finished from its true initial state (see maps.hpp).
+//
+// Non-finite inputs: a NaN or Inf at token t of a (sequence, head) reaches no output before t
+// and no other sequence or head (bit for bit as without it), and no gradient before t when it
+// is in k or v (gradients before t read later q, a, b, gk through the state-gradient chain,
+// where a NaN spreads as in the recurrent reference). Each chunk holding one is also computed
+// as its "twin" with those inputs set to 0 (chunk_kernels.hpp), which costs nothing otherwise.
+// One exception: a -inf gate at t in the backward may move its chunk onto the pairwise
+// intra-chunk form, so gradients before t stay finite and accurate but not bit for bit.
 #pragma once
 #include <algorithm>
 #include <memory>
@@ -75,9 +83,11 @@ index_t pipeline_slots(Par const& par, index_t nch) {
 // fills m (c x w) with the value columns [c0, c0+w) of tokens t0..t0+c. S (K x W) is advanced
 // in place. emit(t0, c0, O) receives outputs (when non-null). states, when non-null, receives
 // the start state of every chunk.
+// tk: the twin of a chunk with non-finite inputs (chunk_kernels.hpp): outputs when emitting
+// values, kv for a map (its first K columns, M, have zero values and take the twin).
 template <class T, class R, class Par, class Load, class Emit>
 void head_forward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, index_t W, mat<R>& S, Load&& load, Emit* emit,
-                  std::vector<mat<R>>* states) {
+                  std::vector<mat<R>>* states, twin_kind tk = twin_kind::none) {
   index_t const L = hv.len, C = cfg.C, nch = num_chunks(L, C);
   index_t const ns = pipeline_parts(par, W);
   std::vector<chunk_fwd<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch)));
@@ -95,7 +105,7 @@ void head_forward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cf
       par, nch, ns, static_cast<index_t>(pres.size()),
       [&](index_t s, index_t k, index_t worker) {
         index_t t0 = s * C;
-        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker], false);
+        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker], false, tk);
         pres[k].take(scratch[worker]);
       },
       [&](index_t p, index_t s, index_t k) {
@@ -104,7 +114,26 @@ void head_forward(Par const& par, head_views<T> const& hv, head_cfg<R> const& cf
         auto& q = pt[p];
         if (states) (*states)[s].middleCols(c0, c1 - c0) = q.S;
         load(pr.t0, pr.c, c0, c1 - c0, q.Vc);
-        chunk_forward(pr, q.Vc, q.S, emit ? &q.O : nullptr);
+        if (pr.twin && tk == twin_kind::outputs) {
+          // rows before the first non-finite input from the twin
+          mat<R> S2 = q.S, V2 = pr.tv.middleCols(c0, c1 - c0), O2;
+          chunk_forward(*pr.twin, V2, S2, &O2);
+          chunk_forward(pr, q.Vc, q.S, &q.O);
+          q.O.topRows(pr.bad) = O2.topRows(pr.bad);
+        } else if (pr.twin && tk == twin_kind::kv && c0 < cfg.K) {
+          // the map's M columns (zero values) from the twin, its N columns as they are
+          index_t const m = std::min(c1, cfg.K) - c0, w = c1 - c0;
+          mat<R> Sm = q.S.leftCols(m), Vm = mat<R>::Zero(pr.c, m);
+          chunk_forward(*pr.twin, Vm, Sm, static_cast<mat<R>*>(nullptr));
+          if (m < w) {
+            mat<R> Sn = q.S.rightCols(w - m), Vn = q.Vc.rightCols(w - m);
+            chunk_forward(pr, Vn, Sn, static_cast<mat<R>*>(nullptr));
+            q.S.rightCols(w - m) = Sn;
+          }
+          q.S.leftCols(m) = Sm;
+        } else {
+          chunk_forward(pr, q.Vc, q.S, emit ? &q.O : nullptr);
+        }
         if (emit) (*emit)(pr.t0, c0, q.O);
       },
       [](index_t, index_t) {});
@@ -135,6 +164,7 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
   index_t const ns = pipeline_parts(par, V);
   std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch))), scratch(static_cast<std::size_t>(par.size()));
   std::vector<std::vector<chunk_acc<R>>> acc(static_cast<std::size_t>(ns), std::vector<chunk_acc<R>>(pres.size()));
+  std::vector<std::vector<chunk_acc<R>>> acc2 = acc;  // the twins' (chunks with a non-finite k or v)
   struct part {
     mat<R> dS, Vc, dOc, dVc, Sc;
   };
@@ -147,7 +177,7 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
       par, nch, ns, static_cast<index_t>(pres.size()),
       [&](index_t s, index_t k, index_t worker) {
         index_t t0 = (nch - 1 - s) * C;
-        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker]);
+        make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker], true, twin_kind::kv);
         pres[k].take(scratch[worker]);
       },
       [&](index_t p, index_t s, index_t k) {
@@ -158,12 +188,25 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
         load_cols(hv.v, pr.t0, pr.c, c0, c1 - c0, q.Vc);
         load_cols(dO, pr.t0, pr.c, c0, c1 - c0, q.dOc);
         q.Sc = states[nch - 1 - s].middleCols(c0, c1 - c0);
+        if (pr.twin) {
+          // The twin's parameter-gradient sums; its dV and state gradient equal the chunk's
+          // before `bad` (neither reads k or v of later tokens), so only those are kept.
+          mat<R> dS2 = q.dS, dV2, V2 = pr.tv.middleCols(c0, c1 - c0);
+          acc2[p][k].reset(pr.c, K);
+          chunk_backward(*pr.twin, V2, q.Sc, dS2, q.dOc, dV2, acc2[p][k]);
+        }
         chunk_backward(pr, q.Vc, q.Sc, q.dS, q.dOc, q.dVc, acc[p][k]);
         store_cols(g.dv, pr.t0, c0, q.dVc);
       },
       [&](index_t, index_t k) {
         for (index_t p = 1; p < ns; ++p) acc[0][k].add(acc[p][k]);
-        chunk_param_grads<T, R>(pres[k], acc[0][k], g.dq, g.dk, g.da, g.db, g.dgk);
+        if (pres[k].twin) {
+          for (index_t p = 1; p < ns; ++p) acc2[0][k].add(acc2[p][k]);
+          chunk_param_grads<T, R>(*pres[k].twin, acc2[0][k], g.dq, g.dk, g.da, g.db, g.dgk, 0, pres[k].bad);
+          chunk_param_grads<T, R>(pres[k], acc[0][k], g.dq, g.dk, g.da, g.db, g.dgk, pres[k].bad, pres[k].c);
+        } else {
+          chunk_param_grads<T, R>(pres[k], acc[0][k], g.dq, g.dk, g.da, g.db, g.dgk);
+        }
       });
   for (index_t p = 0; p < ns; ++p) {
     auto [c0, c1] = col_range(V, ns, p);
@@ -235,7 +278,7 @@ template <class T, class R, class Par>
 void head_forward_values(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, mat<R>& S, tensor_view<T, 2> const& o) {
   auto load = [&](index_t t0, index_t c, index_t c0, index_t w, mat<R>& m) { load_cols(hv.v, t0, c, c0, w, m); };
   auto emit = [&](index_t t0, index_t c0, mat<R> const& O) { store_cols(o, t0, c0, O); };
-  head_forward<T, R>(par, hv, cfg, cfg.V, S, load, &emit, nullptr);
+  head_forward<T, R>(par, hv, cfg, cfg.V, S, load, &emit, nullptr, twin_kind::outputs);
 }
 
 // The affine map of a whole span: [M | N] = run the homogeneous recurrence from [I | 0] with
@@ -252,7 +295,7 @@ void head_map(Par const& par, head_views<T> const& hv, head_cfg<R> const& cfg, m
       for (index_t j = lo; j < hi; ++j) m(r, j - c0) = R(hv.v(t0 + r, j - K));
   };
   using E = void (*)(index_t, index_t, mat<R> const&);
-  head_forward<T, R>(par, hv, cfg, K + V, MN, load, static_cast<E*>(nullptr), nullptr);
+  head_forward<T, R>(par, hv, cfg, K + V, MN, load, static_cast<E*>(nullptr), nullptr, twin_kind::kv);
 }
 
 // The transposed map of a span: [Mt | G] with dS_in = Mt dS_out + G(dO).

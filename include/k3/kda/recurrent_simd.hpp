@@ -11,6 +11,7 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 #include <xsimd/xsimd.hpp>
@@ -144,8 +145,8 @@ struct forward_prefetcher {
 };
 
 // Smallest cumulative decay a block may reach (and the inverse of the largest): S~ = S / A
-// grows like 1 / A, so this bounds it (float: 1 / A <= 2^40, far from overflow for any
-// sensible input); a block ends when a row's A would leave [thr, 1 / thr].
+// grows like 1 / A, so this bounds it (float: 1 / A <= 2^40); a block ends when a row's A
+// would leave [thr, 1 / thr]. A large state raises thr (block_floors).
 template <class Acc>
 constexpr Acc block_decay_floor() noexcept {
   if constexpr (sizeof(Acc) >= 8)
@@ -154,19 +155,74 @@ constexpr Acc block_decay_floor() noexcept {
     return Acc(0x1p-40);
 }
 
+// Per-token floors of the block decay that keep S~ = S / A finite. With 1 / A up to 2^40
+// (2^80 in double), S~ overflows once |S| passes ~3e26 in float (~1.5e284 in double) although
+// S itself is far from overflow. F bounds ||S_t||_F (a row of S~ is at most F / A):
+//   S_t = (I - b k k^T) diag(a) S_{t-1} + b k v^T
+//   =>  F_t = max(1, |1 - b |k|^2|) max(1, max a) F_{t-1} + |b| |k| |v|
+// (the decay is not credited: the bound grows by at most |b| |k| |v| per token, which for
+// any sensible input stays below 2^72, so the floor stays block_decay_floor; once F passes
+// that, the floor is F 2^16 / max(), up to 1 (every token its own block, the direct
+// recurrence), so S~ stays 2^16 below overflow. NaN or overflow in the bound: floor 1.
+// F depends on tokens up to t only, so the floors keep the forward exactly causal.
+// kk, aa: [nt][ks] (k, e^g); vv: [nt][V]; bb: beta. F in: the bound before token 0; returned:
+// after the last token.
+template <class Arch, class Acc>
+double block_floors(index_t K, index_t ks, index_t V, index_t nt, Acc const* kk, Acc const* aa, Acc const* vv, Acc const* bb, double F,
+                    Acc* fl) noexcept {
+  using batch = xsimd::batch<Acc, Arch>;
+  constexpr index_t L = index_t(batch::size);
+  index_t const V0 = V / L * L;
+  batch const one(Acc(1));
+  double const big = double(std::numeric_limits<Acc>::max()), lim = big * 0x1p-16 * double(block_decay_floor<Acc>());
+  for (index_t t = 0; t < nt; ++t) {
+    batch sk(Acc(0)), sv(Acc(0));
+    auto grow = one > one;  // any e^g > 1 (NaN ignored; the padding is 1)
+    for (index_t d = 0; d < ks; d += L) {  // padding: k = 0, a = 1
+      batch const x = batch::load_unaligned(kk + t * ks + d);
+      sk = xsimd::fma(x, x, sk);
+      grow = grow | (batch::load_unaligned(aa + t * ks + d) > one);
+    }
+    for (index_t e = 0; e < V0; e += L) {
+      batch const x = batch::load_unaligned(vv + t * V + e);
+      sv = xsimd::fma(x, x, sv);
+    }
+    double const kn2 = double(::k3::simd::reduce_add(sk));
+    double vn2 = double(::k3::simd::reduce_add(sv));
+    for (index_t e = V0; e < V; ++e) vn2 += double(vv[t * V + e]) * double(vv[t * V + e]);
+    double const b = double(bb[t]);
+    double rho = std::max(1.0, std::abs(1 - b * kn2));
+    if (xsimd::any(grow)) {
+      double am = 1;
+      for (index_t d = 0; d < K; ++d) am = std::max(am, double(aa[t * ks + d]));
+      rho *= am;
+    }
+    F = rho * F + std::abs(b) * std::sqrt(kn2 * vn2);
+    if (F <= lim) {
+      fl[t] = block_decay_floor<Acc>();
+    } else {
+      double const r = F * 0x1p16 / big;  // NaN: 1
+      fl[t] = r < 1 ? Acc(r) : Acc(1);
+    }
+  }
+  return F;
+}
+
 // The per-token vectors of a buffer of nt tokens (rows of ks >= K values, ks a multiple of the
 // batch size, the padding neutral: q = k = 0, a = 1), shared by all slices. In: qs = scale q,
-// kk = k, aa = e^g. Out: kt = k / A, qt = A qs, pt = A k (k at a block start), ct = the decay a
-// block start applies to the stored state (a_t times the previous block's final A), start.
+// kk = k, aa = e^g, fl = the floors of the block decay (block_floors). Out: kt = k / A,
+// qt = A qs, pt = A k (k at a block start), ct = the decay a block start applies to the stored
+// state (a_t times the previous block's final A), start.
 // A (ks values) is the cumulative decay of the current block up to the previous token; it
 // carries from one buffer to the next (every buffer's token 0 starts a block).
 template <class Arch, class Acc>
-void recurrent_token_vectors(index_t ks, index_t nt, Acc const* qs, Acc const* kk, Acc const* aa, Acc* kt, Acc* qt, Acc* pt, Acc* ct,
-                             unsigned char* start, Acc* A, Acc* An) noexcept {
+void recurrent_token_vectors(index_t ks, index_t nt, Acc const* qs, Acc const* kk, Acc const* aa, Acc const* fl, Acc* kt, Acc* qt, Acc* pt,
+                             Acc* ct, unsigned char* start, Acc* A, Acc* An) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
-  batch const lo(block_decay_floor<Acc>()), hi(Acc(1) / block_decay_floor<Acc>()), one(Acc(1));
+  batch const one(Acc(1));
   for (index_t t = 0; t < nt; ++t) {
+    batch const lo(fl[t]), hi(Acc(1) / fl[t]);
     Acc const *q = qs + t * ks, *k = kk + t * ks, *a = aa + t * ks;
     Acc *kto = kt + t * ks, *qto = qt + t * ks, *pto = pt + t * ks, *cto = ct + t * ks;
     bool in_block = t > 0;
@@ -231,12 +287,16 @@ void recurrent_forward_simd_group(problem const& p, forward_args<In, S> const& a
   avec A(std::size_t(gh * ks), Acc(1)), An(static_cast<std::size_t>(ks));  // A: per head of the group
   std::vector<Acc> vv(std::size_t(TB * V)), ob(vv.size()), bb(static_cast<std::size_t>(TB)), row(static_cast<std::size_t>(V));
   std::vector<unsigned char> start(static_cast<std::size_t>(TB));
+  std::vector<Acc> fl(static_cast<std::size_t>(TB));  // floors of the block decay per token
+  std::vector<double> F(static_cast<std::size_t>(gh), 0.0);  // per head: bound on ||S||_F (block_floors)
   for (index_t j = 0; j < gh; ++j)
     for (index_t d = 0; d < K; ++d) {
       if (present(a.h0))
         load_row(&a.h0(n, hv0 + j, d, 0), row.data(), V);
       else
         std::fill(row.begin(), row.end(), Acc(0));
+      for (index_t e = 0; e < V; ++e) F[std::size_t(j)] += double(row[std::size_t(e)]) * double(row[std::size_t(e)]);
+      if (d + 1 == K) F[std::size_t(j)] = std::sqrt(F[std::size_t(j)]);
       for (index_t s = 0; s < ns; ++s) std::copy(row.begin() + s * W, row.begin() + (s + 1) * W, st.begin() + j * hs + (s * K + d) * W);
     }
   Acc const scale = static_cast<Acc>(p.scale);
@@ -259,7 +319,8 @@ void recurrent_forward_simd_group(problem const& p, forward_args<In, S> const& a
         bb[std::size_t(t)] = load_as<Acc>(a.beta(b, t0 + t, hv));
       }
       Acc* Aj = A.data() + j * ks;
-      recurrent_token_vectors<Arch>(ks, nt, qs, kk, aa, kt, qt, pt, ct, start.data(), Aj, An.data());
+      F[std::size_t(j)] = block_floors<Arch>(K, ks, V, nt, kk, aa, vv.data(), bb.data(), F[std::size_t(j)], fl.data());
+      recurrent_token_vectors<Arch>(ks, nt, qs, kk, aa, fl.data(), kt, qt, pt, ct, start.data(), Aj, An.data());
       // next unit: the next head on this buffer, or the group's first head on the next buffer
       index_t const nhv = j + 1 < gh ? hv + 1 : hv0, nt0 = j + 1 < gh ? t0 : t0 + nt;
       forward_prefetcher<In, S> pf{&p, &a, b, nhv / p.G, nhv, nt0, std::clamp<index_t>(eos - nt0, 0, TB), ns * nt};
