@@ -16,6 +16,7 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
+#include "k3/backend/cpu/simd.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
 
