@@ -80,8 +80,7 @@ inline void exp_rows(Block&& b) {
 // Log decays below this one are "large" (a hard reset, a document boundary): a chunk holding
 // one keeps them apart from the rest of its gate cumsum (split_gate_cumsum). Any value would
 // be exact; this one leaves smooth gates (and the lower-bounded gate, g >= -5) on the plain
-// path while e^g is below the float rounding unit, so large decays matter little to the
-// products anyway.
+// path, and a factor across a large decay is at most e^{-16} = 1.1e-7, the float epsilon.
 template <class Acc>
 inline constexpr Acc split_log_decay() noexcept {
   return Acc(-16);
