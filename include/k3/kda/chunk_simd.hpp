@@ -244,8 +244,6 @@ constexpr index_t padded_v(index_t V) noexcept {
   return (V + L - 1) / L * L;
 }
 
-// Per-chunk state-independent operands for the simd path, built from the loaded workspace
-// (Q, Kc, G, beta) after chunk_intra and chunk_inverse.
 // Row r of a split chunk (chunk.hpp split_gate_cumsum): eg = e^{G_r + H_r} and
 // egd = e^{(G_last - G_r) + (H_last - H_r)}.
 template <class Arch, class Acc>
@@ -270,6 +268,8 @@ void chunk_decay_row(chunk_workspace<Acc> const& w, index_t c, Acc* decay) noexc
   exp_row<Arch>(decay, decay, w.K);
 }
 
+// Per-chunk state-independent operands for the simd path, built from the loaded workspace
+// (Q, Kc, G, beta) after chunk_intra and chunk_inverse.
 template <class Arch, class Acc>
 struct chunk_simd_operands {
   using Mat = typename chunk_workspace<Acc>::Mat;
