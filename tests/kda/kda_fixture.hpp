@@ -14,7 +14,10 @@
 
 namespace k3::test {
 
-enum class gate_kind { logsigmoid, resets, lower_bound };
+// resets: 3% of the (token, head, channel) log decays are hard resets; token_resets: a
+// fraction reset_fraction of the (token, value head) rows reset on every channel (a document
+// boundary inside packed data).
+enum class gate_kind { logsigmoid, resets, lower_bound, token_resets };
 
 struct kda_case {
   index_t B = 1, T = 16, H = 1, HV = 1, K = 16, V = 16;
@@ -23,6 +26,7 @@ struct kda_case {
   gate_kind gate = gate_kind::logsigmoid;
   double lb = -5;
   double reset = -1000;  // the log decay of a hard reset (gate_kind::resets): -1000, -1e8, -inf
+  double reset_fraction = 0.1;  // gate_kind::token_resets
   std::uint64_t seed = 1;
   index_t N() const { return cu.empty() ? B : index_t(cu.size()) - 1; }
 };
@@ -53,12 +57,16 @@ inline kda_data64 make_data(kda_case const& c) {
   d.v.resize(std::size_t(BT * c.HV * c.V));
   for (auto& x : d.v) x = nd(rng);
   d.g.resize(std::size_t(BT * c.HV * c.K));
-  for (auto& x : d.g) {
+  bool row_reset = false;
+  for (std::size_t i = 0; i < d.g.size(); ++i) {
+    double& x = d.g[i];
+    if (c.gate == gate_kind::token_resets && i % std::size_t(c.K) == 0) row_reset = ud(rng) < c.reset_fraction;
     double z = nd(rng);
     switch (c.gate) {
       case gate_kind::logsigmoid: x = -std::log1p(std::exp(-z)) / 4; break;
       case gate_kind::resets: x = ud(rng) < 0.03 ? c.reset : -std::log1p(std::exp(-z)) / 4; break;
       case gate_kind::lower_bound: x = ud(rng) < 0.1 ? c.lb : c.lb / (1 + std::exp(-z)); break;
+      case gate_kind::token_resets: x = row_reset ? c.reset : -std::log1p(std::exp(-z)) / 4; break;
     }
   }
   d.beta.resize(std::size_t(BT * c.HV));

@@ -116,6 +116,77 @@ TEST_CASE("chunked equals serial in double: varlen, resets, lower-bound gate") {
   check_chunk_vs_serial({.B = 1, .T = 65, .H = 1, .HV = 1, .K = 16, .V = 16, .gate = gate_kind::lower_bound, .lb = -0.5, .seed = 37});
 }
 
+// Chunks with a hard reset keep the large log decays in a separate cumsum (chunk.hpp
+// split_gate_cumsum); the others keep the single one. Here only chunk 1 of 3 has resets: one
+// whole token, one token on half the channels, and one right at the chunk's last row (the
+// decay of the whole chunk); chunks 0 and 2 run the plain arithmetic next to it.
+TEST_CASE("a chunk with resets between chunks without") {
+  double const inf = std::numeric_limits<double>::infinity();
+  kda_case c{.B = 1, .T = 180, .H = 1, .HV = 2, .K = 32, .V = 24, .seed = 45};
+  kda_data64 base = make_data(c);
+  auto with_resets = [&](double reset) {
+    kda_data64 d = base;
+    for (index_t hv = 0; hv < c.HV; ++hv)
+      for (index_t i = 0; i < c.K; ++i) {
+        d.g[std::size_t((70 * c.HV + hv) * c.K + i)] = reset;
+        if (i % 2 == 0) d.g[std::size_t((100 * c.HV + hv) * c.K + i)] = reset;
+        if (hv == 1) d.g[std::size_t((127 * c.HV + hv) * c.K + i)] = reset;
+      }
+    return d;
+  };
+  kda_data64 const d = with_resets(-1000);
+  typed_data<double> td(d);
+  auto rf = run_forward(td, kda::algorithm::recurrent);
+  auto rb = run_backward(td, kda::algorithm::recurrent);
+  auto check_grads = [&](bwd_result const& x, double tol) {
+    CHECK(rel_rms(rb.dq, x.dq) < tol);
+    CHECK(rel_rms(rb.dk, x.dk) < tol);
+    CHECK(rel_rms(rb.dv, x.dv) < tol);
+    CHECK(rel_rms(rb.dg, x.dg) < tol);
+    CHECK(rel_rms(rb.dbeta, x.dbeta) < tol);
+    CHECK(rel_rms(rb.dh0, x.dh0) < tol);
+  };
+  auto each_backend = [&](auto&& f) {
+    f(cpu::serial{});
+    f(cpu::simd<>{});
+    f(cpu::threads<>(2));
+  };
+  // exact in double on every path
+  each_backend([&](auto const& be) {
+    auto f = run_forward(td, kda::algorithm::chunk, be);
+    CHECK(rel_rms(rf.o, f.o) < 1e-12);
+    CHECK(rel_rms(rf.ht, f.ht) < 1e-12);
+    check_grads(run_backward(td, kda::algorithm::chunk, be), 1e-12);
+  });
+  // float against the double reference, and the reset chunk's outputs and the next chunk's
+  // depend on a reset through e^g = 0 only: -1000, -1e8 and -inf give the same bits
+  typed_data<float> tf(d), tf8(with_resets(-1e8)), tfi(with_resets(-inf));
+  each_backend([&](auto const& be) {
+    auto f = run_forward(tf, kda::algorithm::chunk, be);
+    CHECK(rel_rms(rf.o, f.o) < 1e-6);
+    CHECK(rel_rms(rf.ht, f.ht) < 1e-6);
+    auto b = run_backward(tf, kda::algorithm::chunk, be);
+    check_grads(b, 1e-5);
+    for (auto const* t : {&tf8, &tfi}) {
+      auto f2 = run_forward(*t, kda::algorithm::chunk, be);
+      CHECK(f2.o == f.o);
+      CHECK(f2.ht == f.ht);
+      auto b2 = run_backward(*t, kda::algorithm::chunk, be);
+      CHECK(b2.dq == b.dq);
+      CHECK(b2.dk == b.dk);
+      CHECK(b2.dv == b.dv);
+      CHECK(b2.dbeta == b.dbeta);
+      CHECK(b2.dh0 == b.dh0);
+    }
+  });
+  // chunk 0 (no reset) is computed exactly as without the resets of chunk 1
+  typed_data<float> t0(base);
+  each_backend([&](auto const& be) {
+    auto f = run_forward(tf, kda::algorithm::chunk, be), f0 = run_forward(t0, kda::algorithm::chunk, be);
+    for (std::size_t i = 0; i < std::size_t(64 * c.HV * c.V); ++i) REQUIRE(f.o[i] == f0.o[i]);
+  });
+}
+
 TEST_CASE("saved states in float: bitwise equal gradients, grouped heads, varlen, padded V") {
   for (kda_case c : {kda_case{.B = 1, .T = 200, .H = 2, .HV = 4, .K = 60, .V = 40, .cu = {0, 0, 1, 70, 130, 200},
                               .gate = gate_kind::lower_bound, .lb = -5, .seed = 38},
@@ -173,7 +244,7 @@ TEST_CASE("empty sequences pass the initial state through") {
 // Changing tokens after t must not change outputs or gradients at or before t (fla #1240):
 // compared bit for bit, for both diagonal-tile paths, with the cut inside a sub-chunk.
 TEST_CASE("prefix invariance (bitwise)") {
-  for (gate_kind gk : {gate_kind::logsigmoid, gate_kind::lower_bound}) {
+  for (gate_kind gk : {gate_kind::logsigmoid, gate_kind::lower_bound, gate_kind::token_resets}) {
     for (index_t cut : {3, 37, 70}) {
       kda_case c{.B = 1, .T = 75, .H = 1, .HV = 1, .K = 16, .V = 8, .dht = false, .gate = gk, .seed = 50};
       kda_data64 a = make_data(c);
@@ -199,6 +270,12 @@ TEST_CASE("prefix invariance (bitwise)") {
           typed_data<T> ta(a), tb(b);
           auto fa = run_forward(ta, kda::algorithm::chunk), fb = run_forward(tb, kda::algorithm::chunk);
           for (std::size_t i = 0; i < std::size_t(cut * c.HV * c.V); ++i) REQUIRE(fa.o[i] == fb.o[i]);
+          // the simd paths too (with resets after the cut a chunk may be split in one run only)
+          auto sa = run_forward(ta, kda::algorithm::chunk, cpu::simd<>{}), sb = run_forward(tb, kda::algorithm::chunk, cpu::simd<>{});
+          for (std::size_t i = 0; i < std::size_t(cut * c.HV * c.V); ++i) REQUIRE(sa.o[i] == sb.o[i]);
+          auto ha = run_backward(ta, kda::algorithm::chunk, cpu::simd<>{}), hb = run_backward(tb, kda::algorithm::chunk, cpu::simd<>{});
+          for (std::size_t i = 0; i < std::size_t(cut * c.HV * c.K); ++i) REQUIRE(ha.dg[i] == hb.dg[i]);
+          for (std::size_t i = 0; i < std::size_t(cut * c.H * c.K); ++i) REQUIRE(ha.dk[i] == hb.dk[i]);
           auto ga = run_backward(ta, kda::algorithm::chunk), gb = run_backward(tb, kda::algorithm::chunk);
           // Gradients at tokens before the cut see later tokens only through do (zeroed) and
           // the state path, which carries no gradient without dht and later do.

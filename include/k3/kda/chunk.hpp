@@ -39,13 +39,17 @@ struct chunk_workspace {
   index_t K, V;
   Mat Q, Kc, G, Vc, Aqk, KK, A, Qe, Ke, Kd, R, B, U, O, S, tmpK, tmpK2, tmpV;
   Mat EI, Qa, Ka, EJ, Kb;
+  // A chunk with a log decay below split_log_decay() (split_gate_cumsum): G holds the cumsum
+  // of the other log decays, H the cumsum of those (see split_gate_cumsum).
+  Mat H;
+  bool split = false;
   Vec beta;
   // backward
   Mat dO, dU, dAqk, dKK, dB, dA, dQ, dK, dG, dR, dQa, dKa, dKb, dS, dSn;
 
   chunk_workspace(index_t K_, index_t V_, bool backward) : K(K_), V(V_) {
     index_t const C = chunk_size, s = sub_chunk;
-    for (Mat* m : {&Q, &Kc, &G, &Qe, &Ke, &Kd, &tmpK, &tmpK2}) m->resize(C, K);
+    for (Mat* m : {&Q, &Kc, &G, &H, &Qe, &Ke, &Kd, &tmpK, &tmpK2}) m->resize(C, K);
     for (Mat* m : {&Vc, &R, &B, &U, &O, &tmpV}) m->resize(C, V);
     for (Mat* m : {&Aqk, &KK, &A}) m->resize(C, C);
     for (Mat* m : {&EI, &Qa, &Ka, &EJ, &Kb}) m->resize(s, K);
@@ -73,15 +77,76 @@ inline void exp_rows(Block&& b) {
   }
 }
 
+// Log decays below this one are "large" (a hard reset, a document boundary): a chunk holding
+// one keeps them apart from the rest of its gate cumsum (split_gate_cumsum). Any value would
+// be exact; this one leaves smooth gates (and the lower-bounded gate, g >= -5) on the plain
+// path, and a factor across a large decay is at most e^{-16} = 1.1e-7, the float epsilon.
+template <class Acc>
+inline constexpr Acc split_log_decay() noexcept {
+  return Acc(-16);
+}
+
 // Row r of the chunk-local gate cumsum G from the gate row g (K values) and row r - 1 (null for
 // the chunk's first row). Hard resets are clamped first (core/math.hpp full_decay_log): e^g is
-// already 0 there, and the cumsum stays finite and small. Every chunked path loads G here.
+// already 0 there, and the cumsum stays finite. Every chunked path loads G here. Returns
+// whether the row holds a log decay below split_log_decay(): the chunk then has to be
+// reloaded by split_gate_cumsum.
 template <class Acc, class In>
-inline void load_gate_cumsum_row(In const* g, Acc* G, Acc const* G_prev, index_t K) noexcept {
+inline bool load_gate_cumsum_row(In const* g, Acc* G, Acc const* G_prev, index_t K) noexcept {
   load_row(g, G, K);
-  for (index_t d = 0; d < K; ++d) G[d] = ::k3::detail::clamp_log_decay(G[d]);
+  bool large = false;
+  for (index_t d = 0; d < K; ++d) {
+    G[d] = ::k3::detail::clamp_log_decay(G[d]);
+    large |= G[d] < split_log_decay<Acc>();
+  }
   if (G_prev)
     for (index_t d = 0; d < K; ++d) G[d] += G_prev[d];
+  return large;
+}
+
+// Accuracy with hard resets. Every factor is e^{G_i - G_j} (i >= j) from the rounded G, so
+// its exponent is off by about |G| u (u the unit roundoff), however small G_i - G_j is. A
+// reset inside a chunk makes |G| >= 112 (full_decay_log) for the rest of the chunk, and in
+// float that alone cost 1e-5 relative RMS at T = 8192 with 10% reset tokens, while the pairs
+// that matter (no reset between i and j) have small exponents. So a chunk holding a log
+// decay below split_log_decay() keeps two cumsums per channel: H of the large log decays
+// (clamped) and G of the others. An exponent is (G_i - G_j) + (H_i - H_j): for a pair with no
+// large decay between them H_i and H_j are the same float, their difference is exactly 0 and
+// the exponent is as accurate as in a chunk without resets; across a large decay the factor
+// is below e^{-16} and the error of its exponent is too small to matter (e^{-16} |H| u).
+// Factors from the chunk start, e^{G_i + H_i}, carry an absolute error of the same size.
+// Chunks without a large decay (every chunk of the lower-bounded gate) keep the single
+// cumsum and their arithmetic bit for bit; the split ones run the pairwise diagonal tiles.
+template <class Acc, class In>
+void split_gate_cumsum(Acc* G, Acc* H, index_t ld, In const* g, index_t g_row_stride, index_t c, index_t K) noexcept {
+  Acc const t = split_log_decay<Acc>();
+  for (index_t r = 0; r < c; ++r) {
+    Acc* Gr = G + r * ld;
+    Acc* Hr = H + r * ld;
+    load_row(g + r * g_row_stride, Gr, K);
+    for (index_t d = 0; d < K; ++d) {
+      Acc const x = ::k3::detail::clamp_log_decay(Gr[d]);
+      bool const large = x < t;
+      Acc const hp = r > 0 ? Hr[d - ld] : Acc(0), gp = r > 0 ? Gr[d - ld] : Acc(0);
+      Hr[d] = large ? hp + x : hp;
+      Gr[d] = large ? gp : gp + x;
+    }
+  }
+}
+
+// The lower bound a chunk's tiles may use: none for a split chunk (its G is not the full
+// cumsum; a valid lower-bounded gate never has one).
+template <class Acc>
+inline std::optional<double> chunk_lower_bound(chunk_workspace<Acc> const& w, std::optional<double> lb) noexcept {
+  return w.split ? std::nullopt : lb;
+}
+
+// E (m rows) = G_n - G_{r0..r0+m} per channel (row n not before the rows), H added for a
+// split chunk.
+template <class Acc, class E>
+inline void log_decay_from(chunk_workspace<Acc> const& w, E&& e, index_t r0, index_t m, index_t n) {
+  e = (-w.G.middleRows(r0, m)).rowwise() + w.G.row(n);
+  if (w.split) e += (-w.H.middleRows(r0, m)).rowwise() + w.H.row(n);
 }
 
 // Loads chunk rows [t0, t0+c) of sequence batch row b, heads h (q/k) and hv, and the gate cumsum.
@@ -91,13 +156,16 @@ void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view
   // v has V = v.extent(3) columns; the workspace may be wider (chunk_simd.hpp pads V to the
   // vector width, and those columns must stay zero).
   index_t const K = w.K, V = v.extent(3);
+  bool large = false;
   for (index_t r = 0; r < c; ++r) {
     load_row(&q(b, t0 + r, h, 0), w.Q.row(r).data(), K);
     load_row(&k(b, t0 + r, h, 0), w.Kc.row(r).data(), K);
     load_row(&v(b, t0 + r, hv, 0), w.Vc.row(r).data(), V);
-    load_gate_cumsum_row(&g(b, t0 + r, hv, 0), w.G.row(r).data(), r > 0 ? w.G.row(r - 1).data() : nullptr, K);
+    large |= load_gate_cumsum_row(&g(b, t0 + r, hv, 0), w.G.row(r).data(), r > 0 ? w.G.row(r - 1).data() : nullptr, K);
     w.beta(r) = load_as<Acc>(beta(b, t0 + r, hv));
   }
+  w.split = large;
+  if (large) split_gate_cumsum(w.G.data(), w.H.data(), w.G.cols(), &g(b, t0, hv, 0), g.stride(1), c, K);
 }
 
 // Aqk (lower, diagonal included) and KK (strictly lower) of a chunk of c rows.
@@ -136,6 +204,7 @@ void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<do
     if (i0 > 0) {
       auto EI = w.EI.topRows(ci);
       EI = GI.rowwise() - Gn;
+      if (w.split) EI += w.H.middleRows(i0, ci).rowwise() - w.H.row(i0);
       exp_rows(EI);
       w.Qa.topRows(ci).array() = w.Q.middleRows(i0, ci).array() * EI.array();
       w.Ka.topRows(ci).array() = w.Kc.middleRows(i0, ci).array() * EI.array();
@@ -143,6 +212,7 @@ void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<do
       for (index_t j0 = 0; j0 < i0; j0 += BC) {
         auto GJ = w.G.middleRows(j0, BC);
         EJ = (-GJ).rowwise() + Gn;
+        if (w.split) EJ += (-w.H.middleRows(j0, BC)).rowwise() + w.H.row(i0);
         exp_rows(EJ);
         w.Kb.array() = w.Kc.middleRows(j0, BC).array() * EJ.array();
         w.Aqk.block(i0, j0, ci, BC).noalias() = scale * w.Qa.topRows(ci) * w.Kb.transpose();
@@ -167,7 +237,7 @@ void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<do
         index_t const m = i - i0 + 1;
         auto Kt = w.Kb.topRows(m);
         auto E = w.EJ.topRows(m);
-        E = (-w.G.middleRows(i0, m)).rowwise() + w.G.row(i);
+        log_decay_from(w, E, i0, m, i);
         exp_rows(E);
         Kt.array() = w.Kc.middleRows(i0, m).array() * E.array();
         w.Aqk.row(i).segment(i0, m).noalias() = scale * (Kt * w.Q.row(i).transpose()).transpose();
@@ -200,10 +270,14 @@ void chunk_gates(chunk_workspace<Acc>& w, index_t c) {
   auto G = w.G.topRows(c);
   auto gl = w.G.row(c - 1);
   w.tmpK.topRows(c) = G;
+  if (w.split) w.tmpK.topRows(c) += w.H.topRows(c);
   exp_rows(w.tmpK.topRows(c));  // e^G
   w.Qe.topRows(c).array() = w.Q.topRows(c).array() * w.tmpK.topRows(c).array();
   w.Ke.topRows(c).array() = w.Kc.topRows(c).array() * w.tmpK.topRows(c).array();
-  w.tmpK2.topRows(c) = (-G).rowwise() + gl;
+  if (w.split)
+    log_decay_from(w, w.tmpK2.topRows(c), 0, c, c - 1);
+  else
+    w.tmpK2.topRows(c) = (-G).rowwise() + gl;
   exp_rows(w.tmpK2.topRows(c));  // e^{G_last - G}
   w.Kd.topRows(c).array() = w.Kc.topRows(c).array() * w.tmpK2.topRows(c).array();
 }
@@ -221,9 +295,16 @@ void chunk_prepare(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<
   w.U.topRows(c).noalias() = w.A.topLeftCorner(c, c) * w.B.topRows(c);
 }
 
+// e^{G_last}: the decay over the whole chunk, per channel.
+template <class Acc>
+typename chunk_workspace<Acc>::Vec chunk_decay(chunk_workspace<Acc> const& w, index_t c) {
+  if (w.split) return (w.G.row(c - 1) + w.H.row(c - 1)).transpose().array().exp();
+  return w.G.row(c - 1).transpose().array().exp();
+}
+
 template <class Acc>
 void chunk_state_update(chunk_workspace<Acc>& w, index_t c) {
-  typename chunk_workspace<Acc>::Vec dl = w.G.row(c - 1).transpose().array().exp();
+  typename chunk_workspace<Acc>::Vec dl = chunk_decay(w, c);
   w.S = dl.asDiagonal() * w.S;
   w.S.noalias() += w.Kd.topRows(c).transpose() * w.U.topRows(c);
 }
@@ -262,7 +343,7 @@ void chunk_forward_task(problem const& p, forward_args<In, S> const& a, index_t 
   for (index_t t0 = bos; t0 < eos; t0 += chunk_size) {
     index_t const c = std::min(chunk_size, eos - t0);
     load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
-    chunk_prepare(w, c, scale, p.lower_bound);
+    chunk_prepare(w, c, scale, chunk_lower_bound(w, p.lower_bound));
     if (present(a.saved)) save_chunk(w, &a.saved(hv, p.first_chunk(n) + (t0 - bos) / chunk_size, 0));
     auto O = w.O.topRows(c);
     O.noalias() = scale * w.Qe.topRows(c) * w.S;
@@ -288,6 +369,7 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
     if (i0 > 0) {
       auto EI = w.EI.topRows(ci);
       EI = GI.rowwise() - Gn;
+      if (w.split) EI += w.H.middleRows(i0, ci).rowwise() - w.H.row(i0);
       exp_rows(EI);
       auto Qa = w.Qa.topRows(ci);
       auto Ka = w.Ka.topRows(ci);
@@ -298,6 +380,7 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
       for (index_t j0 = 0; j0 < i0; j0 += BC) {
         auto GJ = w.G.middleRows(j0, BC);
         w.EJ = (-GJ).rowwise() + Gn;
+        if (w.split) w.EJ += (-w.H.middleRows(j0, BC)).rowwise() + w.H.row(i0);
         exp_rows(w.EJ);
         w.Kb.array() = w.Kc.middleRows(j0, BC).array() * w.EJ.array();
         auto dAq = w.dAqk.block(i0, j0, ci, BC);
@@ -337,7 +420,7 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
         auto E = w.EJ.topRows(m);
         auto Kt = w.Kb.topRows(m);
         auto X = w.dKb.topRows(m);
-        E = (-w.G.middleRows(i0, m)).rowwise() + w.G.row(i);
+        log_decay_from(w, E, i0, m, i);
         exp_rows(E);
         Kt.array() = w.Kc.middleRows(i0, m).array() * E.array();
         aq.head(m) = scale * w.dAqk.row(i).segment(i0, m);
@@ -380,7 +463,7 @@ void chunk_backward_task(problem const& p, backward_args<In, S> const& a, index_
       for (index_t ch = 0; ch < nch; ++ch) {
         index_t const t0 = bos + ch * chunk_size, c = std::min(chunk_size, eos - t0);
         load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
-        chunk_prepare(w, c, scale, p.lower_bound);
+        chunk_prepare(w, c, scale, chunk_lower_bound(w, p.lower_bound));
         save_chunk(w, own.data() + ch * lay.per());
         chunk_state_update(w, c);
       }
@@ -412,7 +495,10 @@ void chunk_backward_task(problem const& p, backward_args<In, S> const& a, index_
       dQ.noalias() = scale * dO * w.S.transpose();  // d(Qe) for now
       dK.noalias() = U * w.dS.transpose();          // d(Kd) for now
       // d G_last from the state decay: e^{G_last} rowsum(S .* dS).
-      dl = (w.G.row(c - 1).transpose().array().exp()) * (w.S.array() * w.dS.array()).rowwise().sum();
+      if (w.split)
+        dl = chunk_decay(w, c).array() * (w.S.array() * w.dS.array()).rowwise().sum();
+      else
+        dl = (w.G.row(c - 1).transpose().array().exp()) * (w.S.array() * w.dS.array()).rowwise().sum();
       auto dB = w.dB.topRows(c);
       dB.noalias() = A.transpose() * dU;
       auto dA = w.dA.topLeftCorner(c, c);
@@ -428,7 +514,10 @@ void chunk_backward_task(problem const& p, backward_args<In, S> const& a, index_
       dbeta.head(c) += (dKK.array() * w.KK.topLeftCorner(c, c).array()).rowwise().sum().matrix();
       dKK = w.beta.head(c).asDiagonal() * dKK;
       // state gradient for the previous chunk
-      w.dSn = (w.G.row(c - 1).transpose().array().exp()).matrix().asDiagonal() * w.dS;
+      if (w.split)
+        w.dSn = chunk_decay(w, c).asDiagonal() * w.dS;
+      else
+        w.dSn = (w.G.row(c - 1).transpose().array().exp()).matrix().asDiagonal() * w.dS;
       w.dSn.noalias() += scale * w.Qe.topRows(c).transpose() * dO;
       w.dSn.noalias() -= w.Ke.topRows(c).transpose() * dR;
       // dKe = -dR S^T; turn d(Qe), d(Ke), d(Kd) into dQ, dK, dG.
@@ -440,7 +529,7 @@ void chunk_backward_task(problem const& p, backward_args<In, S> const& a, index_
       dQ.array() *= w.tmpK.topRows(c).array();
       dK.array() = dK.array() * w.tmpK2.topRows(c).array() + dKeM.array() * w.tmpK.topRows(c).array();
       dG.row(c - 1) += dl.transpose();
-      chunk_intra_backward(w, c, scale, p.lower_bound);
+      chunk_intra_backward(w, c, scale, chunk_lower_bound(w, p.lower_bound));
       // G = cumsum(g) within the chunk: dg is the reverse cumsum of dG.
       for (index_t r = c - 1; r-- > 0;) dG.row(r) += dG.row(r + 1);
       for (index_t r = 0; r < c; ++r) {

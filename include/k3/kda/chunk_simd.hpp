@@ -244,6 +244,30 @@ constexpr index_t padded_v(index_t V) noexcept {
   return (V + L - 1) / L * L;
 }
 
+// Row r of a split chunk (chunk.hpp split_gate_cumsum): eg = e^{G_r + H_r} and
+// egd = e^{(G_last - G_r) + (H_last - H_r)}.
+template <class Arch, class Acc>
+void split_row_factors(chunk_workspace<Acc> const& w, index_t c, index_t r, Acc* eg, Acc* egd) noexcept {
+  index_t const K = w.K;
+  Acc const *G = w.G.row(r).data(), *H = w.H.row(r).data(), *gl = w.G.row(c - 1).data(), *hl = w.H.row(c - 1).data();
+  for (index_t d = 0; d < K; ++d) {
+    eg[d] = G[d] + H[d];
+    egd[d] = (gl[d] - G[d]) + (hl[d] - H[d]);
+  }
+  exp_row<Arch>(eg, eg, K);
+  exp_row<Arch>(egd, egd, K);
+}
+
+// decay = e^{G_last} (H_last added for a split chunk)
+template <class Arch, class Acc>
+void chunk_decay_row(chunk_workspace<Acc> const& w, index_t c, Acc* decay) noexcept {
+  Acc const* gl = w.G.row(c - 1).data();
+  if (!w.split) return exp_row<Arch>(gl, decay, w.K);
+  Acc const* hl = w.H.row(c - 1).data();
+  for (index_t d = 0; d < w.K; ++d) decay[d] = gl[d] + hl[d];
+  exp_row<Arch>(decay, decay, w.K);
+}
+
 // Per-chunk state-independent operands for the simd path, built from the loaded workspace
 // (Q, Kc, G, beta) after chunk_intra and chunk_inverse.
 template <class Arch, class Acc>
@@ -267,40 +291,32 @@ struct chunk_simd_operands {
     decay.assign(std::size_t(K), Acc(0));
   }
 
-  void build(chunk_workspace<Acc> const& w, index_t c, Acc scale) {
-    Acc const* gl = w.G.row(c - 1).data();
-    for (index_t r = 0; r < c; ++r) {
-      Acc const* G = w.G.row(r).data();
-      Acc* eg = EG.row(r).data();
-      Acc* egd = EGd.row(r).data();
-      exp_row<Arch>(G, eg, K);
-      for (index_t d = 0; d < K; ++d) egd[d] = gl[d] - G[d];
-      exp_row<Arch>(egd, egd, K);
-      Acc const* q = w.Q.row(r).data();
-      Acc const* k = w.Kc.row(r).data();
-      Acc* qe = QK.row(r).data();
-      Acc* ke = QK.row(c + r).data();
-      Acc* kd = Kd.row(r).data();
-      for (index_t d = 0; d < K; ++d) {
-        qe[d] = scale * q[d] * eg[d];
-        ke[d] = k[d] * eg[d];
-        kd[d] = k[d] * egd[d];
-      }
-    }
-    transpose_into(Kd.data(), c, K, K, KdT.data(), chunk_size);
-    exp_row<Arch>(gl, decay.data(), K);
-    for (index_t i = 0; i < c; ++i)
-      for (index_t j = 0; j <= i; ++j) Ab(i, j) = w.A(i, j) * w.beta(j);
-  }
-
   // What the forward needs: QK and KdT (unless chunk_intra_simd already formed them from its
   // factors, with_qk = false: its fwd_QK / fwd_KdT outputs, lower-bounded gate only),
-  // e^{G_last} and A Diag(beta). EG and EGd are left untouched.
+  // e^{G_last} and A Diag(beta). EG and EGd are left untouched, except as scratch for a
+  // split chunk.
   void build_forward(chunk_workspace<Acc> const& w, index_t c, Acc scale, bool with_qk) noexcept {
     using batch = xsimd::batch<Acc, Arch>;
     constexpr index_t L = index_t(batch::size);
     Acc const* gl = w.G.row(c - 1).data();
-    if (with_qk) {
+    if (w.split) {
+      for (index_t r = 0; r < c; ++r) {
+        Acc* eg = EG.row(r).data();
+        Acc* egd = EGd.row(r).data();
+        split_row_factors<Arch>(w, c, r, eg, egd);
+        Acc const* q = w.Q.row(r).data();
+        Acc const* k = w.Kc.row(r).data();
+        Acc* qe = QK.row(r).data();
+        Acc* ke = QK.row(c + r).data();
+        Acc* kd = Kd.row(r).data();
+        for (index_t d = 0; d < K; ++d) {
+          qe[d] = scale * q[d] * eg[d];
+          ke[d] = k[d] * eg[d];
+          kd[d] = k[d] * egd[d];
+        }
+      }
+      transpose_fast(Kd.data(), c, K, K, KdT.data(), chunk_size);
+    } else if (with_qk) {
       batch const sc(scale);
       for (index_t r = 0; r < c; ++r) {
         Acc const* G = w.G.row(r).data();
@@ -326,7 +342,7 @@ struct chunk_simd_operands {
       }
       transpose_fast(Kd.data(), c, K, K, KdT.data(), chunk_size);
     }
-    exp_row<Arch>(gl, decay.data(), K);
+    chunk_decay_row<Arch>(w, c, decay.data());
     // Only j <= i is written (the rest stays zero): the triangular kernel reads the entries
     // above the diagonal inside a row block, and they must not pick up later tokens' beta.
     Acc const* beta = w.beta.data();
@@ -664,11 +680,14 @@ bool chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
         staged_q = hq;
       }
       for (index_t r = 0; r < c; ++r) load_row(&a.v(b, t0 + r, hv, 0), Vc.row(r).data(), V);
+      bool large = false;
       for (index_t r = 0; r < c; ++r) {
         In const* g = &a.g(b, t0 + r, hv, 0);
         if (p.lower_bound) below |= row_may_be_below(g, K, lbf);
-        load_gate_cumsum_row(g, w.G.row(r).data(), r > 0 ? w.G.row(r - 1).data() : nullptr, K);
+        large |= load_gate_cumsum_row(g, w.G.row(r).data(), r > 0 ? w.G.row(r - 1).data() : nullptr, K);
       }
+      w.split = large;
+      if (large) split_gate_cumsum(w.G.data(), w.H.data(), w.G.cols(), &a.g(b, t0, hv, 0), a.g.stride(1), c, K);
       for (index_t r = 0; r < c; ++r) w.beta(r) = load_as<Acc>(a.beta(b, t0 + r, hv));
       {
         // the next (chunk, head) pair's rows
@@ -684,9 +703,10 @@ bool chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
         pf.per_call = pf.lines() / std::max<index_t>(1, tiles_of(c)) + 1;
       }
       Mat& St_ = St[std::size_t(j)];
-      intra(w, c, scale, p.lower_bound);
+      auto const lb = chunk_lower_bound(w, p.lower_bound);
+      intra(w, c, scale, lb);
       chunk_inverse_simd<Arch>(w, c);
-      op.build_forward(w, c, scale, !p.lower_bound);
+      op.build_forward(w, c, scale, !lb);
       // [scale Qe; Ke] S: rows 0..c-1 are the inter-chunk output, rows c..2c-1 Ke S.
       gemm::run(2 * c, Vp, K, op.QK.data(), K, St_.data(), Vp, P.data(), Vp, gemm::zero, nullptr, 0, pf);
       for (index_t r = 0; r < c; ++r) {

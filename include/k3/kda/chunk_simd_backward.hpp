@@ -196,6 +196,25 @@ void build_backward_operands(chunk_simd_operands<Arch, Acc>& op, chunk_workspace
   index_t const K = op.K;
   Acc const* gl = w.G.row(c - 1).data();
   batch const sc(scale);
+  if (w.split) {
+    for (index_t r = 0; r < c; ++r) {
+      Acc* eg = op.EG.row(r).data();
+      Acc* egd = op.EGd.row(r).data();
+      split_row_factors<Arch>(w, c, r, eg, egd);
+      Acc const* q = w.Q.row(r).data();
+      Acc const* k = w.Kc.row(r).data();
+      Acc* qe = op.QK.row(r).data();
+      Acc* ke = op.QK.row(c + r).data();
+      Acc* kd = op.Kd.row(r).data();
+      for (index_t d = 0; d < K; ++d) {
+        qe[d] = scale * q[d] * eg[d];
+        ke[d] = k[d] * eg[d];
+        kd[d] = k[d] * egd[d];
+      }
+    }
+    chunk_decay_row<Arch>(w, c, op.decay.data());
+    return;
+  }
   for (index_t r = 0; r < c; ++r) {
     Acc const* G = w.G.row(r).data();
     Acc const* q = w.Q.row(r).data();
@@ -289,12 +308,13 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
         index_t const cn = std::min(C, eos - t0 - c);
         prefetch_next(hv, t0 + c, cn, 0, false);
-        intra(w, c, scale, p.lower_bound);
+        auto const lb = chunk_lower_bound(w, p.lower_bound);
+        intra(w, c, scale, lb);
         prefetch_next(hv, t0 + c, cn, 1, false);
         // The forward's own per-chunk steps (chunk_forward_simd_group), so that recomputed
         // records equal saved ones bit for bit.
         chunk_inverse_simd<Arch>(w, c);
-        op.build_forward(w, c, scale, !p.lower_bound);
+        op.build_forward(w, c, scale, !lb);
         prefetch_next(hv, t0 + c, cn, 2, false);
         gemm::run(c, Vp, K, op.QK.row(c).data(), K, St.data(), Vp, P.data(), Vp);  // Ke S
         prefetch_next(hv, t0 + c, cn, 3, false);
@@ -443,7 +463,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         }
       }
       w.dG.row(c - 1) += dl.transpose();
-      intra_bwd(w, c, scale, p.lower_bound);
+      intra_bwd(w, c, scale, chunk_lower_bound(w, p.lower_bound));
       auto dG = w.dG.topRows(c);
       for (index_t r = c - 1; r-- > 0;) dG.row(r) += dG.row(r + 1);
       for (index_t r = 0; r < c; ++r) {
