@@ -24,6 +24,16 @@ void check_same_grads(bwd_result const& x, bwd_result const& y) {
   CHECK(x.dh0 == y.dh0);
 }
 
+// All six gradients of x within tol (relative RMS) of the reference r.
+void check_grads_near(bwd_result const& r, bwd_result const& x, double tol) {
+  CHECK(rel_rms(r.dq, x.dq) < tol);
+  CHECK(rel_rms(r.dk, x.dk) < tol);
+  CHECK(rel_rms(r.dv, x.dv) < tol);
+  CHECK(rel_rms(r.dg, x.dg) < tol);
+  CHECK(rel_rms(r.dbeta, x.dbeta) < tol);
+  CHECK(rel_rms(r.dh0, x.dh0) < tol);
+}
+
 void check_chunk_vs_serial(kda_case c, double tol = 1e-12) {
   kda_data64 d = make_data(c);
   typed_data<double> td(d);
@@ -33,15 +43,7 @@ void check_chunk_vs_serial(kda_case c, double tol = 1e-12) {
             << " gate=" << int(c.gate));
   CHECK(rel_rms(rf.o, cf.o) < tol);
   CHECK(rel_rms(rf.ht, cf.ht) < tol);
-  // all six gradients of x against the reference r
-  auto check_grads = [&](bwd_result const& r, bwd_result const& x) {
-    CHECK(rel_rms(r.dq, x.dq) < tol);
-    CHECK(rel_rms(r.dk, x.dk) < tol);
-    CHECK(rel_rms(r.dv, x.dv) < tol);
-    CHECK(rel_rms(r.dg, x.dg) < tol);
-    CHECK(rel_rms(r.dbeta, x.dbeta) < tol);
-    CHECK(rel_rms(r.dh0, x.dh0) < tol);
-  };
+  auto check_grads = [&](bwd_result const& r, bwd_result const& x) { check_grads_near(r, x, tol); };
   auto rb = run_backward(td, kda::algorithm::recurrent);
   auto cb = run_backward(td, kda::algorithm::chunk);
   check_grads(rb, cb);
@@ -138,14 +140,7 @@ TEST_CASE("a chunk with resets between chunks without") {
   typed_data<double> td(d);
   auto rf = run_forward(td, kda::algorithm::recurrent);
   auto rb = run_backward(td, kda::algorithm::recurrent);
-  auto check_grads = [&](bwd_result const& x, double tol) {
-    CHECK(rel_rms(rb.dq, x.dq) < tol);
-    CHECK(rel_rms(rb.dk, x.dk) < tol);
-    CHECK(rel_rms(rb.dv, x.dv) < tol);
-    CHECK(rel_rms(rb.dg, x.dg) < tol);
-    CHECK(rel_rms(rb.dbeta, x.dbeta) < tol);
-    CHECK(rel_rms(rb.dh0, x.dh0) < tol);
-  };
+  auto check_grads = [&](bwd_result const& x, double tol) { check_grads_near(rb, x, tol); };
   auto each_backend = [&](auto&& f) {
     f(cpu::serial{});
     f(cpu::simd<>{});
