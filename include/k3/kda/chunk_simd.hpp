@@ -291,6 +291,26 @@ struct chunk_simd_operands {
     decay.assign(std::size_t(K), Acc(0));
   }
 
+  // A split chunk's factors (forward and backward): EG = e^{G + H}, EGd = e^{(G_last - G) +
+  // (H_last - H)}, QK = [scale Q EG; K EG], Kd = K EGd.
+  void build_split_factors(chunk_workspace<Acc> const& w, index_t c, Acc scale) noexcept {
+    for (index_t r = 0; r < c; ++r) {
+      Acc* eg = EG.row(r).data();
+      Acc* egd = EGd.row(r).data();
+      split_row_factors<Arch>(w, c, r, eg, egd);
+      Acc const* q = w.Q.row(r).data();
+      Acc const* k = w.Kc.row(r).data();
+      Acc* qe = QK.row(r).data();
+      Acc* ke = QK.row(c + r).data();
+      Acc* kd = Kd.row(r).data();
+      for (index_t d = 0; d < K; ++d) {
+        qe[d] = scale * q[d] * eg[d];
+        ke[d] = k[d] * eg[d];
+        kd[d] = k[d] * egd[d];
+      }
+    }
+  }
+
   // What the forward needs: QK and KdT (unless chunk_intra_simd already formed them from its
   // factors, with_qk = false: its fwd_QK / fwd_KdT outputs, lower-bounded gate only),
   // e^{G_last} and A Diag(beta). EG and EGd are left untouched, except as scratch for a
@@ -300,21 +320,7 @@ struct chunk_simd_operands {
     constexpr index_t L = index_t(batch::size);
     Acc const* gl = w.G.row(c - 1).data();
     if (w.split) {
-      for (index_t r = 0; r < c; ++r) {
-        Acc* eg = EG.row(r).data();
-        Acc* egd = EGd.row(r).data();
-        split_row_factors<Arch>(w, c, r, eg, egd);
-        Acc const* q = w.Q.row(r).data();
-        Acc const* k = w.Kc.row(r).data();
-        Acc* qe = QK.row(r).data();
-        Acc* ke = QK.row(c + r).data();
-        Acc* kd = Kd.row(r).data();
-        for (index_t d = 0; d < K; ++d) {
-          qe[d] = scale * q[d] * eg[d];
-          ke[d] = k[d] * eg[d];
-          kd[d] = k[d] * egd[d];
-        }
-      }
+      build_split_factors(w, c, scale);
       transpose_fast(Kd.data(), c, K, K, KdT.data(), chunk_size);
     } else if (with_qk) {
       batch const sc(scale);

@@ -197,21 +197,7 @@ void build_backward_operands(chunk_simd_operands<Arch, Acc>& op, chunk_workspace
   Acc const* gl = w.G.row(c - 1).data();
   batch const sc(scale);
   if (w.split) {
-    for (index_t r = 0; r < c; ++r) {
-      Acc* eg = op.EG.row(r).data();
-      Acc* egd = op.EGd.row(r).data();
-      split_row_factors<Arch>(w, c, r, eg, egd);
-      Acc const* q = w.Q.row(r).data();
-      Acc const* k = w.Kc.row(r).data();
-      Acc* qe = op.QK.row(r).data();
-      Acc* ke = op.QK.row(c + r).data();
-      Acc* kd = op.Kd.row(r).data();
-      for (index_t d = 0; d < K; ++d) {
-        qe[d] = scale * q[d] * eg[d];
-        ke[d] = k[d] * eg[d];
-        kd[d] = k[d] * egd[d];
-      }
-    }
+    op.build_split_factors(w, c, scale);
     chunk_decay_row<Arch>(w, c, op.decay.data());
     return;
   }
