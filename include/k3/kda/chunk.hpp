@@ -91,17 +91,26 @@ inline constexpr Acc split_log_decay() noexcept {
 // already 0 there, and the cumsum stays finite. Every chunked path loads G here. Returns
 // whether the row holds a log decay below split_log_decay(): the chunk then has to be
 // reloaded by split_gate_cumsum.
+// One pass, written so that g++ vectorises it (the clamp as a select on a local, the flag an
+// unsigned OR tested on the unclamped value: the clamp floor is below split_log_decay()).
 template <class Acc, class In>
 inline bool load_gate_cumsum_row(In const* g, Acc* G, Acc const* G_prev, index_t K) noexcept {
-  load_row(g, G, K);
-  bool large = false;
-  for (index_t d = 0; d < K; ++d) {
-    G[d] = ::k3::detail::clamp_log_decay(G[d]);
-    large |= G[d] < split_log_decay<Acc>();
-  }
+  static_assert(::k3::detail::full_decay_log<Acc>() < split_log_decay<Acc>());
+  Acc const floor = ::k3::detail::full_decay_log<Acc>(), split = split_log_decay<Acc>();
+  unsigned large = 0;
   if (G_prev)
-    for (index_t d = 0; d < K; ++d) G[d] += G_prev[d];
-  return large;
+    for (index_t d = 0; d < K; ++d) {
+      Acc const x = load_as<Acc>(g[d]);
+      large |= unsigned(x < split);
+      G[d] = (x < floor ? floor : x) + G_prev[d];
+    }
+  else
+    for (index_t d = 0; d < K; ++d) {
+      Acc const x = load_as<Acc>(g[d]);
+      large |= unsigned(x < split);
+      G[d] = x < floor ? floor : x;
+    }
+  return large != 0;
 }
 
 // Accuracy with hard resets. Every factor is e^{G_i - G_j} (i >= j) from the rounded G, so
