@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 
+#include "k3/core/gate_cumsum.hpp"
 #include "k3/core/math.hpp"
 #include "k3/dplr/common.hpp"
 
@@ -124,6 +125,11 @@ struct chunk_pre {
   bool factored = true;
   R scale = 1;
   mat<R> q, k, a, b, gi, ge;  // raw rows and cumsums (backward)
+  // A chunk on the pairwise path that holds a log decay below split_log_decay() (a hard reset):
+  // gs is the cumsum of its other log decays, h that of those (core/gate_cumsum.hpp says why);
+  // gi and ge stay the full cumsums, for the factors from the chunk start.
+  bool split = false;
+  mat<R> gs, h;
   // Row-stacked pairs (2c x K), so that the four intra matrices come from one GEMM:
   mat<R> QA;    // [Qe; Ae] = [s q e^{gi}; a e^{ge}]
   mat<R> KB;    // [kh; bh] = [k e^{-gi}; b e^{-gi}], factored form only
@@ -147,8 +153,9 @@ struct chunk_pre {
     t0 = o.t0;
     c = o.c;
     factored = o.factored;
+    split = o.split;
     scale = o.scale;
-    for (auto m : {&chunk_pre::q, &chunk_pre::k, &chunk_pre::a, &chunk_pre::b, &chunk_pre::gi, &chunk_pre::ge, &chunk_pre::QA, &chunk_pre::KB,
+    for (auto m : {&chunk_pre::q, &chunk_pre::k, &chunk_pre::a, &chunk_pre::b, &chunk_pre::gi, &chunk_pre::ge, &chunk_pre::gs, &chunk_pre::h, &chunk_pre::QA, &chunk_pre::KB,
                    &chunk_pre::KdBd, &chunk_pre::Aqk, &chunk_pre::Aqb, &chunk_pre::Aak, &chunk_pre::Tm, &chunk_pre::P1})
       (this->*m).swap(o.*m);
     dC.swap(o.dC);
@@ -164,6 +171,18 @@ struct chunk_pre {
   auto Kd() const { return KdBd.topRows(c); }
   auto Bd() const { return KdBd.bottomRows(c); }
   auto w() const { return P1.leftCols(q.cols()); }
+
+  // The log decay from token j to token i (j <= i), and to just before token i (j < i).
+  R pair_log(index_t i, index_t j, index_t d) const { return split ? (gs(i, d) - gs(j, d)) + (h(i, d) - h(j, d)) : gi(i, d) - gi(j, d); }
+  R pair_log_before(index_t i, index_t j, index_t d) const { return split ? pair_log(i - 1, j, d) : ge(i, d) - gi(j, d); }
+  // e^{gi_c - gi}: the decay from each token to the chunk end (c x K), each factor <= 1
+  mat<R> end_factors() const {
+    if (!split) return (gi.rowwise() - gi.row(c - 1)).array().operator-().exp().matrix();
+    mat<R> e(c, gi.cols());
+    for (index_t j = 0; j < c; ++j)
+      for (index_t d = 0; d < e.cols(); ++d) e(j, d) = std::exp(pair_log(c - 1, j, d));
+    return e;
+  }
 };
 
 template <class T, class R>
@@ -203,6 +222,12 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   R span = K > 0 ? (-last.array()).maxCoeff() : R(0);
   p.factored = (mode == dplr_intra::factored && span <= factored_valid_limit<R>()) ||
                (mode == dplr_intra::automatic && span <= factored_decay_limit<R>());
+  p.split = !p.factored && (g.array() < split_log_decay<R>()).any();
+  if (p.split) {
+    p.gs.resize(c, K);
+    p.h.resize(c, K);
+    split_gate_cumsum(p.gs.data(), p.h.data(), K, static_cast<R const*>(g.data()), K, c, K);
+  }
   // One exponential per element: e^{ge} is the previous row of e^{gi}, and in the factored
   // form e^{-gi} = 1 / e^{gi}, e^{gi_c - gi} = e^{gi_c} e^{-gi}.
   mat<R>& eg = p.eg_;
@@ -222,7 +247,7 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
     p.KdBd = (p.KB.array().rowwise() * p.dC.transpose().array()).matrix();
     G.noalias() = p.QA * p.KB.transpose();  // [[Aqk, Aqb], [Aak, Aab]] before masking
   } else {
-    eg = (p.gi.rowwise() - last).array().operator-().exp().matrix();  // e^{gi_c - gi}, <= 1
+    eg = p.end_factors();
     p.KdBd.topRows(c) = (p.k.array() * eg.array()).matrix();
     p.KdBd.bottomRows(c) = (p.b.array() * eg.array()).matrix();
     G.setZero(2 * c, 2 * c);
@@ -230,11 +255,11 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
       for (index_t j = 0; j <= i; ++j) {
         R sqk = 0, sqb = 0, sak = 0, sab = 0;
         for (index_t d = 0; d < K; ++d) {
-          R e = std::exp(p.gi(i, d) - p.gi(j, d));
+          R e = std::exp(p.pair_log(i, j, d));
           sqk += p.q(i, d) * p.k(j, d) * e;
           sqb += p.q(i, d) * p.b(j, d) * e;
           if (j < i) {
-            R f = std::exp(p.ge(i, d) - p.gi(j, d));
+            R f = std::exp(p.pair_log_before(i, j, d));
             sak += p.a(i, d) * p.k(j, d) * f;
             sab += p.a(i, d) * p.b(j, d) * f;
           }
@@ -420,8 +445,7 @@ void chunk_param_grads(chunk_pre<R> const& p, chunk_acc<R> const& acc, tensor_vi
   mat<R> dQe = acc.Qe, dAe = acc.Ae;
   mat<R> Dq = mat<R>::Zero(c, K), Dk = Dq, Da = Dq, Db = Dq, dgi = Dq, dge = Dq;
   vec<R> dlast = (acc.dC.array() * p.dC.array()).matrix();
-  auto last = p.gi.row(c - 1);
-  mat<R> Eend = (p.gi.rowwise() - last).array().operator-().exp().matrix();
+  mat<R> Eend = p.end_factors();
   {
     mat<R> t1 = (acc.Kd.array() * p.Kd().array()).matrix(), t2 = (acc.Bd.array() * p.Bd().array()).matrix();
     Dk.array() += acc.Kd.array() * Eend.array();
@@ -449,7 +473,7 @@ void chunk_param_grads(chunk_pre<R> const& p, chunk_acc<R> const& acc, tensor_vi
         R gqk = gAqk(i, j), gqb = gAqb(i, j), gak = j < i ? gAak(i, j) : R(0), gab = j < i ? gAab(i, j) : R(0);
         if (gqk == R(0) && gqb == R(0) && gak == R(0) && gab == R(0)) continue;
         for (index_t d = 0; d < K; ++d) {
-          R e = std::exp(p.gi(i, d) - p.gi(j, d));
+          R e = std::exp(p.pair_log(i, j, d));
           R sq = s * p.q(i, d);
           R side = (gqk * p.k(j, d) + gqb * p.b(j, d)) * e;
           Dq(i, d) += s * side;
@@ -459,7 +483,7 @@ void chunk_param_grads(chunk_pre<R> const& p, chunk_acc<R> const& acc, tensor_vi
           dgi(i, d) += term;
           dgi(j, d) -= term;
           if (j < i) {
-            R f = std::exp(p.ge(i, d) - p.gi(j, d));
+            R f = std::exp(p.pair_log_before(i, j, d));
             R aside = (gak * p.k(j, d) + gab * p.b(j, d)) * f;
             Da(i, d) += aside;
             Dk(j, d) += gak * p.a(i, d) * f;

@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "k3/core/gate_cumsum.hpp"
 #include "k3/core/math.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
@@ -77,14 +78,7 @@ inline void exp_rows(Block&& b) {
   }
 }
 
-// Log decays below this one are "large" (a hard reset, a document boundary): a chunk holding
-// one keeps them apart from the rest of its gate cumsum (split_gate_cumsum). Any value would
-// be exact; this one leaves smooth gates (and the lower-bounded gate, g >= -5) on the plain
-// path, and a factor across a large decay is at most e^{-16} = 1.1e-7, the float epsilon.
-template <class Acc>
-inline constexpr Acc split_log_decay() noexcept {
-  return Acc(-16);
-}
+using ::k3::detail::split_log_decay;
 
 // Row r of the chunk-local gate cumsum G from the gate row g (K values) and row r - 1 (null for
 // the chunk's first row). Hard resets are clamped first (core/math.hpp full_decay_log): e^g is
@@ -113,35 +107,11 @@ inline bool load_gate_cumsum_row(In const* g, Acc* G, Acc const* G_prev, index_t
   return large != 0;
 }
 
-// Accuracy with hard resets. Every factor is e^{G_i - G_j} (i >= j) from the rounded G, so
-// its exponent is off by about |G| u (u the unit roundoff), however small G_i - G_j is. A
-// reset inside a chunk makes |G| >= 112 (full_decay_log) for the rest of the chunk, and in
-// float that alone cost 1e-5 relative RMS at T = 8192 with 10% reset tokens, while the pairs
-// that matter (no reset between i and j) have small exponents. So a chunk holding a log
-// decay below split_log_decay() keeps two cumsums per channel: H of the large log decays
-// (clamped) and G of the others. An exponent is (G_i - G_j) + (H_i - H_j): for a pair with no
-// large decay between them H_i and H_j are the same float, their difference is exactly 0 and
-// the exponent is as accurate as in a chunk without resets; across a large decay the factor
-// is below e^{-16} and the error of its exponent is too small to matter (e^{-16} |H| u).
-// Factors from the chunk start, e^{G_i + H_i}, carry an absolute error of the same size.
+// Hard resets: a chunk holding a log decay below split_log_decay() keeps two cumsums per
+// channel, G of the small log decays and H of the large ones (core/gate_cumsum.hpp says why).
 // Chunks without a large decay (every chunk of the lower-bounded gate) keep the single
 // cumsum and their arithmetic bit for bit; the split ones run the pairwise diagonal tiles.
-template <class Acc, class In>
-void split_gate_cumsum(Acc* G, Acc* H, index_t ld, In const* g, index_t g_row_stride, index_t c, index_t K) noexcept {
-  Acc const t = split_log_decay<Acc>();
-  for (index_t r = 0; r < c; ++r) {
-    Acc* Gr = G + r * ld;
-    Acc* Hr = H + r * ld;
-    load_row(g + r * g_row_stride, Gr, K);
-    for (index_t d = 0; d < K; ++d) {
-      Acc const x = ::k3::detail::clamp_log_decay(Gr[d]);
-      bool const large = x < t;
-      Acc const hp = r > 0 ? Hr[d - ld] : Acc(0), gp = r > 0 ? Gr[d - ld] : Acc(0);
-      Hr[d] = large ? hp + x : hp;
-      Gr[d] = large ? gp : gp + x;
-    }
-  }
-}
+using ::k3::detail::split_gate_cumsum;
 
 // The lower bound a chunk's tiles may use: none for a split chunk (its G is not the full
 // cumsum; a valid lower-bounded gate never has one).

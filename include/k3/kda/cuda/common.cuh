@@ -13,7 +13,7 @@ inline constexpr int chunk = static_cast<int>(chunk_size);  // tokens per chunk
 inline constexpr int tile_v = 32;                           // V columns per block
 inline constexpr int kmax = static_cast<int>(max_head_dim_k);
 // Log decays below this one are kept in a separate cumsum by the chunked forward (the CPU
-// path's kda/chunk.hpp split_log_decay).
+// path's split_log_decay in core/math.hpp).
 inline constexpr float split_log_decay = -16.f;
 
 __device__ __forceinline__ float ld(float x) { return x; }
