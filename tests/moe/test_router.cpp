@@ -514,7 +514,7 @@ TEST_CASE("threads router: non-finite scores in the candidate pass's tail chunk 
 }
 
 TEST_CASE("threads router: 16-bit per-thread counts spill exactly past 65535 tokens per thread") {
-  // One thread sees all 140001 tokens (two spills; two threads: 70000 each, one spill). Scores
+  // One thread sees all 140001 tokens (two spills; two threads: ~70000 each, one spill). Scores
   // in (0.45, 0.55) put every margin into the middle one of 3 bins, so each 65535-token window
   // fills that bin's 16-bit count exactly: tokens still pending in the block buffer at a spill
   // would overflow it. n = 19: a 16-expert vector plus a tail, on the mask-pass path.
@@ -531,7 +531,7 @@ TEST_CASE("threads router: 16-bit per-thread counts spill exactly past 65535 tok
   for (index_t j = 0; j < n; ++j)
     for (index_t x = 0; x < 3; ++x) maxc = std::max(maxc, h1(j, x));
   CHECK(maxc > 65535);
-  for (int nt : {1, 2}) {
+  for (int nt : {1, 2, 3, 5}) {  // threads take 64-token chunks: uneven shares, spills at different tokens
     routed r2(m, k, n);
     auto h2 = moe::qb_histogram::for_bias(cview(b), 3);
     moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
