@@ -9,6 +9,7 @@
 // reference per-token routine inside the threaded loop.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <type_traits>
