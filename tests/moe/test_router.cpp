@@ -514,7 +514,7 @@ TEST_CASE("threads router: non-finite scores in the candidate pass's tail chunk 
 }
 
 TEST_CASE("threads router: 16-bit per-thread counts spill exactly past 65535 tokens per thread") {
-  // One thread sees all 140001 tokens (two spills; two threads: 70000 each, one spill). Scores
+  // One thread sees all 140001 tokens (two spills; two threads: ~70000 each, one spill). Scores
   // in (0.45, 0.55) put every margin into the middle one of 3 bins, so each 65535-token window
   // fills that bin's 16-bit count exactly: tokens still pending in the block buffer at a spill
   // would overflow it. n = 19: a 16-expert vector plus a tail, on the mask-pass path.
@@ -531,11 +531,96 @@ TEST_CASE("threads router: 16-bit per-thread counts spill exactly past 65535 tok
   for (index_t j = 0; j < n; ++j)
     for (index_t x = 0; x < 3; ++x) maxc = std::max(maxc, h1(j, x));
   CHECK(maxc > 65535);
-  for (int nt : {1, 2}) {
+  for (int nt : {1, 2, 3, 5}) {  // threads take 64-token chunks: uneven shares, spills at different tokens
     routed r2(m, k, n);
     auto h2 = moe::qb_histogram::for_bias(cview(b), 3);
     moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
     CHECK(h1 == h2);
     CHECK(r1.idx == r2.idx);
   }
+}
+
+TEST_CASE("threads router: tokens handed out in chunks from a shared counter, any thread count and token count") {
+  // The threads take chunks of min(64, m / (4 P)) tokens in order from one counter; which thread
+  // routes a token must not matter: outputs, loads and the fused histogram (added onto existing
+  // counts, twice) bit-identical to the serial reference for 1..5 threads, token counts around
+  // the chunk sizes (and fewer tokens than threads), with and without a padding mask.
+  for (index_t n : {37, 896}) {
+    index_t const k = n == 37 ? 4 : 16;
+    for (index_t m : {1, 2, 3, 5, 63, 64, 65, 129, 257, 1000}) {
+      CAPTURE(n);
+      CAPTURE(m);
+      auto s = skewed_scores(m, n, 2.0, std::uint64_t(31 * m + n));
+      auto b = uniform(n, -0.05, 0.05, std::uint64_t(m + 5));
+      std::vector<std::uint8_t> mask(static_cast<std::size_t>(m), 1);
+      for (index_t i = 1; i < m; i += 5) mask[i] = 0;
+      for (bool masked : {false, true}) {
+        CAPTURE(masked);
+        k3::const_view<std::uint8_t, 1> mv = masked ? k3::const_view<std::uint8_t, 1>(mask.data(), {m}) : k3::const_view<std::uint8_t, 1>{};
+        moe::router_options opt;
+        opt.k = k;
+        routed r1(m, k, n);
+        auto h1 = moe::qb_histogram::for_bias(cview(b), 50);
+        moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, mv, &h1);
+        moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, mv, &h1);
+        for (int nt = 1; nt <= 5; ++nt) {
+          CAPTURE(nt);
+          k3::cpu::threads<> thr(nt);
+          routed r2(m, k, n);
+          auto h2 = moe::qb_histogram::for_bias(cview(b), 50);
+          moe::route(thr, cview(s, m, n), cview(b), r2.out(), opt, mv, &h2);
+          moe::route(thr, cview(s, m, n), cview(b), r2.out(), opt, mv, &h2);
+          CHECK(r2.idx == r1.idx);
+          CHECK(std::memcmp(r2.w.data(), r1.w.data(), r1.w.size() * sizeof(float)) == 0);
+          CHECK(std::memcmp(r2.cut.data(), r1.cut.data(), r1.cut.size() * sizeof(float)) == 0);
+          CHECK(r2.load == r1.load);
+          CHECK(h2 == h1);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("threads router: with several non-finite tokens the first one is reported, whatever the thread count") {
+  // Chunks are handed out in order and finished once taken, so the smallest bad token any
+  // thread records is the first bad token overall; the histogram stays untouched.
+  index_t const m = 1000, n = 896, k = 16;
+  auto b = uniform(n, -0.05, 0.05, 3);
+  for (auto const& bad : std::vector<std::vector<std::pair<index_t, index_t>>>{
+           {{700, 5}, {301, 9}, {300, 17}, {999, 0}}, {{0, 895}, {1, 0}}, {{999, 3}}, {{63, 1}, {64, 0}, {128, 2}}, {{63, 1}}}) {
+    auto s = skewed_scores(m, n, 1.0, 4);
+    index_t first = m, first_j = 0;
+    for (auto [i, j] : bad) {
+      s[std::size_t(i * n + j)] = std::numeric_limits<float>::quiet_NaN();
+      if (i < first) first = i, first_j = j;
+    }
+    if (bad.size() == 1 && bad[0].first == 63)  // and every later token: each thread stops at its own first
+      for (index_t i = 64; i < m; ++i) s[std::size_t(i * n + (i % n))] = -std::numeric_limits<float>::infinity();
+    std::string const want = "'scores': non-finite value at token " + std::to_string(first) + ", expert " + std::to_string(first_j);
+    for (int nt = 1; nt <= 5; ++nt) {
+      CAPTURE(nt);
+      CAPTURE(first);
+      moe::router_options opt;
+      opt.k = k;
+      routed r(m, k, n);
+      auto h = moe::qb_histogram::for_bias(cview(b), 100);
+      h(0, 0) = 7;
+      std::string got;
+      try {
+        moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), r.out(), opt, {}, &h);
+      } catch (k3::error const& e) {
+        got = e.what();
+      }
+      CHECK(got.find(want) != std::string::npos);
+      CHECK(h.tokens() == 7);
+    }
+  }
+  // A single token that is not finite, more threads than tokens.
+  std::vector<float> s1(static_cast<std::size_t>(n), 0.5f), b1(static_cast<std::size_t>(n), 0.f);
+  s1[400] = std::numeric_limits<float>::infinity();
+  routed r(1, k, n);
+  moe::router_options opt;
+  opt.k = k;
+  CHECK_THROWS_WITH_AS(moe::route(k3::cpu::threads<>(3), cview(s1, 1, n), cview(b1), r.out(), opt),
+                       doctest::Contains("non-finite value at token 0, expert 400"), k3::error);
 }

@@ -9,6 +9,7 @@
 // reference per-token routine inside the threaded loop.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <type_traits>
@@ -531,14 +532,21 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
   std::vector<std::vector<std::int32_t>> spill(static_cast<std::size_t>(hist ? parts : 0));
   std::vector<std::vector<std::int64_t>> local_load(static_cast<std::size_t>(out.load.empty() ? 0 : parts));
   std::vector<index_t> bad_token(static_cast<std::size_t>(parts), -1);
+  // Tokens go to the threads in chunks of up to 64, taken in increasing order from a shared
+  // counter (one 229 KB stretch of K3 scores each): a thread that starts late or loses its core
+  // for a while (a busy machine, the worker's wake-up) no longer leaves the other waiting at the
+  // end with half of the tokens. Which thread routes a token changes only speed (the selection
+  // is exact, the counts are integers).
+  index_t const chunk = std::clamp<index_t>(m / (4 * parts), 1, 64);
+  std::atomic<index_t> next_chunk{0};
+  std::atomic<bool> failed{false};
   backend.for_each_task(parts, [&](std::int64_t p) {
-    index_t const lo_i = m * p / parts, hi_i = m * (p + 1) / parts;
     std::uint16_t* h = nullptr;
     std::int64_t since_spill = 0;
     // 128 tokens per block: each expert's row gets ~128 increments per visit (16: ~1 per
     // cache line), while the block's lines that one group of 32 experts reads stay in L1.
-    // Fewer for a short share of tokens (no 237 KB buffer for a handful of tokens).
-    index_t const block = std::min<index_t>(128, hi_i - lo_i);
+    // Fewer for a handful of tokens (no 237 KB buffer for them).
+    index_t const block = std::min<index_t>(128, m);
     bool const blocked = B <= 65536;
     index_t const bin_ld = block_stride(n);
     std::vector<std::uint16_t> bins(static_cast<std::size_t>(blocked && hist ? block * bin_ld : 0));
@@ -565,90 +573,100 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     std::vector<float> srow(static_cast<std::size_t>(n));
     bool const contiguous = out.indices.stride(1) == 1 && out.weights.stride(1) == 1;
     (void)contiguous;
-    for (index_t i = lo_i; i < hi_i; ++i) {
-      float const* s = &scores(i, 0);
+    // A non-finite score stops this thread (and, at their next chunk, the others); chunks are
+    // handed out in order and a chunk once taken is finished, so the smallest token recorded
+    // is the first bad token overall, whatever the thread count.
+    for (index_t c; !failed.load(std::memory_order_relaxed) && (c = next_chunk.fetch_add(1, std::memory_order_relaxed)) * chunk < m;) {
+      index_t const c1 = std::min(m, (c + 1) * chunk);
+      for (index_t i = c * chunk; i < c1; ++i) {
+        float const* s = &scores(i, 0);
 #if defined(K3_MOE_SELECT512)
-      float const* rz = nullptr;  // the AVX-512 path's ranked k+1 best (else `best`)
-      std::int32_t const* rj = nullptr;
+        float const* rz = nullptr;  // the AVX-512 path's ranked k+1 best (else `best`)
+        std::int32_t const* rj = nullptr;
 #endif
-      if (fast) {
+        if (fast) {
 #if defined(K3_MOE_SELECT512)
-        if (use512 && kk <= 49) {
-          if (!select_token512(s, bvec.data(), n, kk, *st512)) {
-            if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
-              bad_token[p] = i;
-              return;
+          if (use512 && kk <= 49) {
+            if (!select_token512(s, bvec.data(), n, kk, *st512)) {
+              if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
+                bad_token[p] = i;
+                failed.store(true, std::memory_order_relaxed);
+                return;
+              }
+              for (index_t r = 0; r < kk; ++r) {
+                st512->tz[r] = best[r].z;
+                st512->tj[r] = best[r].j;
+              }
             }
-            for (index_t r = 0; r < kk; ++r) {
-              st512->tz[r] = best[r].z;
-              st512->tj[r] = best[r].j;
-            }
-          }
-          observe_cutoff512(*st512, st512->tz[kk - 1], st512->tz[0]);
-          rz = st512->tz;
-          rj = st512->tj;
-        } else
+            observe_cutoff512(*st512, st512->tz[kk - 1], st512->tz[0]);
+            rz = st512->tz;
+            rj = st512->tj;
+          } else
 #endif
-            if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
-          bad_token[p] = i;
-          return;
-        }
-      } else {
-        for (index_t j = 0; j < n; ++j) {
-          if (!std::isfinite(s[j])) {
+              if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
             bad_token[p] = i;
+            failed.store(true, std::memory_order_relaxed);
             return;
           }
-          srow[j] = load_score(s[j], opt.input);
-        }
-        s = srow.data();
-      }
-      if (!mask.empty() && mask(i) == 0) {
-        emit_padding(i, opt, out);
-        continue;
-      }
-      float alpha;  // the cut-off, rank k
-#if defined(K3_MOE_SELECT512)
-      if (rz) {
-        emit_token512(i, s, rz, rj, opt, out, contiguous);
-        if (ld)
-          for (index_t r = 0; r < opt.k; ++r) ++ld[rj[r]];
-        alpha = rz[opt.k];
-      } else
-#endif
-      {
-        if (!fast) rank_token(s, bias, opt, n, z, best);
-        emit_token(i, s, best.data(), opt, out);
-        if (ld)
-          for (index_t r = 0; r < opt.k; ++r) ++ld[best[r].j];
-        alpha = best[opt.k].z;
-      }
-      if (h) {
-        if (since_spill == 65535) {
-          flush();
-          auto& sp = spill[p];
-          if (sp.empty()) sp.assign(local_h[p]->size(), 0);
-          for (std::size_t x = 0; x < sp.size(); ++x) sp[x] += h[x];
-          std::fill(local_h[p]->begin(), local_h[p]->end(), std::uint16_t(0));
-          since_spill = 0;
-        }
-        if (blocked) {
-          bin_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, bins.data() + in_block * bin_ld);
-          if (++in_block == block) flush();
         } else {
-          scatter_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, h);
+          for (index_t j = 0; j < n; ++j) {
+            if (!std::isfinite(s[j])) {
+              bad_token[p] = i;
+              failed.store(true, std::memory_order_relaxed);
+              return;
+            }
+            srow[j] = load_score(s[j], opt.input);
+          }
+          s = srow.data();
         }
-        ++since_spill;
+        if (!mask.empty() && mask(i) == 0) {
+          emit_padding(i, opt, out);
+          continue;
+        }
+        float alpha;  // the cut-off, rank k
+#if defined(K3_MOE_SELECT512)
+        if (rz) {
+          emit_token512(i, s, rz, rj, opt, out, contiguous);
+          if (ld)
+            for (index_t r = 0; r < opt.k; ++r) ++ld[rj[r]];
+          alpha = rz[opt.k];
+        } else
+#endif
+        {
+          if (!fast) rank_token(s, bias, opt, n, z, best);
+          emit_token(i, s, best.data(), opt, out);
+          if (ld)
+            for (index_t r = 0; r < opt.k; ++r) ++ld[best[r].j];
+          alpha = best[opt.k].z;
+        }
+        if (h) {
+          if (since_spill == 65535) {
+            flush();
+            auto& sp = spill[p];
+            if (sp.empty()) sp.assign(local_h[p]->size(), 0);
+            for (std::size_t x = 0; x < sp.size(); ++x) sp[x] += h[x];
+            std::fill(local_h[p]->begin(), local_h[p]->end(), std::uint16_t(0));
+            since_spill = 0;
+          }
+          if (blocked) {
+            bin_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, bins.data() + in_block * bin_ld);
+            if (++in_block == block) flush();
+          } else {
+            scatter_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, h);
+          }
+          ++since_spill;
+        }
       }
     }
     if (h) flush();
   });
-  for (std::int64_t p = 0; p < parts; ++p)
-    if (bad_token[p] >= 0) {
-      index_t i = bad_token[p];
-      for (index_t j = 0; j < n; ++j)
-        if (!std::isfinite(scores(i, j))) throw k3::error(nonfinite_message(i, j, opt.input));
-    }
+  if (failed.load()) {
+    index_t i = m;
+    for (std::int64_t p = 0; p < parts; ++p)
+      if (bad_token[p] >= 0) i = std::min(i, bad_token[p]);
+    for (index_t j = 0; j < n; ++j)
+      if (!std::isfinite(scores(i, j))) throw k3::error(nonfinite_message(i, j, opt.input));
+  }
   if (!out.load.empty())
     for (index_t j = 0; j < n; ++j) {
       std::int64_t c = 0;
@@ -661,11 +679,21 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     std::int64_t const chunks = std::min<std::int64_t>(total, 4 * backend.concurrency());
     backend.for_each_task(chunks, [&](std::int64_t c) {
       std::int64_t a = total * c / chunks, e = total * (c + 1) / chunks;
-      for (std::int64_t p = 0; p < parts; ++p) {
-        std::uint16_t const* src = local_h[p]->data();
-        for (std::int64_t x = a; x < e; ++x) H[x] += src[x];
-        if (!spill[p].empty())
-          for (std::int64_t x = a; x < e; ++x) H[x] += spill[p][x];
+      // One pass over the int64 result (7 MB for K3): the parts are summed in an L1 tile first.
+      constexpr std::int64_t tile = 512;
+      alignas(64) std::int64_t acc[tile];
+      for (std::int64_t x0 = a; x0 < e; x0 += tile) {
+        std::int64_t const len = std::min(tile, e - x0);
+        for (std::int64_t x = 0; x < len; ++x) acc[x] = H[x0 + x];
+        for (std::int64_t p = 0; p < parts; ++p) {
+          std::uint16_t const* K3_RESTRICT src = local_h[p]->data() + x0;
+          for (std::int64_t x = 0; x < len; ++x) acc[x] += src[x];
+          if (!spill[p].empty()) {
+            std::int32_t const* K3_RESTRICT sp = spill[p].data() + x0;
+            for (std::int64_t x = 0; x < len; ++x) acc[x] += sp[x];
+          }
+        }
+        for (std::int64_t x = 0; x < len; ++x) H[x0 + x] = acc[x];
       }
     });
   }
