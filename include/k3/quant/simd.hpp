@@ -301,8 +301,9 @@ class row_writer {
 };
 
 // ---- 1x128 E4M3 of bfloat16 rows on AVX-512BW: the DeepSeek activation hot path ------------
-// Same bytes as reference::fp8_quantize_rows, with about 10 vector instructions per 16 elements:
-//  * amax: u16 max over |x| bit patterns (bf16 is the top half of an fp32), 32 lanes at a time;
+// Same bytes as reference::fp8_quantize_rows, with about 7-8 vector instructions per 16 elements:
+//  * amax: u16 max over 2|x| bit patterns (x + x; bf16 is the top half of an fp32), 32 lanes at a
+//    time, with the u16 min alongside for the subnormal-code test;
 //  * scales: 16 tiles at once with vdivps (the same IEEE divisions amax'/448 and 1/s as
 //    detail::deepseek_scale, so the same bits);
 //  * encode of y = |x| * (1/s), which lies in [0, 448·(1 + 2^-22)] (no saturation, no NaN:
