@@ -389,6 +389,46 @@ inline std::uint32_t nonzero_min(std::uint16_t const* p) noexcept {
   return r + 1;
 }
 
+// max(d) and min(d) (d = 2|x|) of each of the n <= 16 tiles at p, p + 128, ..., as 16 u16 each
+// (0 for absent tiles): reduce16's transposing tree, fed as the tiles are read, so that the
+// partial results stay in registers. (Storing the 32 lane vectors to the stack and reading them
+// back put stores among the tile loads whose addresses can match a later load's in bits 0-11; such
+// a load then waits for the store, i.e. for the previous tile's cache misses.)
+K3_INLINE void group_max_min(std::uint16_t const* p, int n, __m256i& rmax, __m256i& rmin) noexcept {
+  auto const pair = [&](int t, __m512i& xm, __m512i& xn) {  // tiles t, t + 1: level 1
+    __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;
+    if (t < n) tile_lanes2(p + t * 128, a0, b0);
+    if (t + 1 < n) tile_lanes2(p + (t + 1) * 128, a1, b1);
+    xm = _mm512_max_epu16(_mm512_unpacklo_epi16(a0, a1), _mm512_unpackhi_epi16(a0, a1));
+    xn = _mm512_min_epu16(_mm512_unpacklo_epi16(b0, b1), _mm512_unpackhi_epi16(b0, b1));
+  };
+  auto const quad = [&](int t, __m512i& zm, __m512i& zn) {  // tiles t .. t + 3: level 2
+    __m512i xm0, xn0, xm1, xn1;
+    pair(t, xm0, xn0);
+    pair(t + 2, xm1, xn1);
+    zm = _mm512_max_epu16(_mm512_maskz_unpacklo_epi32(all16, xm0, xm1), _mm512_maskz_unpackhi_epi32(all16, xm0, xm1));
+    zn = _mm512_min_epu16(_mm512_maskz_unpacklo_epi32(all16, xn0, xn1), _mm512_maskz_unpackhi_epi32(all16, xn0, xn1));
+  };
+  auto const oct = [&](int t, __m512i& qm, __m512i& qn) {  // tiles t .. t + 7: level 3
+    __m512i zm0, zn0, zm1, zn1;
+    quad(t, zm0, zn0);
+    quad(t + 4, zm1, zn1);
+    qm = _mm512_max_epu16(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), zm0, zm1), _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), zm0, zm1));
+    qn = _mm512_min_epu16(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), zn0, zn1), _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), zn0, zn1));
+  };
+  __m512i vm[2], vn[2];
+  oct(0, vm[0], vn[0]);
+  oct(8, vm[1], vn[1]);
+  auto const last = [](__m512i const* q, auto op) {  // the rest of reduce16
+    __m512i r = op(_mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                   _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    r = op(r, _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), r, r, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5), r), 0);
+  };
+  rmax = last(vm, [](__m512i a, __m512i b) { return _mm512_max_epu16(a, b); });
+  rmin = last(vn, [](__m512i a, __m512i b) { return _mm512_min_epu16(a, b); });
+}
+
 // s, 1/s and 2^-88/s of n <= 16 tiles from max(d) and min(d) (d = 2|x|), as detail::deepseek_scale
 // (NaN s and 1/s for non-finite tiles). Classes, one bit per tile: nan; normal: every nonzero
 // y = |x|·(1/s) is >= 2^-6 (no E4M3 subnormal codes) and 1/s >= 2^-38, judged on min |x| with the
@@ -660,7 +700,6 @@ void rows_impl(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor
   if (i0 >= i1) return;
   alignas(64) float sv[16], iv[16], iv88[16];
   alignas(64) std::uint8_t part[128] = {};
-  alignas(64) __m512i lmax[16], lmin[16];
   // streaming: contiguous rows of whole 64-byte registers are one stream, so only its two ends
   // can be partial cache lines (masked stores to partial lines measured costly next to streaming)
   bool const span = q.stride(0) == k && k % 64 == 0;
@@ -680,9 +719,9 @@ void rows_impl(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor
     };
     for (index_t g = 0; g < full; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, full - g));
-      for (int t = 0; t < n; ++t) tile_lanes2(xr + (g + t) * 128, lmax[t], lmin[t]);
-      for (int t = n; t < 16; ++t) lmax[t] = lmin[t] = _mm512_setzero_si512();
-      tile_classes const c = scales(reduce16<true>(lmax), reduce16<false>(lmin), n, fmt, sv, iv, iv88);
+      __m256i dmax, dmin;
+      group_max_min(xr + g * 128, n, dmax, dmin);
+      tile_classes const c = scales(dmax, dmin, n, fmt, sv, iv, iv88);
       std::uint32_t normal = c.normal;
       for (std::uint32_t z = c.check; z != 0; z &= z - 1) {  // tiles holding a zero (rare)
         int const t = __builtin_ctz(z);
