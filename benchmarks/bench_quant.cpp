@@ -5,18 +5,12 @@
 //   * The block-scaled FP8 GEMM (2048^3, 1x128 A tiles, 128x128 B blocks) next to the median of
 //     Eigen float GEMMs (gemm_yardstick). Bar: >= 50%.
 //   * Informational: the same 1x128 quantisation with the opt-in non-temporal code stores
-//     (simd_impl::store_mode::streaming), to re-check on other machines whether they pay; and
-//     the memory pattern's own ceiling: a pass with no arithmetic over the same buffers (read the
-//     bf16 input, write one byte per element), with cached and with non-temporal stores, as a share
-//     of the in-place pass (benchmarks/quant.md: the quantiser cannot beat its memory pattern).
+//     (simd_impl::store_mode::streaming), to re-check on other machines whether they pay.
 // Each figure is a median over 7 repetitions interleaved with its yardstick.
 #include <cstdio>
 #include <ctime>
 #include <random>
 #include <vector>
-#if defined(__AVX512BW__)
-#include <immintrin.h>
-#endif
 
 #include "common/bench.hpp"
 #include "k3/quant.hpp"
@@ -29,29 +23,6 @@ double cpu_seconds(F&& f) {
   std::clock_t c0 = std::clock();
   f();
   return double(std::clock() - c0) / CLOCKS_PER_SEC;
-}
-// Bytes (in + out) of the bf16 -> one-byte-per-element memory pattern without arithmetic: the
-// high byte of each input element to q (cached or non-temporal stores), rows split evenly.
-template <class Be>
-void byte_pass(Be const& be, int nt, std::uint16_t const* x, std::uint8_t* q, std::size_t n, bool nontemporal) {
-  be.for_each_task(nt, [&](k3::index_t t) {
-    std::size_t const lo = n * std::size_t(t) / std::size_t(nt) / 64 * 64, hi = t + 1 == nt ? n : n * std::size_t(t + 1) / std::size_t(nt) / 64 * 64;
-    std::size_t i = lo;
-#if defined(__AVX512BW__)
-    bool const nt64 = nontemporal && reinterpret_cast<std::uintptr_t>(q + lo) % 64 == 0;
-    for (; i + 64 <= hi; i += 64) {
-      __m512i const a = _mm512_srli_epi16(_mm512_loadu_si512(x + i), 8), b = _mm512_srli_epi16(_mm512_loadu_si512(x + i + 32), 8);
-      __m512i const c = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packus_epi16(a, b));
-      if (nt64)
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), c);
-      else
-        _mm512_storeu_si512(q + i, c);
-    }
-    if (nt64) _mm_sfence();
-#endif
-    (void)nontemporal;
-    for (; i < hi; ++i) q[i] = static_cast<std::uint8_t>(x[i] >> 8);
-  });
 }
 }  // namespace
 
@@ -80,10 +51,7 @@ int main() {
   double const bmx4 = in_bytes + double(m) * k / 2 + double(smx.size());
 
   inplace_pass_yardstick pass(nt);
-  std::vector<double> yp, y128, y128s, ymx8, ymx4, cp, c128, ycc, ycn;
-  std::uint16_t const* xbits = reinterpret_cast<std::uint16_t const*>(x.data());
-  // the non-temporal ceiling needs 64-byte-aligned codes: a separate aligned buffer of the same size
-  std::uint8_t* qnt = k3::detail::host_allocate<std::uint8_t>(static_cast<std::size_t>(m * k));
+  std::vector<double> yp, y128, y128s, ymx8, ymx4, cp, c128;
   k3::const_view<k3::bfloat16, 2> const xc = xv;
   for (int r = 0; r < reps + 1; ++r) {  // the first round warms up (page faults) and is dropped
     double p = 0, t1 = 0;
@@ -104,11 +72,7 @@ int main() {
       k3::quant::mx_quantize(be, xv, k3::host_view(q4.data(), m, k / 2), k3::host_view(smx.data(), m, k / 32),
                              k3::quant::mx_element::e2m1, k3::quant::mx_rule::floor);
     });
-    double const tcc = seconds([&] { byte_pass(be, nt, xbits, q8.data(), static_cast<std::size_t>(m * k), false); });
-    double const tcn = seconds([&] { byte_pass(be, nt, xbits, qnt, static_cast<std::size_t>(m * k), true); });
     if (r == 0) continue;
-    ycc.push_back(3.0 * double(m) * k / tcc * 1e-9);
-    ycn.push_back(3.0 * double(m) * k / tcn * 1e-9);
     cp.push_back(double(pass.bytes()) * 2 / cpu_p * 1e-9);
     c128.push_back(b128 / cpu_1 * 1e-9);
     yp.push_back(p);
@@ -125,16 +89,12 @@ int main() {
               median(c128), 100 * median(c128) / median(cp));
   std::printf("  same, with streaming (non-temporal) code stores, opt-in: median %.2f GB/s = %.1f%% of the pass (informational)\n",
               median(y128s), 100 * median(y128s) / pm);
-  std::printf("  memory-pattern ceiling, no arithmetic (read bf16, write 1 byte/element): cached stores %.2f GB/s = %.1f%%, "
-              "non-temporal %.2f GB/s = %.1f%% of the pass (informational)\n",
-              median(ycc), 100 * median(ycc) / pm, median(ycn), 100 * median(ycn) / pm);
   std::printf("MXFP8 (E4M3, RCEIL) quantize:           median %.2f GB/s (in+out) = %.1f%% of the pass\n", median(ymx8),
               100 * median(ymx8) / pm);
   std::printf("MXFP4 (E2M1, FLOOR) quantize:           median %.2f GB/s (in+out) = %.1f%% of the pass\n", median(ymx4),
               100 * median(ymx4) / pm);
   x = {};
   q8 = {};
-  k3::detail::host_deallocate(qnt, static_cast<std::size_t>(m * k));
   q4 = {};
 
   // ---- block-scaled GEMM ----
