@@ -389,34 +389,37 @@ inline std::uint32_t nonzero_min(std::uint16_t const* p) noexcept {
   return r + 1;
 }
 
-// max(d) and min(d) (d = 2|x|) of each of the n <= 16 tiles at p, p + 128, ..., as 16 u16 each
-// (0 for absent tiles): reduce16's transposing tree, fed as the tiles are read, so that the
-// partial results stay in registers. (Storing the 32 lane vectors to the stack and reading them
-// back put stores among the tile loads whose addresses can match a later load's in bits 0-11; such
-// a load then waits for the store, i.e. for the previous tile's cache misses.)
-K3_INLINE void group_max_min(std::uint16_t const* p, int n, __m256i& rmax, __m256i& rmin) noexcept {
-  auto const pair = [&](int t, __m512i& xm, __m512i& xn) {  // tiles t, t + 1: level 1
+// reduce16's max (and, WithMin, min) of the lane vectors of n <= 16 blocks, lanes(t, vmax, vmin)
+// giving block t's (absent blocks count as 0), fed to the transposing tree as the blocks are read,
+// so that the partial results stay in registers. (Storing the 16 or 32 lane vectors to the stack and
+// reading them back put stores among the block loads whose addresses can match a later load's in
+// bits 0-11 (4K aliasing); such a load then waits for the store, i.e. for the previous block's
+// cache misses: with the input in DRAM this cost ~30% of the 1x128 throughput.)
+template <bool WithMin, class F>
+K3_INLINE void reduce16_streamed(F&& lanes, int n, __m256i& rmax, __m256i& rmin) noexcept {
+  auto const pair = [&](int t, __m512i& xm, __m512i& xn) {  // blocks t, t + 1: level 1
     __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;
-    if (t < n) tile_lanes2(p + t * 128, a0, b0);
-    if (t + 1 < n) tile_lanes2(p + (t + 1) * 128, a1, b1);
+    if (t < n) lanes(t, a0, b0);
+    if (t + 1 < n) lanes(t + 1, a1, b1);
     xm = _mm512_max_epu16(_mm512_unpacklo_epi16(a0, a1), _mm512_unpackhi_epi16(a0, a1));
-    xn = _mm512_min_epu16(_mm512_unpacklo_epi16(b0, b1), _mm512_unpackhi_epi16(b0, b1));
+    if constexpr (WithMin) xn = _mm512_min_epu16(_mm512_unpacklo_epi16(b0, b1), _mm512_unpackhi_epi16(b0, b1));
   };
-  auto const quad = [&](int t, __m512i& zm, __m512i& zn) {  // tiles t .. t + 3: level 2
-    __m512i xm0, xn0, xm1, xn1;
+  auto const quad = [&](int t, __m512i& zm, __m512i& zn) {  // blocks t .. t + 3: level 2
+    __m512i xm0, xn0 = _mm512_setzero_si512(), xm1, xn1 = xn0;
     pair(t, xm0, xn0);
     pair(t + 2, xm1, xn1);
     zm = _mm512_max_epu16(_mm512_maskz_unpacklo_epi32(all16, xm0, xm1), _mm512_maskz_unpackhi_epi32(all16, xm0, xm1));
-    zn = _mm512_min_epu16(_mm512_maskz_unpacklo_epi32(all16, xn0, xn1), _mm512_maskz_unpackhi_epi32(all16, xn0, xn1));
+    if constexpr (WithMin) zn = _mm512_min_epu16(_mm512_maskz_unpacklo_epi32(all16, xn0, xn1), _mm512_maskz_unpackhi_epi32(all16, xn0, xn1));
   };
-  auto const oct = [&](int t, __m512i& qm, __m512i& qn) {  // tiles t .. t + 7: level 3
-    __m512i zm0, zn0, zm1, zn1;
+  auto const oct = [&](int t, __m512i& qm, __m512i& qn) {  // blocks t .. t + 7: level 3
+    __m512i zm0, zn0 = _mm512_setzero_si512(), zm1, zn1 = zn0;
     quad(t, zm0, zn0);
     quad(t + 4, zm1, zn1);
     qm = _mm512_max_epu16(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), zm0, zm1), _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), zm0, zm1));
-    qn = _mm512_min_epu16(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), zn0, zn1), _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), zn0, zn1));
+    if constexpr (WithMin)
+      qn = _mm512_min_epu16(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), zn0, zn1), _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), zn0, zn1));
   };
-  __m512i vm[2], vn[2];
+  __m512i vm[2], vn[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
   oct(0, vm[0], vn[0]);
   oct(8, vm[1], vn[1]);
   auto const last = [](__m512i const* q, auto op) {  // the rest of reduce16
@@ -426,7 +429,12 @@ K3_INLINE void group_max_min(std::uint16_t const* p, int n, __m256i& rmax, __m25
     return _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5), r), 0);
   };
   rmax = last(vm, [](__m512i a, __m512i b) { return _mm512_max_epu16(a, b); });
-  rmin = last(vn, [](__m512i a, __m512i b) { return _mm512_min_epu16(a, b); });
+  if constexpr (WithMin) rmin = last(vn, [](__m512i a, __m512i b) { return _mm512_min_epu16(a, b); });
+}
+
+// max(d) and min(d) (d = 2|x|) of each of the n <= 16 tiles at p, p + 128, ..., as 16 u16 each.
+K3_INLINE void group_max_min(std::uint16_t const* p, int n, __m256i& rmax, __m256i& rmin) noexcept {
+  reduce16_streamed<true>([p](int t, __m512i& a, __m512i& b) { tile_lanes2(p + t * 128, a, b); }, n, rmax, rmin);
 }
 
 // s, 1/s and 2^-88/s of n <= 16 tiles from max(d) and min(d) (d = 2|x|), as detail::deepseek_scale
@@ -579,15 +587,16 @@ void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
     if (!span && i > i0) out = row_writer(&q(i, 0), k, stream);
     for (index_t g = 0; g < nb; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, nb - g));  // even: nb is
-      __m512i vmax[16], vmin1[16];
       __m512i const m = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
-      for (int t = 0; t < n; ++t) {
-        vmax[t] = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), m);
-        vmin1[t] = _mm512_sub_epi16(vmax[t], one);
-      }
-      for (int t = n; t < 16; ++t) vmax[t] = vmin1[t] = _mm512_setzero_si512();
-      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<true>(vmax)), 16);
-      __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<false>(vmin1)), _mm512_set1_epi32(1));
+      __m256i rmax, rmin;
+      reduce16_streamed<true>(
+          [&](int t, __m512i& vmax, __m512i& vmin1) {
+            vmax = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), m);
+            vmin1 = _mm512_sub_epi16(vmax, one);
+          },
+          n, rmax, rmin);
+      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, rmax), 16);
+      __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, rmin), _mm512_set1_epi32(1));
       _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
       (void)nz;
       __m512i const c = mx_scale_codes<e4m3_format>(a, rule);
@@ -664,10 +673,11 @@ void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
     std::uint8_t* const qr = &q(i, 0);
     for (index_t g = 0; g < nb; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, nb - g));
-      __m512i vmax[16];
-      for (int t = 0; t < n; ++t) vmax[t] = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), _mm512_set1_epi16(0x7FFF));
-      for (int t = n; t < 16; ++t) vmax[t] = _mm512_setzero_si512();
-      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<true>(vmax)), 16);
+      __m256i rmax, unused;
+      reduce16_streamed<false>(
+          [&](int t, __m512i& vmax, __m512i&) { vmax = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), _mm512_set1_epi16(0x7FFF)); }, n,
+          rmax, unused);
+      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, rmax), 16);
       _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
       __m512i const c = mx_scale_codes<e2m1_format>(a, rule);
       __mmask16 const fast = _mm512_cmpge_epi32_mask(c, _mm512_set1_epi32(3)) &
