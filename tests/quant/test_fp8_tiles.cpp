@@ -267,6 +267,49 @@ TEST_CASE("fp8 tiles: every bfloat16 pattern, vector 1x128 path against the refe
   }
 }
 
+TEST_CASE("fp8 tiles: tiles holding zeros, vector 1x128 path against the reference") {
+  // The vector path's subnormal-code test reads min(2|x|), which is 0 for any tile holding a ±0;
+  // such tiles are judged on their smallest nonzero |x| instead. Each tile: amax a = 1 (or the
+  // sign-flipped), zeros of both signs, and a smallest nonzero value placed just below, at and
+  // just above the E4M3-subnormal boundary y = 2^-6 (x = 2^-6 · s, s = 1/448), or far from it;
+  // plus all-+0, all--0, mixed-sign all-zero tiles and a lone nonzero among zeros.
+  cpu::serial ser;
+  cpu::threads<> thr(2);
+  auto const bf = [](std::uint16_t u) { return k3::detail::bit_cast<bfloat16>(u); };
+  auto const bits_of = [](float f) { return static_cast<std::uint16_t>(k3::detail::bit_cast<std::uint32_t>(f) >> 16); };
+  std::uint16_t const edge = bits_of(0x1p-6f / 448.0f);
+  std::vector<std::uint16_t> smallest = {static_cast<std::uint16_t>(edge - 2), static_cast<std::uint16_t>(edge - 1), edge,
+                                         static_cast<std::uint16_t>(edge + 1), static_cast<std::uint16_t>(edge + 2), bits_of(1e-30f),
+                                         bits_of(0.25f), 0x0001};
+  index_t const k = 128 * 5;
+  std::vector<bfloat16> x;
+  for (std::uint16_t sm : smallest)
+    for (int zeros : {1, 5, 126}) {
+      for (int j = 0; j < 128; ++j) {
+        std::uint16_t v = bits_of(0.5f + static_cast<float>(j % 9) / 32.0f);
+        if (j == 3) v = bits_of(1.0f);
+        else if (j == 7) v = sm;
+        else if (j >= 8 && j < 8 + zeros) v = j % 2 ? 0x8000 : 0x0000;
+        if (zeros == 126 && j != 3 && j != 7) v = j % 2 ? 0x8000 : 0x0000;
+        x.push_back(bf(static_cast<std::uint16_t>(v | (j % 3 == 0 ? 0x8000 : 0))));
+      }
+    }
+  for (std::uint16_t z : {std::uint16_t{0x0000}, std::uint16_t{0x8000}})
+    for (int j = 0; j < 128; ++j) x.push_back(bf(z));
+  for (int j = 0; j < 128; ++j) x.push_back(bf(static_cast<std::uint16_t>(j % 2 ? 0x8000 : 0)));
+  for (std::uint16_t lone : {std::uint16_t{0x0001}, edge, bits_of(3.0f), std::uint16_t{0x7FC0}})
+    for (int j = 0; j < 128; ++j) x.push_back(bf(static_cast<std::uint16_t>(j == 77 ? lone : (j % 2 ? 0x8000 : 0))));
+  while (x.size() % static_cast<std::size_t>(k)) x.push_back(bf(0x8000));
+  index_t const m = static_cast<index_t>(x.size()) / k;
+  for (scale_format fmt : {scale_format::fp32, scale_format::ue8m0}) {
+    CAPTURE(static_cast<int>(fmt));
+    auto const ref = run(ser, x, m, k, tile_1x128, fmt);
+    auto const vec = run(thr, x, m, k, tile_1x128, fmt);
+    CHECK(ref.q == vec.q);
+    CHECK(same_bits(ref.s, vec.s));
+  }
+}
+
 TEST_CASE("fp8 re-quantisation 1x128 -> 128x1") {
   cpu::threads<> thr(2);
   for (scale_format fmt : {scale_format::fp32, scale_format::ue8m0}) {

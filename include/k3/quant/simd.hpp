@@ -301,8 +301,9 @@ class row_writer {
 };
 
 // ---- 1x128 E4M3 of bfloat16 rows on AVX-512BW: the DeepSeek activation hot path ------------
-// Same bytes as reference::fp8_quantize_rows, with about 10 vector instructions per 16 elements:
-//  * amax: u16 max over |x| bit patterns (bf16 is the top half of an fp32), 32 lanes at a time;
+// Same bytes as reference::fp8_quantize_rows, with about 7-8 vector instructions per 16 elements:
+//  * amax: u16 max over 2|x| bit patterns (x + x; bf16 is the top half of an fp32), 32 lanes at a
+//    time, with the u16 min alongside for the subnormal-code test;
 //  * scales: 16 tiles at once with vdivps (the same IEEE divisions amax'/448 and 1/s as
 //    detail::deepseek_scale, so the same bits);
 //  * encode of y = |x| * (1/s), which lies in [0, 448·(1 + 2^-22)] (no saturation, no NaN:
@@ -366,28 +367,104 @@ K3_INLINE __m512i mx_scale_codes(__m512i a, mx_rule rule) noexcept {
   return _mm512_mask_mov_epi32(c, sub, _mm512_maskz_srli_epi32(all16, _mm512_add_epi32(man, _mm512_set1_epi32(0x3FFFFF)), 23));
 }
 
-// s and 1/s of n <= 16 tiles from their u16 amax patterns (as detail::deepseek_scale); returns
-// the tiles whose every nonzero y = |x|·(1/s) is >= 2^-6 (no E4M3 subnormal codes: encode16_normal
-// applies), judged on the smallest nonzero |x| with the same fp32 product (monotone).
-K3_INLINE std::uint32_t scales(std::uint16_t const* am, std::uint16_t const* nzmin1, int n, scale_format fmt, float* s, float* inv) noexcept {
+// Per-lane max and min of d = x + x over the tile at p, as 32 u16 lanes each: d = 2|x| (the add
+// drops the sign bit), so max(d) is the amax pattern shifted by one and min(d) is 0 exactly when
+// the tile holds a ±0 (such tiles are then checked with nonzero_min). One add per 32 elements
+// instead of an AND and a subtract (tile_lanes).
+K3_INLINE void tile_lanes2(std::uint16_t const* p, __m512i& vmax, __m512i& vmin) noexcept {
+  __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32), r2 = _mm512_loadu_si512(p + 64), r3 = _mm512_loadu_si512(p + 96);
+  __m512i const d0 = _mm512_add_epi16(r0, r0), d1 = _mm512_add_epi16(r1, r1), d2 = _mm512_add_epi16(r2, r2), d3 = _mm512_add_epi16(r3, r3);
+  vmax = _mm512_max_epu16(_mm512_max_epu16(d0, d1), _mm512_max_epu16(d2, d3));
+  vmin = _mm512_min_epu16(_mm512_min_epu16(d0, d1), _mm512_min_epu16(d2, d3));
+}
+
+// Smallest nonzero |x| pattern (16 bits) of the 128-element tile at p; 0x10000 when every x is ±0.
+inline std::uint32_t nonzero_min(std::uint16_t const* p) noexcept {
+  __m512i vmax, vmin1;
+  tile_lanes(p, vmax, vmin1);
+  alignas(64) std::uint16_t l[32];
+  _mm512_store_si512(reinterpret_cast<void*>(l), vmin1);
+  std::uint32_t r = 0xFFFF;
+  for (int i = 0; i < 32; ++i) r = std::min<std::uint32_t>(r, l[i]);
+  return r + 1;
+}
+
+// reduce16's max (and, WithMin, min) of the lane vectors of n <= 16 blocks, lanes(t, vmax, vmin)
+// giving block t's (absent blocks count as 0), fed to the transposing tree as the blocks are read,
+// so that the partial results stay in registers. (Storing the 16 or 32 lane vectors to the stack and
+// reading them back put stores among the block loads whose addresses can match a later load's in
+// bits 0-11 (4K aliasing); such a load then waits for the store, i.e. for the previous block's
+// cache misses: with the input in DRAM this cost ~30% of the 1x128 throughput.)
+template <bool WithMin, class F>
+K3_INLINE void reduce16_streamed(F&& lanes, int n, __m256i& rmax, __m256i& rmin) noexcept {
+  auto const pair = [&](int t, __m512i& xm, __m512i& xn) {  // blocks t, t + 1: level 1
+    __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;
+    if (t < n) lanes(t, a0, b0);
+    if (t + 1 < n) lanes(t + 1, a1, b1);
+    xm = _mm512_max_epu16(_mm512_unpacklo_epi16(a0, a1), _mm512_unpackhi_epi16(a0, a1));
+    if constexpr (WithMin) xn = _mm512_min_epu16(_mm512_unpacklo_epi16(b0, b1), _mm512_unpackhi_epi16(b0, b1));
+  };
+  auto const quad = [&](int t, __m512i& zm, __m512i& zn) {  // blocks t .. t + 3: level 2
+    __m512i xm0, xn0 = _mm512_setzero_si512(), xm1, xn1 = xn0;
+    pair(t, xm0, xn0);
+    pair(t + 2, xm1, xn1);
+    zm = _mm512_max_epu16(_mm512_maskz_unpacklo_epi32(all16, xm0, xm1), _mm512_maskz_unpackhi_epi32(all16, xm0, xm1));
+    if constexpr (WithMin) zn = _mm512_min_epu16(_mm512_maskz_unpacklo_epi32(all16, xn0, xn1), _mm512_maskz_unpackhi_epi32(all16, xn0, xn1));
+  };
+  auto const oct = [&](int t, __m512i& qm, __m512i& qn) {  // blocks t .. t + 7: level 3
+    __m512i zm0, zn0 = _mm512_setzero_si512(), zm1, zn1 = zn0;
+    quad(t, zm0, zn0);
+    quad(t + 4, zm1, zn1);
+    qm = _mm512_max_epu16(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), zm0, zm1), _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), zm0, zm1));
+    if constexpr (WithMin)
+      qn = _mm512_min_epu16(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), zn0, zn1), _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), zn0, zn1));
+  };
+  __m512i vm[2], vn[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  oct(0, vm[0], vn[0]);
+  oct(8, vm[1], vn[1]);
+  auto const last = [](__m512i const* q, auto op) {  // the rest of reduce16
+    __m512i r = op(_mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                   _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    r = op(r, _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), r, r, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5), r), 0);
+  };
+  rmax = last(vm, [](__m512i a, __m512i b) { return _mm512_max_epu16(a, b); });
+  if constexpr (WithMin) rmin = last(vn, [](__m512i a, __m512i b) { return _mm512_min_epu16(a, b); });
+}
+
+// max(d) and min(d) (d = 2|x|) of each of the n <= 16 tiles at p, p + 128, ..., as 16 u16 each.
+K3_INLINE void group_max_min(std::uint16_t const* p, int n, __m256i& rmax, __m256i& rmin) noexcept {
+  reduce16_streamed<true>([p](int t, __m512i& a, __m512i& b) { tile_lanes2(p + t * 128, a, b); }, n, rmax, rmin);
+}
+
+// s, 1/s and 2^-88/s of n <= 16 tiles from max(d) and min(d) (d = 2|x|), as detail::deepseek_scale
+// (NaN s and 1/s for non-finite tiles). Classes, one bit per tile: nan; normal: every nonzero
+// y = |x|·(1/s) is >= 2^-6 (no E4M3 subnormal codes) and 1/s >= 2^-38, judged on min |x| with the
+// same fp32 product (monotone); check: finite tiles with 1/s >= 2^-38 holding a ±0, for which
+// min(d) says nothing: the caller judges them on nonzero_min.
+struct tile_classes {
+  std::uint32_t nan, normal, check;
+};
+K3_INLINE tile_classes scales(__m256i dmax, __m256i dmin, int n, scale_format fmt, float* s, float* inv, float* inv88) noexcept {
   __mmask16 const ld = static_cast<__mmask16>((1u << n) - 1u);
-  __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, _mm256_maskz_loadu_epi16(ld, am)), 16);
+  __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, dmax), 15);  // d is even: |x| << 16
   __mmask16 const nan = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(detail::nonfinite_bits)));
   __m512 const af = _mm512_maskz_max_ps(all16, _mm512_castsi512_ps(a), _mm512_set1_ps(deepseek_amax_floor));
   __m512 sv = _mm512_maskz_div_ps(all16, af, _mm512_set1_ps(448.0f));
   if (fmt == scale_format::ue8m0)  // s is a normal float in (2^-23, 2^119): round up to a power of two
     sv = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(sv), _mm512_set1_epi32(0x7FFFFF)),
                                               _mm512_set1_epi32(static_cast<int>(0xFF800000u))));
-  __m512 iv = _mm512_maskz_div_ps(all16, _mm512_set1_ps(1.0f), sv);
-  __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, _mm256_maskz_loadu_epi16(ld, nzmin1)), _mm512_set1_epi32(1));
-  __m512 const ymin = _mm512_maskz_mul_ps(all16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, mn, 16)), iv);
-  // all-zero tiles (mn = 0x10000 shifts out to 0) take the general path
-  __mmask16 const normal = _mm512_cmp_ps_mask(ymin, _mm512_set1_ps(0.015625f), _CMP_GE_OQ) &
-                          _mm512_cmp_ps_mask(iv, _mm512_set1_ps(0x1p-38f), _CMP_GE_OQ);
+  __m512 const iv = _mm512_maskz_div_ps(all16, _mm512_set1_ps(1.0f), sv);
+  __m512i const dn = _mm512_maskz_cvtepu16_epi32(all16, dmin);
+  __m512 const ymin = _mm512_maskz_mul_ps(all16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, dn, 15)), iv);
+  __mmask16 const ok = _mm512_cmp_ps_mask(iv, _mm512_set1_ps(0x1p-38f), _CMP_GE_OQ) & ~nan & ld;
+  __mmask16 const normal = _mm512_cmp_ps_mask(ymin, _mm512_set1_ps(0.015625f), _CMP_GE_OQ) & ok;
+  __mmask16 const zero = _mm512_cmpeq_epi32_mask(dn, _mm512_setzero_si512()) & ok;
   __m512 const qn = _mm512_set1_ps(detail::quiet_nan());
-  _mm512_mask_storeu_ps(s, ld, _mm512_mask_mov_ps(sv, nan, qn));
-  _mm512_mask_storeu_ps(inv, ld, _mm512_mask_mov_ps(iv, nan, qn));
-  return static_cast<std::uint32_t>(normal & ~nan & ld);
+  _mm512_store_ps(s, _mm512_mask_mov_ps(sv, nan, qn));
+  _mm512_store_ps(inv, _mm512_mask_mov_ps(iv, nan, qn));
+  _mm512_store_ps(inv88, _mm512_mul_ps(iv, _mm512_set1_ps(0x1p-88f)));  // exact where used (1/s >= 2^-38)
+  return {static_cast<std::uint32_t>(nan & ld), static_cast<std::uint32_t>(normal), static_cast<std::uint32_t>(zero)};
 }
 
 // Codes of 16 values y = |x|·(1/s) that are 0 or >= 2^-6 (negative for 0; vpackusdw makes it 0).
@@ -436,13 +513,6 @@ K3_INLINE __m512i round_at_bit20(__m512 y) noexcept {
   __m512i const a = _mm512_castps_si512(y);
   return _mm512_ternarylogic_epi32(_mm512_maskz_srli_epi32(all16, a, 4), a, _mm512_set1_epi32(0xF), 0xF8);
 }
-K3_INLINE __m512i codes32_normal(__m512i raw, __m512 vinv88) noexcept {
-  __m512 const ye = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, raw, 16)), vinv88);
-  __m512 const yo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))), vinv88);
-  // words 0..15: elements 0, 2, .., 30; words 16..31: elements 1, 3, .., 31
-  __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(round_at_bit20(yo)), _mm512_castsi512_ps(round_at_bit20(ye)));
-  return reinterpret_cast<__m512i const&>(h);
-}
 inline constexpr auto byte_order = [] {
   struct t { std::int8_t code[64], sign[64]; } r{};
   for (int i = 0; i < 64; ++i) {
@@ -452,11 +522,32 @@ inline constexpr auto byte_order = [] {
   }
   return r;
 }();
-K3_INLINE __m512i encode64_normal_bf16(std::uint16_t const* p, __m512 vinv88) noexcept {
+// The encoder's constants, made once per task and kept in registers: g++ 12 otherwise
+// re-broadcasts the set1 constants from general registers inside the tile loop (three extra
+// shuffle-port instructions per tile).
+struct normal_consts {
+  __m512i c15, hi, sgn, code, sign;
+  normal_consts() noexcept
+      : c15(_mm512_set1_epi32(0xF)), hi(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u))), sgn(_mm512_set1_epi8(static_cast<char>(0x80))),
+        code(_mm512_loadu_si512(byte_order.code)), sign(_mm512_loadu_si512(byte_order.sign)) {
+    asm("" : "+v"(c15), "+v"(hi), "+v"(sgn));  // opaque values: not rematerialised
+  }
+};
+K3_INLINE __m512i codes32_normal(__m512i raw, __m512 vinv88, normal_consts const& c) noexcept {
+  __m512 const ye = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(all16, raw, 16)), vinv88);
+  __m512 const yo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(raw, c.hi)), vinv88);
+  __m512i const ae = _mm512_castps_si512(ye), ao = _mm512_castps_si512(yo);
+  __m512i const pe = _mm512_ternarylogic_epi32(_mm512_maskz_srli_epi32(all16, ae, 4), ae, c.c15, 0xF8);  // round_at_bit20
+  __m512i const po = _mm512_ternarylogic_epi32(_mm512_maskz_srli_epi32(all16, ao, 4), ao, c.c15, 0xF8);
+  // words 0..15: elements 0, 2, .., 30; words 16..31: elements 1, 3, .., 31
+  __m512bh const h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(po), _mm512_castsi512_ps(pe));
+  return reinterpret_cast<__m512i const&>(h);
+}
+K3_INLINE __m512i encode64_normal_bf16(std::uint16_t const* p, __m512 vinv88, normal_consts const& c) noexcept {
   __m512i const r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 32);
-  __m512i const c = _mm512_permutex2var_epi8(codes32_normal(r0, vinv88), _mm512_loadu_si512(byte_order.code), codes32_normal(r1, vinv88));
-  __m512i const sg = _mm512_permutex2var_epi8(r0, _mm512_loadu_si512(byte_order.sign), r1);
-  return _mm512_ternarylogic_epi32(c, sg, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+  __m512i const cd = _mm512_permutex2var_epi8(codes32_normal(r0, vinv88, c), c.code, codes32_normal(r1, vinv88, c));
+  __m512i const sg = _mm512_permutex2var_epi8(r0, c.sign, r1);
+  return _mm512_ternarylogic_epi32(cd, sg, c.sgn, 0xF8);
 }
 
 // OCP MXFP8 (E4M3) of bf16 blocks of 32, two blocks per call: as encode64_normal_bf16 with a
@@ -496,15 +587,16 @@ void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
     if (!span && i > i0) out = row_writer(&q(i, 0), k, stream);
     for (index_t g = 0; g < nb; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, nb - g));  // even: nb is
-      __m512i vmax[16], vmin1[16];
       __m512i const m = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
-      for (int t = 0; t < n; ++t) {
-        vmax[t] = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), m);
-        vmin1[t] = _mm512_sub_epi16(vmax[t], one);
-      }
-      for (int t = n; t < 16; ++t) vmax[t] = vmin1[t] = _mm512_setzero_si512();
-      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<true>(vmax)), 16);
-      __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<false>(vmin1)), _mm512_set1_epi32(1));
+      __m256i rmax, rmin;
+      reduce16_streamed<true>(
+          [&](int t, __m512i& vmax, __m512i& vmin1) {
+            vmax = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), m);
+            vmin1 = _mm512_sub_epi16(vmax, one);
+          },
+          n, rmax, rmin);
+      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, rmax), 16);
+      __m512i const mn = _mm512_maskz_add_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, rmin), _mm512_set1_epi32(1));
       _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
       (void)nz;
       __m512i const c = mx_scale_codes<e4m3_format>(a, rule);
@@ -581,10 +673,11 @@ void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
     std::uint8_t* const qr = &q(i, 0);
     for (index_t g = 0; g < nb; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, nb - g));
-      __m512i vmax[16];
-      for (int t = 0; t < n; ++t) vmax[t] = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), _mm512_set1_epi16(0x7FFF));
-      for (int t = n; t < 16; ++t) vmax[t] = _mm512_setzero_si512();
-      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, reduce16<true>(vmax)), 16);
+      __m256i rmax, unused;
+      reduce16_streamed<false>(
+          [&](int t, __m512i& vmax, __m512i&) { vmax = _mm512_and_si512(_mm512_loadu_si512(xr + (g + t) * mx_block), _mm512_set1_epi16(0x7FFF)); }, n,
+          rmax, unused);
+      __m512i const a = _mm512_maskz_slli_epi32(all16, _mm512_maskz_cvtepu16_epi32(all16, rmax), 16);
       _mm256_store_si256(reinterpret_cast<__m256i*>(am), _mm512_maskz_cvtepi32_epi16(all16, _mm512_maskz_srli_epi32(all16, a, 16)));
       __m512i const c = mx_scale_codes<e2m1_format>(a, rule);
       __mmask16 const fast = _mm512_cmpge_epi32_mask(c, _mm512_set1_epi32(3)) &
@@ -606,50 +699,65 @@ void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
 }
 
 // Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
-template <class Arch>
-void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1,
-          bool stream) {
+// Per group of 16 tiles: the lane pass (the loads that miss), one transposing reduction per
+// quantity, 16 scales in one vector, then the codes from L1. (Interleaving the next group's lane
+// pass with this group's encoding, software prefetch and larger groups were all slower with the
+// tensor in DRAM: benchmarks/quant.md.)
+template <class Arch, bool Stream>
+void rows_impl(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1) {
   using K = kernels<Arch>;
   index_t const k = x.extent(1), full = k / 128;
-  alignas(64) std::uint16_t am[16], nz[16];
-  alignas(64) float sv[16], iv[16];
+  if (i0 >= i1) return;
+  alignas(64) float sv[16], iv[16], iv88[16];
   alignas(64) std::uint8_t part[128] = {};
-  // contiguous rows of whole 64-byte registers are one stream: only its two ends can be
-  // partial cache lines (masked stores to partial lines measured costly next to streaming)
+  // streaming: contiguous rows of whole 64-byte registers are one stream, so only its two ends
+  // can be partial cache lines (masked stores to partial lines measured costly next to streaming)
   bool const span = q.stride(0) == k && k % 64 == 0;
-  row_writer out(&q(i0, 0), span ? (i1 - i0) * k : k, stream);
+  row_writer out(&q(i0, 0), Stream ? (span ? (i1 - i0) * k : k) : 0, Stream);
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  normal_consts const nc;
+#endif
   for (index_t i = i0; i < i1; ++i) {
     std::uint16_t const* xr = reinterpret_cast<std::uint16_t const*>(&x(i, 0));
-    if (!span && i > i0) out = row_writer(&q(i, 0), k, stream);
+    std::uint8_t* const qr = &q(i, 0);
+    if (Stream && !span && i > i0) out = row_writer(qr, k, true);
+    auto const emit = [&](index_t j, __m512i r) {  // the 64 codes of columns [j, j + 64)
+      if constexpr (Stream)
+        out.put(r);
+      else
+        _mm512_storeu_si512(qr + j, r);
+    };
     for (index_t g = 0; g < full; g += 16) {
       int const n = static_cast<int>(std::min<index_t>(16, full - g));
-      __m512i vmax[16], vmin1[16];
-      for (int t = 0; t < n; ++t) tile_lanes(xr + (g + t) * 128, vmax[t], vmin1[t]);
-      for (int t = n; t < 16; ++t) vmax[t] = vmin1[t] = _mm512_setzero_si512();
-      _mm256_store_si256(reinterpret_cast<__m256i*>(am), reduce16<true>(vmax));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(nz), reduce16<false>(vmin1));
-      std::uint32_t const normal = scales(am, nz, n, fmt, sv, iv);
+      __m256i dmax, dmin;
+      group_max_min(xr + g * 128, n, dmax, dmin);
+      tile_classes const c = scales(dmax, dmin, n, fmt, sv, iv, iv88);
+      std::uint32_t normal = c.normal;
+      for (std::uint32_t z = c.check; z != 0; z &= z - 1) {  // tiles holding a zero (rare)
+        int const t = __builtin_ctz(z);
+        std::uint32_t const mn = nonzero_min(xr + (g + t) * 128);
+        if (mn == 0x10000u || k3::detail::bit_cast<float>(mn << 16) * iv[t] >= 0.015625f) normal |= 1u << t;
+      }
       for (int t = 0; t < n; ++t) {
         index_t const j = (g + t) * 128;
         s(i, g + t) = sv[t];
-        if (am[t] >= (detail::nonfinite_bits >> 16)) {
-          out.put(_mm512_set1_epi8(static_cast<char>(e4m3_format::nan_code)));
-          out.put(_mm512_set1_epi8(static_cast<char>(e4m3_format::nan_code)));
-          continue;
-        }
-        __m512 const vinv = _mm512_set1_ps(iv[t]);
-        if ((normal >> t) & 1u) {
+        if ((c.nan >> t) & 1u) {
+          emit(j, _mm512_set1_epi8(static_cast<char>(e4m3_format::nan_code)));
+          emit(j + 64, _mm512_set1_epi8(static_cast<char>(e4m3_format::nan_code)));
+        } else if ((normal >> t) & 1u) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-          __m512 const vinv88 = _mm512_set1_ps(iv[t] * 0x1p-88f);
-          out.put(encode64_normal_bf16(xr + j, vinv88));
-          out.put(encode64_normal_bf16(xr + j + 64, vinv88));
+          __m512 const v = _mm512_set1_ps(iv88[t]);
+          emit(j, encode64_normal_bf16(xr + j, v, nc));
+          emit(j + 64, encode64_normal_bf16(xr + j + 64, v, nc));
 #else
-          out.put(encode64<true>(xr + j, vinv));
-          out.put(encode64<true>(xr + j + 64, vinv));
+          __m512 const v = _mm512_set1_ps(iv[t]);
+          emit(j, encode64<true>(xr + j, v));
+          emit(j + 64, encode64<true>(xr + j + 64, v));
 #endif
         } else {
-          out.put(encode64<false>(xr + j, vinv));
-          out.put(encode64<false>(xr + j + 64, vinv));
+          __m512 const v = _mm512_set1_ps(iv[t]);
+          emit(j, encode64<false>(xr + j, v));
+          emit(j + 64, encode64<false>(xr + j + 64, v));
         }
       }
     }
@@ -663,11 +771,24 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
         std::memset(part, e4m3_format::nan_code, static_cast<std::size_t>(n));
       else
         K::template encode_store<e4m3_format, false, false>(p, sc.inv, part, n);
-      out.put_bytes(part);
-      if (n > 64) out.put_bytes(part + 64);
+      if constexpr (Stream) {
+        out.put_bytes(part);
+        if (n > 64) out.put_bytes(part + 64);
+      } else {
+        std::memcpy(qr + j0, part, static_cast<std::size_t>(n));
+      }
     }
   }
-  if (stream) _mm_sfence();
+  if (Stream) _mm_sfence();
+}
+
+template <class Arch>
+void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1,
+          bool stream) {
+  if (stream)
+    rows_impl<Arch, true>(x, q, s, fmt, i0, i1);
+  else
+    rows_impl<Arch, false>(x, q, s, fmt, i0, i1);
 }
 }  // namespace avx512_1x128
 #endif
