@@ -200,7 +200,10 @@ struct kernels {
       else
         store_bytes(c, out + j);
     }
-    for (; j < n; j += (packed ? 2 : 1)) {
+    // The tail counts down what is left (a loop on j alone made g++ 12 at -O3 without AVX-512
+    // warn of an overflow of j after inlining: -Waggressive-loop-optimizations).
+    constexpr index_t step = packed ? 2 : 1;
+    for (index_t left = n - j; left > 0; left -= step, j += step) {
       float const x0 = load_as<float>(p[j]);
       std::uint8_t const c0 = k3::encode<F>(Divide ? x0 / f : x0 * f, saturation::finite);
       if constexpr (packed) {
