@@ -58,6 +58,12 @@ class qb_histogram {
       return "qb_histogram: need finite bounds lo < hi, got [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
     });
     inv_w_ = float(bins) / (hi - lo);
+    // hi - lo can overflow to inf (inverse 0: every margin in bin 0) or be so small that the
+    // inverse is inf (0 * inf = NaN bin indices): neither gives a usable histogram.
+    detail::require(std::isfinite(inv_w_) && inv_w_ > 0.f, [&] {
+      return "qb_histogram: " + std::to_string(bins) + " bins over [" + std::to_string(lo) + ", " + std::to_string(hi) +
+             "] give a bin width whose inverse is not a finite positive float";
+    });
     counts_.assign(static_cast<std::size_t>(experts * bins), 0);
   }
 
@@ -151,8 +157,20 @@ inline void check_qb_inputs(const_view<float, 2> scores, const_view<float, 1> cu
     return "argument 'k': need 1 <= k < n, got k = " + std::to_string(opt.k) + ", n = " + std::to_string(n);
   });
   ::k3::detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+  ::k3::detail::check_view("cutoff", cutoff);
   ::k3::detail::check_shape("cutoff", cutoff, {m});
-  if (!mask.empty()) ::k3::detail::check_shape("mask", mask, {m});
+  if (!mask.empty()) {
+    ::k3::detail::check_view("mask", mask);
+    ::k3::detail::check_shape("mask", mask, {m});
+  }
+  // A NaN margin has no bin (casting it to an index is undefined) and breaks the ordering
+  // nth_element relies on: reject non-finite values of the real (non-padding) tokens.
+  for (index_t i = 0; i < m; ++i) {
+    if (!mask.empty() && mask(i) == 0) continue;
+    ::k3::detail::require(std::isfinite(cutoff(i)), [&] { return "argument 'cutoff': non-finite value at token " + std::to_string(i); });
+    for (index_t j = 0; j < n; ++j)
+      ::k3::detail::require(std::isfinite(scores(i, j)), [&] { return nonfinite_message(i, j, opt.input); });
+  }
 }
 
 // Mean-centre, optional EMA against the previous bias, re-centre. In double, stored as FP32.
