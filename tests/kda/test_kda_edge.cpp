@@ -147,3 +147,44 @@ TEST_CASE("kda: strided views (padded rows, B and T swapped in memory) match con
     }
   }
 }
+
+namespace {
+// T = 0 (every sequence empty): ht = h0 and dh0 = dht exactly; nothing else is touched.
+template <class Backend>
+void empty_time_case(Backend const& be, kda::algorithm m, bool varlen) {
+  index_t const B = varlen ? 1 : 2, N = varlen ? 3 : 2, H = 1, HV = 2, K = 5, V = 3;
+  std::vector<float> none(1, 0.f), h0(std::size_t(N * HV * K * V)), dht(h0.size()), ht(h0.size(), -7.f), dh0(h0.size(), -7.f);
+  for (std::size_t i = 0; i < h0.size(); ++i) {
+    h0[i] = 0.1f * float(i) - 1.f;
+    dht[i] = 0.05f * float(i) + 2.f;
+  }
+  std::vector<std::int64_t> cu(std::size_t(N + 1), 0);
+  kda::options opt;
+  opt.mode = m;
+  if (varlen) opt.cu_seqlens = cu;
+  auto e4 = [&](index_t d) { return host_view(static_cast<float const*>(none.data()), B, index_t(0), d == 0 ? H : HV, d == 0 ? K : d); };
+  auto o4 = [&](index_t h, index_t d) { return host_view(none.data(), B, index_t(0), h, d); };
+  kda::forward_args<float> fa{.q = e4(0), .k = e4(0), .v = e4(V), .g = e4(K), .beta = host_view(static_cast<float const*>(none.data()), B, index_t(0), HV),
+                              .o = o4(HV, V), .h0 = host_view(static_cast<float const*>(h0.data()), N, HV, K, V), .ht = host_view(ht.data(), N, HV, K, V)};
+  kda::forward(be, fa, opt);
+  CHECK(ht == h0);
+  kda::backward_args<float> ba{.q = e4(0), .k = e4(0), .v = e4(V), .g = e4(K), .beta = host_view(static_cast<float const*>(none.data()), B, index_t(0), HV),
+                               .h0 = host_view(static_cast<float const*>(h0.data()), N, HV, K, V), .d_o = e4(V),
+                               .dht = host_view(static_cast<float const*>(dht.data()), N, HV, K, V), .dq = o4(H, K), .dk = o4(H, K),
+                               .dv = o4(HV, V), .dg = o4(HV, K), .dbeta = host_view(none.data(), B, index_t(0), HV),
+                               .dh0 = host_view(dh0.data(), N, HV, K, V)};
+  kda::backward(be, ba, opt);
+  CHECK(dh0 == dht);
+}
+}  // namespace
+
+TEST_CASE("kda: T = 0 (and empty packed sequences) passes the state through, forward and backward, every backend") {
+  for (bool varlen : {false, true})
+    for (auto m : {kda::algorithm::chunk, kda::algorithm::recurrent}) {
+      CAPTURE(varlen);
+      CAPTURE(int(m));
+      empty_time_case(cpu::serial{}, m, varlen);
+      empty_time_case(cpu::simd<>{}, m, varlen);
+      empty_time_case(cpu::threads<>(5), m, varlen);
+    }
+}
