@@ -2,6 +2,7 @@
 // dgain) overlapping an input or each other must be rejected with a k3::error naming both.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -61,4 +62,51 @@ TEST_CASE("attnres mix: stats and gradients overlapping inputs or each other are
   CHECK(names(bwd(at(7), at(8), at(7) + 2, at(10)), "dw", "dsources"));
   CHECK(names(bwd(at(7), at(8), at(9), at(6)), "dgain", "dh"));
   CHECK(names(bwd(at(7), at(7) + 8, at(9), at(10)), "dsources", "dpartial"));
+}
+
+TEST_CASE("attnres two-phase: outputs overlapping inputs are rejected; a bad eps is an error") {
+  index_t const n = 2, nq = 2, T = 3, d = 4;
+  std::vector<float> mem(64 * 16, 0.5f);
+  for (std::size_t i = 0; i < mem.size(); ++i) mem[i] = 0.02f * float(i % 11) + 0.1f;
+  auto at = [&](int i) { return mem.data() + 64 * i; };
+  auto cf = [](float* p) { return static_cast<float const*>(p); };
+  k3::cpu::simd<> be;
+  // block_rinv
+  CHECK(error_of([&] { ar::block_rinv(be, k3::host_view(cf(at(0)), T, d), k3::host_view(at(1), T)); }) == "");
+  CHECK(names(error_of([&] { ar::block_rinv(be, k3::host_view(cf(at(0)), T, d), k3::host_view(at(0) + 5, T)); }), "rinv", "block"));
+  // phase1: bank at 0, rinv at 1, u at 2, o at 3, lse at 4
+  auto p1 = [&](float* o, float* lse) {
+    return error_of([&] {
+      ar::phase1(be, k3::host_view(cf(at(0)), n, T, d), k3::host_view(cf(at(1)), n, T), k3::host_view(cf(at(2)), nq, d), k3::host_view(o, nq, T, d),
+                 k3::host_view(lse, nq, T));
+    });
+  };
+  CHECK(p1(at(3), at(4)) == "");
+  CHECK(names(p1(at(3), at(1)), "lse", "bank_rinv"));
+  CHECK(names(p1(at(3), at(3) + 20), "lse", "o"));
+  CHECK(names(p1(at(2), at(4)), "o", "u"));
+  CHECK(names(p1(at(3), at(0)), "lse", "bank"));
+  // phase2: o at 3 (one site), lse at 4, partial at 5, u at 6, h at 7
+  auto p2 = [&](float* h, double eps) {
+    return error_of([&] {
+      ar::phase2(be, k3::host_view(cf(at(3)), T, d), k3::host_view(cf(at(4)), T), k3::host_view(cf(at(5)), T, d), true, k3::host_view(cf(at(6)), d),
+                 k3::host_view(h, T, d), eps);
+    });
+  };
+  CHECK(p2(at(7), 1e-5) == "");
+  CHECK(names(p2(at(4), 1e-5), "h", "lse"));
+  CHECK(names(p2(at(6) - 2, 1e-5), "h", "u"));
+  CHECK(p2(at(7), -1.0).find("eps") != std::string::npos);
+  CHECK(p2(at(7), std::nan("")).find("eps") != std::string::npos);
+  // phase2_add: prefix at 5 (written), delta at 8
+  auto p2a = [&](float* prefix, float* delta, float* h) {
+    return error_of([&] {
+      ar::phase2_add(be, k3::host_view(cf(at(3)), T, d), k3::host_view(cf(at(4)), T), k3::host_view(prefix, T, d), k3::host_view(cf(delta), T, d),
+                     k3::host_view(cf(at(6)), d), k3::host_view(h, T, d));
+    });
+  };
+  CHECK(p2a(at(5), at(8), at(7)) == "");
+  CHECK(names(p2a(at(5), at(8), at(8)), "h", "delta"));
+  CHECK(names(p2a(at(3), at(8), at(7)), "prefix", "o"));
+  CHECK(names(p2a(at(4), at(8), at(7)), "prefix", "lse"));
 }
