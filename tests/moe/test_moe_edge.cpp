@@ -142,3 +142,22 @@ TEST_CASE("quantile balancing: non-finite scores or cut-offs and degenerate hist
   CHECK(error_of([] { qb_histogram(4, 1000, 0.f, 1e-44f); }).find("bins") != std::string::npos);
   CHECK(error_of([] { qb_histogram(4, 10, -3e38f, 3e38f); }).find("bins") != std::string::npos);
 }
+
+TEST_CASE("placement: non-finite or negative EPLB loads and aliasing MoonEP dispatch outputs are rejected") {
+  std::vector<double> load{5, 1, 3, 2, 8, 1, 1, 4};
+  auto lv = [&] { return host_view(static_cast<double const*>(load.data()), index_t(1), index_t(8)); };
+  CHECK(error_of([&] { (void)eplb_rebalance(lv(), 12, 4, 2, 4); }) == "");
+  for (double bad : {std::nan(""), -1.0, std::numeric_limits<double>::infinity()}) {
+    load[3] = bad;
+    CHECK(error_of([&] { (void)eplb_rebalance(lv(), 12, 4, 2, 4); }).find("load") != std::string::npos);
+  }
+  std::vector<std::int64_t> counts{3, 1, 2, 2};
+  auto plan = moonep_rebalance(host_view(static_cast<std::int64_t const*>(counts.data()), index_t(4)), 2);
+  std::vector<std::int32_t> idx{0, 2, 3, 0, 1, 2, 3, 0};
+  std::vector<std::int64_t> ro(8), so(8);
+  auto iv = host_view(static_cast<std::int32_t const*>(idx.data()), index_t(4), index_t(2));
+  CHECK(error_of([&] { moonep_dispatch(iv, plan, host_view(ro.data(), index_t(4), index_t(2)), host_view(so.data(), index_t(4), index_t(2))); }) == "");
+  std::string e = error_of([&] { moonep_dispatch(iv, plan, host_view(ro.data(), index_t(4), index_t(2)), host_view(ro.data(), index_t(4), index_t(2))); });
+  CHECK(e.find("rank_of") != std::string::npos);
+  CHECK(e.find("slot_of") != std::string::npos);
+}
