@@ -3,6 +3,11 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -109,4 +114,79 @@ TEST_CASE("attnres two-phase: outputs overlapping inputs are rejected; a bad eps
   CHECK(names(p2a(at(5), at(8), at(8)), "h", "delta"));
   CHECK(names(p2a(at(3), at(8), at(7)), "prefix", "o"));
   CHECK(names(p2a(at(4), at(8), at(7)), "prefix", "lse"));
+}
+
+namespace {
+// Two ranks in one process; messages are byte copies (with their element type) in a mailbox.
+struct mailbox {
+  std::map<std::tuple<int, int, int>, std::deque<std::pair<std::int64_t, std::vector<unsigned char>>>> q;  // (src, dst, tag)
+};
+class loopback {
+ public:
+  loopback(std::shared_ptr<mailbox> m, int rank, int size) : m_(std::move(m)), rank_(rank), size_(size) {}
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  template <class T, std::size_t R>
+  void all_reduce_sum(k3::tensor_view<T, R>) const {}
+  template <class T, class U, std::size_t R1, std::size_t R2>
+  void all_gather(k3::tensor_view<T, R1>, k3::tensor_view<U, R2>) const {}
+  template <class T, std::size_t R>
+  void send(k3::tensor_view<T, R> v, int peer, int tag) const {
+    std::vector<unsigned char> bytes(std::size_t(v.size()) * sizeof(T));
+    std::memcpy(bytes.data(), v.data_handle(), bytes.size());
+    m_->q[{rank_, peer, tag}].push_back({k3::detail::comm_type_code<std::remove_const_t<T>>(), std::move(bytes)});
+  }
+  template <class T, std::size_t R>
+  void recv(k3::tensor_view<T, R> v, int peer, int tag) const {
+    auto& d = m_->q[{peer, rank_, tag}];
+    k3::detail::require(!d.empty(), "loopback: nothing to receive");
+    auto [code, bytes] = std::move(d.front());
+    d.pop_front();
+    k3::detail::require(code == k3::detail::comm_type_code<T>() && bytes.size() == std::size_t(v.size()) * sizeof(T),
+                        "loopback: type or count mismatch");
+    std::memcpy(v.data_handle(), bytes.data(), bytes.size());
+  }
+  void barrier() const noexcept {}
+
+ private:
+  std::shared_ptr<mailbox> m_;
+  int rank_, size_;
+};
+}  // namespace
+
+TEST_CASE("pipeline cache: a malformed forward header is a k3::error (never an out-of-range bank read later)") {
+  index_t const d = 3, L = 8;
+  ar::block_config c;
+  c.d = d;
+  c.tokens = 2;
+  c.sublayers = L;
+  c.block_sublayers = 2;
+  std::vector<float> w((L + 1) * d, 0.1f), g((L + 1) * d, 1.0f), e(2 * d, 1.0f), x(2 * d), y(2 * d, 0.5f);
+  auto wv = k3::tensor_view<float const, 2>(w.data(), {L + 1, d});
+  auto gv = k3::tensor_view<float const, 2>(g.data(), {L + 1, d});
+  // header layout: site, n, k, T, prefix_empty, then the rows held per rank
+  for (int field : {5, 6, 1, 3, 0}) {
+    for (std::int64_t bad : {std::int64_t(-5), std::int64_t(1000)}) {
+      CAPTURE(field);
+      CAPTURE(bad);
+      auto box = std::make_shared<mailbox>();
+      loopback c0(box, 0, 2), c1(box, 1, 2);
+      ar::pipeline_cache<loopback> p0(c0), p1(c1);
+      ar::block_attn_res<float> a0(c, wv, gv), a1(c, wv, gv);
+      a0.begin(k3::host_view(e.data(), 2, d));
+      for (int l = 0; l < 5; ++l) {
+        a0.input(k3::host_view(x.data(), 2, d));
+        a0.add(k3::host_view(y.data(), 2, d));
+      }
+      p0.send_forward(a0, 1, 9);
+      auto& msg = box->q[{0, 1, 9}].front().second;
+      std::int64_t h[7];
+      std::memcpy(h, msg.data(), sizeof h);
+      h[field] = bad;
+      std::memcpy(msg.data(), h, sizeof h);
+      std::string const err = error_of([&] { p1.recv_forward(a1, 0, 9); });
+      CHECK(err != "");
+      CHECK(err.find("loopback") == std::string::npos);  // refused from the header, before reading the rows
+    }
+  }
 }
