@@ -101,3 +101,30 @@ TEST_CASE("dplr context parallel: h0, dht and dh0 are checked against the other 
           dplr_cp_backward(comm, A.in(), gi, dplr_grads<float>{A.x(10), A.x(11), A.x(12), A.x(13), A.x(14), A.x(15), A.s(16)});
         }) == "");
 }
+
+TEST_CASE("kda_as_dplr::grads_to_kda: null or overlapping outputs are rejected") {
+  index_t const B = 1, T = 3, H = 1, HV = 2, K = 4, V = 4;
+  std::vector<float> buf(std::size_t(64 * 20), 0.1f);
+  auto at = [&](int i) { return buf.data() + 64 * i; };
+  auto c = [](float* p) { return static_cast<float const*>(p); };
+  kda_inputs<float> in{host_view(c(at(0)), B, T, H, K), host_view(c(at(1)), B, T, H, K), host_view(c(at(2)), B, T, HV, V),
+                       host_view(c(at(3)), B, T, HV, K), host_view(c(at(4)), B, T, HV), {}};
+  kda_as_dplr<float> m(in);
+  dplr_grads<float> g{host_view(at(5), B, T, HV, K), host_view(at(6), B, T, HV, K), host_view(at(7), B, T, HV, V), host_view(at(8), B, T, HV, K),
+                      host_view(at(9), B, T, HV, K), host_view(at(10), B, T, HV, K), {}};
+  auto fold = [&](kda_grads<float> const& o) { return error_of([&] { m.grads_to_kda(g, o); }); };
+  CHECK(fold({host_view(at(11), B, T, H, K), host_view(at(12), B, T, H, K), host_view(at(13), B, T, HV, V), host_view(at(14), B, T, HV, K),
+              host_view(at(15), B, T, HV)}) == "");
+  CHECK(fold({tensor_view<float, 4>(nullptr, {B, T, H, K}), host_view(at(12), B, T, H, K), host_view(at(13), B, T, HV, V),
+              host_view(at(14), B, T, HV, K), host_view(at(15), B, T, HV)})
+            .find("dq") != std::string::npos);
+  CHECK(names(fold({host_view(at(5), B, T, H, K), host_view(at(12), B, T, H, K), host_view(at(13), B, T, HV, V), host_view(at(14), B, T, HV, K),
+                    host_view(at(15), B, T, HV)}),
+              "dq", "dq'"));
+  CHECK(names(fold({host_view(at(11), B, T, H, K), host_view(at(12), B, T, H, K), host_view(at(13), B, T, HV, V), host_view(at(3), B, T, HV, K),
+                    host_view(at(15), B, T, HV)}),
+              "dg", "g"));
+  CHECK(names(fold({host_view(at(11), B, T, H, K), host_view(at(12), B, T, H, K), host_view(at(13), B, T, HV, V), host_view(at(14), B, T, HV, K),
+                    host_view(at(11) + 2, B, T, HV)}),
+              "dq", "dbeta"));
+}

@@ -161,3 +161,21 @@ TEST_CASE("placement: non-finite or negative EPLB loads and aliasing MoonEP disp
   CHECK(e.find("rank_of") != std::string::npos);
   CHECK(e.find("slot_of") != std::string::npos);
 }
+
+TEST_CASE("quantile balancing: a null bias or mask with a non-empty shape is a k3::error, not a crash") {
+  index_t const m = 4, n = 6;
+  std::vector<float> s(std::size_t(m * n), 0.5f), cut(std::size_t(m), 0.25f);
+  router_options opt;
+  opt.k = 2;
+  auto sv = host_view(static_cast<float const*>(s.data()), m, n);
+  auto cv = host_view(static_cast<float const*>(cut.data()), m);
+  tensor_view<float, 1> null_bias(nullptr, {n});
+  CHECK(error_of([&] { qb_exact_update(sv, cv, opt, null_bias); }).find("bias") != std::string::npos);
+  CHECK(error_of([&] { qb_offline_solve(sv, opt, 3, null_bias); }).find("bias") != std::string::npos);
+  qb_histogram h(n, 10, -1.f, 1.f);
+  qb_accumulate(sv, cv, h, opt);
+  CHECK(error_of([&] { qb_histogram_update(h, opt.k, null_bias); }).find("bias") != std::string::npos);
+  std::vector<float> bias(static_cast<std::size_t>(n));
+  CHECK(error_of([&] { qb_offline_solve(sv, opt, 3, host_view(bias.data(), n), const_view<std::uint8_t, 1>(nullptr, {m})); }).find("mask") !=
+        std::string::npos);
+}

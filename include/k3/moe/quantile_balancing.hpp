@@ -247,6 +247,7 @@ inline bool qb_histogram_quantile(qb_histogram const& hist, index_t k, std::vect
 // changed. The caller then builds the next histogram with qb_histogram::for_bias(bias).
 inline bool qb_histogram_update(qb_histogram const& hist, index_t k, tensor_view<float, 1> bias, double ema = 0.0) {
   detail::check_ema(ema);
+  ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {hist.experts()});
   std::vector<double> b;
   if (!qb_histogram_quantile(hist, k, b)) return false;
@@ -284,6 +285,7 @@ inline bool qb_exact_quantile(const_view<float, 2> scores, const_view<float, 1> 
 inline bool qb_exact_update(const_view<float, 2> scores, const_view<float, 1> cutoff, router_options const& opt,
                             tensor_view<float, 1> bias, const_view<std::uint8_t, 1> mask = {}, double ema = 0.0) {
   detail::check_ema(ema);
+  ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {scores.extent(1)});
   std::vector<double> b;
   if (!qb_exact_quantile(scores, cutoff, opt, b, mask)) return false;
@@ -314,8 +316,12 @@ inline void qb_offline_solve(const_view<float, 2> scores, router_options const& 
   // Like the per-step updates: the solver ranks all n experts per token, which group-limited
   // routing would not do, so its bias would not balance the routing it is used with.
   detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+  ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {n});
-  if (!mask.empty()) detail::check_shape("mask", mask, {m});
+  if (!mask.empty()) {
+    ::k3::detail::check_view("mask", mask);
+    detail::check_shape("mask", mask, {m});
+  }
   std::vector<index_t> rows;
   for (index_t i = 0; i < m; ++i)
     if (mask.empty() || mask(i) != 0) rows.push_back(i);
