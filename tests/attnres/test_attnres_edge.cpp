@@ -190,3 +190,54 @@ TEST_CASE("pipeline cache: a malformed forward header is a k3::error (never an o
     }
   }
 }
+
+TEST_CASE("block driver: an identity sublayer may hand grad_sublayer_output() straight back to backward_site") {
+  index_t const d = 4, T = 3, L = 5;
+  ar::block_config c;
+  c.d = d;
+  c.tokens = T;
+  c.sublayers = L;
+  c.block_sublayers = 2;
+  for (auto md : {ar::mode::train_stored, ar::mode::train_recompute}) {
+    c.run_mode = md;
+    std::vector<double> w((L + 1) * d), g((L + 1) * d), emb(T * d), dout(T * d);
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      w[i] = 0.3 * std::sin(double(i));
+      g[i] = 1.0 + 0.1 * std::cos(double(i));
+    }
+    for (std::size_t i = 0; i < emb.size(); ++i) {
+      emb[i] = std::cos(0.7 * double(i));
+      dout[i] = std::sin(1.3 * double(i));
+    }
+    auto run = [&](bool alias) {
+      ar::block_attn_res<double> a(c, k3::tensor_view<double const, 2>(w.data(), {L + 1, d}), k3::tensor_view<double const, 2>(g.data(), {L + 1, d}));
+      std::vector<double> x(T * d), out(T * d);
+      a.begin(k3::host_view(static_cast<double const*>(emb.data()), T, d));
+      for (index_t l = 0; l < L; ++l) {
+        a.input(k3::host_view(x.data(), T, d));
+        a.add(k3::host_view(static_cast<double const*>(x.data()), T, d));  // y = x
+      }
+      a.output(k3::host_view(out.data(), T, d));
+      a.backward_begin();
+      a.backward_site(k3::host_view(static_cast<double const*>(dout.data()), T, d));
+      for (index_t l = L - 1; l >= 0; --l) {
+        auto dy = a.grad_sublayer_output();
+        if (alias) {
+          a.backward_site(dy);
+        } else {
+          std::vector<double> copy(dy.data_handle(), dy.data_handle() + T * d);
+          a.backward_site(k3::host_view(static_cast<double const*>(copy.data()), T, d));
+        }
+      }
+      std::vector<double> r;
+      for (auto v : {a.grad_embedding(), a.grad_w(), a.grad_gain()})
+        for (index_t i = 0; i < v.extent(0); ++i)
+          for (index_t k = 0; k < d; ++k) r.push_back(v(i, k));
+      return r;
+    };
+    std::vector<double> ref = run(false), got;
+    std::string const e = error_of([&] { got = run(true); });
+    CHECK(e == "");
+    CHECK(got == ref);
+  }
+}
