@@ -85,7 +85,13 @@ TEST_CASE("dplr segment maps and map algebra: outputs over the span's inputs are
   // S_out = M S_in + N with S_out over M (read again for every later column)
   CHECK(error_of([&] { dplr_apply_map<float>(A.s(10), A.s(11), A.s(12), A.s(13)); }) == "");
   CHECK(names(error_of([&] { dplr_apply_map<float>(A.s(10), A.s(11), A.s(12), A.s(10)); }), "S_out", "M"));
-  CHECK(names(error_of([&] { dplr_apply_map<float>(A.s(10), A.s(11), A.s(12), A.s(11)); }), "S_out", "N"));
+  CHECK(names(error_of([&] { dplr_apply_map<float>(A.s(10), A.s(11), A.s(12), tensor_view<float, 4>(A.s(11).data_handle() + 1, A.s(11).extents())); }),
+              "S_out", "N"));
+  // in place over N: the same result as into fresh memory
+  std::vector<float> fresh(std::size_t(A.st()));
+  dplr_apply_map<float>(A.s(10), A.s(11), A.s(12), host_view(fresh.data(), A.B, A.H, A.K, A.V));
+  dplr_apply_map<float>(A.s(10), A.s(11), A.s(12), A.s(11));
+  CHECK(std::vector<float>(A.s(11).data_handle(), A.s(11).data_handle() + A.st()) == fresh);
 }
 
 TEST_CASE("dplr context parallel: h0, dht and dh0 are checked against the other arguments too") {
