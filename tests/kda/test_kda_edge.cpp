@@ -246,3 +246,46 @@ TEST_CASE("kda: broadcast (stride-0) inputs give the results of the materialised
     broadcast_case(cpu::threads<>(4), m);
   }
 }
+
+TEST_CASE("kda decode: strided q, k, v, g, beta, o and pool (dims swapped, padded rows) match contiguous views, every backend") {
+  index_t const N = 5, H = 2, HV = 4, K = 12, V = 10, P = 7;
+  std::mt19937_64 rng(21);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  auto randv = [&](index_t n, double sc, double off) {
+    std::vector<float> x(static_cast<std::size_t>(n));
+    for (auto& e : x) e = float(off + sc * nd(rng));
+    return x;
+  };
+  std::vector<float> q = randv(N * H * K, 0.3, 0), k = randv(N * H * K, 0.3, 0), v = randv(N * HV * V, 1, 0), g = randv(N * HV * K, 0.1, -0.2),
+                     beta = randv(N * HV, 0.1, 0.5), pool0 = randv(P * HV * K * V, 0.5, 0);
+  std::vector<std::int32_t> slots{3, 0, 6, 2, 5};
+  auto run_contig = [&](auto const& be) {
+    std::vector<float> pool = pool0, o(static_cast<std::size_t>(N * HV * V));
+    kda::decode_args<float> a{host_view(static_cast<float const*>(q.data()), N, H, K), host_view(static_cast<float const*>(k.data()), N, H, K),
+                              host_view(static_cast<float const*>(v.data()), N, HV, V), host_view(static_cast<float const*>(g.data()), N, HV, K),
+                              host_view(static_cast<float const*>(beta.data()), N, HV), host_view(o.data(), N, HV, V),
+                              host_view(pool.data(), P, HV, K, V), host_view(static_cast<std::int32_t const*>(slots.data()), N)};
+    kda::decode(be, a);
+    o.insert(o.end(), pool.begin(), pool.end());
+    return to_double(o);
+  };
+  auto run_strided = [&](auto const& be) {
+    strided_buf<float, 3> qs(q, {N, H, K}, 3, -9.f), ks(k, {N, H, K}, 1, -9.f), vs(v, {N, HV, V}, 2, -9.f), gs(g, {N, HV, K}, 5, -9.f);
+    strided_buf<float, 2> bs(beta, {N, HV}, 1, -9.f);
+    strided_buf<float, 3> os({}, {N, HV, V}, 3, -9.f);
+    strided_buf<float, 4> ps(pool0, {P, HV, K, V}, 6, -9.f);
+    std::vector<std::int64_t> s64(slots.begin(), slots.end());  // the int64 slot path
+    kda::decode_args<float> a{qs.cview(), ks.cview(), vs.cview(), gs.cview(), bs.cview(), os.view(), ps.view(), {},
+                              host_view(static_cast<std::int64_t const*>(s64.data()), N)};
+    kda::decode(be, a);
+    std::vector<double> r = os.logical(), pl = ps.logical();
+    r.insert(r.end(), pl.begin(), pl.end());
+    return r;
+  };
+  auto const ref = run_contig(cpu::serial{});
+  check_same("serial strided", run_strided(cpu::serial{}), ref);
+  check_same("simd", run_contig(cpu::simd<>{}), ref);
+  check_same("simd strided", run_strided(cpu::simd<>{}), ref);
+  check_same("threads strided", run_strided(cpu::threads<>(3)), ref);
+  check_same("threads(8) strided", run_strided(cpu::threads<>(8)), ref);
+}
