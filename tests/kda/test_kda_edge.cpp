@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "k3/kda.hpp"
+#include "k3/kda/preprocess.hpp"
 #include "kda/kda_fixture.hpp"
 
 using namespace k3;
@@ -288,4 +289,42 @@ TEST_CASE("kda decode: strided q, k, v, g, beta, o and pool (dims swapped, padde
   check_same("simd strided", run_strided(cpu::simd<>{}), ref);
   check_same("threads strided", run_strided(cpu::threads<>(3)), ref);
   check_same("threads(8) strided", run_strided(cpu::threads<>(8)), ref);
+}
+
+TEST_CASE("kda: an output or state pool with a stride-0 dimension (aliasing itself) is rejected") {
+  kda_case c{.B = 2, .T = 5, .H = 1, .HV = 2, .K = 4, .V = 4, .seed = 3};
+  typed_data<float> d(make_data(c));
+  std::vector<float> o(d.v.size()), ht(std::size_t(c.N() * c.HV * c.K * c.V));
+  auto err = [&](tensor_view<float, 4> ov, tensor_view<float, 4> htv) {
+    kda::forward_args<float> a{.q = d.qv(), .k = d.kv(), .v = d.vv(), .g = d.gv(), .beta = d.bv(), .o = ov, .h0 = d.h0v(), .ht = htv};
+    try {
+      kda::forward(cpu::threads<>(2), a);
+    } catch (k3::error const& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(err(host_view(o.data(), c.B, c.T, c.HV, c.V), host_view(ht.data(), c.N(), c.HV, c.K, c.V)) == "");
+  std::string e = err(tensor_view<float, 4>(o.data(), {c.B, c.T, c.HV, c.V}, {0, c.HV * c.V, c.V, 1}), host_view(ht.data(), c.N(), c.HV, c.K, c.V));
+  CHECK(e.find("'o'") != std::string::npos);
+  CHECK(e.find("stride 0") != std::string::npos);
+  e = err(host_view(o.data(), c.B, c.T, c.HV, c.V), tensor_view<float, 4>(ht.data(), {c.N(), c.HV, c.K, c.V}, {c.HV * c.K * c.V, 0, c.V, 1}));
+  CHECK(e.find("'ht'") != std::string::npos);
+  // decode: every slot of the pool the same memory
+  index_t const N = 2, P = 3;
+  std::vector<float> x(64, 0.1f), pool(std::size_t(c.HV * c.K * c.V), 0.f), od(std::size_t(N * c.HV * c.V));
+  std::vector<std::int32_t> slots{0, 2};
+  auto cx = [&](index_t a, index_t b, index_t cc) { return host_view(static_cast<float const*>(x.data()), a, b, cc); };
+  kda::decode_args<float> da{cx(N, c.H, c.K), cx(N, c.H, c.K), cx(N, c.HV, c.V), cx(N, c.HV, c.K),
+                             host_view(static_cast<float const*>(x.data()), N, c.HV), host_view(od.data(), N, c.HV, c.V),
+                             tensor_view<float, 4>(pool.data(), {P, c.HV, c.K, c.V}, {0, c.K * c.V, c.V, 1}),
+                             host_view(static_cast<std::int32_t const*>(slots.data()), N)};
+  CHECK_THROWS_WITH_AS(kda::decode(cpu::simd<>{}, da), doctest::Contains("state_pool"), k3::error);
+  // short-conv decode: a conv-state pool with a stride-0 slot dimension
+  index_t const C = 3, W = 4;
+  std::vector<float> cs(std::size_t(C * (W - 1))), wt(std::size_t(C * W), 0.2f), xy(std::size_t(N * C), 0.3f), y(std::size_t(N * C));
+  CHECK_THROWS_WITH_AS(kda::short_conv_decode(cpu::serial{}, host_view(static_cast<float const*>(xy.data()), N, C),
+                                              host_view(static_cast<float const*>(wt.data()), C, W), nullptr,
+                                              tensor_view<float, 3>(cs.data(), {P, C, W - 1}, {0, W - 1, 1}), host_view(y.data(), N, C)),
+                       doctest::Contains("conv_state"), k3::error);
 }
