@@ -269,6 +269,11 @@ void fp8_block_gemm(B const& b, tensor_view<QA, 2> qa_in, tensor_view<SA, 2> sa_
   k3::detail::check_no_overlap("c", c, "sa", sa);
   k3::detail::check_no_overlap("c", c, "sb", sb);
   if (c.size() == 0) return;
+  if (k == 0) {  // an empty sum (the vector kernel writes C only from inside its K-block loop)
+    for (index_t i = 0; i < m; ++i)
+      for (index_t j = 0; j < n; ++j) c(i, j) = 0.0f;
+    return;
+  }
   if constexpr (detail::vector_backend<B>) {
     gemm_impl::fp8_block_gemm<typename B::arch_type>(b, qa, sa, qb, sb, c);
   } else {

@@ -334,8 +334,12 @@ void mix_forward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor
   index_t const m = src.count();
   bool const keep = stats.size() > 0;
   if (keep) {
+    detail::check_view("stats", stats);
     detail::check_shape("stats", stats, {T, m, 3});
     detail::require(stats.is_contiguous(), "argument 'stats': must be contiguous");
+    detail::check_no_overlap("stats", stats, "sources", src.bank);
+    if (src.has_partial) detail::check_no_overlap("stats", stats, "partial", src.partial);
+    detail::check_no_overlap("stats", stats, "h", h);
   }
   if (T == 0 || d == 0) return;
   auto const u = detail::fold_query<C>(w, g, d);
@@ -385,13 +389,56 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
   detail::check_view("dgain", dg);
   detail::check_shape("dw", dw, {d});
   detail::check_shape("dgain", dg, {d});
-  detail::check_no_overlap("dsources", dsrc.bank, "sources", src.bank);
-  if (src.has_partial) detail::check_no_overlap("dpartial", dsrc.partial, "partial", src.partial);
   detail::require(opt.eps >= 0 && std::isfinite(opt.eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
   bool const have_stats = stats.size() > 0;
   if (have_stats) {
+    detail::check_view("stats", stats);
     detail::check_shape("stats", stats, {T, m, 3});
     detail::require(stats.is_contiguous(), "argument 'stats': must be contiguous");
+  }
+  {
+    // Every output against every input and the outputs pairwise: a gradient written over an
+    // input (or over another gradient) is read back half-updated by later tokens.
+    tensor_view<G const, 2> const dpart = src.has_partial ? tensor_view<G const, 2>(dsrc.partial) : tensor_view<G const, 2>{};
+    auto outs = [&](auto&& f) {
+      f("dsources", dsrc.bank);
+      f("dpartial", dpart);
+      f("dw", dw);
+      f("dgain", dg);
+    };
+    auto ins = [&](auto&& f) {
+      f("sources", src.bank);
+      f("partial", src.has_partial ? src.partial : tensor_view<S const, 2>{});
+      f("w", w);
+      f("gain", g);
+      f("dh", dh);
+      f("stats", stats);
+    };
+    // dh may BE the partial's gradient (same view: an identity sublayer handing the driver's
+    // grad_sublayer_output() straight back): each token converts its dh row before writing
+    // that token's rows, so an exact alias is safe; any other overlap is not.
+    auto same = [](auto const& a, auto const& b) {
+      return static_cast<void const*>(a.data_handle()) == static_cast<void const*>(b.data_handle()) && a.extents() == b.extents() &&
+             a.strides() == b.strides() && sizeof(*a.data_handle()) == sizeof(*b.data_handle());
+    };
+    outs([&](char const* on, auto const& ov) {
+      ins([&](char const* in, auto const& iv) {
+        if constexpr (std::decay_t<decltype(ov)>::rank() == 2 && std::decay_t<decltype(iv)>::rank() == 2 &&
+                      std::is_same_v<std::remove_cv_t<typename std::decay_t<decltype(ov)>::element_type>,
+                                     std::remove_cv_t<typename std::decay_t<decltype(iv)>::element_type>>) {
+          if (std::string_view(on) == "dpartial" && std::string_view(in) == "dh" && same(ov, iv)) return;
+        }
+        detail::check_no_overlap(on, ov, in, iv);
+      });
+    });
+    int i = 0;
+    outs([&](char const* o1, auto const& v1) {
+      int j = 0;
+      outs([&](char const* o2, auto const& v2) {
+        if (j++ > i) detail::check_no_overlap(o1, v1, o2, v2);
+      });
+      ++i;
+    });
   }
   if (d == 0) return;
   auto const u = detail::fold_query<C>(w, g, d);

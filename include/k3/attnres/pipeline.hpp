@@ -49,7 +49,7 @@ class pipeline_cache {
     check_peer(peer);
     using C = compute_t<S>;
     std::int64_t const n = ar.bank_count(), k = known_[std::size_t(peer)], T = ar.tokens();
-    detail::require(k <= n, [&] { return "pipeline_cache: rank " + std::to_string(peer) + " holds more rows than the sender"; });
+    detail::require(k >= 0 && k <= n, [&] { return "pipeline_cache: rank " + std::to_string(peer) + " holds more rows than the sender"; });
     known_[std::size_t(peer)] = n;
     known_[std::size_t(comm_.rank())] = n;
     std::vector<std::int64_t> header = {ar.site(), n, k, T, ar.prefix_empty() ? 1 : 0};
@@ -87,6 +87,17 @@ class pipeline_cache {
     detail::require(T <= ar.config().tokens, [&] {
       return "pipeline_cache: " + std::to_string(T) + " tokens exceed the driver's capacity " + std::to_string(ar.config().tokens);
     });
+    // A header from a mismatched or corrupted send: the row counts index the bank later
+    // (send_forward reads rows [known, n)), so each must lie in [k, n] / [0, n].
+    detail::require(T >= 0 && n >= k && site >= 0 && site <= ar.config().sublayers, [&] {
+      return "pipeline_cache: malformed forward header (site " + std::to_string(site) + ", rows " + std::to_string(k) + ".." +
+             std::to_string(n) + ", tokens " + std::to_string(T) + ")";
+    });
+    for (std::size_t r = 0; r < known_.size(); ++r)
+      detail::require(header[5 + r] >= 0 && header[5 + r] <= n, [&] {
+        return "pipeline_cache: malformed forward header (rank " + std::to_string(r) + " said to hold " + std::to_string(header[5 + r]) +
+               " of " + std::to_string(n) + " bank rows)";
+      });
     for (std::size_t r = 0; r < known_.size(); ++r) known_[r] = header[5 + r];
     ar.resume_tokens(T);
     recv_rows(ar.prefix_storage().sub(0, 0, T), peer, tag);

@@ -172,6 +172,7 @@ void block_rinv(B const& b, tensor_view<S, 2> block, tensor_view<R, 1> rinv, dou
   index_t const T = block.extent(0), d = block.extent(1);
   detail::check_view("rinv", rinv);
   detail::check_shape("rinv", rinv, {T});
+  detail::check_no_overlap("rinv", rinv, "block", block);
   detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
   using Ops = typename detail::ops_for<B>::template type<C>;
   index_t const tasks = detail::token_tasks(b, T);
@@ -205,6 +206,12 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
   detail::check_view("lse", lse);
   detail::check_shape("lse", lse, {nq, T});
   detail::check_no_overlap("o", o, "bank", bank);
+  detail::check_no_overlap("o", o, "bank_rinv", bank_rinv);
+  detail::check_no_overlap("o", o, "u", u);
+  detail::check_no_overlap("lse", lse, "bank", bank);
+  detail::check_no_overlap("lse", lse, "bank_rinv", bank_rinv);
+  detail::check_no_overlap("lse", lse, "u", u);
+  detail::check_no_overlap("lse", lse, "o", o);
   if (T == 0 || nq == 0) return;
   constexpr bool simd = detail::simd_arch<B>::value;
   using O_ = std::remove_const_t<O>;
@@ -344,6 +351,9 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
     detail::check_no_overlap("h", h, "partial", partial);
   }
   detail::check_no_overlap("h", h, "o", o);
+  detail::check_no_overlap("h", h, "lse", lse);
+  detail::check_no_overlap("h", h, "u", u);
+  detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
   using Ops = typename detail::ops_for<B>::template type<C>;
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
@@ -410,6 +420,14 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
   detail::check_rows("h", h, {T, d});
   detail::check_no_overlap("h", h, "prefix", prefix);
   detail::check_no_overlap("h", h, "o", o);
+  detail::check_no_overlap("h", h, "delta", delta);
+  detail::check_no_overlap("h", h, "lse", lse);
+  detail::check_no_overlap("h", h, "u", u);
+  detail::check_no_overlap("prefix", prefix, "o", o);
+  detail::check_no_overlap("prefix", prefix, "delta", delta);
+  detail::check_no_overlap("prefix", prefix, "lse", lse);
+  detail::check_no_overlap("prefix", prefix, "u", u);
+  detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
   using Ops = typename detail::ops_for<B>::template type<C>;
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));

@@ -80,7 +80,7 @@ void dplr_cp_forward(C const& comm, dplr_inputs<T> const& in, dplr_outputs<T> co
   local_in.h0 = {};
   auto p = d::make_problem(local_in, opt);
   if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
-  d::check_outputs(p, local_in, out);
+  d::check_outputs(p, in, out);  // with h0: o and ht must not overlap it either
   d::cp_agree(comm, "dplr_cp_forward", d::cp_header<T>(p, !d::absent(h0), false), d::cp_header_names());
   if (comm.size() == 1) {  // nothing to fold: the ordinary forward
     dplr_chunked_forward(bk, in, out, opt);
@@ -127,7 +127,7 @@ void dplr_cp_backward(C const& comm, dplr_inputs<T> const& in, dplr_grad_inputs<
   lgin.dht = {};
   auto lg = g;
   lg.dh0 = {};
-  d::check_grads(p, local_in, lgin, lg);
+  d::check_grads(p, in, gin, g);  // h0, dht and dh0 against everything else too
   if (!d::absent(gin.dht)) detail::check_shape("dht", gin.dht, {p.B, p.H, p.K, p.V});
   if (!d::absent(g.dh0)) detail::check_shape("dh0", g.dh0, {p.B, p.H, p.K, p.V});
   d::cp_agree(comm, "dplr_cp_backward", d::cp_header<T>(p, !d::absent(h0), !d::absent(gin.dht)), d::cp_header_names());

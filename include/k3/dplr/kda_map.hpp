@@ -97,6 +97,22 @@ class kda_as_dplr {
     for (auto [nm, x] : {std::pair<char const*, tensor_view<T, 4>>{"dq'", g.dq}, {"dk'", g.dk}, {"da", g.da}, {"db", g.db}, {"dgk", g.dgk}})
       detail::check_shape(nm, x, {d.B, d.T, d.HV, d.K});
     detail::check_shape("dv'", g.dv, {d.B, d.T, d.HV, d.V});
+    // Null data with a non-empty shape, and outputs over the DPLR gradients or the KDA inputs
+    // (the folds read them after zeroing dq and dk).
+    std::pair<char const*, const_view<T, 4>> const ins[] = {{"dq'", g.dq}, {"dk'", g.dk}, {"dv'", g.dv}, {"da", g.da}, {"db", g.db},
+                                                           {"dgk", g.dgk}, {"q", in_.q}, {"k", in_.k}, {"v", in_.v}, {"g", in_.g}};
+    for (auto const& [nm, x] : ins) detail::check_view(nm, x);
+    std::pair<char const*, tensor_view<T, 4>> const outs[] = {{"dq", out.dq}, {"dk", out.dk}, {"dv", out.dv}, {"dg", out.dg}};
+    detail::check_view("dbeta", out.dbeta);
+    for (std::size_t i = 0; i < 4; ++i) {
+      detail::check_view(outs[i].first, outs[i].second);
+      for (auto const& [nm, x] : ins) detail::check_no_overlap(outs[i].first, outs[i].second, nm, x);
+      detail::check_no_overlap(outs[i].first, outs[i].second, "beta", in_.beta);
+      detail::check_no_overlap(outs[i].first, outs[i].second, "dbeta", out.dbeta);
+      for (std::size_t j = i + 1; j < 4; ++j) detail::check_no_overlap(outs[i].first, outs[i].second, outs[j].first, outs[j].second);
+    }
+    for (auto const& [nm, x] : ins) detail::check_no_overlap("dbeta", out.dbeta, nm, x);
+    detail::check_no_overlap("dbeta", out.dbeta, "beta", in_.beta);
     for (index_t b = 0; b < d.B; ++b)
       for (index_t t = 0; t < d.T; ++t) {
         for (index_t h = 0; h < d.H; ++h)

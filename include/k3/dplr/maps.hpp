@@ -15,13 +15,19 @@
 
 namespace k3 {
 namespace detail::dplr {
-template <class S>
-void check_maps(problem const& p, tensor_view<S, 4> const& M, char const* mname, tensor_view<S, 4> const& N, char const* nname) {
+template <class T, class S>
+void check_maps(problem const& p, dplr_inputs<T> const& in, tensor_view<S, 4> const& M, char const* mname, tensor_view<S, 4> const& N,
+                char const* nname) {
   check_view(mname, M);
   check_shape(mname, M, {p.N, p.H, p.K, p.K});
   check_view(nname, N);
   check_shape(nname, N, {p.N, p.H, p.K, p.V});
   check_no_overlap(mname, M, nname, N);
+  // The maps of an early (sequence, head) are stored while later ones still read the span.
+  for (auto [name, v] : {std::pair<char const*, const_view<T, 4>>{"q", in.q}, {"k", in.k}, {"v", in.v}, {"a", in.a}, {"b", in.b}, {"gk", in.gk}}) {
+    check_no_overlap(mname, M, name, v);
+    check_no_overlap(nname, N, name, v);
+  }
 }
 }  // namespace detail::dplr
 
@@ -32,7 +38,7 @@ void dplr_segment_maps(dplr_inputs<T> const& in, tensor_view<dplr_state_t<T>, 4>
   using R = dplr_state_t<T>;
   namespace d = detail::dplr;
   auto p = d::make_problem(in, opt);
-  d::check_maps(p, M, "M", N, "N");
+  d::check_maps(p, in, M, "M", N, "N");
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   auto par = d::make_par(bk);
   auto one = [&](auto const& ex, index_t task) {
@@ -54,10 +60,12 @@ void dplr_segment_maps_transposed(dplr_inputs<T> const& in, std::type_identity_t
   using R = dplr_state_t<T>;
   namespace d = detail::dplr;
   auto p = d::make_problem(in, opt);
-  d::check_maps(p, Mt, "Mt", G, "G");
+  d::check_maps(p, in, Mt, "Mt", G, "G");
   detail::check_view("do", do_);
   detail::check_shape("do", do_, {p.B, p.T, p.H, p.V});
   detail::check_inner_contiguous("do", do_);
+  detail::check_no_overlap("Mt", Mt, "do", do_);
+  detail::check_no_overlap("G", G, "do", do_);
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   auto par = d::make_par(bk);
   auto one = [&](auto const& ex, index_t task) {
@@ -115,7 +123,7 @@ void dplr_compose_maps(const_view<S, 4> const& M2, const_view<S, 4> const& N2, c
       }
 }
 
-// S_out = M S_in + N (S_out may not alias S_in).
+// S_out = M S_in + N (S_out may not alias S_in or M; it may be N itself, in place).
 template <class S>
 void dplr_apply_map(const_view<S, 4> const& M, const_view<S, 4> const& N, const_view<S, 4> const& S_in, tensor_view<S, 4> const& S_out) {
   detail::check_view("M", M);
@@ -127,6 +135,12 @@ void dplr_apply_map(const_view<S, 4> const& M, const_view<S, 4> const& N, const_
   detail::dplr::check_same("S_in", S_in, Nn, H, K, V);
   detail::dplr::check_same<S>("S_out", S_out, Nn, H, K, V);
   detail::check_no_overlap("S_out", S_out, "S_in", S_in);
+  detail::check_no_overlap("S_out", S_out, "M", M);
+  // S_out may be N itself (each N element is read once, just before its S_out element is
+  // written); any other overlap with N is refused.
+  bool const in_place = static_cast<void const*>(S_out.data_handle()) == static_cast<void const*>(N.data_handle()) &&
+                        S_out.extents() == N.extents() && S_out.strides() == N.strides();
+  if (!in_place) detail::check_no_overlap("S_out", S_out, "N", N);
   for (index_t n = 0; n < Nn; ++n)
     for (index_t h = 0; h < H; ++h)
       for (index_t i = 0; i < K; ++i)

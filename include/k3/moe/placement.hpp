@@ -13,6 +13,7 @@
 // experts of one overloaded rank, largest remaining expert first, and is then final.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <string>
@@ -86,7 +87,16 @@ inline void replicate_experts(std::vector<double> const& w, index_t P, std::vect
 inline eplb_plan eplb_rebalance(const_view<double, 2> load, index_t physical, index_t groups, index_t nodes, index_t gpus) {
   using ::k3::detail::require;
   index_t const L = load.extent(0), E = load.extent(1);
+  ::k3::detail::check_view("load", load);
   require(L >= 1 && E >= 1, [&] { return "argument 'load': expected shape [layers >= 1, experts >= 1], got " + ::k3::detail::shape_of(load); });
+  // The packing sorts by load: a NaN breaks the ordering the sort relies on, and a negative
+  // or infinite load has no meaning as a token count.
+  for (index_t l = 0; l < L; ++l)
+    for (index_t e = 0; e < E; ++e)
+      require(std::isfinite(load(l, e)) && load(l, e) >= 0, [&] {
+        return "argument 'load': expected finite values >= 0, got " + std::to_string(load(l, e)) + " at layer " + std::to_string(l) +
+               ", expert " + std::to_string(e);
+      });
   require(groups >= 1 && nodes >= 1 && gpus >= 1, "eplb: groups, nodes and gpus must be >= 1");
   require(physical >= E && physical % gpus == 0, [&] {
     return "argument 'physical': need physical >= experts (" + std::to_string(E) + ") and a multiple of gpus (" + std::to_string(gpus) +
@@ -279,8 +289,14 @@ inline moonep_report check_moonep(const_view<std::int64_t, 1> counts, moonep_pla
 inline void moonep_dispatch(const_view<std::int32_t, 2> indices, moonep_plan const& p, tensor_view<std::int64_t, 2> rank_of,
                             tensor_view<std::int64_t, 2> slot_of) {
   index_t const Tn = indices.extent(0), K = indices.extent(1);
+  ::k3::detail::check_view("indices", indices);
+  ::k3::detail::check_view("rank_of", rank_of);
+  ::k3::detail::check_view("slot_of", slot_of);
   ::k3::detail::check_shape("rank_of", rank_of, {Tn, K});
   ::k3::detail::check_shape("slot_of", slot_of, {Tn, K});
+  ::k3::detail::check_no_overlap("rank_of", rank_of, "slot_of", slot_of);
+  ::k3::detail::check_no_overlap("rank_of", rank_of, "indices", indices);
+  ::k3::detail::check_no_overlap("slot_of", slot_of, "indices", indices);
   std::vector<std::vector<moonep_assignment>> parts(static_cast<std::size_t>(p.experts));
   for (auto const& a : p.parts) parts[a.expert].push_back(a);
   std::vector<std::size_t> cur(static_cast<std::size_t>(p.experts), 0);

@@ -58,6 +58,12 @@ class qb_histogram {
       return "qb_histogram: need finite bounds lo < hi, got [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
     });
     inv_w_ = float(bins) / (hi - lo);
+    // hi - lo can overflow to inf (inverse 0: every margin in bin 0) or be so small that the
+    // inverse is inf (0 * inf = NaN bin indices): neither gives a usable histogram.
+    detail::require(std::isfinite(inv_w_) && inv_w_ > 0.f, [&] {
+      return "qb_histogram: " + std::to_string(bins) + " bins over [" + std::to_string(lo) + ", " + std::to_string(hi) +
+             "] give a bin width whose inverse is not a finite positive float";
+    });
     counts_.assign(static_cast<std::size_t>(experts * bins), 0);
   }
 
@@ -151,8 +157,20 @@ inline void check_qb_inputs(const_view<float, 2> scores, const_view<float, 1> cu
     return "argument 'k': need 1 <= k < n, got k = " + std::to_string(opt.k) + ", n = " + std::to_string(n);
   });
   ::k3::detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+  ::k3::detail::check_view("cutoff", cutoff);
   ::k3::detail::check_shape("cutoff", cutoff, {m});
-  if (!mask.empty()) ::k3::detail::check_shape("mask", mask, {m});
+  if (!mask.empty()) {
+    ::k3::detail::check_view("mask", mask);
+    ::k3::detail::check_shape("mask", mask, {m});
+  }
+  // A NaN margin has no bin (casting it to an index is undefined) and breaks the ordering
+  // nth_element relies on: reject non-finite values of the real (non-padding) tokens.
+  for (index_t i = 0; i < m; ++i) {
+    if (!mask.empty() && mask(i) == 0) continue;
+    ::k3::detail::require(std::isfinite(cutoff(i)), [&] { return "argument 'cutoff': non-finite value at token " + std::to_string(i); });
+    for (index_t j = 0; j < n; ++j)
+      ::k3::detail::require(std::isfinite(scores(i, j)), [&] { return nonfinite_message(i, j, opt.input); });
+  }
 }
 
 // Mean-centre, optional EMA against the previous bias, re-centre. In double, stored as FP32.
@@ -229,6 +247,7 @@ inline bool qb_histogram_quantile(qb_histogram const& hist, index_t k, std::vect
 // changed. The caller then builds the next histogram with qb_histogram::for_bias(bias).
 inline bool qb_histogram_update(qb_histogram const& hist, index_t k, tensor_view<float, 1> bias, double ema = 0.0) {
   detail::check_ema(ema);
+  ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {hist.experts()});
   std::vector<double> b;
   if (!qb_histogram_quantile(hist, k, b)) return false;
@@ -266,6 +285,7 @@ inline bool qb_exact_quantile(const_view<float, 2> scores, const_view<float, 1> 
 inline bool qb_exact_update(const_view<float, 2> scores, const_view<float, 1> cutoff, router_options const& opt,
                             tensor_view<float, 1> bias, const_view<std::uint8_t, 1> mask = {}, double ema = 0.0) {
   detail::check_ema(ema);
+  ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {scores.extent(1)});
   std::vector<double> b;
   if (!qb_exact_quantile(scores, cutoff, opt, b, mask)) return false;
@@ -296,8 +316,12 @@ inline void qb_offline_solve(const_view<float, 2> scores, router_options const& 
   // Like the per-step updates: the solver ranks all n experts per token, which group-limited
   // routing would not do, so its bias would not balance the routing it is used with.
   detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+  ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {n});
-  if (!mask.empty()) detail::check_shape("mask", mask, {m});
+  if (!mask.empty()) {
+    ::k3::detail::check_view("mask", mask);
+    detail::check_shape("mask", mask, {m});
+  }
   std::vector<index_t> rows;
   for (index_t i = 0; i < m; ++i)
     if (mask.empty() || mask(i) != 0) rows.push_back(i);

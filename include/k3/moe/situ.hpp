@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "k3/core/error.hpp"
@@ -86,6 +87,19 @@ void check_ffn(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T
   using ::k3::detail::require;
   index_t const Tn = x.extent(0), d = x.extent(1), K = idx.extent(1);
   index_t const E = w.w_gate.extent(0), f = w.w_gate.extent(2);
+  ::k3::detail::check_view("x", x);
+  ::k3::detail::check_view("idx", idx);
+  ::k3::detail::check_view("p", p);
+  ::k3::detail::check_view("w_gate", w.w_gate);
+  ::k3::detail::check_view("w_up", w.w_up);
+  ::k3::detail::check_view("w_down", w.w_down);
+  ::k3::detail::check_view("b_down", w.b_down);
+  // softcap(x, c) = c tanh(x / c) needs a finite positive cap (0 gives NaN, a negative cap
+  // flips the sign of the activation).
+  require(std::isfinite(double(w.act.beta1)) && w.act.beta1 > T(0),
+          [&] { return "argument 'beta1': the gate soft-cap must be finite and > 0, got " + std::to_string(double(w.act.beta1)); });
+  require(std::isfinite(double(w.act.beta2)) && w.act.beta2 > T(0),
+          [&] { return "argument 'beta2': the linear soft-cap must be finite and > 0, got " + std::to_string(double(w.act.beta2)); });
   check_shape("idx", idx, {Tn, ::k3::detail::any_extent});
   check_shape("p", p, {Tn, K});
   check_shape("w_gate", w.w_gate, {E, d, f});
@@ -98,6 +112,32 @@ void check_ffn(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T
         return "argument 'idx': expert id " + std::to_string(idx(t, r)) + " at (" + std::to_string(t) + ", " + std::to_string(r) +
                ") outside [-1, " + std::to_string(E) + ")";
       });
+}
+
+template <class T, class F>
+void for_each_ffn_input(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w, F&& f) {
+  f("x", x);
+  f("idx", idx);
+  f("p", p);
+  f("w_gate", w.w_gate);
+  f("w_up", w.w_up);
+  f("w_down", w.w_down);
+  f("b_down", w.b_down);
+}
+
+// Every output against every input, and the outputs pairwise (an output written in place over
+// an input, or two outputs sharing memory, would be read back half-updated).
+template <class Outs, class Ins>
+void check_ffn_apart(Outs&& outs, Ins&& ins) {
+  outs([&](char const* on, auto const& ov) { ins([&](char const* in, auto const& iv) { ::k3::detail::check_no_overlap(on, ov, in, iv); }); });
+  int i = 0;
+  outs([&](char const* o1, auto const& v1) {
+    int j = 0;
+    outs([&](char const* o2, auto const& v2) {
+      if (j++ > i) ::k3::detail::check_no_overlap(o1, v1, o2, v2);
+    });
+    ++i;
+  });
 }
 
 }  // namespace detail
@@ -114,6 +154,18 @@ void expert_ffn_forward(const_view<T, 2> x, const_view<std::int32_t, 2> idx, con
   ::k3::detail::check_shape("h_gate", h_gate, {Tn, K, f});
   ::k3::detail::check_shape("h_up", h_up, {Tn, K, f});
   if (!y.empty()) ::k3::detail::check_shape("y", y, {Tn, K, d});
+  ::k3::detail::check_view("o", o);
+  ::k3::detail::check_view("h_gate", h_gate);
+  ::k3::detail::check_view("h_up", h_up);
+  ::k3::detail::check_view("y", y);
+  detail::check_ffn_apart(
+      [&](auto&& f_) {
+        f_("o", o);
+        f_("h_gate", h_gate);
+        f_("h_up", h_up);
+        f_("y", y);
+      },
+      [&](auto&& f_) { detail::for_each_ffn_input(x, idx, p, w, f_); });
   std::vector<T> a(static_cast<std::size_t>(f)), ye(static_cast<std::size_t>(d));
   for (index_t t = 0; t < Tn; ++t) {
     for (index_t c = 0; c < d; ++c) o(t, c) = T(0);
@@ -166,6 +218,28 @@ void expert_ffn_backward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> id
   check_shape("dw_up", g.dw_up, {E, d, f});
   check_shape("dw_down", g.dw_down, {E, f, d});
   if (!w.b_down.empty()) check_shape("db_down", g.db_down, {E, d});
+  for (auto const& [name, v] : {std::pair<char const*, const_view<T, 3>>{"h_gate", h_gate}, {"h_up", h_up}, {"y", y}, {"dw_gate", g.dw_gate},
+                                {"dw_up", g.dw_up}, {"dw_down", g.dw_down}})
+    ::k3::detail::check_view(name, v);
+  for (auto const& [name, v] : {std::pair<char const*, const_view<T, 2>>{"d_o", d_o}, {"dx", g.dx}, {"dp", g.dp}, {"db_down", g.db_down}})
+    ::k3::detail::check_view(name, v);
+  tensor_view<T, 2> const db_down = w.b_down.empty() ? tensor_view<T, 2>{} : g.db_down;  // ignored without a bias
+  check_ffn_apart(
+      [&](auto&& f_) {
+        f_("dx", g.dx);
+        f_("dp", g.dp);
+        f_("dw_gate", g.dw_gate);
+        f_("dw_up", g.dw_up);
+        f_("dw_down", g.dw_down);
+        f_("db_down", db_down);
+      },
+      [&](auto&& f_) {
+        for_each_ffn_input(x, idx, p, w, f_);
+        f_("h_gate", h_gate);
+        f_("h_up", h_up);
+        f_("y", y);
+        f_("d_o", d_o);
+      });
   std::vector<T> dA(static_cast<std::size_t>(f)), a(static_cast<std::size_t>(f)), dhg(static_cast<std::size_t>(f)),
       dhu(static_cast<std::size_t>(f));
   for (index_t t = 0; t < Tn; ++t) {

@@ -1,0 +1,181 @@
+// Adversarial API checks (round 4): outputs aliasing inputs must be rejected (k3::error naming
+// both arguments), invalid SiTU caps must be rejected, every backend agrees on strided input.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "k3/moe.hpp"
+
+using namespace k3;
+using namespace k3::moe;
+
+namespace {
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (k3::error const& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("route: outputs overlapping the scores, bias, mask or each other are rejected") {
+  index_t const m = 6, n = 8, k = 2;
+  std::vector<float> buf(std::size_t(m * n + 64), 0.5f);
+  std::mt19937 rng(3);
+  for (auto& x : buf) x = std::uniform_real_distribution<float>(0.05f, 0.95f)(rng);
+  std::vector<float> bias(n, 0.0f), w(std::size_t(m * k)), cut(static_cast<std::size_t>(m));
+  std::vector<std::int32_t> idx(std::size_t(m * k));
+  std::vector<std::int64_t> load(static_cast<std::size_t>(n));
+  std::vector<std::uint8_t> mask(std::size_t(m), 1);
+  router_options opt;
+  opt.k = k;
+  auto scores = host_view(static_cast<float const*>(buf.data()), m, n);
+  auto call = [&](route_outputs const& o, const_view<float, 1> b, const_view<std::uint8_t, 1> mk) {
+    return error_of([&] { route(cpu::serial{}, scores, b, o, opt, mk); });
+  };
+  auto good = route_outputs{host_view(idx.data(), m, k), host_view(w.data(), m, k), host_view(cut.data(), m), host_view(load.data(), n)};
+  CHECK(call(good, host_view(static_cast<float const*>(bias.data()), n), host_view(static_cast<std::uint8_t const*>(mask.data()), m)) == "");
+  // weights written in place over the scores
+  auto o1 = good;
+  o1.weights = host_view(buf.data(), m, k);
+  std::string e = call(o1, host_view(static_cast<float const*>(bias.data()), n), {});
+  CHECK(e.find("weights") != std::string::npos);
+  CHECK(e.find("scores") != std::string::npos);
+  // cut-off over the bias
+  auto o2 = good;
+  o2.cutoff = host_view(bias.data(), m);
+  std::vector<float> bias2(std::size_t(m + n), 0.0f);
+  o2.cutoff = host_view(bias2.data(), m);
+  e = call(o2, host_view(static_cast<float const*>(bias2.data()), n), {});
+  CHECK(e.find("cutoff") != std::string::npos);
+  CHECK(e.find("bias") != std::string::npos);
+  // load over the indices
+  auto o3 = good;
+  o3.load = host_view(reinterpret_cast<std::int64_t*>(idx.data()), n / 2);
+  std::vector<std::int64_t> big(std::size_t(n + m * k), 0);
+  o3.indices = host_view(reinterpret_cast<std::int32_t*>(big.data()), m, k);
+  o3.load = host_view(big.data() + 1, n);
+  e = call(o3, host_view(static_cast<float const*>(bias.data()), n), {});
+  CHECK(e.find("load") != std::string::npos);
+  CHECK(e.find("indices") != std::string::npos);
+  // indices over the padding mask
+  std::vector<std::int32_t> mk32(std::size_t(m * k + m), 1);
+  auto o4 = good;
+  o4.indices = host_view(mk32.data(), m, k);
+  e = call(o4, host_view(static_cast<float const*>(bias.data()), n), host_view(reinterpret_cast<std::uint8_t const*>(mk32.data()), m));
+  CHECK(e.find("indices") != std::string::npos);
+  CHECK(e.find("mask") != std::string::npos);
+  // the threads backend validates the same way
+  e = error_of([&] { route(cpu::threads<>(2), scores, host_view(static_cast<float const*>(bias.data()), n), o1, opt); });
+  CHECK(e.find("weights") != std::string::npos);
+}
+
+TEST_CASE("expert FFN: non-positive or non-finite SiTU caps and aliasing outputs are rejected") {
+  index_t const Tn = 3, d = 4, f = 5, E = 2, K = 2;
+  std::vector<double> x(std::size_t(Tn * d), 0.3), wg(std::size_t(E * d * f), 0.1), wu(wg), wd(std::size_t(E * f * d), 0.2);
+  std::vector<std::int32_t> idx{0, 1, 1, -1, 0, 0};
+  std::vector<double> p(std::size_t(Tn * K), 0.5), o(std::size_t(Tn * d)), hg(std::size_t(Tn * K * f)), hu(hg);
+  expert_ffn_weights<double> w{host_view(static_cast<double const*>(wg.data()), E, d, f), host_view(static_cast<double const*>(wu.data()), E, d, f),
+                               host_view(static_cast<double const*>(wd.data()), E, f, d), {}, {}};
+  auto xv = host_view(static_cast<double const*>(x.data()), Tn, d);
+  auto iv = host_view(static_cast<std::int32_t const*>(idx.data()), Tn, K);
+  auto pv = host_view(static_cast<double const*>(p.data()), Tn, K);
+  auto fwd = [&](expert_ffn_weights<double> const& ww, tensor_view<double, 2> ov) {
+    return error_of([&] { expert_ffn_forward<double>(xv, iv, pv, ww, ov, host_view(hg.data(), Tn, K, f), host_view(hu.data(), Tn, K, f)); });
+  };
+  CHECK(fwd(w, host_view(o.data(), Tn, d)) == "");
+  for (double bad : {0.0, -4.0, std::nan("")}) {
+    auto w1 = w;
+    w1.act.beta1 = bad;
+    CHECK(fwd(w1, host_view(o.data(), Tn, d)).find("beta1") != std::string::npos);
+    auto w2 = w;
+    w2.act.beta2 = bad;
+    CHECK(fwd(w2, host_view(o.data(), Tn, d)).find("beta2") != std::string::npos);
+  }
+  // o written in place over x: o(t, :) = 0 comes before x(t, :) is read
+  std::string e = fwd(w, host_view(x.data(), Tn, d));
+  CHECK(e.find("'o'") != std::string::npos);
+  CHECK(e.find("'x'") != std::string::npos);
+  // h_gate over h_up
+  e = error_of([&] { expert_ffn_forward<double>(xv, iv, pv, w, host_view(o.data(), Tn, d), host_view(hg.data(), Tn, K, f), host_view(hg.data(), Tn, K, f)); });
+  CHECK(e.find("h_gate") != std::string::npos);
+  // backward: dx over d_o
+  std::vector<double> dout(std::size_t(Tn * d), 1.0), dp(std::size_t(Tn * K)), dwg(wg.size()), dwu(wg.size()), dwd(wd.size());
+  expert_ffn_grads<double> g{host_view(dout.data(), Tn, d), host_view(dp.data(), Tn, K), host_view(dwg.data(), E, d, f),
+                             host_view(dwu.data(), E, d, f), host_view(dwd.data(), E, f, d), {}};
+  e = error_of([&] {
+    expert_ffn_backward<double>(xv, iv, pv, w, host_view(static_cast<double const*>(hg.data()), Tn, K, f),
+                                host_view(static_cast<double const*>(hu.data()), Tn, K, f), host_view(static_cast<double const*>(dout.data()), Tn, d), g);
+  });
+  CHECK(e.find("dx") != std::string::npos);
+  CHECK(e.find("d_o") != std::string::npos);
+}
+
+TEST_CASE("quantile balancing: non-finite scores or cut-offs and degenerate histogram bounds are errors, not UB") {
+  index_t const m = 4, n = 6;
+  std::vector<float> s(std::size_t(m * n), 0.5f), cut(std::size_t(m), 0.25f);
+  router_options opt;
+  opt.k = 2;
+  auto sv = [&] { return host_view(static_cast<float const*>(s.data()), m, n); };
+  auto cv = [&] { return host_view(static_cast<float const*>(cut.data()), m); };
+  qb_histogram h(n, 100, -1.f, 1.f);
+  CHECK(error_of([&] { qb_accumulate(sv(), cv(), h, opt); }) == "");
+  cut[2] = std::nanf("");
+  CHECK(error_of([&] { qb_accumulate(sv(), cv(), h, opt); }).find("cutoff") != std::string::npos);
+  std::vector<double> out;
+  CHECK(error_of([&] { qb_exact_quantile(sv(), cv(), opt, out); }).find("cutoff") != std::string::npos);
+  cut[2] = 0.25f;
+  s[7] = std::numeric_limits<float>::infinity();
+  CHECK(error_of([&] { qb_accumulate(sv(), cv(), h, opt); }).find("scores") != std::string::npos);
+  CHECK(error_of([&] { qb_exact_quantile(sv(), cv(), opt, out); }).find("scores") != std::string::npos);
+  // A padding row may hold anything: it is never read.
+  std::vector<std::uint8_t> mask{1, 0, 1, 1};
+  CHECK(error_of([&] { qb_accumulate(sv(), cv(), h, opt, host_view(static_cast<std::uint8_t const*>(mask.data()), m)); }) == "");
+  // Bounds so close (or so far apart) that the bin width's inverse is not a finite positive float.
+  CHECK(error_of([] { qb_histogram(4, 1000, 0.f, 1e-44f); }).find("bins") != std::string::npos);
+  CHECK(error_of([] { qb_histogram(4, 10, -3e38f, 3e38f); }).find("bins") != std::string::npos);
+}
+
+TEST_CASE("placement: non-finite or negative EPLB loads and aliasing MoonEP dispatch outputs are rejected") {
+  std::vector<double> load{5, 1, 3, 2, 8, 1, 1, 4};
+  auto lv = [&] { return host_view(static_cast<double const*>(load.data()), index_t(1), index_t(8)); };
+  CHECK(error_of([&] { (void)eplb_rebalance(lv(), 12, 4, 2, 4); }) == "");
+  for (double bad : {std::nan(""), -1.0, std::numeric_limits<double>::infinity()}) {
+    load[3] = bad;
+    CHECK(error_of([&] { (void)eplb_rebalance(lv(), 12, 4, 2, 4); }).find("load") != std::string::npos);
+  }
+  std::vector<std::int64_t> counts{3, 1, 2, 2};
+  auto plan = moonep_rebalance(host_view(static_cast<std::int64_t const*>(counts.data()), index_t(4)), 2);
+  std::vector<std::int32_t> idx{0, 2, 3, 0, 1, 2, 3, 0};
+  std::vector<std::int64_t> ro(8), so(8);
+  auto iv = host_view(static_cast<std::int32_t const*>(idx.data()), index_t(4), index_t(2));
+  CHECK(error_of([&] { moonep_dispatch(iv, plan, host_view(ro.data(), index_t(4), index_t(2)), host_view(so.data(), index_t(4), index_t(2))); }) == "");
+  std::string e = error_of([&] { moonep_dispatch(iv, plan, host_view(ro.data(), index_t(4), index_t(2)), host_view(ro.data(), index_t(4), index_t(2))); });
+  CHECK(e.find("rank_of") != std::string::npos);
+  CHECK(e.find("slot_of") != std::string::npos);
+}
+
+TEST_CASE("quantile balancing: a null bias or mask with a non-empty shape is a k3::error, not a crash") {
+  index_t const m = 4, n = 6;
+  std::vector<float> s(std::size_t(m * n), 0.5f), cut(std::size_t(m), 0.25f);
+  router_options opt;
+  opt.k = 2;
+  auto sv = host_view(static_cast<float const*>(s.data()), m, n);
+  auto cv = host_view(static_cast<float const*>(cut.data()), m);
+  tensor_view<float, 1> null_bias(nullptr, {n});
+  CHECK(error_of([&] { qb_exact_update(sv, cv, opt, null_bias); }).find("bias") != std::string::npos);
+  CHECK(error_of([&] { qb_offline_solve(sv, opt, 3, null_bias); }).find("bias") != std::string::npos);
+  qb_histogram h(n, 10, -1.f, 1.f);
+  qb_accumulate(sv, cv, h, opt);
+  CHECK(error_of([&] { qb_histogram_update(h, opt.k, null_bias); }).find("bias") != std::string::npos);
+  std::vector<float> bias(static_cast<std::size_t>(n));
+  CHECK(error_of([&] { qb_offline_solve(sv, opt, 3, host_view(bias.data(), n), const_view<std::uint8_t, 1>(nullptr, {m})); }).find("mask") !=
+        std::string::npos);
+}
