@@ -431,14 +431,7 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
         detail::check_no_overlap(on, ov, in, iv);
       });
     });
-    int i = 0;
-    outs([&](char const* o1, auto const& v1) {
-      int j = 0;
-      outs([&](char const* o2, auto const& v2) {
-        if (j++ > i) detail::check_no_overlap(o1, v1, o2, v2);
-      });
-      ++i;
-    });
+    ::k3::detail::check_outputs_disjoint(outs);
   }
   if (d == 0) return;
   auto const u = detail::fold_query<C>(w, g, d);

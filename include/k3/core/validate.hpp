@@ -85,4 +85,37 @@ void check_no_overlap(std::string_view name_a, A const& a, std::string_view name
                       "' overlap in memory; outputs must not alias inputs or other outputs");
 }
 
+// An output with a stride-0 dimension (a broadcast view) writes several elements to one
+// address: the results would depend on the write order (and race between threads).
+template <class V>
+void check_not_broadcast(std::string_view name, V const& v) {
+  if (v.size() == 0) return;  // writes nothing (contiguous empty views have zero outer strides)
+  for (std::size_t r = 0; r < V::rank(); ++r)
+    if (v.extent(r) > 1 && v.stride(r) == 0)
+      throw ::k3::error("argument '" + std::string(name) + "': dimension " + std::to_string(r) + " (extent " + std::to_string(v.extent(r)) +
+                        ") has stride 0; an output must not alias itself (strides " + format_shape(v.strides()) + ")");
+}
+
+// outs(f) and ins(f) call f(name, view) for each output and input. The outputs pairwise, each
+// unordered pair once.
+template <class Outs>
+void check_outputs_disjoint(Outs&& outs) {
+  int i = 0;
+  outs([&](char const* o1, auto const& v1) {
+    int j = 0;
+    outs([&](char const* o2, auto const& v2) {
+      if (j++ > i) check_no_overlap(o1, v1, o2, v2);
+    });
+    ++i;
+  });
+}
+
+// Every output neither broadcast nor overlapping an input or another output.
+template <class Outs, class Ins>
+void check_outputs_apart(Outs&& outs, Ins&& ins) {
+  outs([&](char const* on, auto const& ov) { check_not_broadcast(on, ov); });
+  outs([&](char const* on, auto const& ov) { ins([&](char const* in, auto const& iv) { check_no_overlap(on, ov, in, iv); }); });
+  check_outputs_disjoint(outs);
+}
+
 }  // namespace k3::detail

@@ -152,6 +152,8 @@ struct saved_layout {
 
 using ::k3::detail::check_inner_contiguous;
 using ::k3::detail::check_no_overlap;
+using ::k3::detail::check_not_broadcast;
+using ::k3::detail::check_outputs_apart;
 using ::k3::detail::check_shape;
 using ::k3::detail::check_view;
 
@@ -314,32 +316,6 @@ void check_shared_inputs(Args const& a, problem const& p) {
   check_input("g", a.g, {B, T, HV, K});
   check_input("beta", a.beta, {B, T, HV});
   check_optional("h0", a.h0, {N, HV, K, V});
-}
-
-// An output with a stride-0 dimension (a broadcast view) writes several elements to one
-// address: the results would depend on the write order (and race between threads).
-template <class V>
-void check_not_broadcast(char const* name, V const& v) {
-  if (v.size() == 0) return;  // writes nothing (contiguous empty views have zero outer strides)
-  for (std::size_t r = 0; r < V::rank(); ++r)
-    if (v.extent(r) > 1 && v.stride(r) == 0)
-      throw ::k3::error("argument '" + std::string(name) + "': dimension " + std::to_string(r) + " (extent " + std::to_string(v.extent(r)) +
-                        ") has stride 0; an output must not alias itself (strides " + ::k3::detail::format_shape(v.strides()) + ")");
-}
-
-// Every output against every input, and the outputs pairwise (each unordered pair once).
-template <class Outs, class Ins>
-void check_outputs_apart(Outs&& outs, Ins&& ins) {
-  outs([&](char const* on, auto const& ov) { check_not_broadcast(on, ov); });
-  outs([&](char const* on, auto const& ov) { ins([&](char const* in, auto const& iv) { check_no_overlap(on, ov, in, iv); }); });
-  int i = 0;
-  outs([&](char const* o1, auto const& v1) {
-    int j = 0;
-    outs([&](char const* o2, auto const& v2) {
-      if (j++ > i) check_no_overlap(o1, v1, o2, v2);
-    });
-    ++i;
-  });
 }
 
 // The saved states: [HV, total chunks, per-chunk record], from the chunked form only.

@@ -125,21 +125,6 @@ void for_each_ffn_input(const_view<T, 2> x, const_view<std::int32_t, 2> idx, con
   f("b_down", w.b_down);
 }
 
-// Every output against every input, and the outputs pairwise (an output written in place over
-// an input, or two outputs sharing memory, would be read back half-updated).
-template <class Outs, class Ins>
-void check_ffn_apart(Outs&& outs, Ins&& ins) {
-  outs([&](char const* on, auto const& ov) { ins([&](char const* in, auto const& iv) { ::k3::detail::check_no_overlap(on, ov, in, iv); }); });
-  int i = 0;
-  outs([&](char const* o1, auto const& v1) {
-    int j = 0;
-    outs([&](char const* o2, auto const& v2) {
-      if (j++ > i) ::k3::detail::check_no_overlap(o1, v1, o2, v2);
-    });
-    ++i;
-  });
-}
-
 }  // namespace detail
 
 // Forward. Writes o [Tn, d] and the pre-activations h_gate, h_up [Tn, K, f] (the backward's
@@ -158,7 +143,7 @@ void expert_ffn_forward(const_view<T, 2> x, const_view<std::int32_t, 2> idx, con
   ::k3::detail::check_view("h_gate", h_gate);
   ::k3::detail::check_view("h_up", h_up);
   ::k3::detail::check_view("y", y);
-  detail::check_ffn_apart(
+  ::k3::detail::check_outputs_apart(
       [&](auto&& f_) {
         f_("o", o);
         f_("h_gate", h_gate);
@@ -224,7 +209,7 @@ void expert_ffn_backward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> id
   for (auto const& [name, v] : {std::pair<char const*, const_view<T, 2>>{"d_o", d_o}, {"dx", g.dx}, {"dp", g.dp}, {"db_down", g.db_down}})
     ::k3::detail::check_view(name, v);
   tensor_view<T, 2> const db_down = w.b_down.empty() ? tensor_view<T, 2>{} : g.db_down;  // ignored without a bias
-  check_ffn_apart(
+  ::k3::detail::check_outputs_apart(
       [&](auto&& f_) {
         f_("dx", g.dx);
         f_("dp", g.dp);

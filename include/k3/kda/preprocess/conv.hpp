@@ -325,11 +325,7 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
   ::k3::detail::check_shape("conv_state", conv_state, {::k3::detail::any_extent, C, W - 1});
   // The pool is updated in place: a stride-0 dimension would make distinct states (or
   // channels, or taps) one address.
-  for (std::size_t r = 0; r < 3; ++r)
-    ::k3::detail::require(conv_state.size() == 0 || conv_state.extent(r) <= 1 || conv_state.stride(r) != 0, [&] {
-      return "argument 'conv_state': dimension " + std::to_string(r) + " (extent " + std::to_string(conv_state.extent(r)) +
-             ") has stride 0; the state pool must not alias itself";
-    });
+  ::k3::detail::check_not_broadcast("conv_state", conv_state);
   ::k3::detail::check_shape("y", y, {N, C});
   index_t const P = conv_state.extent(0);
   std::vector<index_t> slot(static_cast<std::size_t>(N));
