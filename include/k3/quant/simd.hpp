@@ -334,25 +334,6 @@ K3_INLINE void tile_lanes(std::uint16_t const* p, __m512i& vmax, __m512i& vmin1)
                            _mm512_min_epu16(_mm512_sub_epi16(a2, one), _mm512_sub_epi16(a3, one)));
 }
 
-// Max (or min) over the 32 lanes of each of 16 vectors, in order, as 16 u16: a transposing
-// tree (unpack 16/32/64-bit, then 128-bit lanes) at about 3 instructions per vector.
-template <bool Max>
-K3_INLINE __m256i reduce16(__m512i const* v) noexcept {
-  auto const op = [](__m512i a, __m512i b) { return Max ? _mm512_max_epu16(a, b) : _mm512_min_epu16(a, b); };
-  __m512i x[8], z[4], q[2];
-  for (int i = 0; i < 8; ++i)  // words per 128-bit lane: t0 t1 t0 t1 ..
-    x[i] = op(_mm512_unpacklo_epi16(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi16(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // t0 t1 t2 t3 t0 t1 t2 t3
-    z[i] = op(_mm512_maskz_unpacklo_epi32(all16, x[2 * i], x[2 * i + 1]), _mm512_maskz_unpackhi_epi32(all16, x[2 * i], x[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)  // t0 .. t7 in each 128-bit lane
-    q[i] = op(_mm512_maskz_unpacklo_epi64(__mmask8(0xFF), z[2 * i], z[2 * i + 1]),
-              _mm512_maskz_unpackhi_epi64(__mmask8(0xFF), z[2 * i], z[2 * i + 1]));
-  __m512i r = op(_mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                 _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  r = op(r, _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), r, r, _MM_SHUFFLE(2, 3, 0, 1)));  // t0..t7 in lane 0, t8..t15 in lane 2
-  return _mm512_maskz_extracti64x4_epi64(__mmask8(0xFF), _mm512_maskz_permutexvar_epi64(__mmask8(0xFF), _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5), r), 0);
-}
-
 // E8M0 scale codes of 16 MX blocks of format F from their fp32 amax patterns a (finite or not;
 // the caller sends non-finite blocks elsewhere), as detail::mx_block_scale<F>, before its clamp
 // of se at -127 (which only matters for codes the fast paths do not take).
@@ -392,9 +373,10 @@ inline std::uint32_t nonzero_min(std::uint16_t const* p) noexcept {
   return r + 1;
 }
 
-// reduce16's max (and, WithMin, min) of the lane vectors of n <= 16 blocks, lanes(t, vmax, vmin)
-// giving block t's (absent blocks count as 0), fed to the transposing tree as the blocks are read,
-// so that the partial results stay in registers. (Storing the 16 or 32 lane vectors to the stack and
+// Max (and, WithMin, min) over the 32 u16 lanes of each of n <= 16 blocks, in block order, as 16
+// u16: a transposing tree (unpack 16/32/64-bit, then 128-bit lanes, ~3 instructions per block);
+// lanes(t, vmax, vmin) gives block t's lane vectors (absent blocks count as 0), fed to the tree as
+// the blocks are read, so that the partial results stay in registers. (Storing the 16 or 32 lane vectors to the stack and
 // reading them back put stores among the block loads whose addresses can match a later load's in
 // bits 0-11 (4K aliasing); such a load then waits for the store, i.e. for the previous block's
 // cache misses: with the input in DRAM this cost ~30% of the 1x128 throughput.)
@@ -425,7 +407,7 @@ K3_INLINE void reduce16_streamed(F&& lanes, int n, __m256i& rmax, __m256i& rmin)
   __m512i vm[2], vn[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
   oct(0, vm[0], vn[0]);
   oct(8, vm[1], vn[1]);
-  auto const last = [](__m512i const* q, auto op) {  // the rest of reduce16
+  auto const last = [](__m512i const* q, auto op) {  // 128-bit lanes, then the 16 results in order
     __m512i r = op(_mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
                    _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
     r = op(r, _mm512_maskz_shuffle_i64x2(__mmask8(0xFF), r, r, _MM_SHUFFLE(2, 3, 0, 1)));
