@@ -43,14 +43,10 @@ K3_INLINE T clamp_log_decay(T g) noexcept {
   return g < full_decay_log<T>() ? full_decay_log<T>() : g;
 }
 
-// Log decays below this one are "large" (a hard reset, a document boundary). A chunked form
-// whose chunk holds one keeps them in a cumsum of their own (KDA: kda/chunk.hpp
-// split_gate_cumsum; DPLR: dplr/chunk_kernels.hpp), so that a pair of tokens with no such decay
-// between them gets its exponent from small numbers: with one cumsum, every later exponent
-// G_i - G_j would be the difference of two values near the reset's -112 (float), each rounded
-// to 112 eps. Any threshold would be exact; this one leaves smooth gates (and the
-// lower-bounded gate, g >= -5) on the plain path, and a factor across a large decay is at most
-// e^{-16} = 1.1e-7, the float epsilon.
+// Log decays below this one are "large" (a hard reset, a document boundary): the chunked forms
+// keep them in a cumsum of their own (core/gate_cumsum.hpp says why). Any threshold would be
+// exact; this one leaves smooth gates (and the lower-bounded gate, g >= -5) on the plain path,
+// and a factor across a large decay is at most e^{-16} = 1.1e-7, the float epsilon.
 template <class T>
 K3_INLINE constexpr T split_log_decay() noexcept {
   return T(-16);
