@@ -4,28 +4,21 @@
 
 #include <cmath>
 #include <cstring>
-#include <deque>
-#include <map>
 #include <memory>
-#include <tuple>
 #include <string>
 #include <vector>
 
+#include "attnres/loopback.hpp"
+#include "error_of.hpp"
 #include "k3/attnres.hpp"
 
 namespace ar = k3::attnres;
 using k3::index_t;
 
 namespace {
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (k3::error const& e) {
-    return e.what();
-  }
-  return "";
-}
+using k3::test::error_of;
+using k3::test::loopback;
+using k3::test::mailbox;
 bool names(std::string const& e, char const* a, char const* b) {
   return e.find(std::string("'") + a + "'") != std::string::npos && e.find(std::string("'") + b + "'") != std::string::npos &&
          e.find("overlap") != std::string::npos;
@@ -115,44 +108,6 @@ TEST_CASE("attnres two-phase: outputs overlapping inputs are rejected; a bad eps
   CHECK(names(p2a(at(3), at(8), at(7)), "prefix", "o"));
   CHECK(names(p2a(at(4), at(8), at(7)), "prefix", "lse"));
 }
-
-namespace {
-// Two ranks in one process; messages are byte copies (with their element type) in a mailbox.
-struct mailbox {
-  std::map<std::tuple<int, int, int>, std::deque<std::pair<std::int64_t, std::vector<unsigned char>>>> q;  // (src, dst, tag)
-};
-class loopback {
- public:
-  loopback(std::shared_ptr<mailbox> m, int rank, int size) : m_(std::move(m)), rank_(rank), size_(size) {}
-  int rank() const noexcept { return rank_; }
-  int size() const noexcept { return size_; }
-  template <class T, std::size_t R>
-  void all_reduce_sum(k3::tensor_view<T, R>) const {}
-  template <class T, class U, std::size_t R1, std::size_t R2>
-  void all_gather(k3::tensor_view<T, R1>, k3::tensor_view<U, R2>) const {}
-  template <class T, std::size_t R>
-  void send(k3::tensor_view<T, R> v, int peer, int tag) const {
-    std::vector<unsigned char> bytes(std::size_t(v.size()) * sizeof(T));
-    std::memcpy(bytes.data(), v.data_handle(), bytes.size());
-    m_->q[{rank_, peer, tag}].push_back({k3::detail::comm_type_code<std::remove_const_t<T>>(), std::move(bytes)});
-  }
-  template <class T, std::size_t R>
-  void recv(k3::tensor_view<T, R> v, int peer, int tag) const {
-    auto& d = m_->q[{peer, rank_, tag}];
-    k3::detail::require(!d.empty(), "loopback: nothing to receive");
-    auto [code, bytes] = std::move(d.front());
-    d.pop_front();
-    k3::detail::require(code == k3::detail::comm_type_code<T>() && bytes.size() == std::size_t(v.size()) * sizeof(T),
-                        "loopback: type or count mismatch");
-    std::memcpy(v.data_handle(), bytes.data(), bytes.size());
-  }
-  void barrier() const noexcept {}
-
- private:
-  std::shared_ptr<mailbox> m_;
-  int rank_, size_;
-};
-}  // namespace
 
 TEST_CASE("pipeline cache: a malformed forward header is a k3::error (never an out-of-range bank read later)") {
   index_t const d = 3, L = 8;

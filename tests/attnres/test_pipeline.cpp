@@ -3,59 +3,18 @@
 // driver running the whole stack. The MPI version is test_pipeline_mpi.cpp.
 #include <doctest/doctest.h>
 
-#include <cstring>
-#include <deque>
-#include <map>
 #include <memory>
-#include <tuple>
 #include <vector>
 
+#include "attnres/loopback.hpp"
 #include "attnres/toy_model.hpp"
 #include "k3/attnres.hpp"
 
 namespace ar = k3::attnres;
 using k3::index_t;
 
-namespace {
-
-struct mailbox {
-  std::map<std::tuple<int, int, int>, std::deque<std::pair<std::int64_t, std::vector<unsigned char>>>> q;  // (src, dst, tag)
-};
-
-class loopback {
- public:
-  loopback(std::shared_ptr<mailbox> m, int rank, int size) : m_(std::move(m)), rank_(rank), size_(size) {}
-  int rank() const noexcept { return rank_; }
-  int size() const noexcept { return size_; }
-  template <class T, std::size_t R>
-  void all_reduce_sum(k3::tensor_view<T, R>) const {}
-  template <class T, class U, std::size_t R1, std::size_t R2>
-  void all_gather(k3::tensor_view<T, R1>, k3::tensor_view<U, R2>) const {}
-  template <class T, std::size_t R>
-  void send(k3::tensor_view<T, R> v, int peer, int tag) const {
-    std::vector<unsigned char> bytes(std::size_t(v.size()) * sizeof(T));
-    std::memcpy(bytes.data(), v.data_handle(), bytes.size());
-    m_->q[{rank_, peer, tag}].push_back({k3::detail::comm_type_code<std::remove_const_t<T>>(), std::move(bytes)});
-  }
-  template <class T, std::size_t R>
-  void recv(k3::tensor_view<T, R> v, int peer, int tag) const {
-    auto& d = m_->q[{peer, rank_, tag}];
-    k3::detail::require(!d.empty(), "loopback: nothing to receive");
-    auto [code, bytes] = std::move(d.front());
-    d.pop_front();
-    k3::detail::require(code == k3::detail::comm_type_code<T>() && bytes.size() == std::size_t(v.size()) * sizeof(T),
-                        "loopback: type or count mismatch");
-    std::memcpy(v.data_handle(), bytes.data(), bytes.size());
-  }
-  void barrier() const noexcept {}
-
- private:
-  std::shared_ptr<mailbox> m_;
-  int rank_, size_;
-};
-static_assert(k3::Communicator<loopback>);
-
-}  // namespace
+using k3::test::loopback;
+using k3::test::mailbox;
 
 TEST_CASE("pipeline cache, 3 simulated ranks x 2 virtual stages, bfloat16: same results as one process") {
   using St = k3::bfloat16;

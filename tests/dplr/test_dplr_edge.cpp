@@ -5,20 +5,13 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "k3/dplr.hpp"
 
 using namespace k3;
 
 namespace {
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (k3::error const& e) {
-    return e.what();
-  }
-  return "";
-}
+using k3::test::error_of;
 
 // One float buffer holding every tensor, so that views can be made to overlap on purpose.
 struct arena {

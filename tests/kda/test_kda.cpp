@@ -11,22 +11,13 @@
 #include <utility>
 #include <vector>
 
+#include "error_of.hpp"
 #include "kda/kda_fixture.hpp"
 
 using namespace k3;
 using namespace k3::test;
 
 namespace {
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (k3::error const& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
 
 bool has(std::string const& s, std::string const& sub) { return s.find(sub) != std::string::npos; }
 
@@ -92,7 +83,7 @@ TEST_CASE("forward and backward validate their arguments") {
     o2.cu_seqlens = cu;
     return error_of([&] { kda::forward(cpu::serial{}, a, o2); });
   };
-  CHECK(cu_err({0, 4, 10}) == "<no error>");
+  CHECK(cu_err({0, 4, 10}) == "");
   CHECK(has(cu_err({0, 6, 4, 10}), "non-decreasing"));
   CHECK(has(cu_err({0, 4, 9}), "last offset"));
   CHECK(has(cu_err({1, 4, 10}), "first offset"));
@@ -140,7 +131,7 @@ TEST_CASE("forward and backward validate their arguments") {
     std::vector<std::int64_t> const two_seqs{0, 4, c.T};
     for (int threads : {1, 2, 3}) {
       cpu::threads<> be(threads);
-      CHECK(error_of([&] { kda::forward(be, a, ok); }) == "<no error>");
+      CHECK(error_of([&] { kda::forward(be, a, ok); }) == "");
       for (auto const& th : {std::pair{c.T - 1, c.HV - 1}, std::pair{index_t(6), index_t(1)}}) {
         index_t const t = th.first, h = th.second;  // not a structured binding: clang 14 cannot capture those
         float& x = g[std::size_t(((t * c.HV) + h) * c.K + 3)];
@@ -158,7 +149,7 @@ TEST_CASE("forward and backward validate their arguments") {
     // a bound that is not a float: g equal to it rounded up to float passes
     ok.gate_lower_bound = -3.9;
     for (auto& x : g) x = std::max(x, float(-3.9));
-    CHECK(error_of([&] { kda::forward(cpu::threads<>(2), a, ok); }) == "<no error>");
+    CHECK(error_of([&] { kda::forward(cpu::threads<>(2), a, ok); }) == "");
   }
 
   // backward: outputs must not alias inputs or each other

@@ -8,21 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "k3/moe.hpp"
 
 using namespace k3;
 using namespace k3::moe;
 
 namespace {
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (k3::error const& e) {
-    return e.what();
-  }
-  return "";
-}
+using k3::test::error_of;
 }  // namespace
 
 TEST_CASE("route: outputs overlapping the scores, bias, mask or each other are rejected") {
