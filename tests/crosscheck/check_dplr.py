@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, compare, save  # noqa: E402
+from common import Checker, compare, compare_grads, grads_complex_step, save  # noqa: E402
 
 NAMES = ["q", "k", "v", "a", "b", "gk", "h0"]
 GRADS = {"q": "dq", "k": "dk", "v": "dv", "a": "da", "b": "db", "gk": "dgk", "h0": "dh0"}
@@ -32,23 +32,6 @@ def dplr_ref(q, k, v, a, b, gk, scale, h0=None, cu=None):
             o[..., bb, t, :, :] = np.einsum("...hk,...hkv->...hv", scale * q[..., bb, t, :, :], S)
         ht[..., n, :, :, :] = S
     return o, ht
-
-
-def grads_complex_step(inp, scale, cu, do, dht, elementwise, rng, ndir=3):
-    h = 1e-30
-    res = {}
-    for nm in NAMES:
-        x = inp[nm]
-        if x is None or x.size == 0:
-            continue
-        dirs = np.eye(x.size).reshape((x.size,) + x.shape) if elementwise else rng.standard_normal((ndir,) + x.shape)
-        D = dirs.shape[0]
-        args = {n: (None if inp[n] is None else np.broadcast_to(inp[n], (D,) + inp[n].shape).astype(np.complex128)) for n in NAMES}
-        args[nm] = args[nm] + 1j * h * dirs
-        o, ht = dplr_ref(*(args[n] for n in ["q", "k", "v", "a", "b", "gk"]), scale, args["h0"], cu)
-        L = o.reshape(D, -1) @ do.ravel() + (ht.reshape(D, -1) @ dht.ravel() if dht is not None else 0)
-        res[nm] = (dirs, L.imag / h)
-    return res
 
 
 def make_case(rng, B, T, H, K, V, dtype, cu=None, gate="normal", h0=True, ab="rwkv"):
@@ -123,21 +106,9 @@ def run_case(ck, label, rng, inp, cu=None, cu_dtype=np.int64, scale=None, mode="
         return
     if f64["h0"] is None:
         f64["h0"] = np.zeros((nseq, H, K, V))
-    res = grads_complex_step(f64, sc, cu, do.astype(np.float64), None if dht is None else dht.astype(np.float64), elementwise, rng)
-    for nm, (dirs, dd) in res.items():
-        got = ck.out(d, GRADS[nm])
-        if got.shape != f64[nm].shape:
-            ck.fail(label, f"{GRADS[nm]}: shape {got.shape} != {f64[nm].shape}", cmd)
-            continue
-        if elementwise:
-            compare(ck, label, got, dd.reshape(f64[nm].shape), tol_b, cmd, GRADS[nm])
-        else:
-            proj = dirs.reshape(dirs.shape[0], -1) @ got.astype(np.float64).ravel()
-            err = np.sqrt(np.mean((proj - dd) ** 2)) / (np.sqrt(np.mean(dd ** 2)) + 1e-300)
-            if not err <= tol_b:
-                ck.fail(label, f"{GRADS[nm]}: directional derivative rel err {err:.3e} > {tol_b:.1e} (got {proj}, ref {dd})", cmd)
-            else:
-                ck.ok(f"{label} {GRADS[nm]} dir {err:.1e}")
+    ref = lambda x: dplr_ref(*(x[n] for n in ["q", "k", "v", "a", "b", "gk"]), sc, x["h0"], cu)
+    res = grads_complex_step(ref, f64, NAMES, do.astype(np.float64), None if dht is None else dht.astype(np.float64), elementwise, rng)
+    compare_grads(ck, label, res, {nm: (ck.out(d, GRADS[nm]), f64[nm].shape) for nm in res}, GRADS, tol_b, elementwise, cmd)
 
 
 def bad_inputs(ck, rng):

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, compare, rel_rms, save, write_raw_npy  # noqa: E402
+from common import Checker, compare, compare_grads, grads_complex_step, rel_rms, save, write_raw_npy  # noqa: E402
 
 
 def kda_ref(q, k, v, g, beta, scale, h0=None, cu=None):
@@ -41,29 +41,6 @@ def kda_ref(q, k, v, g, beta, scale, h0=None, cu=None):
 
 NAMES = ["q", "k", "v", "g", "beta", "h0"]
 GRADS = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "h0": "dh0"}
-
-
-def grads_complex_step(inp, scale, cu, do, dht, elementwise, rng, ndir=3):
-    """Returns dict name -> (dirs [D,...], directional derivatives [D]) or full gradient."""
-    h = 1e-30
-    res = {}
-    for nm in NAMES:
-        x = inp[nm]
-        if x is None or x.size == 0:
-            continue
-        if elementwise:
-            D = x.size
-            dirs = np.eye(D).reshape((D,) + x.shape)
-        else:
-            dirs = rng.standard_normal((ndir,) + x.shape)
-        args = {n: (inp[n] if inp[n] is None else np.broadcast_to(inp[n], (dirs.shape[0],) + inp[n].shape).astype(np.complex128)) for n in NAMES}
-        args[nm] = args[nm] + 1j * h * dirs
-        o, ht = kda_ref(args["q"], args["k"], args["v"], args["g"], args["beta"], scale, args["h0"], cu)
-        D = dirs.shape[0]
-        L = o.reshape(D, -1) @ do.ravel() + (ht.reshape(D, -1) @ dht.ravel() if dht is not None else 0)
-        dd = L.imag / h
-        res[nm] = (dirs, dd)
-    return res
 
 
 def make_case(rng, B, T, H, HV, K, V, dtype, cu=None, gate="normal", h0=True, beta_max=1.0):
@@ -140,23 +117,9 @@ def run_case(ck, label, rng, inp, cu=None, cu_dtype=np.int64, scale=None, mode="
     inp64 = dict(f64)
     if inp64["h0"] is None:  # gradient dh0 must still be written (w.r.t. a zero initial state)
         inp64["h0"] = np.zeros((nseq, HV, K, V))
-    res = grads_complex_step(inp64, sc, cu, do.astype(np.float64), None if dht is None else dht.astype(np.float64), elementwise, rng)
-    for nm, (dirs, dd) in res.items():
-        got = ck.out(d, GRADS[nm])
-        ref_shape = inp64[nm].shape
-        if got.shape != ref_shape:
-            ck.fail(label, f"{GRADS[nm]}: shape {got.shape} != {ref_shape}", cmd)
-            continue
-        if elementwise:
-            compare(ck, label, got, dd.reshape(ref_shape), tol_b, cmd, GRADS[nm])
-        else:
-            proj = dirs.reshape(dirs.shape[0], -1) @ got.astype(np.float64).ravel()
-            scale_ = np.sqrt(np.mean(dd ** 2)) + 1e-300
-            err = np.sqrt(np.mean((proj - dd) ** 2)) / scale_
-            if not err <= tol_b:
-                ck.fail(label, f"{GRADS[nm]}: directional derivative rel err {err:.3e} > {tol_b:.1e} (got {proj}, ref {dd})", cmd)
-            else:
-                ck.ok(f"{label} {GRADS[nm]} dir {err:.1e}")
+    ref = lambda x: kda_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], sc, x["h0"], cu)
+    res = grads_complex_step(ref, inp64, NAMES, do.astype(np.float64), None if dht is None else dht.astype(np.float64), elementwise, rng)
+    compare_grads(ck, label, res, {nm: (ck.out(d, GRADS[nm]), inp64[nm].shape) for nm in res}, GRADS, tol_b, elementwise, cmd)
 
 
 def bad_inputs(ck, rng):

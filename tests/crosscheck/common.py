@@ -132,6 +132,46 @@ def compare(ck, label, got, ref, tol, cmd=None, name=""):
     return True
 
 
+def grads_complex_step(ref, inp, names, do, dht, elementwise, rng, ndir=3):
+    """Derivatives of L = <do, o> + <dht, ht>, (o, ht) = ref(args) with args a dict of the inputs
+    (leading direction axis added), by the complex step (exact to rounding). For each name in
+    `names` with a non-empty input: (dirs [D, ...], dL along each direction [D]); elementwise uses
+    the unit directions, i.e. the full gradient."""
+    h = 1e-30
+    res = {}
+    for nm in names:
+        x = inp[nm]
+        if x is None or x.size == 0:
+            continue
+        dirs = np.eye(x.size).reshape((x.size,) + x.shape) if elementwise else rng.standard_normal((ndir,) + x.shape)
+        D = dirs.shape[0]
+        args = {n: (None if a is None else np.broadcast_to(a, (D,) + a.shape).astype(np.complex128)) for n, a in inp.items()}
+        args[nm] = args[nm] + 1j * h * dirs
+        o, ht = ref(args)
+        L = o.reshape(D, -1) @ do.ravel() + (ht.reshape(D, -1) @ dht.ravel() if dht is not None else 0)
+        res[nm] = (dirs, L.imag / h)
+    return res
+
+
+def compare_grads(ck, label, res, shapes, grad_names, tol, elementwise, cmd):
+    """Checks k3's gradients against grads_complex_step's `res`: shapes[nm] = (k3's array, the
+    input's shape). Elementwise, or as directional derivatives (relative RMS over the directions)."""
+    for nm, (dirs, dd) in res.items():
+        got, ref_shape = shapes[nm]
+        if got.shape != ref_shape:
+            ck.fail(label, f"{grad_names[nm]}: shape {got.shape} != {ref_shape}", cmd)
+            continue
+        if elementwise:
+            compare(ck, label, got, dd.reshape(ref_shape), tol, cmd, grad_names[nm])
+            continue
+        proj = dirs.reshape(dirs.shape[0], -1) @ got.astype(np.float64).ravel()
+        err = np.sqrt(np.mean((proj - dd) ** 2)) / (np.sqrt(np.mean(dd ** 2)) + 1e-300)
+        if not err <= tol:
+            ck.fail(label, f"{grad_names[nm]}: directional derivative rel err {err:.3e} > {tol:.1e} (got {proj}, ref {dd})", cmd)
+        else:
+            ck.ok(f"{label} {grad_names[nm]} dir {err:.1e}")
+
+
 def write_raw_npy(path, header_dict_str, payload, version=(1, 0)):
     """Write an .npy with an arbitrary header (for malformed-input tests)."""
     magic = b"\x93NUMPY" + bytes(version)
