@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, compare, compare_grads, grads_complex_step, save  # noqa: E402
+from common import Checker, compare, run_recurrence_case, save  # noqa: E402
 
 NAMES = ["q", "k", "v", "a", "b", "gk", "h0"]
 GRADS = {"q": "dq", "k": "dk", "v": "dv", "a": "da", "b": "db", "gk": "dgk", "h0": "dh0"}
@@ -61,54 +61,16 @@ def make_case(rng, B, T, H, K, V, dtype, cu=None, gate="normal", h0=True, ab="rw
 
 def run_case(ck, label, rng, inp, cu=None, cu_dtype=np.int64, scale=None, mode="chunked", backward=True, elementwise=False,
              chunk=None, threads=None, longseq=None, tol_f=None, tol_b=None, dht_on=True):
-    dtype = inp["q"].dtype
-    d = ck.newdir()
-    for nm in NAMES:
-        if inp[nm] is not None:
-            save(d, nm, inp[nm])
-    if cu is not None:
-        save(d, "cu_seqlens", np.asarray(cu, dtype=cu_dtype))
-    B, T, H, K = inp["q"].shape
-    V = inp["v"].shape[3]
-    nseq = B if cu is None else len(cu) - 1
-    do = rng.standard_normal((B, T, H, V)).astype(dtype)
-    dht = rng.standard_normal((nseq, H, K, V)).astype(dtype) if dht_on else None
-    if backward:
-        save(d, "do", do)
-        if dht is not None:
-            save(d, "dht", dht)
     opts = ["--mode", mode]
-    if scale is not None:
-        opts += ["--scale", repr(scale)]
     if chunk is not None:
         opts += ["--chunk-size", str(chunk)]
     if threads is not None:
         opts += ["--threads", str(threads)]
     if longseq is not None:
         opts += ["--long-sequence", longseq]
-    if backward:
-        opts += ["--backward"]
-    rc, text, cmd = ck.run(d, opts)
-    if rc != 0:
-        ck.fail(label, f"exit {rc}: {text.strip()[:400]}", cmd)
-        return
-    sc = K ** -0.5 if scale is None else scale
-    f64 = {n: (None if inp[n] is None else inp[n].astype(np.float64)) for n in NAMES}
-    o_ref, ht_ref = dplr_ref(*(f64[n] for n in ["q", "k", "v", "a", "b", "gk"]), sc, f64["h0"], cu)
-    tol_f = tol_f or (1e-12 if dtype == np.float64 else 2e-5)
-    tol_b = tol_b or (1e-11 if dtype == np.float64 else 1e-4)
-    for nm, ref in (("o", o_ref), ("ht", ht_ref)):
-        got = ck.out(d, nm)
-        if got.dtype != dtype:
-            ck.fail(label, f"{nm}: dtype {got.dtype}, expected {dtype}", cmd)
-        compare(ck, label, got, ref, tol_f, cmd, nm)
-    if not backward:
-        return
-    if f64["h0"] is None:
-        f64["h0"] = np.zeros((nseq, H, K, V))
-    ref = lambda x: dplr_ref(*(x[n] for n in ["q", "k", "v", "a", "b", "gk"]), sc, x["h0"], cu)
-    res = grads_complex_step(ref, f64, NAMES, do.astype(np.float64), None if dht is None else dht.astype(np.float64), elementwise, rng)
-    compare_grads(ck, label, res, {nm: (ck.out(d, GRADS[nm]), f64[nm].shape) for nm in res}, GRADS, tol_b, elementwise, cmd)
+    ref = lambda x, sc: dplr_ref(*(x[n] for n in ["q", "k", "v", "a", "b", "gk"]), sc, x["h0"], cu)
+    run_recurrence_case(ck, label, rng, inp, NAMES, GRADS, ref, opts, scale, cu, cu_dtype, backward, elementwise, tol_f,
+                        tol_b, dht_on)
 
 
 def bad_inputs(ck, rng):

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, compare, compare_grads, grads_complex_step, rel_rms, save, write_raw_npy  # noqa: E402
+from common import Checker, compare, rel_rms, run_recurrence_case, save, write_raw_npy  # noqa: E402
 
 
 def kda_ref(q, k, v, g, beta, scale, h0=None, cu=None):
@@ -73,53 +73,12 @@ def random_cu(rng, T, nseq, allow_empty=True):
 
 def run_case(ck, label, rng, inp, cu=None, cu_dtype=np.int64, scale=None, mode="chunk", backward=True, lb=None,
              elementwise=False, tol_f=None, tol_b=None, dht_on=True):
-    dtype = inp["q"].dtype
-    d = ck.newdir()
-    for nm in NAMES:
-        if inp[nm] is not None:
-            save(d, nm, inp[nm])
-    if cu is not None:
-        save(d, "cu_seqlens", np.asarray(cu, dtype=cu_dtype))
-    B, T, H, K = inp["q"].shape
-    HV, V = inp["v"].shape[2:]
-    nseq = B if cu is None else len(cu) - 1
-    do = rng.standard_normal((B, T, HV, V)).astype(dtype)
-    dht = rng.standard_normal((nseq, HV, K, V)).astype(dtype) if dht_on else None
-    if backward:
-        save(d, "do", do)
-        if dht is not None:
-            save(d, "dht", dht)
     opts = ["--mode", mode]
-    if scale is not None:
-        opts += ["--scale", repr(scale)]
     if lb is not None:
         opts += ["--gate-lower-bound", repr(lb)]
-    if backward:
-        opts += ["--backward"]
-    rc, text, cmd = ck.run(d, opts)
-    if rc != 0:
-        ck.fail(label, f"exit {rc}: {text.strip()[:400]}", cmd)
-        return
-    sc = K ** -0.5 if scale is None else scale
-    f64 = {n: (None if inp[n] is None else inp[n].astype(np.float64)) for n in NAMES}
-    o_ref, ht_ref = kda_ref(f64["q"], f64["k"], f64["v"], f64["g"], f64["beta"], sc, f64["h0"], cu)
-    if tol_f is None:
-        tol_f = 1e-12 if dtype == np.float64 else 2e-5
-    if tol_b is None:
-        tol_b = 1e-11 if dtype == np.float64 else 1e-4
-    for nm, ref in (("o", o_ref), ("ht", ht_ref)):
-        got = ck.out(d, nm)
-        if got.dtype != dtype:
-            ck.fail(label, f"{nm}: dtype {got.dtype}, expected {dtype}", cmd)
-        compare(ck, label, got, ref, tol_f, cmd, nm)
-    if not backward:
-        return
-    inp64 = dict(f64)
-    if inp64["h0"] is None:  # gradient dh0 must still be written (w.r.t. a zero initial state)
-        inp64["h0"] = np.zeros((nseq, HV, K, V))
-    ref = lambda x: kda_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], sc, x["h0"], cu)
-    res = grads_complex_step(ref, inp64, NAMES, do.astype(np.float64), None if dht is None else dht.astype(np.float64), elementwise, rng)
-    compare_grads(ck, label, res, {nm: (ck.out(d, GRADS[nm]), inp64[nm].shape) for nm in res}, GRADS, tol_b, elementwise, cmd)
+    ref = lambda x, sc: kda_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], sc, x["h0"], cu)
+    run_recurrence_case(ck, label, rng, inp, NAMES, GRADS, ref, opts, scale, cu, cu_dtype, backward, elementwise, tol_f,
+                        tol_b, dht_on)
 
 
 def bad_inputs(ck, rng):

@@ -172,6 +172,53 @@ def compare_grads(ck, label, res, shapes, grad_names, tol, elementwise, cmd):
             ck.ok(f"{label} {grad_names[nm]} dir {err:.1e}")
 
 
+def run_recurrence_case(ck, label, rng, inp, names, grad_names, ref, opts, scale=None, cu=None, cu_dtype=np.int64,
+                        backward=True, elementwise=False, tol_f=None, tol_b=None, dht_on=True):
+    """One `k3 kda` / `k3 dplr` run against a float64 reference ref(inputs, scale) -> (o, ht):
+    q [B,T,H,K], v [B,T,HV,V], states [N,HV,K,V]; with `backward`, the gradients of
+    <do, o> + <dht, ht> by the complex step. `opts` are the subcommand's options (without
+    --scale / --backward)."""
+    dtype = inp["q"].dtype
+    d = ck.newdir()
+    for nm in names:
+        if inp[nm] is not None:
+            save(d, nm, inp[nm])
+    if cu is not None:
+        save(d, "cu_seqlens", np.asarray(cu, dtype=cu_dtype))
+    B, T, H, K = inp["q"].shape
+    HV, V = inp["v"].shape[2:]
+    nseq = B if cu is None else len(cu) - 1
+    do = rng.standard_normal((B, T, HV, V)).astype(dtype)
+    dht = rng.standard_normal((nseq, HV, K, V)).astype(dtype) if dht_on else None
+    if backward:
+        save(d, "do", do)
+        if dht is not None:
+            save(d, "dht", dht)
+    opts = list(opts) + (["--scale", repr(scale)] if scale is not None else []) + (["--backward"] if backward else [])
+    rc, text, cmd = ck.run(d, opts)
+    if rc != 0:
+        ck.fail(label, f"exit {rc}: {text.strip()[:400]}", cmd)
+        return
+    sc = K ** -0.5 if scale is None else scale
+    f64 = {n: (None if inp[n] is None else inp[n].astype(np.float64)) for n in names}
+    o_ref, ht_ref = ref(f64, sc)
+    tol_f = tol_f or (1e-12 if dtype == np.float64 else 2e-5)
+    tol_b = tol_b or (1e-11 if dtype == np.float64 else 1e-4)
+    for nm, r in (("o", o_ref), ("ht", ht_ref)):
+        got = ck.out(d, nm)
+        if got.dtype != dtype:
+            ck.fail(label, f"{nm}: dtype {got.dtype}, expected {dtype}", cmd)
+        compare(ck, label, got, r, tol_f, cmd, nm)
+    if not backward:
+        return
+    if f64["h0"] is None:  # dh0 is still written (w.r.t. a zero initial state)
+        f64["h0"] = np.zeros((nseq, HV, K, V))
+    res = grads_complex_step(lambda x: ref(x, sc), f64, names, do.astype(np.float64),
+                             None if dht is None else dht.astype(np.float64), elementwise, rng)
+    compare_grads(ck, label, res, {nm: (ck.out(d, grad_names[nm]), f64[nm].shape) for nm in res}, grad_names, tol_b,
+                  elementwise, cmd)
+
+
 def write_raw_npy(path, header_dict_str, payload, version=(1, 0)):
     """Write an .npy with an arbitrary header (for malformed-input tests)."""
     magic = b"\x93NUMPY" + bytes(version)
