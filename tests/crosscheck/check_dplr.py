@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, compare, run_recurrence_case, save  # noqa: E402
+from common import Checker, compare, run_recurrence_case, save, zero_size_cases  # noqa: E402
 
 NAMES = ["q", "k", "v", "a", "b", "gk", "h0"]
 GRADS = {"q": "dq", "k": "dk", "v": "dv", "a": "da", "b": "db", "gk": "dgk", "h0": "dh0"}
@@ -250,20 +250,7 @@ def main():
     if ck.want("bad"):
         bad_inputs(ck, np.random.default_rng(8))
     if ck.want("zero"):
-        for (B, T) in ((1, 0), (0, 4)):
-            lab = f"zero-size B{B} T{T}"
-            x = make_case(np.random.default_rng(3), B, T, 1, 4, 3, np.float64)
-            d = ck.newdir()
-            for nm in NAMES:
-                save(d, nm, x[nm])
-            save(d, "do", np.zeros((B, T, 1, 3)))
-            rc, text, cmd = ck.run(d, ["--backward"])
-            if rc == 0:
-                compare(ck, lab, ck.out(d, "ht"), x["h0"], 0, cmd, "ht")
-            elif rc not in (1, 2) or len(text.strip().splitlines()) != 1:
-                ck.fail(lab, f"exit {rc}: {text[:300]}", cmd)
-            else:
-                ck.ok(lab)
+        zero_size_cases(ck, lambda B, T: make_case(np.random.default_rng(3), B, T, 1, 4, 3, np.float64), NAMES)
     ck.finish()
 
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, compare, rel_rms, run_recurrence_case, save, write_raw_npy  # noqa: E402
+from common import Checker, compare, rel_rms, run_recurrence_case, save, write_raw_npy, zero_size_cases  # noqa: E402
 
 
 def kda_ref(q, k, v, g, beta, scale, h0=None, cu=None):
@@ -379,23 +379,7 @@ def main():
     if ck.want("bad"):
         bad_inputs(ck, np.random.default_rng(7))
     if ck.want("zero"):
-        # 0-size: T = 0 (B = 1) and B = 0 should give empty outputs (h0 passed through) or a clear error
-        for (B, T) in ((1, 0), (0, 4)):
-            lab = f"zero-size B{B} T{T}"
-            rng = np.random.default_rng(3)
-            x = make_case(rng, B, T, 1, 1, 4, 3, np.float64)
-            d = ck.newdir()
-            for nm in NAMES:
-                save(d, nm, x[nm])
-            save(d, "do", np.zeros((B, T, 1, 3)))
-            rc, text, cmd = ck.run(d, ["--backward"])
-            if rc == 0:
-                compare(ck, lab, ck.out(d, "ht"), x["h0"], 0, cmd, "ht")
-                compare(ck, lab, ck.out(d, "o"), np.zeros((B, T, 1, 3)), 0, cmd, "o")
-            elif rc not in (1, 2) or len(text.strip().splitlines()) != 1:
-                ck.fail(lab, f"exit {rc}: {text[:300]}", cmd)
-            else:
-                ck.ok(lab)
+        zero_size_cases(ck, lambda B, T: make_case(np.random.default_rng(3), B, T, 1, 1, 4, 3, np.float64), NAMES)
     ck.finish()
 
 

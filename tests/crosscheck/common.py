@@ -219,6 +219,26 @@ def run_recurrence_case(ck, label, rng, inp, names, grad_names, ref, opts, scale
                   elementwise, cmd)
 
 
+def zero_size_cases(ck, make, names, V=3):
+    """T = 0 (B = 1) and B = 0 through `k3 kda` / `k3 dplr` --backward: empty outputs with h0
+    passed through to ht, or one clear error line. make(B, T) -> inputs with one value head of width V."""
+    for (B, T) in ((1, 0), (0, 4)):
+        lab = f"zero-size B{B} T{T}"
+        x = make(B, T)
+        d = ck.newdir()
+        for nm in names:
+            save(d, nm, x[nm])
+        save(d, "do", np.zeros((B, T, 1, V)))
+        rc, text, cmd = ck.run(d, ["--backward"])
+        if rc == 0:
+            compare(ck, lab, ck.out(d, "ht"), x["h0"], 0, cmd, "ht")
+            compare(ck, lab, ck.out(d, "o"), np.zeros((B, T, 1, V)), 0, cmd, "o")
+        elif rc not in (1, 2) or len(text.strip().splitlines()) != 1:
+            ck.fail(lab, f"exit {rc}: {text[:300]}", cmd)
+        else:
+            ck.ok(lab)
+
+
 def write_raw_npy(path, header_dict_str, payload, version=(1, 0)):
     """Write an .npy with an arbitrary header (for malformed-input tests)."""
     magic = b"\x93NUMPY" + bytes(version)
