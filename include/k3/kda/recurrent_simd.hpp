@@ -370,7 +370,8 @@ inline index_t recurrent_head_group(index_t N, index_t HV, index_t threads) {
 //   - pairs go decode_streams (4) at a time: pass 1 of all of them runs row by row together
 //     (independent read streams keep more lines in flight than one), then pass 2 of each;
 //     meanwhile the states of the next four pairs are prefetched into L2 (half a row per row
-//     step of either pass), so DRAM reads overlap the arithmetic. Per state the arithmetic and
+//     step of either pass, round-robin over the four in the order the next pass 1 reads them),
+//     so DRAM reads overlap the arithmetic. Per state the arithmetic and
 //     its order are those of a single state, so results do not depend on the grouping;
 //   - the per-pair inputs (q scaled, k, e^g, e^g k, v) are converted into a small stack
 //     buffer: no heap allocation per pair.
@@ -421,11 +422,16 @@ inline void decode_predict(Acc* const* S, index_t rs, index_t K, index_t c0, dec
   }
 }
 
-// Pass 2 over the same columns of one state, from the cache: S = e^g S + k u^T with
-// u = beta (v - pred), stored; o = S^T (scale q).
-template <class Arch, class Acc, int NB>
+// Pass 2 over the same columns of state s of NS, from the cache: S = e^g S + k u^T with
+// u = beta (v - pred), stored; o = S^T (scale q). The NS pass-2 loops together cover the second
+// halves of the NS coming states, round-robin by half row (step j of them prefetches half row
+// K + j / NS of coming state j % NS), so those states arrive in the order the next group's pass 1
+// reads them: row by row across all of them. Giving each loop its own coming state instead
+// measured 0.81-0.82 of the pass against 0.95-0.99 (scratch harness, per CPU-second, 1 and 2
+// threads; see benchmarks/kda.md, session 7).
+template <class Arch, class Acc, int NB, int NS>
 inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0, decode_vectors<Acc> const& x, xsimd::batch<Acc, Arch> (&pred)[NB],
-                          Acc* K3_RESTRICT o, decode_prefetcher const& pf) noexcept {
+                          Acc* K3_RESTRICT o, decode_prefetcher const* pf, int s) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
   batch u[NB], acc[NB];
@@ -442,7 +448,8 @@ inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0,
       s.store_unaligned(row + j * L);
       acc[j] = xsimd::fma(qd, s, acc[j]);
     }
-    pf.half_row(K + d);
+    index_t const j = index_t(s) * K + d;
+    pf[j % NS].half_row(K + j / NS);
   }
   for (int j = 0; j < NB; ++j) acc[j].store_unaligned(o + c0 + j * L);
 }
@@ -453,7 +460,7 @@ inline void decode_column_block(Acc* const* S, index_t rs, index_t K, index_t c0
                                 decode_prefetcher const* pf) noexcept {
   xsimd::batch<Acc, Arch> pred[NS][NB];
   decode_predict<Arch, Acc, NB, NS>(S, rs, K, c0, x, pred, pf);
-  for (int s = 0; s < NS; ++s) decode_update<Arch, Acc, NB>(S[s], rs, K, c0, x[s], pred[s], o[s], pf[s]);
+  for (int s = 0; s < NS; ++s) decode_update<Arch, Acc, NB, NS>(S[s], rs, K, c0, x[s], pred[s], o[s], pf, s);
 }
 
 // The columns [c0, V) that do not fill a SIMD batch, scalar.
