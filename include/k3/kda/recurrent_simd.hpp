@@ -371,8 +371,10 @@ inline index_t recurrent_head_group(index_t N, index_t HV, index_t threads) {
 //     (independent read streams keep more lines in flight than one), then pass 2 of each;
 //     meanwhile the states of the next four pairs are prefetched into L2 (half a row per row
 //     step of either pass, round-robin over the four in the order the next pass 1 reads them),
-//     so DRAM reads overlap the arithmetic. Per state the arithmetic and
-//     its order are those of a single state, so results do not depend on the grouping;
+//     so DRAM reads overlap the arithmetic. Per state the arithmetic and its order are those
+//     of a single state (bit for bit where xsimd's fma is a fused instruction; on avx2 and
+//     avx512f it is x * y + z, which g++ may contract differently where it is inlined: the
+//     tests compare the grouped and single paths with a tolerance);
 //   - the per-pair inputs (q scaled, k, e^g, e^g k, v) are converted into a small stack
 //     buffer: no heap allocation per pair.
 
