@@ -494,7 +494,9 @@ constexpr int decode_max_batches() noexcept {
 // Measured on the 2-core AVX-512 VM (bench_kda --decode-only, per CPU-second, alternated on a
 // loaded machine): 1 stream 0.72-0.83 of the pass, 2: 0.76-0.81, 4: 0.80-0.85, 6: 0.81-0.83,
 // 8: 0.77-0.81; without the software prefetch 4 streams drop to 0.78-0.79 and 8 to 0.58. Four
-// states in flight (256 KiB) plus the four being prefetched fit the 1 MiB L2.
+// states in flight (256 KiB) plus the four being prefetched fit the 1 MiB L2. With the
+// round-robin prefetch of pass 2 (session 7, pass at 76-82 GB/s per CPU-second): 2 streams
+// 0.82-0.83, 4: 0.88-0.95, 6: 0.90.
 inline constexpr int decode_streams = 4;
 
 // NS states with the same K, V and row stride.
