@@ -424,16 +424,16 @@ inline void decode_predict(Acc* const* S, index_t rs, index_t K, index_t c0, dec
   }
 }
 
-// Pass 2 over the same columns of state s of NS, from the cache: S = e^g S + k u^T with
+// Pass 2 over the same columns of state `which` of NS, from the cache: S = e^g S + k u^T with
 // u = beta (v - pred), stored; o = S^T (scale q). The NS pass-2 loops together cover the second
-// halves of the NS coming states, round-robin by half row (step j of them prefetches half row
-// K + j / NS of coming state j % NS), so those states arrive in the order the next group's pass 1
-// reads them: row by row across all of them. Giving each loop its own coming state instead
-// measured 0.81-0.82 of the pass against 0.95-0.99 (scratch harness, per CPU-second, 1 and 2
-// threads; see benchmarks/kda.md, session 7).
+// halves of the NS coming states, round-robin by half row (step i of them prefetches half row
+// K + i / NS of coming state i % NS), so those states arrive in the order the next group's pass 1
+// reads them: row by row across all of them. Giving each loop its own coming state instead (as
+// before session 7) measured 0.76-0.86 of the in-place pass against 0.84-0.95 (bench_kda
+// --decode-only, 2 threads, per CPU-second, 12 alternated pairs; see benchmarks/kda.md).
 template <class Arch, class Acc, int NB, int NS>
 inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0, decode_vectors<Acc> const& x, xsimd::batch<Acc, Arch> (&pred)[NB],
-                          Acc* K3_RESTRICT o, decode_prefetcher const* pf, int s) noexcept {
+                          Acc* K3_RESTRICT o, decode_prefetcher const* pf, int which) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
   batch u[NB], acc[NB];
@@ -450,8 +450,8 @@ inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0,
       s.store_unaligned(row + j * L);
       acc[j] = xsimd::fma(qd, s, acc[j]);
     }
-    index_t const j = index_t(s) * K + d;
-    pf[j % NS].half_row(K + j / NS);
+    index_t const i = index_t(which) * K + d;
+    pf[i % NS].half_row(K + i / NS);
   }
   for (int j = 0; j < NB; ++j) acc[j].store_unaligned(o + c0 + j * L);
 }
