@@ -370,8 +370,11 @@ inline index_t recurrent_head_group(index_t N, index_t HV, index_t threads) {
 //   - pairs go decode_streams (4) at a time: pass 1 of all of them runs row by row together
 //     (independent read streams keep more lines in flight than one), then pass 2 of each;
 //     meanwhile the states of the next four pairs are prefetched into L2 (half a row per row
-//     step of either pass), so DRAM reads overlap the arithmetic. Per state the arithmetic and
-//     its order are those of a single state, so results do not depend on the grouping;
+//     step of either pass, round-robin over the four in the order the next pass 1 reads them),
+//     so DRAM reads overlap the arithmetic. Per state the arithmetic and its order are those
+//     of a single state (bit for bit where xsimd's fma is a fused instruction; on avx2 and
+//     avx512f it is x * y + z, which g++ may contract differently where it is inlined: the
+//     tests compare the grouped and single paths with a tolerance);
 //   - the per-pair inputs (q scaled, k, e^g, e^g k, v) are converted into a small stack
 //     buffer: no heap allocation per pair.
 
@@ -421,11 +424,16 @@ inline void decode_predict(Acc* const* S, index_t rs, index_t K, index_t c0, dec
   }
 }
 
-// Pass 2 over the same columns of one state, from the cache: S = e^g S + k u^T with
-// u = beta (v - pred), stored; o = S^T (scale q).
-template <class Arch, class Acc, int NB>
+// Pass 2 over the same columns of state `which` of NS, from the cache: S = e^g S + k u^T with
+// u = beta (v - pred), stored; o = S^T (scale q). The NS pass-2 loops together cover the second
+// halves of the NS coming states, round-robin by half row (step i of them prefetches half row
+// K + i / NS of coming state i % NS), so those states arrive in the order the next group's pass 1
+// reads them: row by row across all of them. Giving each loop its own coming state instead (as
+// before session 7) measured 0.76-0.86 of the in-place pass against 0.84-0.95 (bench_kda
+// --decode-only, 2 threads, per CPU-second, 12 alternated pairs; see benchmarks/kda.md).
+template <class Arch, class Acc, int NB, int NS>
 inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0, decode_vectors<Acc> const& x, xsimd::batch<Acc, Arch> (&pred)[NB],
-                          Acc* K3_RESTRICT o, decode_prefetcher const& pf) noexcept {
+                          Acc* K3_RESTRICT o, decode_prefetcher const* pf, int which) noexcept {
   using batch = xsimd::batch<Acc, Arch>;
   constexpr index_t L = index_t(batch::size);
   batch u[NB], acc[NB];
@@ -442,7 +450,8 @@ inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0,
       s.store_unaligned(row + j * L);
       acc[j] = xsimd::fma(qd, s, acc[j]);
     }
-    pf.half_row(K + d);
+    index_t const i = index_t(which) * K + d;
+    pf[i % NS].half_row(K + i / NS);
   }
   for (int j = 0; j < NB; ++j) acc[j].store_unaligned(o + c0 + j * L);
 }
@@ -453,7 +462,7 @@ inline void decode_column_block(Acc* const* S, index_t rs, index_t K, index_t c0
                                 decode_prefetcher const* pf) noexcept {
   xsimd::batch<Acc, Arch> pred[NS][NB];
   decode_predict<Arch, Acc, NB, NS>(S, rs, K, c0, x, pred, pf);
-  for (int s = 0; s < NS; ++s) decode_update<Arch, Acc, NB>(S[s], rs, K, c0, x[s], pred[s], o[s], pf[s]);
+  for (int s = 0; s < NS; ++s) decode_update<Arch, Acc, NB, NS>(S[s], rs, K, c0, x[s], pred[s], o[s], pf, s);
 }
 
 // The columns [c0, V) that do not fill a SIMD batch, scalar.
@@ -485,7 +494,9 @@ constexpr int decode_max_batches() noexcept {
 // Measured on the 2-core AVX-512 VM (bench_kda --decode-only, per CPU-second, alternated on a
 // loaded machine): 1 stream 0.72-0.83 of the pass, 2: 0.76-0.81, 4: 0.80-0.85, 6: 0.81-0.83,
 // 8: 0.77-0.81; without the software prefetch 4 streams drop to 0.78-0.79 and 8 to 0.58. Four
-// states in flight (256 KiB) plus the four being prefetched fit the 1 MiB L2.
+// states in flight (256 KiB) plus the four being prefetched fit the 1 MiB L2. With the
+// round-robin prefetch of pass 2 (session 7, pass at 76-82 GB/s per CPU-second): 2 streams
+// 0.82-0.83, 4: 0.88-0.95, 6: 0.90.
 inline constexpr int decode_streams = 4;
 
 // NS states with the same K, V and row stride.
