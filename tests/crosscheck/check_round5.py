@@ -255,6 +255,52 @@ def kda_grads(rng, nseeds):
                     cs_directional(f, arrs, grads, list(grads), rng, label, 1e-9, loss)
 
 
+def kda_bf16(rng, nseeds):
+    """bfloat16 inputs ('|V2' and '<u2'): float32 compute and states, o and gradients in bfloat16.
+    o against the float64 recurrence of the rounded inputs at fla's ratio (0.005); ht (float32)
+    tighter; gradients against k3's float32 run on the same rounded inputs (one bf16 rounding)."""
+    for seed in range(nseeds):
+        for (B, T, H, HV, K, V, cu) in ((1, 1, 1, 1, 4, 3, None), (1, 70, 1, 2, 64, 17, None), (2, 33, 2, 4, 9, 5, None),
+                                       (1, 45, 1, 2, 6, 8, [0, 0, 5, 5, 40, 45])):
+            for mode in ("chunk", "recurrent"):
+                label = f"kda bf16 s{seed} {(B, T, H, HV, K, V)} cu={cu is not None} {mode}"
+                if not ck.want(label):
+                    continue
+                arrs = kda_inputs(rng, B, T, H, HV, K, V, f64, "normal", 1.0, cu, True)
+                rounded = {nm: (x.astype(bf16).astype(f64) if nm != "h0" else x.astype(f32).astype(f64)) for nm, x in arrs.items()}
+                do = rng.standard_normal((B, T, HV, V)).astype(bf16)
+                cu_a = None if cu is None else np.array(cu, np.int64)
+                ro, rh = kda_ref(rounded["q"], rounded["k"], rounded["v"], rounded["g"], rounded["beta"], K ** -0.5, rounded["h0"], cu_a)
+                outs = {}
+                for kind in ("bf16", "u2", "f32"):
+                    d = ck.newdir()
+                    for nm, x in arrs.items():
+                        if nm == "h0":
+                            put(d, nm, x.astype(f32))
+                        elif kind == "f32":
+                            put(d, nm, x.astype(bf16).astype(f32))
+                        else:
+                            put(d, nm, x.astype(bf16).view(np.uint16) if kind == "u2" else x.astype(bf16))
+                    put(d, "do", do.astype(f32) if kind == "f32" else (do.view(np.uint16) if kind == "u2" else do))
+                    if cu_a is not None:
+                        put(d, "cu_seqlens", cu_a)
+                    r = run(f"{label} {kind}", "kda", d, ["--mode", mode, "--backward"])
+                    if r is None:
+                        break
+                    outs[kind] = {nm: (a.view(bf16).astype(f64) if a.dtype == np.uint16 else a.astype(f64)) for nm, a in r.items()}
+                    if kind != "f32":
+                        if r["o"].dtype != np.uint16 or r["dq"].dtype != np.uint16 or r["ht"].dtype != f32 or r["dh0"].dtype != f32:
+                            ck.fail(label, f"output dtypes o {r['o'].dtype} dq {r['dq'].dtype} ht {r['ht'].dtype} dh0 {r['dh0'].dtype}"
+                                           " (expected bfloat16 as <u2, float32 states)")
+                if len(outs) != 3:
+                    continue
+                check(label, "o", outs["bf16"]["o"], ro, 5e-3)
+                check(label, "ht", outs["bf16"]["ht"], rh, 2e-5)
+                for nm in ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"):
+                    check_equal(label + " <u2 = |V2", nm, outs["u2"][nm], outs["bf16"][nm])
+                    check(label + " vs float32", nm, outs["bf16"][nm], outs["f32"][nm], 8e-3 if nm not in ("ht", "dh0") else 1e-6)
+
+
 def dplr_inputs(rng, B, T, H, K, V, dt, cu, with_h0, strong=False):
     N = B if cu is None else len(cu) - 1
     q = rng.standard_normal((B, T, H, K))
@@ -727,7 +773,7 @@ def quant_sweep(rng, nseeds):
 def main():
     nseeds = ck.args.seeds
     rng = np.random.default_rng(20261130)
-    for fn in (kda_sweep, kda_grads, dplr_sweep, dplr_grads, attnres_sweep, route_sweep, solve_sweep, quant_sweep):
+    for fn in (kda_sweep, kda_grads, kda_bf16, dplr_sweep, dplr_grads, attnres_sweep, route_sweep, solve_sweep, quant_sweep):
         fn(rng, nseeds)
     ck.finish()
 
