@@ -349,6 +349,46 @@ def dplr_sweep(rng, nseeds):
                     check(label, "ht", r["ht"], rh, tol)
 
 
+def dplr_bf16(rng, nseeds):
+    """bfloat16 inputs: computed in float32 with float32 states; o and gradients written as bfloat16."""
+    for seed in range(nseeds):
+        for (B, T, H, K, V, cu) in ((1, 1, 1, 3, 2, None), (1, 70, 2, 8, 5, None), (1, 40, 1, 5, 3, [0, 0, 9, 40])):
+            for opts in (["--mode", "recurrent"], ["--chunk-size", "16", "--threads", "2"]):
+                label = f"dplr bf16 s{seed} {(B, T, H, K, V)} cu={cu is not None} {' '.join(opts)}"
+                if not ck.want(label):
+                    continue
+                arrs = dplr_inputs(rng, B, T, H, K, V, f64, cu, True)
+                N = B if cu is None else len(cu) - 1
+                h0 = arrs.pop("h0").astype(f32)
+                arrs["do"] = rng.standard_normal((B, T, H, V))
+                bfa = {nm: x.astype(bf16) for nm, x in arrs.items()}
+                rd = {nm: x.astype(f64) for nm, x in bfa.items()}
+                cu_a = None if cu is None else np.array(cu, np.int32)
+                ro, rh = dplr_ref(rd["q"], rd["k"], rd["v"], rd["a"], rd["b"], rd["gk"], K ** -0.5, h0.astype(f64), cu_a)
+                outs = {}
+                for kind in ("bf16", "u2", "f32"):
+                    d = ck.newdir()
+                    for nm, x in bfa.items():
+                        put(d, nm, x.astype(f32) if kind == "f32" else (x.view(np.uint16) if kind == "u2" else x))
+                    put(d, "h0", h0)
+                    put(d, "dht", np.ones((N, H, K, V), f32))
+                    if cu_a is not None:
+                        put(d, "cu_seqlens", cu_a)
+                    r = run(f"{label} {kind}", "dplr", d, list(opts) + ["--backward"])
+                    if r is None:
+                        break
+                    if kind != "f32" and (r["o"].dtype != np.uint16 or r["dgk"].dtype != np.uint16 or r["ht"].dtype != f32):
+                        ck.fail(label, f"output dtypes o {r['o'].dtype} dgk {r['dgk'].dtype} ht {r['ht'].dtype}")
+                    outs[kind] = {nm: (a.view(bf16).astype(f64) if a.dtype == np.uint16 else a.astype(f64)) for nm, a in r.items()}
+                if len(outs) != 3:
+                    continue
+                check(label, "o", outs["bf16"]["o"], ro, 5e-3)
+                check(label, "ht", outs["bf16"]["ht"], rh, 2e-5)
+                for nm in ("o", "ht", "dq", "dk", "dv", "da", "db", "dgk", "dh0"):
+                    check_equal(label + " <u2 = |V2", nm, outs["u2"][nm], outs["bf16"][nm])
+                    check(label + " vs float32", nm, outs["bf16"][nm], outs["f32"][nm], 8e-3 if nm not in ("ht", "dh0") else 1e-6)
+
+
 def dplr_grads(rng, nseeds):
     cases = [(1, 1, 1, 2, 3, None), (1, 21, 2, 3, 4, None), (1, 40, 1, 5, 2, [0, 0, 7, 7, 33, 40])]
     for seed in range(nseeds):
@@ -773,7 +813,7 @@ def quant_sweep(rng, nseeds):
 def main():
     nseeds = ck.args.seeds
     rng = np.random.default_rng(20261130)
-    for fn in (kda_sweep, kda_grads, kda_bf16, dplr_sweep, dplr_grads, attnres_sweep, route_sweep, solve_sweep, quant_sweep):
+    for fn in (kda_sweep, kda_grads, kda_bf16, dplr_sweep, dplr_grads, dplr_bf16, attnres_sweep, route_sweep, solve_sweep, quant_sweep):
         fn(rng, nseeds)
     ck.finish()
 
