@@ -810,10 +810,31 @@ def quant_sweep(rng, nseeds):
                             check_equal(label, "dequant round trip", r2["x"], r["dequant"])
 
 
+def quant_float64(rng, nseeds):
+    """float64 x (numpy's default) is rounded to float32 first: identical outputs to the float32 file."""
+    for seed in range(nseeds):
+        x = rng.standard_normal((3, 64)) * np.exp2(rng.integers(-30, 30, (3, 1)))
+        for fmt in ("e4m3", "mxfp8", "mxfp4", "mxfp6_e2m3", "nvfp4"):
+            label = f"quant float64 s{seed} {fmt}"
+            if not ck.want(label):
+                continue
+            res = []
+            for xx in (x, x.astype(f32)):
+                d = ck.newdir()
+                put(d, "x", xx)
+                r = run(label, "quant", d, ["--format", fmt])
+                if r is None:
+                    break
+                res.append(r)
+            if len(res) == 2:
+                for nm in res[1]:
+                    check_equal(label, nm, res[0][nm], res[1][nm])
+
+
 def main():
     nseeds = ck.args.seeds
     rng = np.random.default_rng(20261130)
-    for fn in (kda_sweep, kda_grads, kda_bf16, dplr_sweep, dplr_grads, dplr_bf16, attnres_sweep, route_sweep, solve_sweep, quant_sweep):
+    for fn in (kda_sweep, kda_grads, kda_bf16, dplr_sweep, dplr_grads, dplr_bf16, attnres_sweep, route_sweep, solve_sweep, quant_sweep, quant_float64):
         fn(rng, nseeds)
     ck.finish()
 
