@@ -94,7 +94,9 @@ int run_attnres(k3::cli::args& args) {
 k3::cli::registrar reg({"attnres", "one AttnRes mixing site: h = sum_j softmax_j(rinv_j (g*w).v_j) v_j (and its backward)",
                         "Reads sources.npy [n,T,d] (float32/float64/bfloat16), w.npy [d], gain.npy [d], optional partial.npy [T,d]\n"
                         "(an extra source after the bank rows); writes h.npy [T,d]. With --backward also reads dh.npy [T,d] and\n"
-                        "writes dsources.npy, dw.npy, dgain.npy and (with a partial) dpartial.npy.",
+                        "writes dsources.npy, dw.npy, dgain.npy and (with a partial) dpartial.npy. h has the sources' dtype\n"
+                        "(bfloat16 as '<u2' bits: .view(ml_dtypes.bfloat16) or .view(torch.bfloat16)); the gradients are float32\n"
+                        "(float64 for float64 sources).",
                         k3::cli::io_options({{"backward", false, "also compute the gradients from dh.npy"},
                                              {"eps", true, "the key RMSNorm eps (default 1e-5)"},
                                              {"threads", true, "worker threads (default: all hardware threads)"}}),

@@ -1,6 +1,6 @@
 // k3 dplr — DPLR forward (and backward) on .npy files:
-//   in:  q k v a b gk (.npy, float32 or float64, [B,T,H,K] / v [B,T,H,V]), optional h0
-//        [N,H,K,V] (float32 for float32 inputs, float64 for float64) and cu_seqlens (int32 or
+//   in:  q k v a b gk (.npy, float32, float64 or bfloat16, [B,T,H,K] / v [B,T,H,V]), optional h0
+//        [N,H,K,V] (float64 for float64 inputs, else float32) and cu_seqlens (int32 or
 //        int64, [N+1], B = 1); with --backward also do [B,T,H,V] and optional dht [N,H,K,V]
 //   out: o ht; with --backward also dq dk dv da db dgk dh0
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
@@ -19,10 +19,37 @@ namespace {
 
 using k3::index_t;
 
+bool is_bf16(k3::io::npy_array const& x) { return x.type() == k3::io::dtype::bfloat16 || x.type() == k3::io::dtype::uint16; }
+
+// bfloat16 inputs run in float32 (the DPLR kernels take float or double): a float32 copy; any
+// other dtype is passed through for the typed views to check.
+k3::io::npy_array widen(k3::io::npy_array x) {
+  if (!is_bf16(x)) return x;
+  k3::io::npy_array f(k3::io::dtype::float32, x.shape());
+  auto const* src = static_cast<std::uint16_t const*>(static_cast<k3::io::npy_array const&>(x).data());
+  auto* dst = static_cast<float*>(f.data());
+  for (index_t i = 0; i < x.size(); ++i) dst[i] = float(k3::bfloat16::from_bits(src[i]));
+  return f;
+}
+
 template <class T>
-int run_typed(k3::cli::args& args, k3::io::npy_array const& q) {
+int run_typed(k3::cli::args& args, k3::io::npy_array const& q, bool bf16_io = false) {
   using S = k3::dplr_state_t<T>;
-  auto k = args.load("k"), v = args.load("v"), a = args.load("a"), b = args.load("b"), gk = args.load("gk");
+  auto load = [&](char const* name) -> k3::io::npy_array {
+    auto x = args.load(name);
+    if (bf16_io && !is_bf16(x))
+      throw k3::error(std::string("argument '") + name + "': expected dtype bfloat16 (the dtype of q), got " + k3::io::dtype_name(x.type()));
+    return bf16_io ? widen(std::move(x)) : x;
+  };
+  // Outputs in the inputs' storage type: bfloat16 ('<u2') for bfloat16 inputs.
+  auto save = [&](char const* name, k3::tensor_view<T, 4> v) {
+    if (!bf16_io) return args.save(name, v);
+    std::vector<k3::bfloat16> r(static_cast<std::size_t>(v.size()));
+    T const* p = v.data_handle();
+    for (std::size_t i = 0; i < r.size(); ++i) r[i] = k3::bfloat16(p[i]);
+    args.save(name, k3::host_view(r.data(), v.extent(0), v.extent(1), v.extent(2), v.extent(3)));
+  };
+  k3::io::npy_array k = load("k"), v = load("v"), a = load("a"), b = load("b"), gk = load("gk");
   auto h0 = args.load_optional("h0");
   auto cu = args.load_optional("cu_seqlens");
   k3::dplr_inputs<T> in{q.view<T, 4>("q"), k.view<T, 4>("k"), v.view<T, 4>("v"), a.view<T, 4>("a"), b.view<T, 4>("b"), gk.view<T, 4>("gk"), {}};
@@ -51,10 +78,10 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q) {
   k3::dplr_outputs<T> out{o.view(), ht.view()};
   if (mode == "recurrent") k3::dplr_recurrent_forward(in, out, opt);
   else k3::dplr_chunked_forward(th, in, out, opt);
-  args.save("o", o.view());
+  save("o", o.view());
   args.save("ht", ht.view());
   if (args.flag("backward")) {
-    auto dO = args.load("do");
+    k3::io::npy_array dO = load("do");
     auto dht = args.load_optional("dht");
     k3::dplr_grad_inputs<T> gin{dO.view<T, 4>("do"), {}};
     if (dht) gin.dht = dht->view<S, 4>("dht");
@@ -63,12 +90,12 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q) {
     k3::dplr_grads<T> g{dq.view(), dk.view(), dv.view(), da.view(), db.view(), dg.view(), dh0.view()};
     if (mode == "recurrent") k3::dplr_recurrent_backward(in, gin, g, opt);
     else k3::dplr_chunked_backward(th, in, gin, g, opt);
-    args.save("dq", dq.view());
-    args.save("dk", dk.view());
-    args.save("dv", dv.view());
-    args.save("da", da.view());
-    args.save("db", db.view());
-    args.save("dgk", dg.view());
+    save("dq", dq.view());
+    save("dk", dk.view());
+    save("dv", dv.view());
+    save("da", da.view());
+    save("db", db.view());
+    save("dgk", dg.view());
     args.save("dh0", dh0.view());
   }
   return 0;
@@ -79,13 +106,17 @@ int run_dplr(k3::cli::args& args) {
   auto q = args.load("q");
   if (q.type() == k3::io::dtype::float32) return run_typed<float>(args, q);
   if (q.type() == k3::io::dtype::float64) return run_typed<double>(args, q);
-  throw k3::error(std::string("argument 'q': expected dtype float32 or float64, got ") + k3::io::dtype_name(q.type()));
+  // bfloat16 ('|V2', or PyTorch's .view(torch.uint16) dump '<u2'): computed in float32.
+  if (is_bf16(q)) return run_typed<float>(args, widen(q), true);
+  throw k3::error(std::string("argument 'q': expected dtype float32, float64 or bfloat16, got ") + k3::io::dtype_name(q.type()));
 }
 
 k3::cli::registrar reg({"dplr", "DPLR state update (forward, --backward for gradients)",
                         "S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).\n"
                         "Reads q k v a b gk [B,T,H,K] (v [B,T,H,V]) and optional h0 [N,H,K,V], cu_seqlens [N+1];\n"
-                        "writes o ht. --backward also reads do (and optional dht), writes dq dk dv da db dgk dh0.",
+                        "writes o ht. --backward also reads do (and optional dht), writes dq dk dv da db dgk dh0.\n"
+                        "float32/float64 inputs compute in their dtype; bfloat16 inputs compute in float32 with float32\n"
+                        "h0 ht dht dh0 and write o and the input gradients as bfloat16 ('<u2').",
                         k3::cli::io_options({{"scale", true, "query scale (default K^-1/2)"},
                                              {"chunk-size", true, "chunk length of the chunked form (default 64)"},
                                              {"mode", true, "chunked (default) or recurrent (token by token)"},

@@ -1,7 +1,8 @@
 // k3 kda — KDA forward (and optionally backward) on .npy files.
 //   in:  q k v g beta [h0] [cu_seqlens]  (+ do [dht] with --backward)
 //   out: o ht                            (+ dq dk dv dg dbeta dh0 with --backward)
-// Computes in the inputs' dtype (float32 or float64; the state in the same type).
+// float32/float64 inputs compute in their dtype (states too); bfloat16 inputs compute in float32
+// with float32 states and write o and the gradients as bfloat16.
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -14,7 +15,9 @@ namespace {
 
 using k3::index_t;
 
-template <class T>
+// T: the storage type of q k v g beta o and their gradients; S: the state type (h0 ht dht dh0),
+// float for float32 and bfloat16 inputs, double for float64.
+template <class T, class S = k3::kda::default_state_t<T>>
 int run_typed(k3::cli::args& args, k3::kda::options opt) {
   auto q = args.load("q"), k = args.load("k"), v = args.load("v"), g = args.load("g"), beta = args.load("beta");
   auto h0 = args.load_optional("h0");
@@ -27,21 +30,21 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   k3::detail::check_shape("v", vv, {B, T_, k3::detail::any_extent, k3::detail::any_extent});
   index_t const N = k3::kda::detail::make_problem<T>(qv, vv, opt).N;
   std::vector<T> o(std::size_t(k3::cli::output_elements("o", {B, T_, HV, V})));
-  std::vector<T> ht(std::size_t(k3::cli::output_elements("ht", {N, HV, K, V})));
+  std::vector<S> ht(std::size_t(k3::cli::output_elements("ht", {N, HV, K, V})));
   k3::cli::output_elements("one state", {HV, K, V});  // per-sequence scratch, even when N = 0
-  k3::kda::forward_args<T, T> a;
+  k3::kda::forward_args<T, S> a;
   a.q = qv;
   a.k = k.view<T, 4>("k");
   a.v = vv;
   a.g = g.view<T, 4>("g");
   a.beta = beta.view<T, 3>("beta");
   a.o = k3::host_view(o.data(), B, T_, HV, V);
-  if (h0) a.h0 = h0->view<T, 4>("h0");
+  if (h0) a.h0 = h0->view<S, 4>("h0");
   a.ht = k3::host_view(ht.data(), std::max<index_t>(N, 0), HV, K, V);
   // With --backward in chunk mode the forward also keeps what the backward needs per chunk
   // (forward_args::saved), so the backward does not recompute the state recurrence; the
   // gradients are the same bit for bit.
-  std::vector<T> saved;
+  std::vector<S> saved;
   if (backward && opt.mode == k3::kda::algorithm::chunk) {
     auto const sh = k3::kda::saved_shape(a, opt);
     saved.resize(std::size_t(sh[0] * sh[1] * sh[2]));
@@ -55,8 +58,9 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   auto d_o = args.load("do");
   auto dht = args.load_optional("dht");
   std::vector<T> dq(std::size_t(qv.size())), dk(dq.size()), dv(std::size_t(vv.size())), dg(std::size_t(a.g.size())),
-      dbeta(std::size_t(a.beta.size())), dh0(ht.size());
-  k3::kda::backward_args<T, T> b;
+      dbeta(std::size_t(a.beta.size()));
+  std::vector<S> dh0(ht.size());
+  k3::kda::backward_args<T, S> b;
   b.q = a.q;
   b.k = a.k;
   b.v = a.v;
@@ -64,7 +68,7 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   b.beta = a.beta;
   b.h0 = a.h0;
   b.d_o = d_o.view<T, 4>("do");
-  if (dht) b.dht = dht->view<T, 4>("dht");
+  if (dht) b.dht = dht->view<S, 4>("dht");
   b.dq = k3::host_view(dq.data(), B, T_, qv.extent(2), K);
   b.dk = k3::host_view(dk.data(), B, T_, qv.extent(2), K);
   b.dv = k3::host_view(dv.data(), B, T_, HV, V);
@@ -88,20 +92,24 @@ int run_kda(k3::cli::args& args) {
   if (args.has("scale")) opt.scale = args.number("scale", 0);
   if (args.has("gate-lower-bound")) opt.gate_lower_bound = args.number("gate-lower-bound", -5);
   auto q = args.load("q");
-  k3::io::dtype const t = q.type();
-  if (t != k3::io::dtype::float32 && t != k3::io::dtype::float64)
-    throw k3::error(std::string("argument 'q': expected dtype float32 or float64, got ") + k3::io::dtype_name(t));
+  // bfloat16 arrive as numpy's ml_dtypes '|V2' or as PyTorch's .view(torch.uint16) dump '<u2'.
+  auto kind = [](k3::io::dtype x) { return x == k3::io::dtype::uint16 ? k3::io::dtype::bfloat16 : x; };
+  k3::io::dtype const t = kind(q.type());
+  if (t != k3::io::dtype::float32 && t != k3::io::dtype::float64 && t != k3::io::dtype::bfloat16)
+    throw k3::error(std::string("argument 'q': expected dtype float32, float64 or bfloat16, got ") + k3::io::dtype_name(q.type()));
+  // The states are float32 for float32 and bfloat16 inputs (as in fla), float64 for float64.
+  k3::io::dtype const st = t == k3::io::dtype::float64 ? t : k3::io::dtype::float32;
   std::vector<std::string> names = {"k", "v", "g", "beta"};
   if (args.flag("backward")) names.push_back("do");
   for (auto const& extra : {"h0", "dht"})
     if (auto x = args.load_optional(extra)) {
-      if (x->type() != t)
-        throw k3::error("argument '" + std::string(extra) + "': expected dtype " + k3::io::dtype_name(t) + " (the dtype of q), got " +
-                        k3::io::dtype_name(x->type()));
+      if (x->type() != st)
+        throw k3::error("argument '" + std::string(extra) + "': expected dtype " + k3::io::dtype_name(st) + " (the state type for q of dtype " +
+                        k3::io::dtype_name(t) + "), got " + k3::io::dtype_name(x->type()));
     }
   for (auto const& n : names) {
     auto x = args.load(n);
-    if (x.type() != t)
+    if (kind(x.type()) != t)
       throw k3::error("argument '" + n + "': expected dtype " + k3::io::dtype_name(t) + " (the dtype of q), got " +
                       k3::io::dtype_name(x.type()));
   }
@@ -113,6 +121,7 @@ int run_kda(k3::cli::args& args) {
     for (index_t i = 0; i < c->size(); ++i) cu.push_back(c->as_int(i));
     opt.cu_seqlens = cu;
   }
+  if (t == k3::io::dtype::bfloat16) return run_typed<k3::bfloat16>(args, opt);
   return t == k3::io::dtype::float32 ? run_typed<float>(args, opt) : run_typed<double>(args, opt);
 }
 
@@ -121,7 +130,9 @@ k3::cli::registrar reg({"kda",
                         "Reads q k v g beta [h0] [cu_seqlens] from --in (q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K];\n"
                         "beta [B,T,HV]; h0 [N,HV,K,V]; cu_seqlens int32/int64 [N+1] with B = 1) and writes o, ht.\n"
                         "With --backward also reads do [dht] and writes dq dk dv dg dbeta dh0.\n"
-                        "g and beta are used as given (already gated). Computes in the inputs' dtype.",
+                        "g and beta are used as given (already gated). float32 or float64 inputs compute in their dtype;\n"
+                        "bfloat16 inputs ('|V2' or PyTorch's '<u2' dump) compute in float32 with float32 states h0 ht dht\n"
+                        "dh0 and write o and the input gradients as bfloat16 ('<u2').",
                         k3::cli::io_options({{"mode", true, "chunk (default) or recurrent"},
                                              {"scale", true, "query scale (default K^-1/2)"},
                                              {"gate-lower-bound", true, "promise g >= this bound (in [-5, 0)): dense diagonal tiles"},

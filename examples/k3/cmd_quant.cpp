@@ -1,9 +1,9 @@
 // k3 quant / k3 dequant — block quantization of an .npy tensor and its inverse.
 //
 //   k3 quant   --format F [--block B] [--scale S] --in DIR --out DIR
-//       reads DIR/x.npy (float32 or bfloat16, any rank >= 1; quantised along the last axis, the
-//       leading axes are rows) and writes codes.npy (uint8), scales.npy, dequant.npy (float32,
-//       x's shape) and, for nvfp4, tensor_scale.npy (float32 [1]).
+//       reads DIR/x.npy (float32 or bfloat16, or float64 rounded to float32 first; any rank >= 1;
+//       quantised along the last axis, the leading axes are rows) and writes codes.npy (uint8),
+//       scales.npy, dequant.npy (float32, x's shape) and, for nvfp4, tensor_scale.npy (float32 [1]).
 //   k3 dequant --format F [--block B] --in DIR --out DIR
 //       reads codes.npy, scales.npy (and tensor_scale.npy for nvfp4), writes x.npy (float32).
 //
@@ -149,7 +149,16 @@ int run_quant(k3::cli::args& a) {
   auto xa = a.load("x");
   if (xa.type() == k3::io::dtype::float32) return quantize_as<float>(a, s, xa);
   if (xa.type() == k3::io::dtype::bfloat16 || xa.type() == k3::io::dtype::uint16) return quantize_as<k3::bfloat16>(a, s, xa);
-  throw k3::error(std::string("argument 'x': expected float32 or bfloat16, got ") + k3::io::dtype_name(xa.type()));
+  if (xa.type() == k3::io::dtype::float64) {
+    // numpy's default dtype: rounded to float32 first (the formats' scales and rounding are
+    // defined on float32 values), then quantised like a float32 file.
+    k3::io::npy_array f(k3::io::dtype::float32, xa.shape());
+    auto const* src = static_cast<double const*>(static_cast<k3::io::npy_array const&>(xa).data());
+    auto* dst = static_cast<float*>(f.data());
+    for (index_t i = 0; i < xa.size(); ++i) dst[i] = static_cast<float>(src[i]);
+    return quantize_as<float>(a, s, f);
+  }
+  throw k3::error(std::string("argument 'x': expected float32, bfloat16 or float64, got ") + k3::io::dtype_name(xa.type()));
 }
 
 int run_dequant(k3::cli::args& a) {
@@ -221,7 +230,8 @@ std::vector<k3::cli::option_spec> options() {
 }
 
 k3::cli::registrar reg_q({"quant", "block-quantize x.npy (FP8/MX/NVFP4): codes.npy, scales.npy, dequant.npy",
-                          "Quantises DIR/x.npy (float32 or bfloat16, any rank >= 1) along its last axis. Outputs codes.npy (uint8; FP4\n"
+                          "Quantises DIR/x.npy (float32 or bfloat16, any rank >= 1; float64 is rounded to float32 first) along its\n"
+                          "last axis. Outputs codes.npy (uint8; FP4\n"
                           "packed two per byte, even element in the low nibble), scales.npy (float32 DeepSeek scales or uint8\n"
                           "E8M0/UE4M3), dequant.npy (float32) and, for nvfp4, tensor_scale.npy.",
                           options(), true, run_quant});

@@ -15,7 +15,7 @@ namespace {
 
 void print_help() {
   std::cout << "usage: k3 <op> --in DIR --out DIR [options]\n"
-               "       k3 <op> --help\n"
+               "       k3 <op> --help   (or k3 help <op>)\n"
                "       k3 version\n\n"
                "Reads the op's arguments as DIR/<name>.npy and writes its results as .npy files.\n\n"
                "ops:\n";
@@ -39,10 +39,13 @@ void print_command_help(k3::cli::command const& c) {
 
 int main(int argc, char** argv) {
   std::vector<std::string> a(argv + 1, argv + argc);
-  if (a.empty() || a[0] == "--help" || a[0] == "-h" || a[0] == "help") {
+  bool const help_word = !a.empty() && (a[0] == "--help" || a[0] == "-h" || a[0] == "help");
+  if (a.empty() || (help_word && a.size() == 1)) {
     print_help();
     return a.empty() ? 2 : 0;
   }
+  // `k3 help <op>` (and `k3 --help <op>`) is `k3 <op> --help`.
+  if (help_word) a = {a[1], "--help"};
   if (a[0] == "--version") a[0] = "version";  // the usual spelling works too
   auto const& cmds = k3::cli::registry();
   auto it = std::find_if(cmds.begin(), cmds.end(), [&](auto const& c) { return c.name == a[0]; });

@@ -418,3 +418,31 @@ TEST_CASE("bad input gives k3::error naming the argument with expected vs actual
   });
   CHECK(m.find("'dpartial'") != std::string::npos);
 }
+
+TEST_CASE("float64 rows beyond ~1e154 (sum of squares overflows, r = 0): finite gradients") {
+  // The forward then mixes with r = 0 (every logit 0: the mean); the key path's coefficient
+  // c r^3 must be formed as (c r) r^2 = 0, not (c ds) r^3 = inf * 0 = NaN.
+  index_t const n = 3, T = 2, d = 5;
+  std::vector<double> bank(n * T * d), w(d), g(d, 1.0), h(T * d), dh(T * d), db(bank.size()), dw(d), dg(d);
+  for (std::size_t i = 0; i < bank.size(); ++i) bank[i] = (i % 3 == 0 ? -1.0 : 1.0) * (1.0 + 0.1 * double(i)) * 1e160;
+  for (index_t k = 0; k < d; ++k) w[std::size_t(k)] = 0.3 * double(k) - 0.5;
+  for (std::size_t i = 0; i < dh.size(); ++i) dh[i] = 0.25 * double(i % 7) - 0.75;
+  auto src = ar::make_sources(k3::host_view(static_cast<double const*>(bank.data()), n, T, d));
+  k3::cpu::serial b;
+  ar::mix_forward(b, src, k3::host_view(static_cast<double const*>(w.data()), d), k3::host_view(static_cast<double const*>(g.data()), d),
+                  k3::host_view(h.data(), T, d));
+  ar::mix_backward(b, src, k3::host_view(static_cast<double const*>(w.data()), d), k3::host_view(static_cast<double const*>(g.data()), d),
+                   k3::host_view(static_cast<double const*>(dh.data()), T, d), ar::make_grads(k3::host_view(db.data(), n, T, d)),
+                   k3::host_view(dw.data(), d), k3::host_view(dg.data(), d));
+  for (index_t t = 0; t < T; ++t)
+    for (index_t k = 0; k < d; ++k) {
+      double mean = 0;
+      for (index_t j = 0; j < n; ++j) mean += bank[std::size_t((j * T + t) * d + k)] / double(n);
+      CHECK(h[std::size_t(t * d + k)] == doctest::Approx(mean).epsilon(1e-12));
+      for (index_t j = 0; j < n; ++j) CHECK(db[std::size_t((j * T + t) * d + k)] == doctest::Approx(dh[std::size_t(t * d + k)] / double(n)).epsilon(1e-12));
+    }
+  for (index_t k = 0; k < d; ++k) {
+    CHECK(std::isfinite(dw[std::size_t(k)]));
+    CHECK(std::isfinite(dg[std::size_t(k)]));
+  }
+}

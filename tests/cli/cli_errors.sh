@@ -24,11 +24,14 @@ expect 0 "simd isa" -- --version
 expect 2 "unexpected argument 'extra'" -- version extra
 : >"$tmp/afile"
 expect 2 "unknown op 'frobnicate'" -- frobnicate
+expect 2 "unknown op 'frobnicate'" -- help frobnicate
 expect 2 "usage: k3" --
 ops=$("$k3" --help | awk '/^ops:/{f=1;next} f{print $1}')
 for op in $ops; do
   [ "$op" = version ] && continue
   expect 0 "usage: k3 $op" -- "$op" --help
+  expect 0 "usage: k3 $op" -- help "$op"
+  expect 0 "usage: k3 $op" -- --help "$op"
   expect 2 "missing --in" -- "$op" --out "$tmp/o"
   expect 2 "is not a directory" -- "$op" --in "$tmp/nope" --out "$tmp/o"
   expect 2 "is not a directory" -- "$op" --in "$tmp/afile" --out "$tmp/o"

@@ -279,7 +279,9 @@ void token_backward(index_t m, index_t d, C const* u, DH const* dh_row, token_sc
   for (index_t j = 0; j < m; ++j) {
     double const ds = double(w.a[j]) * (w.da[j] - dhh), r = w.r[j];
     C const cu = C(ds * r);                                  // coefficient of u (and of v in du)
-    C const cv = C(ds * double(w.c[j]) * r * r * r / double(d));  // coefficient of v through the RMSNorm
+    // Coefficient of v through the RMSNorm, c r^3 formed as (c r) r^2: c r is the logit, so a row
+    // whose sum of squares overflows double (r = 0, |v| beyond ~1e154) gives 0, not (ds c) * 0 = NaN.
+    C const cv = C(ds * (double(w.c[j]) * r) * r * r / double(d));
     C const aj = w.a[j];
     C const* K3_RESTRICT v = w.p[j];
     G* K3_RESTRICT out = dsrc.row(j, t);
