@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, compare, save  # noqa: E402
+from common import Checker, compare, same_outputs, save  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 
@@ -191,12 +191,12 @@ def bad_inputs(ck, rng):
     # thread pool try to start that many threads; it never finishes and exhausts the machine's
     # process limit for everyone (seen: "fork: Resource temporarily unavailable"). Reported instead.
     ck.expect_error("bad: n = 0 without partial", setup({"sources": np.zeros((0, T, d))}, drop=("partial",)), must_mention="sources")
-    dd = setup()
+    dd = setup()  # numpy's other layouts hold the same numbers: read, not rejected
     np.save(os.path.join(dd, "in", "sources.npy"), np.asfortranarray(base["sources"]))
-    ck.expect_error("bad: Fortran sources", dd, must_mention="sources")
+    same_outputs(ck, "Fortran sources", setup(), dd, ["h"])
     dd = setup()
     np.save(os.path.join(dd, "in", "w.npy"), base["w"].astype(">f8"))
-    ck.expect_error("bad: big-endian w", dd, must_mention="w")
+    same_outputs(ck, "big-endian w", setup(), dd, ["h"])
     dd = setup()
     raw = open(os.path.join(dd, "in", "sources.npy"), "rb").read()
     open(os.path.join(dd, "in", "sources.npy"), "wb").write(raw[:100])

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, compare, run_recurrence_case, save, zero_size_cases  # noqa: E402
+from common import Checker, compare, run_recurrence_case, same_outputs, save, zero_size_cases  # noqa: E402
 
 NAMES = ["q", "k", "v", "a", "b", "gk", "h0"]
 GRADS = {"q": "dq", "k": "dk", "v": "dv", "a": "da", "b": "db", "gk": "dgk", "h0": "dh0"}
@@ -123,12 +123,12 @@ def bad_inputs(ck, rng):
     with open(os.path.join(d, "in", "a.npy"), "wb") as fh:
         fh.write(b"\x93NUMPY\x01\x00garbage")
     ck.expect_error("bad: garbage a.npy", d, must_mention="a")
-    d = setup()
+    d = setup()  # numpy's other layouts hold the same numbers: read, not rejected
     np.save(os.path.join(d, "in", "k.npy"), np.asfortranarray(f["k"]))
-    ck.expect_error("bad: Fortran k", d, must_mention="k")
+    same_outputs(ck, "Fortran k", setup(), d, ["o", "ht"])
     d = setup()
     np.save(os.path.join(d, "in", "gk.npy"), f["gk"].astype(">f8"))
-    ck.expect_error("bad: big-endian gk", d, must_mention="gk")
+    same_outputs(ck, "big-endian gk", setup(), d, ["o", "ht"])
 
 def hard_resets(ck):
     """A hard reset is a very negative log-decay; exp(-inf) = 0 is the exact limit. The chunked form

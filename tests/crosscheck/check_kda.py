@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, compare, rel_rms, run_recurrence_case, save, write_raw_npy, zero_size_cases  # noqa: E402
+from common import Checker, compare, rel_rms, run_recurrence_case, same_outputs, save, write_raw_npy, zero_size_cases  # noqa: E402
 
 
 def kda_ref(q, k, v, g, beta, scale, h0=None, cu=None):
@@ -167,12 +167,13 @@ def bad_inputs(ck, rng):
     with open(os.path.join(d, "in", "k.npy"), "wb") as fh:
         fh.write(b"")
     ck.expect_error("bad: empty k.npy", d, must_mention="k")
+    # numpy's other layouts hold the same numbers: read, not rejected
     d = setup()
     np.save(os.path.join(d, "in", "q.npy"), np.asfortranarray(f["q"]))
-    ck.expect_error("bad: Fortran-order q", d, must_mention=["q", "ortran"])
+    same_outputs(ck, "Fortran-order q", setup(), d, ["o", "ht"])
     d = setup()
     np.save(os.path.join(d, "in", "v.npy"), f["v"].astype(">f8"))
-    ck.expect_error("bad: big-endian v", d, must_mention=["v", "endian"])
+    same_outputs(ck, "big-endian v", setup(), d, ["o", "ht"])
     d = setup()
     write_raw_npy(os.path.join(d, "in", "q.npy"), "{'descr': '<f8', 'fortran_order': False, 'shape': (1, 5, 2, 99999999999), }",
                   f["q"].tobytes())

@@ -19,7 +19,7 @@ import numpy as np
 np.seterr(over="ignore", invalid="ignore")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, save, write_raw_npy  # noqa: E402
+from common import Checker, same_outputs, save, write_raw_npy  # noqa: E402
 
 f32 = np.float32
 BF16 = md.bfloat16
@@ -340,12 +340,12 @@ def bad_inputs(ck, rng):
     ck.expect_error("bad: e4m3 --scale rceil (1x128)", setup({"x": x}), ["--format", "e4m3", "--scale", "rceil"], must_mention="scale")
     ck.expect_error("bad: mxfp8 --scale ue8m0", setup({"x": x}), ["--format", "mxfp8", "--scale", "ue8m0"], must_mention="scale")
     ck.expect_error("bad: nvfp4 --block 32", setup({"x": x}), ["--format", "nvfp4", "--block", "32"], must_mention="block")
-    d = setup({"x": x})
+    d = setup({"x": x})  # numpy's other layouts hold the same numbers: read, not rejected
     np.save(os.path.join(d, "in", "x.npy"), np.asfortranarray(x))
-    ck.expect_error("bad: Fortran x", d, ["--format", "e4m3"], must_mention="x")
+    same_outputs(ck, "Fortran x", setup({"x": x}), d, ["codes", "scales"], ["--format", "e4m3"])
     d = setup({"x": x})
     np.save(os.path.join(d, "in", "x.npy"), x.astype(">f4"))
-    ck.expect_error("bad: big-endian x", d, ["--format", "e4m3"], must_mention="x")
+    same_outputs(ck, "big-endian x", setup({"x": x}), d, ["codes", "scales"], ["--format", "e4m3"])
     d = setup({"x": x})
     write_raw_npy(os.path.join(d, "in", "x.npy"), "{'descr': '<f4', 'fortran_order': False, 'shape': (4, 64), }", x.tobytes()[:-4])
     ck.expect_error("bad: truncated x", d, ["--format", "e4m3"], must_mention="x")

@@ -62,8 +62,8 @@ def check_equal(label, name, got, ref):
 
 
 def put(d, name, a):
-    # Fortran-order and big-endian files are rejected by design with one clear line (k3/io/npy.hpp;
-    # checked by check_cli_matrix.py), so inputs are written C-ordered little-endian.
+    # Inputs are written C-ordered little-endian; the other layouts numpy writes (Fortran order,
+    # big-endian) are read into the same numbers (k3/io/npy.hpp; checked by check_kda/dplr/attnres.py).
     save(d, name, np.ascontiguousarray(a))
 
 

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, save  # noqa: E402
+from common import Checker, same_outputs, save  # noqa: E402
 
 f32 = np.float32
 
@@ -266,12 +266,12 @@ def bad_inputs(ck, rng):
         ck.fail("scores outside (0,1) on padding rows", f"exit {rc}: {text[:300]}", cmd)
     else:
         ck.ok("scores outside (0,1) on padding rows")
-    d = setup(s, b)
+    d = setup(s, b)  # numpy's other layouts hold the same numbers: read, not rejected
     np.save(os.path.join(d, "in", "scores.npy"), np.asfortranarray(s))
-    ck.expect_error("bad: Fortran scores", d, must_mention="scores")
+    same_outputs(ck, "Fortran scores", setup(s, b), d, ["indices", "weights", "load", "new_bias"], ["--k", "2"])
     d = setup(s, b)
     np.save(os.path.join(d, "in", "bias.npy"), b.astype(">f4"))
-    ck.expect_error("bad: big-endian bias", d, must_mention="bias")
+    same_outputs(ck, "big-endian bias", setup(s, b), d, ["indices", "weights", "load", "new_bias"], ["--k", "2"])
 
 
 def main():

@@ -96,6 +96,23 @@ class Checker:
         sys.exit(1 if self.failures else 0)
 
 
+def same_outputs(ck, label, d_ref, d_alt, outs, opts=()):
+    """Runs k3 on two input directories that hold the same numbers in different .npy layouts
+    (C / Fortran order, little- / big-endian): every output must be bitwise the same."""
+    got = []
+    for d in (d_ref, d_alt):
+        rc, text, cmd = ck.run(d, list(opts))
+        if rc != 0:
+            ck.fail(label, f"exit {rc}: {text.strip()[:300]}", cmd)
+            return
+        got.append([ck.out(d, o) for o in outs])
+    for o, a, b in zip(outs, *got):
+        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+            ck.fail(label, f"{o} differs from the C-order little-endian run", cmd)
+            return
+    ck.ok(label)
+
+
 def save(d, name, a):
     np.save(os.path.join(d, "in", name + ".npy"), a)
 

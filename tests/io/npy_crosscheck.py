@@ -113,8 +113,12 @@ def main():
                 a_out = a
             with open(os.path.join(np_dir, f"{name}_v{version}.npy"), "wb") as f:
                 np.lib.format.write_array(f, a_out, version=(version, 0), allow_pickle=False)
-    np.save(os.path.join(np_dir, "fortran.npy"), np.asfortranarray(np.ones((2, 3), np.float32)))
-    np.save(os.path.join(np_dir, "big_endian.npy"), np.ones(3, dtype=">f4"))
+    for name, kind, shape in CASES:  # bfloat16 as <u2 bits here: ml_dtypes has no big-endian form
+        a = expected(kind, shape)
+        f = (lambda x: np.asfortranarray(x) if x.ndim else x)  # asfortranarray makes a 0-d array 1-d
+        np.save(os.path.join(np_dir, name + "_fortran.npy"), f(a))
+        np.save(os.path.join(np_dir, name + "_big.npy"), f(a.astype(a.dtype.newbyteorder(">"))))
+        np.save(os.path.join(np_dir, name + "_big_c.npy"), a.astype(a.dtype.newbyteorder(">")))
     np.save(os.path.join(np_dir, "complex.npy"), np.ones(3, dtype=np.complex64))
     if ml_dtypes is None:
         # Without ml_dtypes the bf16 _vN files hold <u2: the checker would expect bfloat16.

@@ -4,8 +4,10 @@
 // overflow checks, the data length must match exactly, and each failure throws k3::error
 // with one line saying what is wrong. Supported dtypes: float32 '<f4', float64 '<f8',
 // bfloat16 ('<u2' as written by torch .view(torch.uint16), or '|V2'/'<V2' as written by
-// ml_dtypes), int32 '<i4', int64 '<i8', uint8 '|u1' (numpy bool '|b1' reads as uint8). Big-endian and Fortran-order files are
-// rejected rather than silently reinterpreted.
+// ml_dtypes), int32 '<i4', int64 '<i8', uint8 '|u1' (numpy bool '|b1' reads as uint8). Big-endian
+// numbers ('>f4', '>f8', '>u2', '>i4', '>i8') are byte-swapped and Fortran-order files (what
+// np.save writes for a transposed matrix) are reordered on reading, so every array holds native
+// little-endian numbers in C order; files are always written that way.
 #pragma once
 #include <algorithm>
 #include <cstddef>
@@ -267,7 +269,14 @@ class npy_header_parser {
   std::size_t i_ = 0;
 };
 
-inline dtype parse_descr(std::string const& d) {
+// A descr with '>' names the same dtype as its '<' form, big-endian (one-byte and void types have
+// no byte order).
+inline bool big_endian_descr(std::string const& d) noexcept {
+  return d == ">f4" || d == ">f8" || d == ">u2" || d == ">i4" || d == ">i8";
+}
+
+inline dtype parse_descr(std::string const& d_in) {
+  std::string const d = big_endian_descr(d_in) ? "<" + d_in.substr(1) : d_in;
   if (d == "<f4") return dtype::float32;
   if (d == "<f8") return dtype::float64;
   if (d == "<u2") return dtype::uint16;
@@ -277,9 +286,8 @@ inline dtype parse_descr(std::string const& d) {
   if (d == "<i8") return dtype::int64;
   if (d == "|u1" || d == "<u1") return dtype::uint8;
   if (d == "|b1") return dtype::uint8;  // numpy bool: one byte, 0 or 1 (e.g. a token mask)
-  if (!d.empty() && d[0] == '>') throw k3::error("unsupported .npy dtype '" + d + "': big-endian data is not supported");
-  throw k3::error("unsupported .npy dtype '" + d +
-                  "' (supported: <f4 <f8 <u2/|V2 (bfloat16) <i4 <i8 |u1 |b1)");
+  throw k3::error("unsupported .npy dtype '" + d_in +
+                  "' (supported: <f4 <f8 <u2/|V2 (bfloat16) <i4 <i8 |u1 |b1, and >f4 >f8 >u2 >i4 >i8)");
 }
 
 inline char const* descr_of(dtype t) noexcept {
@@ -293,6 +301,35 @@ inline char const* descr_of(dtype t) noexcept {
     case dtype::uint8: return "|u1";
   }
   return "";
+}
+
+inline void byte_swap_elements(unsigned char* p, std::size_t n, std::size_t isz) noexcept {
+  for (std::size_t i = 0; i < n; ++i, p += isz) std::reverse(p, p + isz);
+}
+
+// Element (i_0, ..., i_{r-1}) sits at i_0 + e_0 (i_1 + e_1 (...)) in Fortran order: walk the C
+// order with an odometer and copy each element from there.
+inline void fortran_to_c_order(unsigned char const* src, unsigned char* dst, std::vector<index_t> const& shape, std::size_t isz) {
+  std::size_t const r = shape.size();
+  std::vector<std::size_t> fstride(r), idx(r, 0);
+  std::size_t n = 1;
+  for (std::size_t d = 0; d < r; ++d) {
+    fstride[d] = n;
+    n *= static_cast<std::size_t>(shape[d]);
+  }
+  if (n == 0) return;
+  std::size_t off = 0;  // Fortran element offset of idx
+  for (std::size_t c = 0; c < n; ++c) {
+    std::memcpy(dst + c * isz, src + off * isz, isz);
+    for (std::size_t d = r; d-- > 0;) {  // C order: the last index runs fastest
+      if (++idx[d] < static_cast<std::size_t>(shape[d])) {
+        off += fstride[d];
+        break;
+      }
+      off -= (idx[d] - 1) * fstride[d];
+      idx[d] = 0;
+    }
+  }
 }
 
 }  // namespace detail
@@ -322,7 +359,6 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
   std::vector<index_t> shape;
   detail::npy_header_parser(header).parse(descr, fortran, shape);
   dtype const t = detail::parse_descr(descr);
-  detail::require(!fortran, "unsupported .npy file: fortran_order is True (save with np.ascontiguousarray)");
 
   std::size_t const avail = bytes.size() - pre - header_len;
   // Every running product must fit index_t (not just uint64): npy_array::size() and views
@@ -350,8 +386,16 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
            (n <= std::numeric_limits<std::uint64_t>::max() / isz ? std::to_string(n * isz) : std::string("too many")) +
            " data bytes, file has " + std::to_string(avail);
   });
-  npy_array a(t, std::move(shape));
-  if (avail) std::memcpy(a.data(), bytes.data() + pre + header_len, avail);
+  npy_array a(t, shape);
+  unsigned char const* payload = bytes.data() + pre + header_len;
+  auto* out = static_cast<unsigned char*>(a.data());
+  if (avail) {
+    if (fortran && shape.size() > 1)
+      detail::fortran_to_c_order(payload, out, shape, isz);
+    else
+      std::memcpy(out, payload, avail);
+    if (detail::big_endian_descr(descr)) detail::byte_swap_elements(out, static_cast<std::size_t>(n), isz);
+  }
   return a;
 }
 
