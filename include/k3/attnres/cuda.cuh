@@ -237,12 +237,12 @@ K3_KERNEL void phase2_add_kernel(S const* o, float const* lse, S* prefix, S cons
   }
 }
 
-// The n elements at p as a flat device view (empty when p is null), for
-// k3::detail::check_outputs_apart: no output over an input or another output (blocks of other
-// tokens still read the inputs while one writes).
+// The n elements at p as a flat device view, for k3::detail::check_outputs_apart: no output
+// over an input or another output (blocks of other tokens still read the inputs while one
+// writes).
 template <class T>
 tensor_view<T, 1, cuda_device_space> flat(T* p, index_t n) {
-  return tensor_view<T, 1, cuda_device_space>(p, {p ? n : 0});
+  return k3::detail::flat_view<cuda_device_space>(p, n);
 }
 
 inline void check_sizes(char const* op, index_t m, index_t T, index_t d) {

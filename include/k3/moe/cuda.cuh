@@ -114,22 +114,19 @@ void route_launch(route_args const& a, CUstream_st* stream) {
   need(!a.hist || (a.bins >= 1 && a.hist_inv_width > 0.f), "cuda route: argument 'hist': bins and inverse bin width must be positive");
   // Blocks read scores, bias and mask while others write: no output over an input or another
   // output (a null pointer is an absent argument: an empty view).
-  auto dv = [](auto* p, std::int64_t rows, std::int64_t cols) {
-    using T = std::remove_pointer_t<decltype(p)>;
-    return tensor_view<T, 2, cuda_device_space>(p, {p ? rows : 0, p ? cols : 0});
-  };
+  auto dv = [](auto* p, std::int64_t n) { return k3::detail::flat_view<cuda_device_space>(p, n); };
   k3::detail::check_outputs_apart(
       [&](auto&& f) {
-        f("indices", dv(a.indices, a.m, a.k));
-        f("weights", dv(a.weights, a.m, a.k));
-        f("cutoff", dv(a.cutoff, a.m, 1));
-        f("load", dv(a.load, a.n, 1));
-        f("hist", dv(a.hist, a.n, a.bins));
+        f("indices", dv(a.indices, a.m * a.k));
+        f("weights", dv(a.weights, a.m * a.k));
+        f("cutoff", dv(a.cutoff, a.m));
+        f("load", dv(a.load, a.n));
+        f("hist", dv(a.hist, a.n * a.bins));
       },
       [&](auto&& f) {
-        f("scores", dv(a.scores, a.m, a.n));
-        f("bias", dv(a.bias, a.n, 1));
-        f("mask", dv(a.mask, a.m, 1));
+        f("scores", dv(a.scores, a.m * a.n));
+        f("bias", dv(a.bias, a.n));
+        f("mask", dv(a.mask, a.m));
       });
   std::size_t const smem = static_cast<std::size_t>(a.n) * 4 + static_cast<std::size_t>(a.k + 1) * 8 + detail::route_threads / 32 * 8;
   if (smem > 48 * 1024)
