@@ -88,9 +88,7 @@ void fp8_quantize(B const& b, tensor_view<T, 2> x_in, tensor_view<std::uint8_t, 
   index_t const m = x.extent(0), k = x.extent(1);
   k3::detail::check_shape("q", q, {m, k});
   k3::detail::check_shape("s", s, {detail::ceil_div(m, t.rows), detail::ceil_div(k, t.cols)});
-  k3::detail::check_no_overlap("q", q, "x", x);
-  k3::detail::check_no_overlap("s", s, "x", x);
-  k3::detail::check_no_overlap("s", s, "q", q);
+  detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
   if constexpr (detail::vector_backend<B>) {
     if (detail::unit_rows(x) && detail::unit_rows(q) && t.cols > 1) {
@@ -114,8 +112,7 @@ void fp8_dequantize(B const& b, tensor_view<QT, 2> q_in, tensor_view<ST, 2> s_in
   index_t const m = q.extent(0), k = q.extent(1);
   k3::detail::check_shape("s", s, {detail::ceil_div(m, t.rows), detail::ceil_div(k, t.cols)});
   k3::detail::check_shape("y", y, {m, k});
-  k3::detail::check_no_overlap("y", y, "q", q);
-  k3::detail::check_no_overlap("y", y, "s", s);
+  detail::check_dequantize_output(y, q, s);
   detail::rows_parallel(b, m, 16, [&](index_t i0, index_t i1) { reference::fp8_dequantize_rows(q, s, y, t, i0, i1); });
 }
 
@@ -135,11 +132,15 @@ void fp8_requantize_1x128_to_128x1(B const& b, tensor_view<QT, 2> q_in, tensor_v
   k3::detail::check_shape("s", s, {m, detail::ceil_div(k, 128)});
   k3::detail::check_shape("q2", q2, {m, k});
   k3::detail::check_shape("s2", s2, {detail::ceil_div(m, 128), k});
-  k3::detail::check_no_overlap("q2", q2, "q", q);
-  k3::detail::check_no_overlap("q2", q2, "s", s);
-  k3::detail::check_no_overlap("s2", s2, "q", q);
-  k3::detail::check_no_overlap("s2", s2, "s", s);
-  k3::detail::check_no_overlap("s2", s2, "q2", q2);
+  k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("q2", q2);
+        f("s2", s2);
+      },
+      [&](auto&& f) {
+        f("q", q);
+        f("s", s);
+      });
   if (q.size() == 0) return;
   detail::rows_parallel(b, k, 128, [&](index_t j0, index_t j1) { reference::fp8_requantize_cols(q, s, q2, s2, fmt, j0, j1); });
 }
@@ -156,9 +157,7 @@ void mx_quantize(B const& b, tensor_view<T, 2> x_in, tensor_view<std::uint8_t, 2
   detail::check_divides("x", k, mx_block);
   k3::detail::check_shape("q", q, {m, mx_code_columns(e, k)});
   k3::detail::check_shape("s", s, {m, k / mx_block});
-  k3::detail::check_no_overlap("q", q, "x", x);
-  k3::detail::check_no_overlap("s", s, "x", x);
-  k3::detail::check_no_overlap("s", s, "q", q);
+  detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
   visit(e, [&]<class F>(F) {
     if constexpr (detail::vector_backend<B>) {
@@ -182,8 +181,7 @@ void mx_dequantize(B const& b, tensor_view<QT, 2> q_in, tensor_view<ST, 2> s_in,
   detail::check_divides("y", k, mx_block);
   k3::detail::check_shape("q", q, {m, mx_code_columns(e, k)});
   k3::detail::check_shape("s", s, {m, k / mx_block});
-  k3::detail::check_no_overlap("y", y, "q", q);
-  k3::detail::check_no_overlap("y", y, "s", s);
+  detail::check_dequantize_output(y, q, s);
   visit(e, [&]<class F>(F) {
     detail::rows_parallel(b, m, 16, [&](index_t i0, index_t i1) { reference::mx_dequantize_rows<F>(q, s, y, i0, i1); });
   });
@@ -215,9 +213,7 @@ void nvfp4_quantize(B const& b, tensor_view<T, 2> x_in, tensor_view<std::uint8_t
   detail::check_divides("x", k, nvfp4_block);
   k3::detail::check_shape("q", q, {m, k / 2});
   k3::detail::check_shape("s", s, {m, k / nvfp4_block});
-  k3::detail::check_no_overlap("q", q, "x", x);
-  k3::detail::check_no_overlap("s", s, "x", x);
-  k3::detail::check_no_overlap("s", s, "q", q);
+  detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
   if constexpr (detail::vector_backend<B>) {
     if (detail::unit_rows(x) && detail::unit_rows(q)) {
@@ -240,8 +236,7 @@ void nvfp4_dequantize(B const& b, tensor_view<QT, 2> q_in, tensor_view<ST, 2> s_
   detail::check_divides("y", k, nvfp4_block);
   k3::detail::check_shape("q", q, {m, k / 2});
   k3::detail::check_shape("s", s, {m, k / nvfp4_block});
-  k3::detail::check_no_overlap("y", y, "q", q);
-  k3::detail::check_no_overlap("y", y, "s", s);
+  detail::check_dequantize_output(y, q, s);
   detail::rows_parallel(b, m, 16, [&](index_t i0, index_t i1) { reference::nvfp4_dequantize_rows(q, s, g, y, i0, i1); });
 }
 
@@ -264,10 +259,7 @@ void fp8_block_gemm(B const& b, tensor_view<QA, 2> qa_in, tensor_view<SA, 2> sa_
   k3::detail::check_shape("sa", sa, {m, detail::ceil_div(k, 128)});
   k3::detail::check_shape("sb", sb, {detail::ceil_div(n, 128), detail::ceil_div(k, 128)});
   k3::detail::check_shape("c", c, {m, n});
-  k3::detail::check_no_overlap("c", c, "qa", qa);
-  k3::detail::check_no_overlap("c", c, "qb", qb);
-  k3::detail::check_no_overlap("c", c, "sa", sa);
-  k3::detail::check_no_overlap("c", c, "sb", sb);
+  detail::check_gemm_output(c, qa, sa, qb, sb);
   if (c.size() == 0) return;
   if (k == 0) {  // an empty sum (the vector kernel writes C only from inside its K-block loop)
     for (index_t i = 0; i < m; ++i)

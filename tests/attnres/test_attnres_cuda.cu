@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attnres/cuda_ref.hpp"
@@ -108,4 +109,38 @@ TEST_CASE("phase 1 and the fused phase 2 on the GPU match the CPU backend") {
 
 TEST_CASE("too many sources is a k3::error before any launch") {
   CHECK_THROWS_AS(ka::mix_forward<float>(nullptr, ka::max_sources + 1, nullptr, 1, 4, nullptr, 1e-5f, nullptr, nullptr), k3::error);
+}
+
+TEST_CASE("outputs over inputs or each other are a k3::error naming both, before any launch") {
+  // The checks read only the pointers: host memory stands in for device memory here.
+  i64 const n = 2, T = 3, d = 4, nq = 2;
+  std::vector<float> m(1024);
+  auto at = [&](int i) { return m.data() + 64 * i; };
+  auto err = [](auto&& fn) {
+    try {
+      fn();
+    } catch (k3::error const& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto names = [](std::string const& e, char const* a, char const* b) {
+    return e.find(std::string("'") + a + "'") != std::string::npos && e.find(std::string("'") + b + "'") != std::string::npos &&
+           e.find("overlap") != std::string::npos;
+  };
+  CHECK(names(err([&] { ka::mix_forward<float>(at(0), n, at(1), T, d, at(2), 1e-5f, at(0) + 5, nullptr); }), "h", "bank"));
+  CHECK(names(err([&] { ka::mix_forward<float>(at(0), n, at(1), T, d, at(2), 1e-5f, at(2) - 3, nullptr); }), "h", "u"));
+  CHECK(names(err([&] { ka::block_rinv<float>(at(0), T, d, 1e-5f, at(0) + 1, nullptr); }), "rinv", "block"));
+  CHECK(names(err([&] { ka::phase1<float>(at(0), at(1), n, T, d, at(2), nq, at(3), at(3) + 4, nullptr); }), "o", "lse"));
+  CHECK(names(err([&] { ka::phase1<float>(at(0), at(1), n, T, d, at(2), nq, at(3), at(1), nullptr); }), "lse", "rinv"));
+  CHECK(names(err([&] { ka::phase2_add<float>(at(0), at(1), at(2), at(3), at(4), T, d, 1e-5f, at(2) + 1, nullptr); }), "prefix", "h"));
+  CHECK(names(err([&] { ka::phase2_add<float>(at(0), at(1), at(3), at(3), at(4), T, d, 1e-5f, at(5), nullptr); }), "prefix", "delta"));
+  CHECK(names(err([&] {
+                ka::mix_backward<float>(at(0), n, at(1), T, d, at(2), at(3), 1e-5f, at(4), at(5), at(6), at(2), at(7), at(8), nullptr);
+              }),
+              "dw", "w"));
+  CHECK(names(err([&] {
+                ka::mix_backward<float>(at(0), n, at(1), T, d, at(2), at(3), 1e-5f, at(4), at(5), at(6), at(7), at(8), at(8), nullptr);
+              }),
+              "dgain", "du_workspace"));
 }

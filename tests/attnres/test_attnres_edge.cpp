@@ -196,3 +196,177 @@ TEST_CASE("block driver: an identity sublayer may hand grad_sublayer_output() st
     CHECK(got == ref);
   }
 }
+
+namespace {
+bool broadcast_named(std::string const& e, char const* arg) {
+  return e.find(std::string("argument '") + arg + "'") != std::string::npos && e.find("stride 0") != std::string::npos;
+}
+}  // namespace
+
+TEST_CASE("attnres: an output with a stride-0 dimension (aliasing itself) is rejected, naming it, at every entry point") {
+  index_t const n = 2, nq = 2, T = 3, d = 4;
+  std::vector<float> mem(64 * 16, 0.5f);
+  for (std::size_t i = 0; i < mem.size(); ++i) mem[i] = 0.02f * float(i % 11) + 0.1f;
+  auto at = [&](int i) { return mem.data() + 64 * i; };
+  auto cf = [](float* p) { return static_cast<float const*>(p); };
+  auto run = [&](auto const& be) {
+    // block_rinv: rinv [T] with stride 0
+    CHECK(broadcast_named(error_of([&] { ar::block_rinv(be, k3::host_view(cf(at(0)), T, d), k3::tensor_view<float, 1>(at(1), {T}, {0})); }), "rinv"));
+    // phase1: o [nq, T, d] broadcast over sites or tokens; lse [nq, T] over tokens
+    auto p1 = [&](k3::tensor_view<float, 3> o, k3::tensor_view<float, 2> lse) {
+      return error_of([&] {
+        ar::phase1(be, k3::host_view(cf(at(0)), n, T, d), k3::host_view(cf(at(1)), n, T), k3::host_view(cf(at(2)), nq, d), o, lse);
+      });
+    };
+    CHECK(p1(k3::host_view(at(3), nq, T, d), k3::host_view(at(4), nq, T)) == "");
+    CHECK(broadcast_named(p1(k3::tensor_view<float, 3>(at(3), {nq, T, d}, {0, d, 1}), k3::host_view(at(4), nq, T)), "o"));
+    CHECK(broadcast_named(p1(k3::tensor_view<float, 3>(at(3), {nq, T, d}, {T * d, 0, 1}), k3::host_view(at(4), nq, T)), "o"));
+    CHECK(broadcast_named(p1(k3::host_view(at(3), nq, T, d), k3::tensor_view<float, 2>(at(4), {nq, T}, {T, 0})), "lse"));
+    // phase2 / phase2_add: h, prefix [T, d] with stride-0 rows
+    k3::tensor_view<float, 2> const rows0(at(7), {T, d}, {0, 1});
+    for (bool has_partial : {false, true})
+      CHECK(broadcast_named(error_of([&] {
+                              ar::phase2(be, k3::host_view(cf(at(3)), T, d), k3::host_view(cf(at(4)), T), k3::host_view(cf(at(5)), T, d), has_partial,
+                                         k3::host_view(cf(at(6)), d), rows0);
+                            }),
+                            "h"));
+    auto p2a = [&](k3::tensor_view<float, 2> prefix, k3::tensor_view<float, 2> h) {
+      return error_of([&] {
+        ar::phase2_add(be, k3::host_view(cf(at(3)), T, d), k3::host_view(cf(at(4)), T), prefix, k3::host_view(cf(at(8)), T, d),
+                       k3::host_view(cf(at(6)), d), h);
+      });
+    };
+    CHECK(broadcast_named(p2a(k3::host_view(at(5), T, d), rows0), "h"));
+    CHECK(broadcast_named(p2a(k3::tensor_view<float, 2>(at(5), {T, d}, {0, 1}), k3::host_view(at(9), T, d)), "prefix"));
+    // mix forward (h, stats) and backward (dsources, dpartial, dw, dgain)
+    auto src = ar::make_sources(k3::host_view(cf(at(0)), n, T, d), k3::host_view(cf(at(1)), T, d));
+    auto w = k3::host_view(cf(at(2)), d);
+    auto g = k3::host_view(cf(at(3)), d);
+    CHECK(broadcast_named(error_of([&] { ar::mix_forward(be, src, w, g, rows0); }), "h"));
+    // (stats must be contiguous, which already refuses a stride-0 dimension)
+    CHECK(error_of([&] { ar::mix_forward(be, src, w, g, k3::host_view(at(7), T, d), {}, k3::tensor_view<float, 3>(at(8), {T, n + 1, 3}, {0, 3, 1})); })
+              .find("argument 'stats'") != std::string::npos);
+    auto dh = k3::host_view(cf(at(6)), T, d);
+    auto bwd = [&](k3::tensor_view<float, 3> db, k3::tensor_view<float, 2> dp, k3::tensor_view<float, 1> dw, k3::tensor_view<float, 1> dg) {
+      return error_of([&] { ar::mix_backward(be, src, w, g, dh, ar::make_grads(db, dp), dw, dg); });
+    };
+    auto db = k3::host_view(at(10), n, T, d);
+    auto dp = k3::host_view(at(11), T, d);
+    auto dw = k3::host_view(at(12), d);
+    auto dg = k3::host_view(at(13), d);
+    CHECK(bwd(db, dp, dw, dg) == "");
+    CHECK(broadcast_named(bwd(k3::tensor_view<float, 3>(at(10), {n, T, d}, {0, d, 1}), dp, dw, dg), "dsources"));
+    CHECK(broadcast_named(bwd(db, k3::tensor_view<float, 2>(at(11), {T, d}, {0, 1}), dw, dg), "dpartial"));
+    CHECK(broadcast_named(bwd(db, dp, k3::tensor_view<float, 1>(at(12), {d}, {0}), dg), "dw"));
+    CHECK(broadcast_named(bwd(db, dp, dw, k3::tensor_view<float, 1>(at(13), {d}, {0})), "dgain"));
+  };
+  run(k3::cpu::serial{});
+  run(k3::cpu::threads<>(2));
+
+  // the block driver names its own argument
+  index_t const L = 3;
+  ar::block_config c;
+  c.d = d;
+  c.tokens = T;
+  c.sublayers = L;
+  c.block_sublayers = 2;
+  std::vector<float> wv((L + 1) * d, 0.1f), gv((L + 1) * d, 1.0f), emb(T * d, 0.5f), y(T * d, 0.25f), x(T * d);
+  for (auto md : {ar::mode::one_pass, ar::mode::two_phase}) {
+    for (bool skip : {false, true}) {
+      CAPTURE(skip);
+      c.run_mode = md;
+      c.skip_first_mix = skip;
+      ar::block_attn_res<float> a(c, k3::tensor_view<float const, 2>(wv.data(), {L + 1, d}), k3::tensor_view<float const, 2>(gv.data(), {L + 1, d}));
+      a.begin(k3::host_view(cf(emb.data()), T, d));
+      k3::tensor_view<float, 2> const xb(x.data(), {T, d}, {0, 1});
+      CHECK(broadcast_named(error_of([&] { a.input(xb); }), "x"));
+      a.input(k3::host_view(x.data(), T, d));
+      a.add(k3::host_view(cf(y.data()), T, d));
+      a.input(k3::host_view(x.data(), T, d));
+      CHECK(broadcast_named(error_of([&] { a.add_input(k3::host_view(cf(y.data()), T, d), xb); }), "x"));
+    }
+  }
+}
+
+TEST_CASE("attnres: strided outputs (padded rows, sites and tokens swapped) give the numbers of contiguous ones") {
+  index_t const n = 3, nq = 2, T = 5, d = 16;
+  std::vector<float> mem(std::size_t(n * T * d + nq * d + T * d + 64));
+  for (std::size_t i = 0; i < mem.size(); ++i) mem[i] = 0.3f * std::sin(0.37f * float(i)) + 0.05f;
+  float const* bank = mem.data();
+  float const* u = bank + n * T * d;
+  float const* part = u + nq * d;
+  auto run = [&](auto const& be) {
+    // block_rinv into every other element
+    std::vector<float> r0(static_cast<std::size_t>(T)), r1(std::size_t(2 * T), -1.f);
+    ar::block_rinv(be, k3::host_view(bank, T, d), k3::host_view(r0.data(), T));
+    ar::block_rinv(be, k3::host_view(bank, T, d), k3::tensor_view<float, 1>(r1.data(), {T}, {2}));
+    for (index_t t = 0; t < T; ++t) CHECK(r1[std::size_t(2 * t)] == r0[std::size_t(t)]);
+    std::vector<float> rinv(std::size_t(n * T));
+    for (index_t j = 0; j < n; ++j) ar::block_rinv(be, k3::host_view(bank + j * T * d, T, d), k3::host_view(rinv.data() + j * T, T));
+    auto bv = k3::host_view(bank, n, T, d);
+    auto rv = k3::host_view(static_cast<float const*>(rinv.data()), n, T);
+    auto uv = k3::host_view(u, nq, d);
+    // phase1: o as [T, nq, d] in memory with padded rows; lse transposed
+    std::vector<float> o0(std::size_t(nq * T * d)), l0(std::size_t(nq * T)), o1(std::size_t(T * nq * (d + 3))), l1(std::size_t(nq * T));
+    ar::phase1(be, bv, rv, uv, k3::host_view(o0.data(), nq, T, d), k3::host_view(l0.data(), nq, T));
+    k3::tensor_view<float, 3> o1v(o1.data(), {nq, T, d}, {d + 3, nq * (d + 3), 1});
+    k3::tensor_view<float, 2> l1v(l1.data(), {nq, T}, {1, nq});
+    ar::phase1(be, bv, rv, uv, o1v, l1v);
+    for (index_t l = 0; l < nq; ++l)
+      for (index_t t = 0; t < T; ++t) {
+        CHECK(l1v(l, t) == l0[std::size_t(l * T + t)]);
+        for (index_t k = 0; k < d; ++k) REQUIRE(o1v(l, t, k) == o0[std::size_t((l * T + t) * d + k)]);
+      }
+    // phase2 into padded rows
+    auto oc = k3::host_view(static_cast<float const*>(o0.data()), T, d);
+    auto lc = k3::host_view(static_cast<float const*>(l0.data()), T);
+    std::vector<float> h0(std::size_t(T * d)), h1(std::size_t(T * (d + 5)));
+    ar::phase2(be, oc, lc, k3::host_view(part, T, d), true, k3::host_view(u, d), k3::host_view(h0.data(), T, d));
+    k3::tensor_view<float, 2> h1v(h1.data(), {T, d}, {d + 5, 1});
+    ar::phase2(be, oc, lc, k3::host_view(part, T, d), true, k3::host_view(u, d), h1v);
+    for (index_t t = 0; t < T; ++t)
+      for (index_t k = 0; k < d; ++k) REQUIRE(h1v(t, k) == h0[std::size_t(t * d + k)]);
+    // phase2_add: prefix and h with padded rows
+    std::vector<float> pf0(part, part + T * d), pf1(std::size_t(T * (d + 2))), h2(std::size_t(T * (d + 7)));
+    k3::tensor_view<float, 2> pf1v(pf1.data(), {T, d}, {d + 2, 1}), h2v(h2.data(), {T, d}, {d + 7, 1});
+    for (index_t t = 0; t < T; ++t)
+      for (index_t k = 0; k < d; ++k) pf1v(t, k) = pf0[std::size_t(t * d + k)];
+    auto delta = k3::host_view(bank + d, T, d);
+    ar::phase2_add(be, oc, lc, k3::host_view(pf0.data(), T, d), delta, k3::host_view(u, d), k3::host_view(h0.data(), T, d));
+    ar::phase2_add(be, oc, lc, pf1v, delta, k3::host_view(u, d), h2v);
+    for (index_t t = 0; t < T; ++t)
+      for (index_t k = 0; k < d; ++k) {
+        REQUIRE(pf1v(t, k) == pf0[std::size_t(t * d + k)]);
+        REQUIRE(h2v(t, k) == h0[std::size_t(t * d + k)]);
+      }
+    // mix forward into padded h
+    auto src = ar::make_sources(bv, k3::host_view(part, T, d));
+    auto w = k3::host_view(u, d);
+    auto g = k3::host_view(u + d, d);
+    ar::mix_forward(be, src, w, g, k3::host_view(h0.data(), T, d));
+    ar::mix_forward(be, src, w, g, h1v);
+    for (index_t t = 0; t < T; ++t)
+      for (index_t k = 0; k < d; ++k) REQUIRE(h1v(t, k) == h0[std::size_t(t * d + k)]);
+    // mix backward into padded dsources / dpartial and strided dw / dgain
+    std::vector<float> db0(std::size_t(n * T * d)), dp0(std::size_t(T * d)), dw0(static_cast<std::size_t>(d)), dg0(static_cast<std::size_t>(d));
+    std::vector<float> db1(std::size_t(n * T * (d + 1) + n)), dp1(std::size_t(T * (d + 4))), dw1(std::size_t(3 * d)), dg1(std::size_t(2 * d));
+    auto dh = k3::host_view(bank + 2 * d, T, d);
+    ar::mix_backward(be, src, w, g, dh, ar::make_grads(k3::host_view(db0.data(), n, T, d), k3::host_view(dp0.data(), T, d)),
+                     k3::host_view(dw0.data(), d), k3::host_view(dg0.data(), d));
+    k3::tensor_view<float, 3> db1v(db1.data(), {n, T, d}, {T * (d + 1) + 1, d + 1, 1});
+    k3::tensor_view<float, 2> dp1v(dp1.data(), {T, d}, {d + 4, 1});
+    k3::tensor_view<float, 1> dw1v(dw1.data(), {d}, {3}), dg1v(dg1.data(), {d}, {2});
+    ar::mix_backward(be, src, w, g, dh, ar::make_grads(db1v, dp1v), dw1v, dg1v);
+    for (index_t k = 0; k < d; ++k) {
+      REQUIRE(dw1v(k) == dw0[std::size_t(k)]);
+      REQUIRE(dg1v(k) == dg0[std::size_t(k)]);
+      for (index_t t = 0; t < T; ++t) {
+        REQUIRE(dp1v(t, k) == dp0[std::size_t(t * d + k)]);
+        for (index_t j = 0; j < n; ++j) REQUIRE(db1v(j, t, k) == db0[std::size_t((j * T + t) * d + k)]);
+      }
+    }
+  };
+  run(k3::cpu::serial{});
+  run(k3::cpu::simd<>{});
+  run(k3::cpu::threads<>(2));
+}

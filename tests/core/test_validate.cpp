@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "k3/core/validate.hpp"
@@ -39,4 +40,18 @@ TEST_CASE("overlap, null data and stride checks") {
   CHECK_THROWS_AS(k3::detail::check_inner_contiguous("s", strided), k3::error);
   k3::tensor_view<float, 2> neg(buf.data() + 50, {5, 5}, {-5, 1});
   CHECK_THROWS_AS(k3::detail::check_view("neg", neg), k3::error);
+}
+
+TEST_CASE("flat_view: the n elements at a pointer, empty for null (raw-pointer launchers' overlap checks)") {
+  std::vector<float> buf(100);
+  auto a = k3::detail::flat_view(buf.data(), 50);
+  CHECK(a.extent(0) == 50);
+  CHECK(a.data_handle() == buf.data());
+  CHECK_THROWS_AS(k3::detail::check_no_overlap("a", a, "b", k3::detail::flat_view(buf.data() + 49, 10)), k3::error);
+  CHECK_NOTHROW(k3::detail::check_no_overlap("a", a, "c", k3::detail::flat_view(buf.data() + 50, 10)));
+  float* none = nullptr;
+  CHECK(k3::detail::flat_view(none, 10).size() == 0);  // an absent argument overlaps nothing
+  CHECK_NOTHROW(k3::detail::check_no_overlap("none", k3::detail::flat_view(none, 10), "also none", k3::detail::flat_view(none, 20)));
+  static_assert(std::is_same_v<decltype(k3::detail::flat_view<k3::cuda_device_space>(buf.data(), 1)),
+                               k3::tensor_view<float, 1, k3::cuda_device_space>>);
 }

@@ -2,6 +2,7 @@
 // states) overlapping an input or a state must be rejected with a k3::error naming both.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -126,4 +127,141 @@ TEST_CASE("kda_as_dplr::grads_to_kda: null or overlapping outputs are rejected")
   CHECK(names(fold({host_view(at(11), B, T, H, K), host_view(at(12), B, T, H, K), host_view(at(13), B, T, HV, V), host_view(at(14), B, T, HV, K),
                     host_view(at(11) + 2, B, T, HV)}),
               "dq", "dbeta"));
+}
+
+namespace {
+bool broadcast_named(std::string const& e, char const* arg) {
+  return e.find(std::string("argument '") + arg + "'") != std::string::npos && e.find("stride 0") != std::string::npos;
+}
+// [e0, e1, e2, e3] over `mem` with dimension `zero` given stride 0 (the others dense).
+tensor_view<float, 4> bcast4(std::vector<float>& mem, index_t e0, index_t e1, index_t e2, index_t e3, int zero) {
+  index_t st[4] = {e1 * e2 * e3, e2 * e3, e3, 1};
+  st[zero] = 0;
+  return tensor_view<float, 4>(mem.data(), {e0, e1, e2, e3}, {st[0], st[1], st[2], st[3]});
+}
+// [e0, e1, e2, e3] with padding after every row and every matrix (stride 1 inside rows).
+tensor_view<float, 4> padded4(std::vector<float>& mem, index_t e0, index_t e1, index_t e2, index_t e3) {
+  index_t const s2 = e3 + 3, s1 = e2 * s2 + 5, s0 = e1 * s1 + 7;
+  mem.assign(std::size_t(e0 * s0 + 8), -9.f);
+  return tensor_view<float, 4>(mem.data(), {e0, e1, e2, e3}, {s0, s1, s2, 1});
+}
+std::vector<float> dense(tensor_view<float, 4> const& v) {
+  std::vector<float> out;
+  for (index_t a = 0; a < v.extent(0); ++a)
+    for (index_t b = 0; b < v.extent(1); ++b)
+      for (index_t c = 0; c < v.extent(2); ++c)
+        for (index_t d = 0; d < v.extent(3); ++d) out.push_back(v(a, b, c, d));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("dplr: an output with a stride-0 dimension (aliasing itself) is rejected, naming it, at every entry point") {
+  arena A;
+  std::vector<float> z(4096);
+  index_t const B = A.B, T = A.T, H = A.H, K = A.K, V = A.V;
+  auto tokK = [&](int zero) { return bcast4(z, B, T, H, K, zero); };
+  auto st = [&](int zero) { return bcast4(z, B, H, K, V, zero); };
+  // forward: o broadcast over T or H; ht over H or K
+  for (int zero : {1, 2}) {
+    CHECK(broadcast_named(error_of([&] { dplr_recurrent_forward(A.in(), dplr_outputs<float>{tokK(zero), A.s(11)}); }), "o"));
+    CHECK(broadcast_named(error_of([&] { dplr_chunked_forward(cpu::threads<>(2), A.in(), dplr_outputs<float>{tokK(zero), A.s(11)}); }), "o"));
+    CHECK(broadcast_named(error_of([&] { dplr_chunked_forward(cpu::serial{}, A.in(), dplr_outputs<float>{A.x(10), st(zero)}); }), "ht"));
+    CHECK(broadcast_named(error_of([&] { iplr_recurrent_forward(iplr_inputs<float>{A.x(0), A.x(1), A.x(2), A.x(3), A.x(4), A.s(6)},
+                                                                 dplr_outputs<float>{A.x(10), st(zero)}); }),
+                          "ht"));
+    CHECK(broadcast_named(error_of([&] { dplr_cp_forward(k3::single_process{}, A.in(), dplr_outputs<float>{tokK(zero), A.s(11)}); }), "o"));
+  }
+  // backward: each gradient and dh0
+  dplr_grad_inputs<float> gi{A.x(7), A.s(8)};
+  for (int which = 0; which < 7; ++which) {
+    CAPTURE(which);
+    dplr_grads<float> g{A.x(10), A.x(11), A.x(12), A.x(13), A.x(14), A.x(15), A.s(16)};
+    tensor_view<float, 4>* slot[] = {&g.dq, &g.dk, &g.dv, &g.da, &g.db, &g.dgk, &g.dh0};
+    char const* nm[] = {"dq", "dk", "dv", "da", "db", "dgk", "dh0"};
+    *slot[which] = which == 6 ? st(1) : tokK(1);
+    CHECK(broadcast_named(error_of([&] { dplr_recurrent_backward(A.in(), gi, g); }), nm[which]));
+    CHECK(broadcast_named(error_of([&] { dplr_chunked_backward(cpu::threads<>(2), A.in(), gi, g); }), nm[which]));
+    CHECK(broadcast_named(error_of([&] { dplr_cp_backward(k3::single_process{}, A.in(), gi, g); }), nm[which]));
+  }
+  // segment maps, their algebra, the KDA fold
+  auto in = A.in();
+  in.h0 = {};
+  auto KK = [&](int zero) { return bcast4(z, B, H, K, K, zero); };
+  CHECK(broadcast_named(error_of([&] { dplr_segment_maps(in, KK(2), A.s(11)); }), "M"));
+  CHECK(broadcast_named(error_of([&] { dplr_segment_maps(in, A.s(10), st(1), {}, cpu::threads<>(2)); }), "N"));
+  CHECK(broadcast_named(error_of([&] { dplr_segment_maps_transposed(in, A.x(7), KK(1), A.s(11)); }), "Mt"));
+  CHECK(broadcast_named(error_of([&] { dplr_segment_maps_transposed(in, A.x(7), A.s(10), st(3)); }), "G"));
+  CHECK(broadcast_named(error_of([&] { dplr_compose_maps<float>(A.s(10), A.s(11), A.s(12), A.s(13), KK(2), A.s(15)); }), "M"));
+  CHECK(broadcast_named(error_of([&] { dplr_compose_maps<float>(A.s(10), A.s(11), A.s(12), A.s(13), A.s(14), st(3)); }), "N"));
+  CHECK(broadcast_named(error_of([&] { dplr_apply_map<float>(A.s(10), A.s(11), A.s(12), st(2)); }), "S_out"));
+  // compose: M and N over each other (the pair was not checked before)
+  CHECK(names(error_of([&] { dplr_compose_maps<float>(A.s(10), A.s(11), A.s(12), A.s(13), A.s(14), tensor_view<float, 4>(A.s(14).data_handle() + 3, A.s(14).extents())); }),
+              "M", "N"));
+  {
+    index_t const HV = 2;
+    std::vector<float> buf(std::size_t(64 * 20), 0.1f);
+    auto at = [&](int i) { return buf.data() + 64 * i; };
+    auto c = [](float* p) { return static_cast<float const*>(p); };
+    kda_inputs<float> kin{host_view(c(at(0)), B, T, 1, K), host_view(c(at(1)), B, T, 1, K), host_view(c(at(2)), B, T, HV, V),
+                          host_view(c(at(3)), B, T, HV, K), host_view(c(at(4)), B, T, HV), {}};
+    kda_as_dplr<float> m(kin);
+    dplr_grads<float> g{host_view(at(5), B, T, HV, K), host_view(at(6), B, T, HV, K), host_view(at(7), B, T, HV, V), host_view(at(8), B, T, HV, K),
+                        host_view(at(9), B, T, HV, K), host_view(at(10), B, T, HV, K), {}};
+    kda_grads<float> o{host_view(at(11), B, T, 1, K), host_view(at(12), B, T, 1, K), host_view(at(13), B, T, HV, V), host_view(at(14), B, T, HV, K),
+                       host_view(at(15), B, T, HV)};
+    CHECK(error_of([&] { m.grads_to_kda(g, o); }) == "");
+    auto o2 = o;
+    o2.dq = bcast4(z, B, T, 1, K, 1);
+    CHECK(broadcast_named(error_of([&] { m.grads_to_kda(g, o2); }), "dq"));
+    o2 = o;
+    o2.dg = bcast4(z, B, T, HV, K, 2);
+    CHECK(broadcast_named(error_of([&] { m.grads_to_kda(g, o2); }), "dg"));
+    o2 = o;
+    o2.dbeta = tensor_view<float, 3>(z.data(), {B, T, HV}, {T * HV, 0, 1});
+    CHECK(broadcast_named(error_of([&] { m.grads_to_kda(g, o2); }), "dbeta"));
+  }
+}
+
+TEST_CASE("dplr: padded (strided) outputs give the numbers of contiguous ones: forward, backward, maps") {
+  arena A;
+  index_t const B = A.B, T = A.T, H = A.H, K = A.K, V = A.V;
+  auto run = [&](auto const& be) {
+    // forward
+    std::vector<float> o0(std::size_t(B * T * H * V)), h0(std::size_t(A.st())), mo, mh;
+    dplr_chunked_forward(be, A.in(), dplr_outputs<float>{host_view(o0.data(), B, T, H, V), host_view(h0.data(), B, H, K, V)});
+    auto o1 = padded4(mo, B, T, H, V);
+    auto h1 = padded4(mh, B, H, K, V);
+    dplr_chunked_forward(be, A.in(), dplr_outputs<float>{o1, h1});
+    CHECK(dense(o1) == o0);
+    CHECK(dense(h1) == h0);
+    // backward
+    dplr_grad_inputs<float> gi{A.x(7), A.s(8)};
+    std::vector<std::vector<float>> c(7), p(7);
+    auto shape_of = [&](int i) { return i == 6 ? std::array<index_t, 4>{B, H, K, V} : std::array<index_t, 4>{B, T, H, i == 2 ? V : K}; };
+    std::vector<tensor_view<float, 4>> cv, pv;
+    for (int i = 0; i < 7; ++i) {
+      auto e = shape_of(i);
+      c[std::size_t(i)].assign(std::size_t(e[0] * e[1] * e[2] * e[3]), 0.f);
+      cv.push_back(host_view(c[std::size_t(i)].data(), e[0], e[1], e[2], e[3]));
+      pv.push_back(padded4(p[std::size_t(i)], e[0], e[1], e[2], e[3]));
+    }
+    dplr_chunked_backward(be, A.in(), gi, dplr_grads<float>{cv[0], cv[1], cv[2], cv[3], cv[4], cv[5], cv[6]});
+    dplr_chunked_backward(be, A.in(), gi, dplr_grads<float>{pv[0], pv[1], pv[2], pv[3], pv[4], pv[5], pv[6]});
+    for (int i = 0; i < 7; ++i) {
+      CAPTURE(i);
+      CHECK(dense(pv[std::size_t(i)]) == c[std::size_t(i)]);
+    }
+    // segment maps
+    auto in = A.in();
+    in.h0 = {};
+    std::vector<float> m0(std::size_t(B * H * K * K)), n0(std::size_t(A.st())), pm, pn;
+    dplr_segment_maps(in, host_view(m0.data(), B, H, K, K), host_view(n0.data(), B, H, K, V), {}, be);
+    auto m1 = padded4(pm, B, H, K, K);
+    auto n1 = padded4(pn, B, H, K, V);
+    dplr_segment_maps(in, m1, n1, {}, be);
+    CHECK(dense(m1) == m0);
+    CHECK(dense(n1) == n0);
+  };
+  run(cpu::serial{});
+  run(cpu::threads<>(2));
 }

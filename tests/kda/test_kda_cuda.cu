@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "k3/core/numeric/bfloat16.hpp"
@@ -198,9 +199,11 @@ TEST_CASE("the float64 reference's backward matches finite differences") {
 TEST_CASE("launcher argument checks name the argument (host side, no GPU needed)") {
   namespace kc = k3::kda::cuda;
   float dummy = 0;
+  std::vector<float> mem(16 * 4096);  // distinct, far-apart arguments (outputs must not overlap inputs)
+  auto at = [&](int i) { return mem.data() + 4096 * i; };
   kc::fwd_args<float> a;
-  a.q = a.k = a.v = a.g = a.beta = &dummy;
-  a.o = &dummy;
+  a.q = at(0), a.k = at(1), a.v = at(2), a.g = at(3), a.beta = at(4);
+  a.o = at(5);
   a.B = 1, a.T = 4, a.H = 1, a.HV = 2, a.K = 64, a.V = 8;
   CHECK(kc::detail::check(a).N == 1);
   CHECK(kc::detail::check(a).scale == doctest::Approx(0.125f));
@@ -213,7 +216,7 @@ TEST_CASE("launcher argument checks name the argument (host side, no GPU needed)
   a.H = 1, a.HV = 2;
   a.o = nullptr;
   CHECK_THROWS_WITH_AS(kc::detail::check(a), doctest::Contains("'o'"), k3::error);
-  a.o = &dummy;
+  a.o = at(5);
   std::vector<std::int64_t> cu = {0, 3, 2};
   a.cu_seqlens = a.cu_seqlens_host = cu.data();
   a.N = 2;
@@ -232,8 +235,8 @@ TEST_CASE("launcher argument checks name the argument (host side, no GPU needed)
   CHECK_THROWS_WITH_AS(kc::detail::check(a), doctest::Contains("cu_seqlens_host"), k3::error);
 
   kc::decode_args<float> d;
-  d.q = d.k = d.v = d.g = d.beta = d.o = &dummy;
-  d.state = &dummy;
+  d.q = at(0), d.k = at(1), d.v = at(2), d.g = at(3), d.beta = at(4), d.o = at(5);
+  d.state = at(6);
   d.N = 3, d.P = 3, d.H = 1, d.HV = 1, d.K = 8, d.V = 8;
   std::vector<std::int64_t> sl = {1, -1, 2};  // -1: padding
   d.slots = d.slots_host = sl.data();
@@ -264,6 +267,64 @@ TEST_CASE("launcher argument checks name the argument (host side, no GPU needed)
   CHECK(kc::detail::check(cp) == 1);
   cp.W = 0;
   CHECK_THROWS_WITH_AS(kc::detail::check(cp), doctest::Contains("'W'"), k3::error);
+}
+
+TEST_CASE("launcher checks reject an output over an input or another output, naming both (host side, no GPU needed)") {
+  namespace kc = k3::kda::cuda;
+  std::vector<float> mem(16 * 4096);
+  auto at = [&](int i) { return mem.data() + 4096 * i; };
+  auto err = [](auto const& args) {
+    try {
+      (void)kc::detail::check(args);
+    } catch (k3::error const& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto names = [](std::string const& e, char const* x, char const* y) {
+    return e.find(std::string("'") + x + "'") != std::string::npos && e.find(std::string("'") + y + "'") != std::string::npos &&
+           e.find("overlap") != std::string::npos;
+  };
+  kc::fwd_args<float> a;
+  a.q = at(0), a.k = at(1), a.v = at(2), a.g = at(3), a.beta = at(4), a.h0 = at(5);
+  a.o = at(6), a.ht = at(7);
+  a.B = 1, a.T = 4, a.H = 1, a.HV = 2, a.K = 64, a.V = 8;
+  CHECK(err(a) == "");
+  auto a2 = a;
+  a2.o = at(2) + 8;
+  CHECK(names(err(a2), "o", "v"));
+  a2 = a;
+  a2.ht = at(5) + 1;
+  CHECK(names(err(a2), "ht", "h0"));
+  a2 = a;
+  a2.ht = at(6) + 3;
+  CHECK(names(err(a2), "o", "ht"));
+
+  kc::bwd_args<float> b;
+  b.q = at(0), b.k = at(1), b.v = at(2), b.g = at(3), b.beta = at(4), b.h0 = at(5), b.do_ = at(6), b.dht = at(7);
+  b.dq = at(8), b.dk = at(9), b.dv = at(10), b.dg = at(11), b.dbeta = at(12), b.dh0 = at(13);
+  b.B = 1, b.T = 4, b.H = 1, b.HV = 2, b.K = 64, b.V = 8;
+  CHECK(err(b) == "");
+  auto b2 = b;
+  b2.dq = at(6);
+  CHECK(names(err(b2), "dq", "do"));
+  b2 = b;
+  b2.dbeta = at(11) + 100;
+  CHECK(names(err(b2), "dg", "dbeta"));
+  b2 = b;
+  b2.dh0 = at(7);
+  CHECK(names(err(b2), "dh0", "dht"));
+
+  kc::decode_args<float> d;
+  d.q = at(0), d.k = at(1), d.v = at(2), d.g = at(3), d.beta = at(4), d.o = at(5), d.state = at(6);
+  d.N = 2, d.P = 3, d.H = 1, d.HV = 1, d.K = 8, d.V = 8;
+  CHECK(err(d) == "");
+  auto d2 = d;
+  d2.o = at(6) + 64;
+  CHECK(names(err(d2), "o", "state"));
+  d2 = d;
+  d2.state = at(0) + 4;
+  CHECK(names(err(d2), "state", "q"));
 }
 
 #ifndef K3_KDA_REF_SELFTEST

@@ -3,10 +3,12 @@
 // every backend and algorithm, forward and backward.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda/preprocess.hpp"
 #include "kda/kda_fixture.hpp"
@@ -327,4 +329,158 @@ TEST_CASE("kda: an output or state pool with a stride-0 dimension (aliasing itse
                                               host_view(static_cast<float const*>(wt.data()), C, W), nullptr,
                                               tensor_view<float, 3>(cs.data(), {P, C, W - 1}, {0, W - 1, 1}), host_view(y.data(), N, C)),
                        doctest::Contains("conv_state"), k3::error);
+}
+
+namespace {
+bool broadcast_named(std::string const& e, char const* arg) {
+  return e.find(std::string("argument '") + arg + "'") != std::string::npos && e.find("stride 0") != std::string::npos;
+}
+}  // namespace
+
+TEST_CASE("kda pre-processing: an output with a stride-0 dimension (aliasing itself) is rejected, naming it, at every entry point") {
+  index_t const B = 2, T = 3, HV = 2, K = 4, C = 3, W = 4, N = 2;
+  std::vector<float> in(512), out(512);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = 0.01f * float(i % 23) - 0.1f;
+  auto ci = [&](std::size_t off) { return static_cast<float const*>(in.data()) + off; };
+  auto x4 = k3::host_view(ci(0), B, T, HV, K);
+  auto dy4 = k3::host_view(ci(64), B, T, HV, K);
+  auto A = k3::host_view(ci(128), HV);
+  auto bias = k3::host_view(ci(136), HV, K);
+  auto o4 = k3::host_view(out.data(), B, T, HV, K);
+  // [B, T, HV, K] with the T dimension at stride 0
+  tensor_view<float, 4> const b4(out.data() + 100, {B, T, HV, K}, {HV * K, 0, K, 1});
+  auto run = [&](auto const& be) {
+    CHECK(broadcast_named(error_of([&] { kda::l2norm(be, x4, b4); }), "y"));
+    CHECK(broadcast_named(error_of([&] { kda::l2norm_backward(be, x4, dy4, b4); }), "dx"));
+    CHECK(broadcast_named(error_of([&] { kda::beta_sigmoid(be, x4, b4); }), "beta"));
+    CHECK(broadcast_named(error_of([&] { kda::beta_sigmoid_backward(be, x4, dy4, b4); }), "dx"));
+    CHECK(broadcast_named(error_of([&] { kda::gate_softplus(be, x4, A, bias, b4); }), "g"));
+    CHECK(broadcast_named(error_of([&] { kda::gate_lower_bound(be, x4, A, bias, -1.0, b4); }), "g"));
+    CHECK(error_of([&] { kda::gate_softplus_backward(be, x4, A, bias, dy4, o4, k3::host_view(out.data() + 300, HV), k3::host_view(out.data() + 310, HV, K)); }) == "");
+    CHECK(broadcast_named(error_of([&] { kda::gate_softplus_backward(be, x4, A, bias, dy4, b4); }), "dx"));
+    CHECK(broadcast_named(error_of([&] {
+                            kda::gate_lower_bound_backward(be, x4, A, bias, -1.0, dy4, o4, tensor_view<float, 1>(out.data() + 300, {HV}, {0}));
+                          }),
+                          "dA_log"));
+    CHECK(broadcast_named(error_of([&] {
+                            kda::gate_softplus_backward(be, x4, A, bias, dy4, o4, k3::host_view(out.data() + 300, HV),
+                                                        tensor_view<float, 2>(out.data() + 310, {HV, K}, {0, 1}));
+                          }),
+                          "ddt_bias"));
+    // short convolution: prefill, backward, decode
+    auto x3 = k3::host_view(ci(0), B, T, C);
+    auto dy3 = k3::host_view(ci(64), B, T, C);
+    auto wt = k3::host_view(ci(128), C, W);
+    auto cb = k3::host_view(ci(160), C);
+    auto s0 = k3::host_view(ci(200), N, C, W - 1);
+    auto y3 = k3::host_view(out.data(), B, T, C);
+    tensor_view<float, 3> const b3(out.data() + 100, {B, T, C}, {C, 0, 1});
+    tensor_view<float, 3> const bs(out.data() + 200, {N, C, W - 1}, {0, W - 1, 1});
+    CHECK(error_of([&] { kda::short_conv(be, x3, wt, cb, y3, nullptr, s0, k3::host_view(out.data() + 200, N, C, W - 1)); }) == "");
+    CHECK(broadcast_named(error_of([&] { kda::short_conv(be, x3, wt, cb, b3); }), "y"));
+    CHECK(broadcast_named(error_of([&] { kda::short_conv(be, x3, wt, cb, y3, nullptr, s0, bs); }), "final_state"));
+    auto dx3 = k3::host_view(out.data(), B, T, C);
+    CHECK(broadcast_named(error_of([&] { kda::short_conv_backward(be, x3, wt, cb, dy3, b3); }), "dx"));
+    CHECK(broadcast_named(error_of([&] { kda::short_conv_backward(be, x3, wt, cb, dy3, dx3, tensor_view<float, 2>(out.data() + 300, {C, W}, {0, 1})); }),
+                          "dweight"));
+    CHECK(broadcast_named(error_of([&] {
+                            kda::short_conv_backward(be, x3, wt, cb, dy3, dx3, k3::host_view(out.data() + 300, C, W),
+                                                     tensor_view<float, 1>(out.data() + 330, {C}, {0}));
+                          }),
+                          "dbias"));
+    CHECK(broadcast_named(error_of([&] { kda::short_conv_backward(be, x3, wt, cb, dy3, dx3, nullptr, nullptr, nullptr, s0, bs); }), "d_initial_state"));
+    std::vector<float> pool(std::size_t(N * C * (W - 1)), 0.f);
+    CHECK(broadcast_named(error_of([&] {
+                            kda::short_conv_decode(be, k3::host_view(ci(0), N, C), wt, cb, k3::host_view(pool.data(), N, C, W - 1),
+                                                   tensor_view<float, 2>(out.data(), {N, C}, {0, 1}));
+                          }),
+                          "y"));
+  };
+  run(cpu::serial{});
+  run(cpu::threads<>(2));
+}
+
+TEST_CASE("kda pre-processing: strided outputs (padded rows, B and T swapped) give the contiguous results, every backend") {
+  index_t const B = 2, T = 5, HV = 2, K = 4, C = 3, W = 4;
+  std::vector<float> in(1024);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = 0.37f * std::sin(0.61f * float(i)) + 0.02f;
+  auto ci = [&](std::size_t off) { return static_cast<float const*>(in.data()) + off; };
+  auto x4 = k3::host_view(ci(0), B, T, HV, K);
+  auto dy4 = k3::host_view(ci(100), B, T, HV, K);
+  auto A = k3::host_view(ci(200), HV);
+  auto bias = k3::host_view(ci(210), HV, K);
+  // [e0, e1, e2, e3] stored as [e1, e0, e2, e3 + 3]
+  auto swapped4 = [](std::vector<float>& m, index_t e0, index_t e1, index_t e2, index_t e3) {
+    index_t const r = e3 + 3;
+    m.assign(std::size_t(e0 * e1 * e2 * r), -5.f);
+    return tensor_view<float, 4>(m.data(), {e0, e1, e2, e3}, {e2 * r, e0 * e2 * r, r, 1});
+  };
+  auto same4 = [](tensor_view<float, 4> const& v, std::vector<float> const& ref) {
+    std::size_t i = 0;
+    bool ok = true;
+    for (index_t a = 0; a < v.extent(0); ++a)
+      for (index_t b = 0; b < v.extent(1); ++b)
+        for (index_t c = 0; c < v.extent(2); ++c)
+          for (index_t d = 0; d < v.extent(3); ++d) ok = ok && v(a, b, c, d) == ref[i++];
+    return ok;
+  };
+  auto run = [&](auto const& be) {
+    std::vector<float> c0(std::size_t(B * T * HV * K)), m;
+    auto c0v = k3::host_view(c0.data(), B, T, HV, K);
+    kda::l2norm(be, x4, c0v);
+    auto s = swapped4(m, B, T, HV, K);
+    kda::l2norm(be, x4, s);
+    CHECK(same4(s, c0));
+    kda::gate_lower_bound(be, x4, A, bias, -2.0, c0v);
+    s = swapped4(m, B, T, HV, K);
+    kda::gate_lower_bound(be, x4, A, bias, -2.0, s);
+    CHECK(same4(s, c0));
+    std::vector<float> da0(static_cast<std::size_t>(HV)), db0(std::size_t(HV * K)), da1(std::size_t(3 * HV)), db1(std::size_t(HV * (K + 2)));
+    kda::gate_softplus_backward(be, x4, A, bias, dy4, c0v, k3::host_view(da0.data(), HV), k3::host_view(db0.data(), HV, K));
+    s = swapped4(m, B, T, HV, K);
+    tensor_view<float, 1> da1v(da1.data(), {HV}, {3});
+    tensor_view<float, 2> db1v(db1.data(), {HV, K}, {K + 2, 1});
+    kda::gate_softplus_backward(be, x4, A, bias, dy4, s, da1v, db1v);
+    CHECK(same4(s, c0));
+    for (index_t h = 0; h < HV; ++h) {
+      CHECK(da1v(h) == da0[std::size_t(h)]);
+      for (index_t k = 0; k < K; ++k) CHECK(db1v(h, k) == db0[std::size_t(h * K + k)]);
+    }
+    // short convolution: y with B and T swapped, final_state and the gradients padded
+    auto x3 = k3::host_view(ci(0), B, T, C);
+    auto dy3 = k3::host_view(ci(100), B, T, C);
+    auto wt = k3::host_view(ci(200), C, W);
+    auto cb = k3::host_view(ci(230), C);
+    auto s0 = k3::host_view(ci(300), B, C, W - 1);
+    std::vector<float> y0(std::size_t(B * T * C)), f0(std::size_t(B * C * (W - 1))), y1(std::size_t(B * T * (C + 1))), f1(std::size_t(B * C * W));
+    kda::short_conv(be, x3, wt, cb, k3::host_view(y0.data(), B, T, C), nullptr, s0, k3::host_view(f0.data(), B, C, W - 1));
+    tensor_view<float, 3> y1v(y1.data(), {B, T, C}, {C + 1, B * (C + 1), 1}), f1v(f1.data(), {B, C, W - 1}, {C * W, W, 1});
+    kda::short_conv(be, x3, wt, cb, y1v, nullptr, s0, f1v);
+    std::vector<float> dx0(y0.size()), dw0(std::size_t(C * W)), dbias0(static_cast<std::size_t>(C)), ds0(f0.size());
+    kda::short_conv_backward(be, x3, wt, cb, dy3, k3::host_view(dx0.data(), B, T, C), k3::host_view(dw0.data(), C, W), k3::host_view(dbias0.data(), C),
+                             nullptr, s0, k3::host_view(ds0.data(), B, C, W - 1));
+    std::vector<float> dx1(y1.size()), dw1(std::size_t(C * (W + 2))), dbias1(std::size_t(2 * C)), ds1(f1.size());
+    tensor_view<float, 3> dx1v(dx1.data(), {B, T, C}, {C + 1, B * (C + 1), 1}), ds1v(ds1.data(), {B, C, W - 1}, {C * W, W, 1});
+    tensor_view<float, 2> dw1v(dw1.data(), {C, W}, {W + 2, 1});
+    tensor_view<float, 1> dbias1v(dbias1.data(), {C}, {2});
+    kda::short_conv_backward(be, x3, wt, cb, dy3, dx1v, dw1v, dbias1v, nullptr, s0, ds1v);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t c = 0; c < C; ++c) {
+        for (index_t t = 0; t < T; ++t) {
+          CHECK(y1v(b, t, c) == y0[std::size_t((b * T + t) * C + c)]);
+          CHECK(dx1v(b, t, c) == dx0[std::size_t((b * T + t) * C + c)]);
+        }
+        for (index_t i = 0; i < W - 1; ++i) {
+          CHECK(f1v(b, c, i) == f0[std::size_t((b * C + c) * (W - 1) + i)]);
+          CHECK(ds1v(b, c, i) == ds0[std::size_t((b * C + c) * (W - 1) + i)]);
+        }
+      }
+    for (index_t c = 0; c < C; ++c) {
+      CHECK(dbias1v(c) == dbias0[std::size_t(c)]);
+      for (index_t j = 0; j < W; ++j) CHECK(dw1v(c, j) == dw0[std::size_t(c * W + j)]);
+    }
+  };
+  run(cpu::serial{});
+  run(cpu::simd<>{});
+  run(cpu::threads<>(3));
 }

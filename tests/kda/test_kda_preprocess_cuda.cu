@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "k3/kda/cuda/kda.cuh"
@@ -255,4 +256,41 @@ TEST_CASE("short conv decode on a GPU pool matches the CPU decode; padding slots
     }
   }
   CHECK(gpool.get() == cpu_pool);  // the pool holds raw inputs: bit-identical, padding slot untouched
+}
+
+TEST_CASE("pre-processing launchers reject an output over an input or another output, naming both, before any launch") {
+  // The checks read only the pointers: host memory stands in for device memory here.
+  namespace kc = k3::kda::cuda;
+  std::vector<float> mem(16 * 256);
+  auto at = [&](int i) { return mem.data() + 256 * i; };
+  auto err = [](auto&& fn) {
+    try {
+      fn();
+    } catch (k3::error const& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto names = [](std::string const& e, char const* a, char const* b) {
+    return e.find(std::string("'") + a + "'") != std::string::npos && e.find(std::string("'") + b + "'") != std::string::npos &&
+           e.find("overlap") != std::string::npos;
+  };
+  CHECK(names(err([&] { kc::l2norm_fwd<float>(at(0), at(0) + 3, 4, 8, nullptr); }), "y", "x"));
+  CHECK(names(err([&] { kc::l2norm_bwd<float>(at(0), at(1), at(1), 4, 8, nullptr); }), "dx", "dy"));
+  CHECK(names(err([&] { kc::beta_sigmoid_fwd<float>(at(0), at(0) + 10, 16, false, nullptr); }), "beta", "x"));
+  CHECK(names(err([&] { kc::beta_sigmoid_bwd<float>(at(0), at(1), at(1) + 8, 16, false, nullptr); }), "dx", "dbeta"));
+  kc::gate_params gp;
+  gp.rows = 4, gp.HV = 2, gp.K = 8;
+  gp.A_log = at(2), gp.dt_bias = at(3);
+  CHECK(names(err([&] { kc::gate_fwd<float>(gp, at(0), at(3) - 10, nullptr); }), "g", "dt_bias"));
+  CHECK(names(err([&] { kc::gate_bwd<float>(gp, at(0), at(1), at(4), at(4) + 5, nullptr, nullptr); }), "dx", "dA_log"));
+  CHECK(names(err([&] { kc::gate_bwd<float>(gp, at(0), at(1), at(4), nullptr, at(2), nullptr); }), "ddt_bias", "A_log"));
+  kc::conv_params cp;
+  cp.B = 1, cp.T = 5, cp.C = 4, cp.W = 4;
+  cp.weight = at(2), cp.bias = at(3);
+  CHECK(names(err([&] { kc::short_conv_fwd<float>(cp, at(0), at(2) + 1, nullptr, nullptr, nullptr); }), "y", "weight"));
+  CHECK(names(err([&] { kc::short_conv_fwd<float>(cp, at(0), at(1), at(5), at(5) + 2, nullptr); }), "final_state", "initial_state"));
+  CHECK(names(err([&] { kc::short_conv_bwd<float>(cp, at(0), at(1), at(4), at(4) + 3, nullptr, nullptr, nullptr, nullptr); }), "dx", "dweight"));
+  CHECK(names(err([&] { kc::short_conv_bwd<float>(cp, at(0), at(1), at(4), nullptr, at(3), nullptr, nullptr, nullptr); }), "dbias", "bias"));
+  CHECK(names(err([&] { kc::short_conv_decode<float>(cp, at(0), at(6), 2, at(6) + 4, 3, nullptr, nullptr); }), "y", "conv_state"));
 }

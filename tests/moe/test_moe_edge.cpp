@@ -2,6 +2,7 @@
 // both arguments), invalid SiTU caps must be rejected, every backend agrees on strided input.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -171,4 +172,155 @@ TEST_CASE("quantile balancing: a null bias or mask with a non-empty shape is a k
   std::vector<float> bias(static_cast<std::size_t>(n));
   CHECK(error_of([&] { qb_offline_solve(sv, opt, 3, host_view(bias.data(), n), const_view<std::uint8_t, 1>(nullptr, {m})); }).find("mask") !=
         std::string::npos);
+}
+
+namespace {
+bool broadcast_named(std::string const& e, char const* arg) {
+  return e.find(std::string("argument '") + arg + "'") != std::string::npos && e.find("stride 0") != std::string::npos;
+}
+}  // namespace
+
+TEST_CASE("route, quantile balancing and MoonEP dispatch reject an output with a stride-0 dimension (aliasing itself), naming it") {
+  index_t const m = 6, n = 8, k = 2;
+  std::vector<float> s(std::size_t(m * n));
+  std::mt19937 rng(5);
+  for (auto& x : s) x = std::uniform_real_distribution<float>(0.05f, 0.95f)(rng);
+  std::vector<float> bias(n, 0.0f), w(std::size_t(m * k)), cut(static_cast<std::size_t>(m));
+  std::vector<std::int32_t> idx(std::size_t(m * k));
+  std::vector<std::int64_t> load(static_cast<std::size_t>(n));
+  router_options opt;
+  opt.k = k;
+  auto scores = host_view(static_cast<float const*>(s.data()), m, n);
+  auto bv = host_view(static_cast<float const*>(bias.data()), n);
+  auto good = route_outputs{host_view(idx.data(), m, k), host_view(w.data(), m, k), host_view(cut.data(), m), host_view(load.data(), n)};
+  auto run = [&](auto const& be) {
+    auto call = [&](route_outputs const& o) { return error_of([&] { route(be, scores, bv, o, opt); }); };
+    CHECK(call(good) == "");
+    for (int dim : {0, 1}) {
+      auto o = good;
+      o.indices = tensor_view<std::int32_t, 2>(idx.data(), {m, k}, dim == 0 ? tensor_view<std::int32_t, 2>::extents_type{0, 1}
+                                                                             : tensor_view<std::int32_t, 2>::extents_type{1, 0});
+      CHECK(broadcast_named(call(o), "indices"));
+      o = good;
+      o.weights = tensor_view<float, 2>(w.data(), {m, k}, dim == 0 ? tensor_view<float, 2>::extents_type{0, 1} : tensor_view<float, 2>::extents_type{1, 0});
+      CHECK(broadcast_named(call(o), "weights"));
+    }
+    auto o = good;
+    o.cutoff = tensor_view<float, 1>(cut.data(), {m}, {0});
+    CHECK(broadcast_named(call(o), "cutoff"));
+    o = good;
+    o.load = tensor_view<std::int64_t, 1>(load.data(), {n}, {0});
+    CHECK(broadcast_named(call(o), "load"));
+    // the fused histogram path (training) checks the same outputs
+    auto h = qb_histogram::for_bias(bv, 50);
+    o = good;
+    o.cutoff = tensor_view<float, 1>(cut.data(), {m}, {0});
+    CHECK(broadcast_named(error_of([&] { route(be, scores, bv, o, opt, {}, &h); }), "cutoff"));
+  };
+  run(cpu::serial{});
+  run(cpu::threads<>(2));
+
+  // quantile balancing: the new bias
+  route(cpu::serial{}, scores, bv, good, opt);
+  auto cv = host_view(static_cast<float const*>(cut.data()), m);
+  std::vector<float> nb(static_cast<std::size_t>(n));
+  tensor_view<float, 1> const bcast(nb.data(), {n}, {0});
+  CHECK(error_of([&] { qb_exact_update(scores, cv, opt, host_view(nb.data(), n)); }) == "");
+  CHECK(broadcast_named(error_of([&] { qb_exact_update(scores, cv, opt, bcast); }), "bias"));
+  CHECK(broadcast_named(error_of([&] { qb_offline_solve(scores, opt, 2, bcast); }), "bias"));
+  auto h = qb_histogram::for_bias(bv, 50);
+  qb_accumulate(scores, cv, h, opt);
+  CHECK(broadcast_named(error_of([&] { qb_histogram_update(h, opt.k, bcast); }), "bias"));
+  // ... and the new bias written over the scores or cut-offs it is computed from
+  std::vector<float> sc(s);
+  auto over = [&](index_t off) { return host_view(sc.data() + off, n); };
+  auto scv = host_view(static_cast<float const*>(sc.data()), m, n);
+  std::string e = error_of([&] { qb_exact_update(scv, cv, opt, over(3)); });
+  CHECK((e.find("'bias'") != std::string::npos && e.find("'scores'") != std::string::npos && e.find("overlap") != std::string::npos));
+  e = error_of([&] { qb_offline_solve(scv, opt, 2, over(5)); });
+  CHECK((e.find("'bias'") != std::string::npos && e.find("'scores'") != std::string::npos && e.find("overlap") != std::string::npos));
+  std::vector<float> cb(std::size_t(m + n));
+  std::copy(cut.begin(), cut.end(), cb.begin());
+  e = error_of([&] { qb_exact_update(scores, host_view(static_cast<float const*>(cb.data()), m), opt, host_view(cb.data() + 2, n)); });
+  CHECK((e.find("'bias'") != std::string::npos && e.find("'cutoff'") != std::string::npos && e.find("overlap") != std::string::npos));
+
+  // MoonEP dispatch
+  std::vector<std::int64_t> counts{3, 1, 2, 2};
+  auto plan = moonep_rebalance(host_view(static_cast<std::int64_t const*>(counts.data()), index_t(4)), 2);
+  std::vector<std::int32_t> pidx{0, 2, 3, 0, 1, 2, 3, 0};
+  std::vector<std::int64_t> ro(8), so(8);
+  auto iv = host_view(static_cast<std::int32_t const*>(pidx.data()), index_t(4), index_t(2));
+  tensor_view<std::int64_t, 2> const rb(ro.data(), {4, 2}, {0, 1}), sb(so.data(), {4, 2}, {1, 0});
+  CHECK(broadcast_named(error_of([&] { moonep_dispatch(iv, plan, rb, host_view(so.data(), index_t(4), index_t(2))); }), "rank_of"));
+  CHECK(broadcast_named(error_of([&] { moonep_dispatch(iv, plan, host_view(ro.data(), index_t(4), index_t(2)), sb); }), "slot_of"));
+}
+
+TEST_CASE("route, quantile balancing and MoonEP dispatch into strided outputs: the contiguous results, every backend") {
+  for (index_t m : {1, 7, 40}) {
+    index_t const n = 24, k = 3;
+    CAPTURE(m);
+    std::vector<float> s(std::size_t(m * n));
+    std::mt19937 rng(static_cast<std::uint32_t>(m));
+    for (auto& x : s) x = std::uniform_real_distribution<float>(0.05f, 0.95f)(rng);
+    std::vector<float> bias(static_cast<std::size_t>(n));
+    for (auto& x : bias) x = std::uniform_real_distribution<float>(-0.1f, 0.1f)(rng);
+    router_options opt;
+    opt.k = k;
+    auto scores = host_view(static_cast<float const*>(s.data()), m, n);
+    auto bv = host_view(static_cast<float const*>(bias.data()), n);
+    std::vector<std::int32_t> i0(std::size_t(m * k));
+    std::vector<float> w0(std::size_t(m * k)), c0(static_cast<std::size_t>(m));
+    std::vector<std::int64_t> l0(static_cast<std::size_t>(n));
+    route(cpu::serial{}, scores, bv, {host_view(i0.data(), m, k), host_view(w0.data(), m, k), host_view(c0.data(), m), host_view(l0.data(), n)},
+          opt);
+    auto check = [&](auto const& be) {
+      // indices transposed, weights with column stride 2, cut-off stride 3, load stride 2
+      std::vector<std::int32_t> i1(std::size_t(m * k), -7);
+      std::vector<float> w1(std::size_t(m * k * 2), -7.f), c1(std::size_t(m * 3), -7.f);
+      std::vector<std::int64_t> l1(std::size_t(n * 2), -7);
+      route_outputs o{tensor_view<std::int32_t, 2>(i1.data(), {m, k}, {1, m}), tensor_view<float, 2>(w1.data(), {m, k}, {2 * k, 2}),
+                      tensor_view<float, 1>(c1.data(), {m}, {3}), tensor_view<std::int64_t, 1>(l1.data(), {n}, {2})};
+      route(be, scores, bv, o, opt);
+      for (index_t i = 0; i < m; ++i) {
+        for (index_t r = 0; r < k; ++r) {
+          REQUIRE(o.indices(i, r) == i0[std::size_t(i * k + r)]);
+          REQUIRE(o.weights(i, r) == w0[std::size_t(i * k + r)]);
+        }
+        REQUIRE(o.cutoff(i) == c0[std::size_t(i)]);
+      }
+      for (index_t j = 0; j < n; ++j) REQUIRE(o.load(j) == l0[std::size_t(j)]);
+    };
+    check(cpu::serial{});
+    check(cpu::threads<>(3));
+    // new bias into every other element
+    auto cv = host_view(static_cast<float const*>(c0.data()), m);
+    std::vector<float> b0(bias), b1(std::size_t(2 * n), 0.f);
+    tensor_view<float, 1> b1v(b1.data(), {n}, {2});
+    for (index_t j = 0; j < n; ++j) b1v(j) = bias[std::size_t(j)];
+    qb_exact_update(scores, cv, opt, host_view(b0.data(), n), {}, 0.5);
+    qb_exact_update(scores, cv, opt, b1v, {}, 0.5);
+    for (index_t j = 0; j < n; ++j) REQUIRE(b1v(j) == b0[std::size_t(j)]);
+    qb_offline_solve(scores, opt, 3, host_view(b0.data(), n));
+    qb_offline_solve(scores, opt, 3, b1v);
+    for (index_t j = 0; j < n; ++j) REQUIRE(b1v(j) == b0[std::size_t(j)]);
+    auto h = qb_histogram::for_bias(bv, 64);
+    qb_accumulate(scores, cv, h, opt);
+    qb_histogram_update(h, opt.k, host_view(b0.data(), n));
+    qb_histogram_update(h, opt.k, b1v);
+    for (index_t j = 0; j < n; ++j) REQUIRE(b1v(j) == b0[std::size_t(j)]);
+  }
+  // MoonEP dispatch into transposed outputs
+  std::vector<std::int64_t> counts{3, 1, 2, 2};
+  auto plan = moonep_rebalance(host_view(static_cast<std::int64_t const*>(counts.data()), index_t(4)), 2);
+  std::vector<std::int32_t> pidx{0, 2, 3, 0, 1, 2, 3, 0};
+  auto iv = host_view(static_cast<std::int32_t const*>(pidx.data()), index_t(4), index_t(2));
+  std::vector<std::int64_t> ro(8), so(8), rt(8), st(8);
+  moonep_dispatch(iv, plan, host_view(ro.data(), index_t(4), index_t(2)), host_view(so.data(), index_t(4), index_t(2)));
+  tensor_view<std::int64_t, 2> rtv(rt.data(), {4, 2}, {1, 4}), stv(st.data(), {4, 2}, {1, 4});
+  moonep_dispatch(iv, plan, rtv, stv);
+  for (index_t t = 0; t < 4; ++t)
+    for (index_t r = 0; r < 2; ++r) {
+      REQUIRE(rtv(t, r) == ro[std::size_t(t * 2 + r)]);
+      REQUIRE(stv(t, r) == so[std::size_t(t * 2 + r)]);
+    }
 }

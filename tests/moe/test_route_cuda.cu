@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "k3/moe/cuda.cuh"
@@ -103,4 +104,42 @@ TEST_CASE("CUDA router rejects bad arguments") {
   moe::cuda::route_args a;
   a.m = 0;
   CHECK_THROWS_AS(moe::cuda::route_launch(a, nullptr), k3::error);
+}
+
+TEST_CASE("CUDA router rejects outputs over its inputs or each other, naming both (host-side check, before any launch)") {
+  // The check reads only the pointers: host memory stands in for device memory here.
+  std::vector<float> f(4096);
+  std::vector<std::int32_t> idx(64);
+  moe::cuda::route_args a;
+  a.m = 8;
+  a.n = 16;
+  a.k = 2;
+  a.scores = f.data();
+  a.bias = f.data() + 1024;
+  a.indices = idx.data();
+  a.weights = f.data() + 2048;
+  a.cutoff = f.data() + 3072;
+  auto err = [&](moe::cuda::route_args const& b) {
+    try {
+      moe::cuda::route_launch(b, nullptr);
+    } catch (k3::error const& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto names = [](std::string const& e, char const* x, char const* y) {
+    return e.find(std::string("'") + x + "'") != std::string::npos && e.find(std::string("'") + y + "'") != std::string::npos &&
+           e.find("overlap") != std::string::npos;
+  };
+  auto b = a;
+  b.weights = f.data() + 5;
+  CHECK(names(err(b), "weights", "scores"));
+  b = a;
+  b.cutoff = f.data() + 2048 + 3;
+  CHECK(names(err(b), "weights", "cutoff"));
+  b = a;
+  b.hist = reinterpret_cast<unsigned long long*>(f.data() + 1024);
+  b.bins = 4;
+  b.hist_inv_width = 1.f;
+  CHECK(names(err(b), "hist", "bias"));
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "k3/quant/cuda.cuh"
@@ -165,4 +166,46 @@ TEST_CASE("cuda block-scaled GEMM == CPU reference bit for bit") {
                          dsb.v<float const>(nb, kb), dc.v(m, n));
     CHECK(same_bits(dc.get(), c));
   }
+}
+
+TEST_CASE("cuda wrappers reject broadcast (stride-0) or overlapping outputs, naming them (host-side check, before any launch)") {
+  // The checks read only the views' pointers and strides: host memory stands in for device memory.
+  index_t const m = 4, k = 256;
+  std::vector<float> f(std::size_t(4 * m * k));
+  std::vector<std::uint8_t> b(std::size_t(4 * m * k));
+  auto err = [](auto&& fn) {
+    try {
+      fn();
+    } catch (k3::error const& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto bcast = [](std::string const& e, char const* arg) {
+    return e.find(std::string("argument '") + arg + "'") != std::string::npos && e.find("stride 0") != std::string::npos;
+  };
+  auto fv = [&](std::size_t off, index_t r, index_t c) { return qc::dview<float, 2>(f.data() + off, {r, c}); };
+  auto bv = [&](std::size_t off, index_t r, index_t c) { return qc::dview<std::uint8_t, 2>(b.data() + off, {r, c}); };
+  qc::dview<float const, 2> const x = fv(0, m, k);
+  qc::dview<std::uint8_t, 2> const qb(b.data(), {m, k}, {0, 1});
+  qc::dview<float, 2> const sb(f.data() + 2 * m * k, {m, k / 128}, {1, 0});
+  qc::dview<float, 2> const yb(f.data() + 2 * m * k, {m, k}, {0, 1});
+  CHECK(bcast(err([&] { qc::fp8_quantize<float>(x, qb, fv(2 * m * k, m, k / 128), tile_1x128, scale_format::fp32); }), "q"));
+  CHECK(bcast(err([&] { qc::fp8_quantize<float>(x, bv(0, m, k), sb, tile_1x128, scale_format::fp32); }), "s"));
+  qc::dview<std::uint8_t const, 2> const q = bv(0, m, k);
+  qc::dview<float const, 2> const s = fv(3 * m * k, m, k / 128);
+  CHECK(bcast(err([&] { qc::fp8_dequantize(q, s, yb, tile_1x128); }), "y"));
+  std::string e = err([&] { qc::fp8_dequantize(q, s, fv(3 * m * k - 5, m, k), tile_1x128); });
+  CHECK((e.find("'y'") != std::string::npos && e.find("'s'") != std::string::npos && e.find("overlap") != std::string::npos));
+  qc::dview<std::uint8_t, 2> const sb8(b.data() + 2 * m * k, {m, k / 32}, {0, 1});
+  CHECK(bcast(err([&] { qc::mx_quantize<float>(x, bv(0, m, k), sb8, mx_element::e4m3, mx_rule::floor); }), "s"));
+  CHECK(bcast(err([&] { qc::mx_dequantize(q, bv(2 * m * k, m, k / 32), yb, mx_element::e4m3); }), "y"));
+  CHECK(bcast(err([&] { qc::nvfp4_quantize<float>(x, qc::dview<std::uint8_t, 2>(b.data(), {m, k / 2}, {1, 0}), bv(2 * m * k, m, k / 16), 1.f); }), "q"));
+  CHECK(bcast(err([&] { qc::nvfp4_dequantize(bv(0, m, k / 2), bv(2 * m * k, m, k / 16), 1.f, yb); }), "y"));
+  e = err([&] { qc::nvfp4_quantize<float>(x, bv(0, m, k / 2), bv(10, m, k / 16), 1.f); });
+  CHECK((e.find("'s'") != std::string::npos && e.find("'q'") != std::string::npos && e.find("overlap") != std::string::npos));
+  qc::dview<float const, 2> const sbw = fv(3 * m * k, 1, k / 128);
+  CHECK(bcast(err([&] { qc::fp8_block_gemm(q, s, q, sbw, qc::dview<float, 2>(f.data(), {m, m}, {0, 1})); }), "c"));
+  e = err([&] { qc::fp8_block_gemm(q, s, q, sbw, fv(3 * m * k, m, m)); });
+  CHECK((e.find("'c'") != std::string::npos && e.find("overlap") != std::string::npos));
 }

@@ -5,12 +5,27 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "k3/quant.hpp"
 
 using namespace k3;
 using namespace k3::quant;
+using k3::test::error_of;
+
+namespace {
+// The error names the argument and the stride-0 dimension.
+bool broadcast_named(std::string const& e, char const* arg) {
+  return e.find(std::string("argument '") + arg + "'") != std::string::npos && e.find("stride 0") != std::string::npos;
+}
+// A [rows, cols] output over `mem` whose dimension `dim` has stride 0 (the other dense).
+template <class T>
+tensor_view<T, 2> broadcast(std::vector<T>& mem, index_t rows, index_t cols, int dim) {
+  return dim == 0 ? tensor_view<T, 2>(mem.data(), {rows, cols}, {0, 1}) : tensor_view<T, 2>(mem.data(), {rows, cols}, {1, 0});
+}
+}  // namespace
 
 TEST_CASE("fp8_block_gemm: K = 0 gives C = 0 on every backend (an empty sum)") {
   for (index_t m : {1, 5, 70})
@@ -106,4 +121,111 @@ TEST_CASE("MX and NVFP4 on strided inputs and outputs: the bytes of the contiguo
         }
       }
     }
+}
+
+TEST_CASE("quantisers, dequantisers and the GEMM reject an output with a stride-0 dimension (aliasing itself), naming it") {
+  index_t const m = 4, k = 256;
+  std::vector<float> xs(std::size_t(m * k));
+  for (std::size_t i = 0; i < xs.size(); ++i) xs[i] = float(int(i % 29) - 14) * 0.37f;
+  auto x = host_view(static_cast<float const*>(xs.data()), m, k);
+  std::vector<std::uint8_t> qm(std::size_t(m * k)), sm8(std::size_t(m * k));
+  std::vector<float> sf(std::size_t(m * k)), yf(std::size_t(m * k));
+  auto q = host_view(qm.data(), m, k);
+  auto run = [&](auto const& be) {
+    for (int dim : {0, 1}) {
+      CAPTURE(dim);
+      // DeepSeek tiles
+      fp8_quantize(be, x, q, host_view(sf.data(), m, k / 128));
+      auto qc = host_view(static_cast<std::uint8_t const*>(qm.data()), m, k);
+      auto sc = host_view(static_cast<float const*>(sf.data()), m, k / 128);
+      CHECK(broadcast_named(error_of([&] { fp8_quantize(be, x, broadcast(qm, m, k, dim), host_view(sf.data() + 64, m, k / 128)); }), "q"));
+      CHECK(broadcast_named(error_of([&] { fp8_quantize(be, x, q, broadcast(sf, m, k / 128, dim)); }), "s"));
+      CHECK(broadcast_named(error_of([&] { fp8_dequantize(be, qc, sc, broadcast(yf, m, k, dim)); }), "y"));
+      std::vector<std::uint8_t> q2(std::size_t(m * k));
+      std::vector<float> s2(static_cast<std::size_t>(k));
+      CHECK(broadcast_named(error_of([&] { fp8_requantize_1x128_to_128x1(be, qc, sc, broadcast(q2, m, k, dim), host_view(s2.data(), index_t(1), k)); }), "q2"));
+      if (dim == 1)  // s2 is [1, k]: only its columns can be broadcast
+        CHECK(broadcast_named(error_of([&] { fp8_requantize_1x128_to_128x1(be, qc, sc, host_view(q2.data(), m, k), broadcast(s2, 1, k, dim)); }),
+                              "s2"));
+      // MX and NVFP4
+      index_t const qcols = mx_code_columns(mx_element::e4m3, k);
+      CHECK(broadcast_named(error_of([&] { mx_quantize(be, x, broadcast(qm, m, qcols, dim), host_view(sm8.data(), m, k / mx_block), mx_element::e4m3); }),
+                            "q"));
+      CHECK(broadcast_named(error_of([&] { mx_quantize(be, x, q, broadcast(sm8, m, k / mx_block, dim), mx_element::e4m3); }), "s"));
+      mx_quantize(be, x, q, host_view(sm8.data(), m, k / mx_block), mx_element::e4m3);
+      auto s8c = host_view(static_cast<std::uint8_t const*>(sm8.data()), m, k / mx_block);
+      CHECK(broadcast_named(error_of([&] { mx_dequantize(be, qc, s8c, broadcast(yf, m, k, dim), mx_element::e4m3); }), "y"));
+      float const g = nvfp4_tensor_scale(be, x);
+      CHECK(broadcast_named(error_of([&] { nvfp4_quantize(be, x, broadcast(qm, m, k / 2, dim), host_view(sm8.data(), m, k / 16), g); }), "q"));
+      CHECK(broadcast_named(error_of([&] { nvfp4_quantize(be, x, host_view(qm.data(), m, k / 2), broadcast(sm8, m, k / 16, dim), g); }), "s"));
+      nvfp4_quantize(be, x, host_view(qm.data(), m, k / 2), host_view(sm8.data(), m, k / 16), g);
+      CHECK(broadcast_named(error_of([&] {
+                              nvfp4_dequantize(be, host_view(static_cast<std::uint8_t const*>(qm.data()), m, k / 2),
+                                               host_view(static_cast<std::uint8_t const*>(sm8.data()), m, k / 16), g, broadcast(yf, m, k, dim));
+                            }),
+                            "y"));
+      // GEMM: A [m, k] x B [n = m, k]^T
+      fp8_quantize(be, x, q, host_view(sf.data(), m, k / 128));
+      std::vector<float> sbm(std::size_t(k / 128), 1.0f);
+      auto sb = host_view(static_cast<float const*>(sbm.data()), index_t(1), k / 128);
+      CHECK(broadcast_named(error_of([&] { fp8_block_gemm(be, qc, sc, qc, sb, broadcast(yf, m, m, dim)); }), "c"));
+      // a stride-0 dimension of extent 1 writes each element once: accepted
+      CHECK(error_of([&] { fp8_block_gemm(be, qc, sc, qc.sub(0, 0, 1), sb, tensor_view<float, 2>(yf.data(), {m, 1}, {1, 0})); }) == "");
+    }
+  };
+  run(cpu::serial{});
+  run(cpu::simd<>{});
+  run(cpu::threads<>(2));
+}
+
+TEST_CASE("DeepSeek FP8 tiles and the GEMM into strided outputs: the bytes of the contiguous run, every backend") {
+  for (index_t m : {1, 7, 130}) {
+    index_t const k = 200, n = 9;  // k not a multiple of 128: a partial last tile
+    CAPTURE(m);
+    strided_input in(m, k, false, std::uint32_t(m * 13 + 1));
+    auto dense = host_view(static_cast<bfloat16 const*>(in.dense.data()), m, k);
+    index_t const kb = (k + 127) / 128;
+    // contiguous serial reference
+    std::vector<std::uint8_t> q0(std::size_t(m * k)), q20(std::size_t(m * k));
+    std::vector<float> s0(std::size_t(m * kb)), y0(std::size_t(m * k)), s20(std::size_t((m + 127) / 128 * k)), c0(std::size_t(m * n));
+    fp8_quantize(cpu::serial{}, dense, host_view(q0.data(), m, k), host_view(s0.data(), m, kb));
+    auto q0c = host_view(static_cast<std::uint8_t const*>(q0.data()), m, k);
+    auto s0c = host_view(static_cast<float const*>(s0.data()), m, kb);
+    fp8_dequantize(cpu::serial{}, q0c, s0c, host_view(y0.data(), m, k));
+    fp8_requantize_1x128_to_128x1(cpu::serial{}, q0c, s0c, host_view(q20.data(), m, k), host_view(s20.data(), (m + 127) / 128, k));
+    auto qb = q0c.sub(0, 0, std::min(m, n));  // B = the first rows of A (n' = min(m, n))
+    index_t const nn = qb.extent(0);
+    std::vector<float> sbm(std::size_t(kb), 0.5f);
+    auto sb = host_view(static_cast<float const*>(sbm.data()), index_t(1), kb);
+    fp8_block_gemm(cpu::serial{}, q0c, s0c, qb, sb, host_view(c0.data(), m, nn));
+    auto check = [&](auto const& be) {
+      // padded rows (q, s), column stride 2 (y, q2, s2), transposed (c)
+      std::vector<std::uint8_t> q(std::size_t(m * (k + 5)), 0xAB), q2(std::size_t(m * k * 2), 0xAB);
+      std::vector<float> s(std::size_t(m * (kb + 3))), y(std::size_t(m * k * 2)), s2(std::size_t((m + 127) / 128 * k * 2)), c(std::size_t(m * nn));
+      tensor_view<std::uint8_t, 2> qv(q.data(), {m, k}, {k + 5, 1});
+      tensor_view<float, 2> sv(s.data(), {m, kb}, {kb + 3, 1});
+      fp8_quantize(be, in.view, qv, sv);
+      tensor_view<float, 2> yv(y.data(), {m, k}, {2 * k, 2});
+      fp8_dequantize(be, tensor_view<std::uint8_t const, 2>(qv), tensor_view<float const, 2>(sv), yv);
+      tensor_view<std::uint8_t, 2> q2v(q2.data(), {m, k}, {2 * k, 2});
+      tensor_view<float, 2> s2v(s2.data(), {(m + 127) / 128, k}, {2 * k, 2});
+      fp8_requantize_1x128_to_128x1(be, tensor_view<std::uint8_t const, 2>(qv), tensor_view<float const, 2>(sv), q2v, s2v);
+      tensor_view<float, 2> cv(c.data(), {m, nn}, {1, m});
+      fp8_block_gemm(be, tensor_view<std::uint8_t const, 2>(qv), tensor_view<float const, 2>(sv), qb, sb, cv);
+      for (index_t i = 0; i < m; ++i) {
+        for (index_t j = 0; j < k; ++j) {
+          REQUIRE(qv(i, j) == q0[std::size_t(i * k + j)]);
+          REQUIRE(std::memcmp(&yv(i, j), &y0[std::size_t(i * k + j)], sizeof(float)) == 0);
+          REQUIRE(q2v(i, j) == q20[std::size_t(i * k + j)]);
+        }
+        for (index_t j = 0; j < kb; ++j) REQUIRE(std::memcmp(&sv(i, j), &s0[std::size_t(i * kb + j)], sizeof(float)) == 0);
+        for (index_t j = 0; j < nn; ++j) REQUIRE(std::memcmp(&cv(i, j), &c0[std::size_t(i * nn + j)], sizeof(float)) == 0);
+      }
+      for (index_t i = 0; i < s2v.extent(0); ++i)
+        for (index_t j = 0; j < k; ++j) REQUIRE(std::memcmp(&s2v(i, j), &s20[std::size_t(i * k + j)], sizeof(float)) == 0);
+    };
+    check(cpu::serial{});
+    check(cpu::simd<>{});
+    check(cpu::threads<>(3));
+  }
 }

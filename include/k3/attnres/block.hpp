@@ -156,6 +156,7 @@ class block_attn_res {
     });
     detail::check_view("x", x);
     detail::check_shape("x", x, {T_, cfg_.d});
+    detail::check_not_broadcast("x", x);
     index_t const l = l_;
     bool const boundary = !cfg_.partial_at(l);
     if (boundary) push_block();
@@ -226,6 +227,7 @@ class block_attn_res {
   // (phase2_add: the residual add and the merge read the running sum once).
   template <class Y, class X>
   void add_input(tensor_view<Y, 2> y, tensor_view<X, 2> x) {
+    detail::check_not_broadcast("x", x);  // before add() moves the driver on
     index_t const next = l_ + 1;
     bool const fusable = cfg_.run_mode == mode::two_phase && awaiting_add_ && !prefix_empty_ && next <= cfg_.sublayers &&
                          cfg_.partial_at(next);

@@ -10,6 +10,9 @@
 
 #include "k3/attnres/cuda.hpp"
 #include "k3/core/error.hpp"
+#include "k3/core/memory_space.hpp"
+#include "k3/core/tensor_view.hpp"
+#include "k3/core/validate.hpp"
 
 namespace k3::cuda::attnres {
 
@@ -234,6 +237,14 @@ K3_KERNEL void phase2_add_kernel(S const* o, float const* lse, S* prefix, S cons
   }
 }
 
+// The n elements at p as a flat device view, for k3::detail::check_outputs_apart: no output
+// over an input or another output (blocks of other tokens still read the inputs while one
+// writes).
+template <class T>
+tensor_view<T, 1, cuda_device_space> flat(T* p, index_t n) {
+  return k3::detail::flat_view<cuda_device_space>(p, n);
+}
+
 inline void check_sizes(char const* op, index_t m, index_t T, index_t d) {
   k3::detail::require(m >= 0 && m <= max_sources, [&] {
     return std::string(op) + ": " + std::to_string(m) + " sources exceed the CUDA kernels' limit of " + std::to_string(max_sources);
@@ -250,6 +261,12 @@ void mix_forward(S const* bank, index_t n, S const* partial, index_t T, index_t 
   index_t const m = n + (partial ? 1 : 0);
   detail::check_sizes("attnres::mix_forward", m, T, d);
   k3::detail::require(m >= 1, "attnres::mix_forward: a mixing site needs at least one source");
+  k3::detail::check_outputs_apart([&](auto&& f) { f("h", detail::flat(h, T * d)); },
+                                  [&](auto&& f) {
+                                    f("bank", detail::flat(bank, n * T * d));
+                                    f("partial", detail::flat(partial, T * d));
+                                    f("u", detail::flat(u, d));
+                                  });
   if (T == 0) return;
   detail::mix_forward_kernel<S><<<unsigned(T), detail::threads, 0, stream>>>(bank, n, partial, T, d, u, eps, h);
   K3_CUDA_CHECK(cudaGetLastError());
@@ -261,6 +278,21 @@ void mix_backward(S const* bank, index_t n, S const* partial, index_t T, index_t
   index_t const m = n + (partial ? 1 : 0);
   detail::check_sizes("attnres::mix_backward", m, T, d);
   k3::detail::require(m >= 1, "attnres::mix_backward: a mixing site needs at least one source");
+  k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("dbank", detail::flat(dbank, n * T * d));
+        f("dpartial", detail::flat(partial ? dpartial : nullptr, T * d));
+        f("dw", detail::flat(dw, d));
+        f("dgain", detail::flat(dgain, d));
+        f("du_workspace", detail::flat(du_workspace, d));
+      },
+      [&](auto&& f) {
+        f("bank", detail::flat(bank, n * T * d));
+        f("partial", detail::flat(partial, T * d));
+        f("w", detail::flat(w, d));
+        f("gain", detail::flat(gain, d));
+        f("dh", detail::flat(dh, T * d));
+      });
   // u = g * w lives in dgain's buffer until the last kernel overwrites it with the gradient.
   unsigned const blocks_d = unsigned((d + 255) / 256);
   detail::fold_query_kernel<><<<blocks_d, 256, 0, stream>>>(w, gain, d, dgain);
@@ -273,6 +305,7 @@ void mix_backward(S const* bank, index_t n, S const* partial, index_t T, index_t
 template <class S>
 void block_rinv(S const* block, index_t T, index_t d, float eps, float* rinv, stream_t stream) {
   detail::check_sizes("attnres::block_rinv", 1, T, d);
+  k3::detail::check_outputs_apart([&](auto&& f) { f("rinv", detail::flat(rinv, T)); }, [&](auto&& f) { f("block", detail::flat(block, T * d)); });
   if (T == 0) return;
   detail::block_rinv_kernel<S><<<unsigned(T), detail::threads, 0, stream>>>(block, d, eps, rinv);
   K3_CUDA_CHECK(cudaGetLastError());
@@ -283,6 +316,16 @@ void phase1(S const* bank, float const* rinv, index_t n, index_t T, index_t d, f
             stream_t stream) {
   detail::check_sizes("attnres::phase1", n, T, d);
   k3::detail::require(nq >= 0, "attnres::phase1: nq must be >= 0");
+  k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("o", detail::flat(o, nq * T * d));
+        f("lse", detail::flat(lse, nq * T));
+      },
+      [&](auto&& f) {
+        f("bank", detail::flat(bank, n * T * d));
+        f("rinv", detail::flat(rinv, n * T));
+        f("u", detail::flat(u, nq * d));
+      });
   if (T == 0 || nq == 0) return;
   detail::phase1_kernel<S><<<unsigned(T), detail::threads, 0, stream>>>(bank, rinv, n, T, d, u, nq, o, lse);
   K3_CUDA_CHECK(cudaGetLastError());
@@ -292,6 +335,17 @@ template <class S>
 void phase2_add(S const* o, float const* lse, S* prefix, S const* delta, float const* u, index_t T, index_t d, float eps, S* h,
                 stream_t stream) {
   detail::check_sizes("attnres::phase2_add", 1, T, d);
+  k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("prefix", detail::flat(prefix, T * d));
+        f("h", detail::flat(h, T * d));
+      },
+      [&](auto&& f) {
+        f("o", detail::flat(o, T * d));
+        f("lse", detail::flat(lse, T));
+        f("delta", detail::flat(delta, T * d));
+        f("u", detail::flat(u, d));
+      });
   if (T == 0) return;
   detail::phase2_add_kernel<S><<<unsigned(T), detail::threads, 0, stream>>>(o, lse, prefix, delta, u, d, eps, h);
   K3_CUDA_CHECK(cudaGetLastError());

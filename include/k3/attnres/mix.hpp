@@ -330,8 +330,6 @@ void mix_forward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor
   detail::check_shape("gain", g, {d});
   detail::check_shape("h", h, {T, d});
   detail::check_inner_contiguous("h", h);
-  detail::check_no_overlap("h", h, "sources", src.bank);
-  if (src.has_partial) detail::check_no_overlap("h", h, "partial", src.partial);
   detail::require(opt.eps >= 0 && std::isfinite(opt.eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
   index_t const m = src.count();
   bool const keep = stats.size() > 0;
@@ -339,10 +337,20 @@ void mix_forward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor
     detail::check_view("stats", stats);
     detail::check_shape("stats", stats, {T, m, 3});
     detail::require(stats.is_contiguous(), "argument 'stats': must be contiguous");
-    detail::check_no_overlap("stats", stats, "sources", src.bank);
-    if (src.has_partial) detail::check_no_overlap("stats", stats, "partial", src.partial);
-    detail::check_no_overlap("stats", stats, "h", h);
   }
+  // h and stats: neither broadcast (a stride-0 dimension: several tokens into one row, racing
+  // between threads), over the other or over an input.
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("h", h);
+        f("stats", stats);
+      },
+      [&](auto&& f) {
+        f("sources", src.bank);
+        if (src.has_partial) f("partial", src.partial);
+        f("w", w);
+        f("gain", g);
+      });
   if (T == 0 || d == 0) return;
   auto const u = detail::fold_query<C>(w, g, d);
   auto const rows = detail::rows_of(src);
@@ -423,6 +431,7 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
       return static_cast<void const*>(a.data_handle()) == static_cast<void const*>(b.data_handle()) && a.extents() == b.extents() &&
              a.strides() == b.strides() && sizeof(*a.data_handle()) == sizeof(*b.data_handle());
     };
+    outs([&](char const* on, auto const& ov) { ::k3::detail::check_not_broadcast(on, ov); });
     outs([&](char const* on, auto const& ov) {
       ins([&](char const* in, auto const& iv) {
         if constexpr (std::decay_t<decltype(ov)>::rank() == 2 && std::decay_t<decltype(iv)>::rank() == 2 &&

@@ -172,7 +172,7 @@ void block_rinv(B const& b, tensor_view<S, 2> block, tensor_view<R, 1> rinv, dou
   index_t const T = block.extent(0), d = block.extent(1);
   detail::check_view("rinv", rinv);
   detail::check_shape("rinv", rinv, {T});
-  detail::check_no_overlap("rinv", rinv, "block", block);
+  detail::check_outputs_apart([&](auto&& f) { f("rinv", rinv); }, [&](auto&& f) { f("block", block); });
   detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
   using Ops = typename detail::ops_for<B>::template type<C>;
   index_t const tasks = detail::token_tasks(b, T);
@@ -205,13 +205,16 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
   detail::check_rows("o", o, {nq, T, d});
   detail::check_view("lse", lse);
   detail::check_shape("lse", lse, {nq, T});
-  detail::check_no_overlap("o", o, "bank", bank);
-  detail::check_no_overlap("o", o, "bank_rinv", bank_rinv);
-  detail::check_no_overlap("o", o, "u", u);
-  detail::check_no_overlap("lse", lse, "bank", bank);
-  detail::check_no_overlap("lse", lse, "bank_rinv", bank_rinv);
-  detail::check_no_overlap("lse", lse, "u", u);
-  detail::check_no_overlap("lse", lse, "o", o);
+  detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("o", o);
+        f("lse", lse);
+      },
+      [&](auto&& f) {
+        f("bank", bank);
+        f("bank_rinv", bank_rinv);
+        f("u", u);
+      });
   if (T == 0 || nq == 0) return;
   constexpr bool simd = detail::simd_arch<B>::value;
   using O_ = std::remove_const_t<O>;
@@ -346,13 +349,14 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
   detail::check_view("u", u);
   detail::check_shape("u", u, {d});
   detail::check_rows("h", h, {T, d});
-  if (has_partial) {
-    detail::check_rows("partial", partial, {T, d});
-    detail::check_no_overlap("h", h, "partial", partial);
-  }
-  detail::check_no_overlap("h", h, "o", o);
-  detail::check_no_overlap("h", h, "lse", lse);
-  detail::check_no_overlap("h", h, "u", u);
+  if (has_partial) detail::check_rows("partial", partial, {T, d});
+  detail::check_outputs_apart([&](auto&& f) { f("h", h); },
+                              [&](auto&& f) {
+                                f("o", o);
+                                f("lse", lse);
+                                if (has_partial) f("partial", partial);
+                                f("u", u);
+                              });
   detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
   using Ops = typename detail::ops_for<B>::template type<C>;
   std::vector<C> uc(static_cast<std::size_t>(d));
@@ -418,15 +422,19 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
   detail::check_view("u", u);
   detail::check_shape("u", u, {d});
   detail::check_rows("h", h, {T, d});
-  detail::check_no_overlap("h", h, "prefix", prefix);
-  detail::check_no_overlap("h", h, "o", o);
-  detail::check_no_overlap("h", h, "delta", delta);
-  detail::check_no_overlap("h", h, "lse", lse);
-  detail::check_no_overlap("h", h, "u", u);
-  detail::check_no_overlap("prefix", prefix, "o", o);
-  detail::check_no_overlap("prefix", prefix, "delta", delta);
-  detail::check_no_overlap("prefix", prefix, "lse", lse);
-  detail::check_no_overlap("prefix", prefix, "u", u);
+  // prefix is updated in place (it is its own input); neither it nor h broadcast, over the
+  // other or over o, delta, lse, u.
+  detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("prefix", prefix);
+        f("h", h);
+      },
+      [&](auto&& f) {
+        f("o", o);
+        f("delta", delta);
+        f("lse", lse);
+        f("u", u);
+      });
   detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
   using Ops = typename detail::ops_for<B>::template type<C>;
   std::vector<C> uc(static_cast<std::size_t>(d));

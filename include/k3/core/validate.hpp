@@ -96,6 +96,13 @@ void check_not_broadcast(std::string_view name, V const& v) {
                         ") has stride 0; an output must not alias itself (strides " + format_shape(v.strides()) + ")");
 }
 
+// The n elements at p as a flat view (empty when p is null): launchers that take raw pointers
+// to contiguous data pass their arguments to check_outputs_apart through it.
+template <class Space = host_space, class T>
+tensor_view<T, 1, Space> flat_view(T* p, index_t n) {
+  return tensor_view<T, 1, Space>(p, {p ? n : 0});
+}
+
 // outs(f) and ins(f) call f(name, view) for each output and input. The outputs pairwise, each
 // unordered pair once.
 template <class Outs>

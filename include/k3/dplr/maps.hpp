@@ -15,19 +15,25 @@
 
 namespace k3 {
 namespace detail::dplr {
-template <class T, class S>
+// The maps of an early (sequence, head) are stored while later ones still read the span (and
+// `do`, for the transposed maps): neither map broadcast, over those inputs or over the other.
+// h0 is not read.
+template <class T, class S, class Do = const_view<T, 4>>
 void check_maps(problem const& p, dplr_inputs<T> const& in, tensor_view<S, 4> const& M, char const* mname, tensor_view<S, 4> const& N,
-                char const* nname) {
+                char const* nname, Do const& do_ = {}) {
   check_view(mname, M);
   check_shape(mname, M, {p.N, p.H, p.K, p.K});
   check_view(nname, N);
   check_shape(nname, N, {p.N, p.H, p.K, p.V});
-  check_no_overlap(mname, M, nname, N);
-  // The maps of an early (sequence, head) are stored while later ones still read the span.
-  for (auto [name, v] : {std::pair<char const*, const_view<T, 4>>{"q", in.q}, {"k", in.k}, {"v", in.v}, {"a", in.a}, {"b", in.b}, {"gk", in.gk}}) {
-    check_no_overlap(mname, M, name, v);
-    check_no_overlap(nname, N, name, v);
-  }
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f(mname, M);
+        f(nname, N);
+      },
+      [&](auto&& f) {
+        for_each_input(in, f, false);
+        f("do", do_);
+      });
 }
 }  // namespace detail::dplr
 
@@ -60,12 +66,10 @@ void dplr_segment_maps_transposed(dplr_inputs<T> const& in, std::type_identity_t
   using R = dplr_state_t<T>;
   namespace d = detail::dplr;
   auto p = d::make_problem(in, opt);
-  d::check_maps(p, in, Mt, "Mt", G, "G");
   detail::check_view("do", do_);
   detail::check_shape("do", do_, {p.B, p.T, p.H, p.V});
   detail::check_inner_contiguous("do", do_);
-  detail::check_no_overlap("Mt", Mt, "do", do_);
-  detail::check_no_overlap("G", G, "do", do_);
+  d::check_maps(p, in, Mt, "Mt", G, "G", do_);
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   auto par = d::make_par(bk);
   auto one = [&](auto const& ex, index_t task) {
@@ -103,10 +107,17 @@ void dplr_compose_maps(const_view<S, 4> const& M2, const_view<S, 4> const& N2, c
   detail::dplr::check_same("N1", N1, Nn, H, K, V);
   detail::dplr::check_same<S>("M", M, Nn, H, K, K);
   detail::dplr::check_same<S>("N", N, Nn, H, K, V);
-  for (auto [nm, x] : {std::pair<char const*, const_view<S, 4>>{"M2", M2}, {"N2", N2}, {"M1", M1}, {"N1", N1}}) {
-    detail::check_no_overlap("M", M, nm, x);
-    detail::check_no_overlap("N", N, nm, x);
-  }
+  detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("M", M);
+        f("N", N);
+      },
+      [&](auto&& f) {
+        f("M2", M2);
+        f("N2", N2);
+        f("M1", M1);
+        f("N1", N1);
+      });
   for (index_t n = 0; n < Nn; ++n)
     for (index_t h = 0; h < H; ++h)
       for (index_t i = 0; i < K; ++i) {
@@ -134,13 +145,16 @@ void dplr_apply_map(const_view<S, 4> const& M, const_view<S, 4> const& N, const_
   detail::dplr::check_same("N", N, Nn, H, K, V);
   detail::dplr::check_same("S_in", S_in, Nn, H, K, V);
   detail::dplr::check_same<S>("S_out", S_out, Nn, H, K, V);
-  detail::check_no_overlap("S_out", S_out, "S_in", S_in);
-  detail::check_no_overlap("S_out", S_out, "M", M);
   // S_out may be N itself (each N element is read once, just before its S_out element is
   // written); any other overlap with N is refused.
   bool const in_place = static_cast<void const*>(S_out.data_handle()) == static_cast<void const*>(N.data_handle()) &&
                         S_out.extents() == N.extents() && S_out.strides() == N.strides();
-  if (!in_place) detail::check_no_overlap("S_out", S_out, "N", N);
+  detail::check_outputs_apart([&](auto&& f) { f("S_out", S_out); },
+                              [&](auto&& f) {
+                                f("S_in", S_in);
+                                f("M", M);
+                                if (!in_place) f("N", N);
+                              });
   for (index_t n = 0; n < Nn; ++n)
     for (index_t h = 0; h < H; ++h)
       for (index_t i = 0; i < K; ++i)

@@ -8,6 +8,9 @@
 #include <type_traits>
 
 #include "k3/core/error.hpp"
+#include "k3/core/memory_space.hpp"
+#include "k3/core/tensor_view.hpp"
+#include "k3/core/validate.hpp"
 #include "k3/moe/cuda.hpp"
 
 namespace k3::moe::cuda {
@@ -109,6 +112,22 @@ void route_launch(route_args const& a, CUstream_st* stream) {
   need(a.n <= 16384, "cuda route: argument 'scores': at most 16384 experts (shared-memory staging)");
   need(a.scores && a.bias && a.indices && a.weights, "cuda route: null scores/bias/indices/weights pointer");
   need(!a.hist || (a.bins >= 1 && a.hist_inv_width > 0.f), "cuda route: argument 'hist': bins and inverse bin width must be positive");
+  // Blocks read scores, bias and mask while others write: no output over an input or another
+  // output (a null pointer is an absent argument: an empty view).
+  auto dv = [](auto* p, std::int64_t n) { return k3::detail::flat_view<cuda_device_space>(p, n); };
+  k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("indices", dv(a.indices, a.m * a.k));
+        f("weights", dv(a.weights, a.m * a.k));
+        f("cutoff", dv(a.cutoff, a.m));
+        f("load", dv(a.load, a.n));
+        f("hist", dv(a.hist, a.n * a.bins));
+      },
+      [&](auto&& f) {
+        f("scores", dv(a.scores, a.m * a.n));
+        f("bias", dv(a.bias, a.n));
+        f("mask", dv(a.mask, a.m));
+      });
   std::size_t const smem = static_cast<std::size_t>(a.n) * 4 + static_cast<std::size_t>(a.k + 1) * 8 + detail::route_threads / 32 * 8;
   if (smem > 48 * 1024)
     K3_CUDA_CHECK(cudaFuncSetAttribute(detail::route_kernel<Score>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));

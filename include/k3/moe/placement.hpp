@@ -294,9 +294,12 @@ inline void moonep_dispatch(const_view<std::int32_t, 2> indices, moonep_plan con
   ::k3::detail::check_view("slot_of", slot_of);
   ::k3::detail::check_shape("rank_of", rank_of, {Tn, K});
   ::k3::detail::check_shape("slot_of", slot_of, {Tn, K});
-  ::k3::detail::check_no_overlap("rank_of", rank_of, "slot_of", slot_of);
-  ::k3::detail::check_no_overlap("rank_of", rank_of, "indices", indices);
-  ::k3::detail::check_no_overlap("slot_of", slot_of, "indices", indices);
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("rank_of", rank_of);
+        f("slot_of", slot_of);
+      },
+      [&](auto&& f) { f("indices", indices); });
   std::vector<std::vector<moonep_assignment>> parts(static_cast<std::size_t>(p.experts));
   for (auto const& a : p.parts) parts[a.expert].push_back(a);
   std::vector<std::size_t> cur(static_cast<std::size_t>(p.experts), 0);

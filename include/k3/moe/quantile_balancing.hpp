@@ -249,6 +249,7 @@ inline bool qb_histogram_update(qb_histogram const& hist, index_t k, tensor_view
   detail::check_ema(ema);
   ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {hist.experts()});
+  ::k3::detail::check_not_broadcast("bias", bias);
   std::vector<double> b;
   if (!qb_histogram_quantile(hist, k, b)) return false;
   detail::finish_bias(b, bias, ema);
@@ -287,6 +288,12 @@ inline bool qb_exact_update(const_view<float, 2> scores, const_view<float, 1> cu
   detail::check_ema(ema);
   ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {scores.extent(1)});
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("bias", bias); },
+                                    [&](auto&& f) {
+                                      f("scores", scores);
+                                      f("cutoff", cutoff);
+                                      f("mask", mask);
+                                    });
   std::vector<double> b;
   if (!qb_exact_quantile(scores, cutoff, opt, b, mask)) return false;
   detail::finish_bias(b, bias, ema);
@@ -322,6 +329,11 @@ inline void qb_offline_solve(const_view<float, 2> scores, router_options const& 
     ::k3::detail::check_view("mask", mask);
     detail::check_shape("mask", mask, {m});
   }
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("bias", bias); },
+                                    [&](auto&& f) {
+                                      f("scores", scores);
+                                      f("mask", mask);
+                                    });
   std::vector<index_t> rows;
   for (index_t i = 0; i < m; ++i)
     if (mask.empty() || mask(i) != 0) rows.push_back(i);

@@ -172,6 +172,39 @@ void check_2d(char const* arg, V const& v) {
   k3::detail::check_view(arg, v);
 }
 
+// Outputs (host and CUDA entry points alike): none broadcast (a stride-0 dimension of extent > 1
+// writes one address for several elements: order-dependent bytes, races between threads), none
+// over an input or over the other output. See k3::detail::check_outputs_apart.
+template <class Q, class S, class X>
+void check_quantize_outputs(Q const& q, S const& s, X const& x) {
+  k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("q", q);
+        f("s", s);
+      },
+      [&](auto&& f) { f("x", x); });
+}
+
+template <class Y, class Q, class S>
+void check_dequantize_output(Y const& y, Q const& q, S const& s) {
+  k3::detail::check_outputs_apart([&](auto&& f) { f("y", y); },
+                                  [&](auto&& f) {
+                                    f("q", q);
+                                    f("s", s);
+                                  });
+}
+
+template <class C, class QA, class SA, class QB, class SB>
+void check_gemm_output(C const& c, QA const& qa, SA const& sa, QB const& qb, SB const& sb) {
+  k3::detail::check_outputs_apart([&](auto&& f) { f("c", c); },
+                                  [&](auto&& f) {
+                                    f("qa", qa);
+                                    f("sa", sa);
+                                    f("qb", qb);
+                                    f("sb", sb);
+                                  });
+}
+
 }  // namespace detail
 
 // The [rows, last] matrix of a tensor of any rank >= 1, for quantising along the last axis.

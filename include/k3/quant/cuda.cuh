@@ -183,6 +183,10 @@ void fp8_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<float, 2>
   index_t const m = x.extent(0), k = x.extent(1);
   k3::detail::check_shape("q", q, {m, k});
   k3::detail::check_shape("s", s, {detail::ceil_div(m, t.rows), detail::ceil_div(k, t.cols)});
+  detail::check_2d("x", x);
+  detail::check_2d("q", q);
+  detail::check_2d("s", s);
+  detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
   dim3 grid(static_cast<unsigned>(s.extent(1)), static_cast<unsigned>(s.extent(0)));
   kernels::fp8_quantize<T><<<grid, 256, 0, stream>>>(x, q, s, t, fmt);
@@ -193,6 +197,10 @@ inline void fp8_dequantize(dview<std::uint8_t const, 2> q, dview<float const, 2>
   detail::check_tile(t);
   k3::detail::check_shape("s", s, {detail::ceil_div(q.extent(0), t.rows), detail::ceil_div(q.extent(1), t.cols)});
   k3::detail::check_shape("y", y, {q.extent(0), q.extent(1)});
+  detail::check_2d("q", q);
+  detail::check_2d("s", s);
+  detail::check_2d("y", y);
+  detail::check_dequantize_output(y, q, s);
   if (y.size() == 0) return;
   kernels::fp8_dequantize<><<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, y, t);
   K3_CUDA_CHECK(cudaGetLastError());
@@ -204,6 +212,10 @@ void mx_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::uint8
   detail::check_divides("x", k, mx_block);
   k3::detail::check_shape("q", q, {m, mx_code_columns(e, k)});
   k3::detail::check_shape("s", s, {m, k / mx_block});
+  detail::check_2d("x", x);
+  detail::check_2d("q", q);
+  detail::check_2d("s", s);
+  detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
   index_t const threads = m * k;  // one lane per element
   visit(e, [&]<class F>(F) {
@@ -218,6 +230,10 @@ inline void mx_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t con
   detail::check_divides("y", k, mx_block);
   k3::detail::check_shape("q", q, {m, mx_code_columns(e, k)});
   k3::detail::check_shape("s", s, {m, k / mx_block});
+  detail::check_2d("q", q);
+  detail::check_2d("s", s);
+  detail::check_2d("y", y);
+  detail::check_dequantize_output(y, q, s);
   if (y.size() == 0) return;
   visit(e, [&]<class F>(F) { kernels::mx_dequantize<F><<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, y); });
   K3_CUDA_CHECK(cudaGetLastError());
@@ -230,6 +246,10 @@ void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::ui
   detail::check_divides("x", k, nvfp4_block);
   k3::detail::check_shape("q", q, {m, k / 2});
   k3::detail::check_shape("s", s, {m, k / nvfp4_block});
+  detail::check_2d("x", x);
+  detail::check_2d("q", q);
+  detail::check_2d("s", s);
+  detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
   kernels::nvfp4_quantize<T><<<static_cast<unsigned>((m * k + 255) / 256), 256, 0, stream>>>(x, q, s, g);
   K3_CUDA_CHECK(cudaGetLastError());
@@ -242,6 +262,10 @@ inline void nvfp4_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t 
   detail::check_divides("y", k, nvfp4_block);
   k3::detail::check_shape("q", q, {m, k / 2});
   k3::detail::check_shape("s", s, {m, k / nvfp4_block});
+  detail::check_2d("q", q);
+  detail::check_2d("s", s);
+  detail::check_2d("y", y);
+  detail::check_dequantize_output(y, q, s);
   if (y.size() == 0) return;
   kernels::nvfp4_dequantize<><<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, g, y);
   K3_CUDA_CHECK(cudaGetLastError());
@@ -249,6 +273,7 @@ inline void nvfp4_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t 
 
 template <class T>
 float nvfp4_tensor_scale(dview<T const, 2> x, CUstream_st* stream) {
+  detail::check_2d("x", x);
   if (x.size() == 0) return 1.0f;
   std::uint32_t* d = nullptr;
   K3_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&d), sizeof(std::uint32_t), stream));
@@ -270,6 +295,12 @@ inline void fp8_block_gemm(dview<std::uint8_t const, 2> qa, dview<float const, 2
   k3::detail::check_shape("sa", sa, {m, detail::ceil_div(k, 128)});
   k3::detail::check_shape("sb", sb, {detail::ceil_div(n, 128), detail::ceil_div(k, 128)});
   k3::detail::check_shape("c", c, {m, n});
+  detail::check_2d("qa", qa);
+  detail::check_2d("sa", sa);
+  detail::check_2d("qb", qb);
+  detail::check_2d("sb", sb);
+  detail::check_2d("c", c);
+  detail::check_gemm_output(c, qa, sa, qb, sb);
   if (c.size() == 0) return;
   dim3 grid(static_cast<unsigned>(detail::ceil_div(n, kernels::gemm_tile)), static_cast<unsigned>(detail::ceil_div(m, kernels::gemm_tile)));
   kernels::fp8_block_gemm<><<<grid, dim3(kernels::gemm_tile, kernels::gemm_tile), 0, stream>>>(qa, sa, qb, sb, c);

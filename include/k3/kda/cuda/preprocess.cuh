@@ -269,6 +269,7 @@ void l2norm_fwd(S const* x, S* y, index_t rows, index_t D, CUstream_st* stream) 
   if (rows == 0) return;
   detail::require_ptr(x, "x", D > 0);
   detail::require_ptr(y, "y", D > 0);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("y", detail::span(y, rows * D)); }, [&](auto&& f) { f("x", detail::span(x, rows * D)); });
   detail::l2norm_fwd_kernel<S><<<detail::blocks_for(rows * 32, detail::pp_threads), detail::pp_threads, 0, stream>>>(x, y, rows, D);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -280,6 +281,11 @@ void l2norm_bwd(S const* x, S const* dy, S* dx, index_t rows, index_t D, CUstrea
   detail::require_ptr(x, "x", D > 0);
   detail::require_ptr(dy, "dy", D > 0);
   detail::require_ptr(dx, "dx", D > 0);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("dx", detail::span(dx, rows * D)); },
+                                    [&](auto&& f) {
+                                      f("x", detail::span(x, rows * D));
+                                      f("dy", detail::span(dy, rows * D));
+                                    });
   detail::l2norm_bwd_kernel<S><<<detail::blocks_for(rows * 32, detail::pp_threads), detail::pp_threads, 0, stream>>>(x, dy, dx, rows, D);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -290,6 +296,7 @@ void beta_sigmoid_fwd(S const* x, S* beta, index_t n, bool allow_neg_eigval, CUs
   if (n == 0) return;
   detail::require_ptr(x, "x", true);
   detail::require_ptr(beta, "beta", true);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("beta", detail::span(beta, n)); }, [&](auto&& f) { f("x", detail::span(x, n)); });
   detail::beta_fwd_kernel<S><<<detail::grid_for(n), detail::pp_threads, 0, stream>>>(x, beta, n, allow_neg_eigval ? 2.f : 1.f);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -301,6 +308,11 @@ void beta_sigmoid_bwd(S const* x, S const* dbeta, S* dx, index_t n, bool allow_n
   detail::require_ptr(x, "x", true);
   detail::require_ptr(dbeta, "dbeta", true);
   detail::require_ptr(dx, "dx", true);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("dx", detail::span(dx, n)); },
+                                    [&](auto&& f) {
+                                      f("x", detail::span(x, n));
+                                      f("dbeta", detail::span(dbeta, n));
+                                    });
   detail::beta_bwd_kernel<S><<<detail::grid_for(n), detail::pp_threads, 0, stream>>>(x, dbeta, dx, n, allow_neg_eigval ? 2.f : 1.f);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -312,6 +324,12 @@ void gate_fwd(gate_params const& p, S const* x, S* g, CUstream_st* stream) {
   if (n == 0) return;
   detail::require_ptr(x, "x", true);
   detail::require_ptr(g, "g", true);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("g", detail::span(g, n)); },
+                                    [&](auto&& f) {
+                                      f("x", detail::span(x, n));
+                                      f("A_log", detail::span(p.A_log, p.HV));
+                                      f("dt_bias", detail::span(p.dt_bias, p.HV * p.K));
+                                    });
   detail::gate_fwd_kernel<S><<<detail::grid_for(n), detail::pp_threads, 0, stream>>>(p, x, g);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -319,6 +337,19 @@ void gate_fwd(gate_params const& p, S const* x, S* g, CUstream_st* stream) {
 template <class S>
 void gate_bwd(gate_params const& p, S const* x, S const* dg, S* dx, float* dA_log, float* ddt_bias, CUstream_st* stream) {
   detail::check(p);
+  index_t const rows = p.rows * p.HV * p.K;
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("dx", detail::span(dx, rows));
+        f("dA_log", detail::span(dA_log, p.HV));
+        f("ddt_bias", detail::span(ddt_bias, p.HV * p.K));
+      },
+      [&](auto&& f) {
+        f("x", detail::span(x, rows));
+        f("dg", detail::span(dg, rows));
+        f("A_log", detail::span(p.A_log, p.HV));
+        f("dt_bias", detail::span(p.dt_bias, p.HV * p.K));
+      });
   cudaStream_t const s = stream;
   if (dA_log != nullptr) K3_CUDA_CHECK(cudaMemsetAsync(dA_log, 0, static_cast<std::size_t>(p.HV) * sizeof(float), s));
   if (ddt_bias != nullptr) K3_CUDA_CHECK(cudaMemsetAsync(ddt_bias, 0, static_cast<std::size_t>(p.HV * p.K) * sizeof(float), s));
@@ -336,6 +367,19 @@ void short_conv_fwd(conv_params const& p, S const* x, S* y, float const* initial
   index_t const N = detail::check(p);
   ::k3::detail::require(final_state == nullptr || final_state != initial_state,
                         "arguments 'final_state' and 'initial_state': must not alias on the GPU (copy the state first)");
+  index_t const states = N * p.C * (p.W - 1);
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("y", detail::span(y, p.B * p.T * p.C));
+        f("final_state", detail::span(final_state, states));
+      },
+      [&](auto&& f) {
+        f("x", detail::span(x, p.B * p.T * p.C));
+        f("weight", detail::span(p.weight, p.C * p.W));
+        f("bias", detail::span(p.bias, p.C));
+        f("initial_state", detail::span(initial_state, states));
+        f("cu_seqlens", detail::span(p.cu_seqlens, p.cu_seqlens ? N + 1 : 0));
+      });
   index_t const n = p.B * p.T * p.C;
   if (n > 0) {
     detail::require_ptr(x, "x", true);
@@ -356,6 +400,22 @@ void short_conv_bwd(conv_params const& p, S const* x, S const* dy, S* dx, float*
   index_t const N = detail::check(p);
   ::k3::detail::require(d_initial_state == nullptr || initial_state != nullptr,
                         "argument 'd_initial_state': needs the initial_state it differentiates");
+  index_t const states = N * p.C * (p.W - 1), tokens = p.B * p.T * p.C;
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("dx", detail::span(dx, tokens));
+        f("dweight", detail::span(dweight, p.C * p.W));
+        f("dbias", detail::span(dbias, p.C));
+        f("d_initial_state", detail::span(d_initial_state, states));
+      },
+      [&](auto&& f) {
+        f("x", detail::span(x, tokens));
+        f("dy", detail::span(dy, tokens));
+        f("weight", detail::span(p.weight, p.C * p.W));
+        f("bias", detail::span(p.bias, p.C));
+        f("initial_state", detail::span(initial_state, states));
+        f("cu_seqlens", detail::span(p.cu_seqlens, p.cu_seqlens ? N + 1 : 0));
+      });
   cudaStream_t const s = stream;
   if (dweight != nullptr) K3_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<std::size_t>(p.C * p.W) * sizeof(float), s));
   if (dbias != nullptr) K3_CUDA_CHECK(cudaMemsetAsync(dbias, 0, static_cast<std::size_t>(p.C) * sizeof(float), s));
@@ -389,6 +449,17 @@ void short_conv_decode(conv_params const& p, S const* x, S* y, index_t N, float*
   detail::require_ptr(x, "x", true);
   detail::require_ptr(y, "y", true);
   detail::require_ptr(conv_state, "conv_state", p.W > 1 && P > 0);
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("y", detail::span(y, N * p.C));
+        f("conv_state", detail::span(conv_state, P * p.C * (p.W - 1)));
+      },
+      [&](auto&& f) {
+        f("x", detail::span(x, N * p.C));
+        f("weight", detail::span(p.weight, p.C * p.W));
+        f("bias", detail::span(p.bias, p.C));
+        f("slots", detail::span(slots, N));
+      });
   detail::conv_decode_kernel<S><<<detail::grid_for(N * p.C), detail::pp_threads, 0, stream>>>(p, x, y, N, conv_state, P, slots);
   K3_CUDA_CHECK(cudaGetLastError());
 }

@@ -7,6 +7,8 @@
 #include <string>
 
 #include "k3/core/error.hpp"
+#include "k3/core/memory_space.hpp"
+#include "k3/core/validate.hpp"
 #include "k3/kda/cuda_api.hpp"
 
 namespace k3::kda::cuda::detail {
@@ -80,10 +82,36 @@ layout check_inputs(Args const& a) {
   return l;
 }
 
+// Each argument as the contiguous device range it spans (empty when null), for
+// ::k3::detail::check_outputs_apart: no output over an input or another output (other blocks
+// still read the inputs while one writes).
+template <class T>
+auto span(T* p, index_t n) {
+  return ::k3::detail::flat_view<cuda_device_space>(p, n);
+}
+
+template <class Args, class F>
+void for_each_input(Args const& a, layout const& l, F&& f) {
+  index_t const BT = a.B * a.T;
+  f("q", span(a.q, BT * a.H * a.K));
+  f("k", span(a.k, BT * a.H * a.K));
+  f("v", span(a.v, BT * a.HV * a.V));
+  f("g", span(a.g, BT * a.HV * a.K));
+  f("beta", span(a.beta, BT * a.HV));
+  f("h0", span(a.h0, l.N * a.HV * a.K * a.V));
+  f("cu_seqlens", span(a.cu_seqlens, a.cu_seqlens ? l.N + 1 : 0));
+}
+
 template <class S>
 layout check(fwd_args<S> const& a) {
   layout const l = check_inputs(a);
   require_ptr(a.o, "o", a.B * a.T > 0);
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("o", span(a.o, a.B * a.T * a.HV * a.V));
+        f("ht", span(a.ht, l.N * a.HV * a.K * a.V));
+      },
+      [&](auto&& f) { for_each_input(a, l, f); });
   return l;
 }
 
@@ -97,6 +125,21 @@ layout check(bwd_args<S> const& a) {
   require_ptr(a.dv, "dv", tokens);
   require_ptr(a.dg, "dg", tokens);
   require_ptr(a.dbeta, "dbeta", tokens);
+  index_t const BT = a.B * a.T, NS = l.N * a.HV * a.K * a.V;
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("dq", span(a.dq, BT * a.H * a.K));
+        f("dk", span(a.dk, BT * a.H * a.K));
+        f("dv", span(a.dv, BT * a.HV * a.V));
+        f("dg", span(a.dg, BT * a.HV * a.K));
+        f("dbeta", span(a.dbeta, BT * a.HV));
+        f("dh0", span(a.dh0, NS));
+      },
+      [&](auto&& f) {
+        for_each_input(a, l, f);
+        f("do", span(a.do_, BT * a.HV * a.V));
+        f("dht", span(a.dht, NS));
+      });
   return l;
 }
 
@@ -134,6 +177,19 @@ float check(decode_args<S> const& a) {
       seen[static_cast<std::size_t>(s)] = 1;
     }
   }
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("o", span(a.o, a.N * a.HV * a.V));
+        f("state", span(a.state, a.P * a.HV * a.K * a.V));
+      },
+      [&](auto&& f) {
+        f("q", span(a.q, a.N * a.H * a.K));
+        f("k", span(a.k, a.N * a.H * a.K));
+        f("v", span(a.v, a.N * a.HV * a.V));
+        f("g", span(a.g, a.N * a.HV * a.K));
+        f("beta", span(a.beta, a.N * a.HV));
+        f("slots", span(a.slots, a.N));
+      });
   return effective_scale(a.scale, a.K);
 }
 

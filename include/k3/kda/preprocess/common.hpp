@@ -107,9 +107,11 @@ void pp_check_view(std::string_view name, V const& v) {
   if constexpr (!pp_is_none<V>) ::k3::detail::check_view(name, v);
 }
 
-template <class O, class I>
-void pp_check_no_overlap(std::string_view on, O const& o, std::string_view in, I const& i) {
-  if constexpr (!pp_is_none<O> && !pp_is_none<I>) ::k3::detail::check_no_overlap(on, o, in, i);
+// For the argument lists of ::k3::detail::check_outputs_apart: f(name, v) unless v is an absent
+// optional (nullptr).
+template <class F, class V>
+void pp_each(F&& f, char const* name, V const& v) {
+  if constexpr (!pp_is_none<V>) f(name, v);
 }
 
 // Rows per block of a deterministic reduction: the partition depends only on the problem

@@ -112,21 +112,25 @@ void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y c
   index_t const B = x.extent(0), Tn = x.extent(1), C = x.extent(2), W = weight.extent(1);
   ::k3::detail::check_view("y", y);
   ::k3::detail::check_shape("y", y, {B, Tn, C});
-  detail::pp_check_no_overlap("y", y, "x", x);
-  detail::pp_check_no_overlap("y", y, "weight", weight);
-  detail::pp_check_no_overlap("y", y, "bias", bias);
-  detail::pp_check_no_overlap("y", y, "initial_state", initial_state);
   if constexpr (!detail::pp_is_none<S1>) {
     static_assert(detail::pp_writable<S1>, "final_state is an output");
     ::k3::detail::check_view("final_state", final_state);
     ::k3::detail::check_shape("final_state", final_state, {static_cast<index_t>(seqs.size()), C, W - 1});
-    detail::pp_check_no_overlap("final_state", final_state, "y", y);
-    detail::pp_check_no_overlap("final_state", final_state, "x", x);
-    detail::pp_check_no_overlap("final_state", final_state, "weight", weight);
-    detail::pp_check_no_overlap("final_state", final_state, "bias", bias);
-    if (!detail::pp_same_view(initial_state, final_state))
-      detail::pp_check_no_overlap("final_state", final_state, "initial_state", initial_state);
   }
+  // final_state may BE initial_state (the in-place update): then initial_state is checked as
+  // that output (against y), not as an input it overlaps.
+  bool const in_place = detail::pp_same_view(initial_state, final_state);
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("y", y);
+        detail::pp_each(f, "final_state", final_state);
+      },
+      [&](auto&& f) {
+        f("x", x);
+        f("weight", weight);
+        detail::pp_each(f, "bias", bias);
+        if (!in_place) detail::pp_each(f, "initial_state", initial_state);
+      });
   using T = detail::pp_compute_t<X, Wt, Bias, Y, S0, S1>;
   constexpr bool varlen = !detail::pp_is_none<Cu>;
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
@@ -194,24 +198,21 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
     ::k3::detail::check_view("d_initial_state", d_initial_state);
     ::k3::detail::check_shape("d_initial_state", d_initial_state, {N, C, W - 1});
   }
-  // Every output against every input and every other output.
-  auto no_overlap_inputs = [&](std::string_view on, auto const& o) {
-    detail::pp_check_no_overlap(on, o, "x", x);
-    detail::pp_check_no_overlap(on, o, "weight", weight);
-    detail::pp_check_no_overlap(on, o, "bias", bias);
-    detail::pp_check_no_overlap(on, o, "dy", dy);
-    detail::pp_check_no_overlap(on, o, "initial_state", initial_state);
-  };
-  no_overlap_inputs("dx", dx);
-  no_overlap_inputs("dweight", dweight);
-  no_overlap_inputs("dbias", dbias);
-  no_overlap_inputs("d_initial_state", d_initial_state);
-  detail::pp_check_no_overlap("dweight", dweight, "dx", dx);
-  detail::pp_check_no_overlap("dbias", dbias, "dx", dx);
-  detail::pp_check_no_overlap("d_initial_state", d_initial_state, "dx", dx);
-  detail::pp_check_no_overlap("dbias", dbias, "dweight", dweight);
-  detail::pp_check_no_overlap("d_initial_state", d_initial_state, "dweight", dweight);
-  detail::pp_check_no_overlap("d_initial_state", d_initial_state, "dbias", dbias);
+  // Every output: not broadcast, not over an input or another output.
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("dx", dx);
+        detail::pp_each(f, "dweight", dweight);
+        detail::pp_each(f, "dbias", dbias);
+        detail::pp_each(f, "d_initial_state", d_initial_state);
+      },
+      [&](auto&& f) {
+        f("x", x);
+        f("weight", weight);
+        detail::pp_each(f, "bias", bias);
+        f("dy", dy);
+        detail::pp_each(f, "initial_state", initial_state);
+      });
 
   using T = detail::pp_compute_t<X, Wt, Bias, DY, DX, DW, DB, S0, DS0>;
   constexpr bool varlen = !detail::pp_is_none<Cu>;
@@ -323,9 +324,6 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
     ::k3::detail::check_shape("bias", bias, {C});
   }
   ::k3::detail::check_shape("conv_state", conv_state, {::k3::detail::any_extent, C, W - 1});
-  // The pool is updated in place: a stride-0 dimension would make distinct states (or
-  // channels, or taps) one address.
-  ::k3::detail::check_not_broadcast("conv_state", conv_state);
   ::k3::detail::check_shape("y", y, {N, C});
   index_t const P = conv_state.extent(0);
   std::vector<index_t> slot(static_cast<std::size_t>(N));
@@ -354,14 +352,20 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
       slot[static_cast<std::size_t>(n)] = s;
     }
   }
-  detail::pp_check_no_overlap("y", y, "x", x);
-  detail::pp_check_no_overlap("y", y, "weight", weight);
-  detail::pp_check_no_overlap("y", y, "bias", bias);
-  detail::pp_check_no_overlap("y", y, "conv_state", conv_state);
-  detail::pp_check_no_overlap("conv_state", conv_state, "x", x);
-  detail::pp_check_no_overlap("conv_state", conv_state, "weight", weight);
-  detail::pp_check_no_overlap("conv_state", conv_state, "bias", bias);
-  detail::pp_check_no_overlap("conv_state", conv_state, "slots", slots);
+  // The pool is updated in place (its own input): a stride-0 dimension would make distinct
+  // states (or channels, or taps) one address. y and the pool: not broadcast, not over an
+  // input or each other.
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("conv_state", conv_state);
+        f("y", y);
+      },
+      [&](auto&& f) {
+        f("x", x);
+        f("weight", weight);
+        detail::pp_each(f, "bias", bias);
+        detail::pp_each(f, "slots", slots);
+      });
   using T = detail::pp_compute_t<X, Wt, Bias, St, Y>;
   using SS = detail::pp_elem_t<St>;
   b.for_each(0, N, [&](index_t n) {

@@ -75,7 +75,7 @@ void l2norm(Bk const& b, X const& x, Y const& y) {
   ::k3::detail::check_view("x", x);
   ::k3::detail::check_view("y", y);
   detail::pp_check_same_shape("x", x, "y", y);
-  ::k3::detail::check_no_overlap("y", y, "x", x);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("y", y); }, [&](auto&& f) { f("x", x); });
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sy = y.stride(L);
   b.for_each(0, detail::pp_rows(x), [&](index_t r) {
@@ -105,8 +105,11 @@ void l2norm_backward(Bk const& b, X const& x, DY const& dy, DX const& dx) {
   ::k3::detail::check_view("dx", dx);
   detail::pp_check_same_shape("x", x, "dy", dy);
   detail::pp_check_same_shape("x", x, "dx", dx);
-  ::k3::detail::check_no_overlap("dx", dx, "x", x);
-  ::k3::detail::check_no_overlap("dx", dx, "dy", dy);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("dx", dx); },
+                                    [&](auto&& f) {
+                                      f("x", x);
+                                      f("dy", dy);
+                                    });
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sg = dy.stride(L), sd = dx.stride(L);
   b.for_each(0, detail::pp_rows(x), [&](index_t r) {
@@ -138,7 +141,7 @@ void beta_sigmoid(Bk const& b, X const& x, Y const& beta, bool allow_neg_eigval 
   ::k3::detail::check_view("x", x);
   ::k3::detail::check_view("beta", beta);
   detail::pp_check_same_shape("x", x, "beta", beta);
-  ::k3::detail::check_no_overlap("beta", beta, "x", x);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("beta", beta); }, [&](auto&& f) { f("x", x); });
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sy = beta.stride(L);
   T const s = allow_neg_eigval ? T(2) : T(1);
@@ -162,8 +165,11 @@ void beta_sigmoid_backward(Bk const& b, X const& x, DY const& dbeta, DX const& d
   ::k3::detail::check_view("dx", dx);
   detail::pp_check_same_shape("x", x, "dbeta", dbeta);
   detail::pp_check_same_shape("x", x, "dx", dx);
-  ::k3::detail::check_no_overlap("dx", dx, "x", x);
-  ::k3::detail::check_no_overlap("dx", dx, "dbeta", dbeta);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("dx", dx); },
+                                    [&](auto&& f) {
+                                      f("x", x);
+                                      f("dbeta", dbeta);
+                                    });
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sg = dbeta.stride(L), sd = dx.stride(L);
   T const s = allow_neg_eigval ? T(2) : T(1);
@@ -221,9 +227,12 @@ void pp_gate_forward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bia
   static_assert(pp_writable<G>, "g is an output");
   pp_check_gate("g", x, A_log, dt_bias, g);
   if constexpr (Kind == pp_gate::lower_bound) pp_check_lower_bound(lb);
-  pp_check_no_overlap("g", g, "x", x);
-  pp_check_no_overlap("g", g, "A_log", A_log);
-  pp_check_no_overlap("g", g, "dt_bias", dt_bias);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("g", g); },
+                                    [&](auto&& f) {
+                                      f("x", x);
+                                      pp_each(f, "A_log", A_log);
+                                      pp_each(f, "dt_bias", dt_bias);
+                                    });
   using T = pp_compute_t<X, A, Bias, G>;
   index_t const B = x.extent(0), Tn = x.extent(1), HV = x.extent(2), K = x.extent(3);
   b.for_each(0, B * Tn * HV, [&](index_t r) {
@@ -268,17 +277,18 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
     ::k3::detail::check_view("ddt_bias", ddt_bias);
     ::k3::detail::check_shape("ddt_bias", ddt_bias, {HV, K});
   }
-  pp_check_no_overlap("dx", dx, "x", x);
-  pp_check_no_overlap("dx", dx, "dg", dg);
-  pp_check_no_overlap("dx", dx, "A_log", A_log);
-  pp_check_no_overlap("dx", dx, "dt_bias", dt_bias);
-  pp_check_no_overlap("dA_log", dA_log, "dx", dx);
-  pp_check_no_overlap("ddt_bias", ddt_bias, "dx", dx);
-  pp_check_no_overlap("dA_log", dA_log, "ddt_bias", ddt_bias);
-  pp_check_no_overlap("dA_log", dA_log, "x", x);
-  pp_check_no_overlap("dA_log", dA_log, "dg", dg);
-  pp_check_no_overlap("ddt_bias", ddt_bias, "x", x);
-  pp_check_no_overlap("ddt_bias", ddt_bias, "dg", dg);
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("dx", dx);
+        pp_each(f, "dA_log", dA_log);
+        pp_each(f, "ddt_bias", ddt_bias);
+      },
+      [&](auto&& f) {
+        f("x", x);
+        f("dg", dg);
+        pp_each(f, "A_log", A_log);
+        pp_each(f, "dt_bias", dt_bias);
+      });
   using T = pp_compute_t<X, A, Bias, DG, DX, DA, DB>;
   constexpr bool want_params = !pp_is_none<DA> || !pp_is_none<DB>;
   std::size_t const width = static_cast<std::size_t>(HV * (K + 1));
