@@ -17,4 +17,10 @@ std::string error_of(F&& f) {
   return "";
 }
 
+// Whether an error message reports arguments `a` and `b` (quoted, as k3 names them) overlapping.
+inline bool names_overlap(std::string const& e, char const* a, char const* b) {
+  return e.find(std::string("'") + a + "'") != std::string::npos && e.find(std::string("'") + b + "'") != std::string::npos &&
+         e.find("overlap") != std::string::npos;
+}
+
 }  // namespace k3::test

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "attnres/cuda_ref.hpp"
 #include "k3/attnres/cuda.cuh"
 
@@ -116,18 +117,8 @@ TEST_CASE("outputs over inputs or each other are a k3::error naming both, before
   i64 const n = 2, T = 3, d = 4, nq = 2;
   std::vector<float> m(1024);
   auto at = [&](int i) { return m.data() + 64 * i; };
-  auto err = [](auto&& fn) {
-    try {
-      fn();
-    } catch (k3::error const& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
-  auto names = [](std::string const& e, char const* a, char const* b) {
-    return e.find(std::string("'") + a + "'") != std::string::npos && e.find(std::string("'") + b + "'") != std::string::npos &&
-           e.find("overlap") != std::string::npos;
-  };
+  auto err = [](auto&& fn) { return k3::test::error_of(fn); };
+  auto const names = k3::test::names_overlap;
   CHECK(names(err([&] { ka::mix_forward<float>(at(0), n, at(1), T, d, at(2), 1e-5f, at(0) + 5, nullptr); }), "h", "bank"));
   CHECK(names(err([&] { ka::mix_forward<float>(at(0), n, at(1), T, d, at(2), 1e-5f, at(2) - 3, nullptr); }), "h", "u"));
   CHECK(names(err([&] { ka::block_rinv<float>(at(0), T, d, 1e-5f, at(0) + 1, nullptr); }), "rinv", "block"));

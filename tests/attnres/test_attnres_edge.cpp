@@ -19,10 +19,7 @@ namespace {
 using k3::test::error_of;
 using k3::test::loopback;
 using k3::test::mailbox;
-bool names(std::string const& e, char const* a, char const* b) {
-  return e.find(std::string("'") + a + "'") != std::string::npos && e.find(std::string("'") + b + "'") != std::string::npos &&
-         e.find("overlap") != std::string::npos;
-}
+constexpr auto names = k3::test::names_overlap;
 }  // namespace
 
 TEST_CASE("attnres mix: stats and gradients overlapping inputs or each other are rejected") {

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/kda/cuda/validate.hpp"
 
@@ -281,10 +282,7 @@ TEST_CASE("launcher checks reject an output over an input or another output, nam
     }
     return std::string();
   };
-  auto names = [](std::string const& e, char const* x, char const* y) {
-    return e.find(std::string("'") + x + "'") != std::string::npos && e.find(std::string("'") + y + "'") != std::string::npos &&
-           e.find("overlap") != std::string::npos;
-  };
+  auto const names = k3::test::names_overlap;
   kc::fwd_args<float> a;
   a.q = at(0), a.k = at(1), a.v = at(2), a.g = at(3), a.beta = at(4), a.h0 = at(5);
   a.o = at(6), a.ht = at(7);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "k3/kda/cuda/kda.cuh"
 #include "k3/kda/preprocess.hpp"
 
@@ -263,18 +264,8 @@ TEST_CASE("pre-processing launchers reject an output over an input or another ou
   namespace kc = k3::kda::cuda;
   std::vector<float> mem(16 * 256);
   auto at = [&](int i) { return mem.data() + 256 * i; };
-  auto err = [](auto&& fn) {
-    try {
-      fn();
-    } catch (k3::error const& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
-  auto names = [](std::string const& e, char const* a, char const* b) {
-    return e.find(std::string("'") + a + "'") != std::string::npos && e.find(std::string("'") + b + "'") != std::string::npos &&
-           e.find("overlap") != std::string::npos;
-  };
+  auto err = [](auto&& fn) { return k3::test::error_of(fn); };
+  auto const names = k3::test::names_overlap;
   CHECK(names(err([&] { kc::l2norm_fwd<float>(at(0), at(0) + 3, 4, 8, nullptr); }), "y", "x"));
   CHECK(names(err([&] { kc::l2norm_bwd<float>(at(0), at(1), at(1), 4, 8, nullptr); }), "dx", "dy"));
   CHECK(names(err([&] { kc::beta_sigmoid_fwd<float>(at(0), at(0) + 10, 16, false, nullptr); }), "beta", "x"));

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "k3/moe/cuda.cuh"
 #include "k3/moe/quantile_balancing.hpp"
 #include "k3/moe/router.hpp"
@@ -127,10 +128,7 @@ TEST_CASE("CUDA router rejects outputs over its inputs or each other, naming bot
     }
     return std::string();
   };
-  auto names = [](std::string const& e, char const* x, char const* y) {
-    return e.find(std::string("'") + x + "'") != std::string::npos && e.find(std::string("'") + y + "'") != std::string::npos &&
-           e.find("overlap") != std::string::npos;
-  };
+  auto const names = k3::test::names_overlap;
   auto b = a;
   b.weights = f.data() + 5;
   CHECK(names(err(b), "weights", "scores"));

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "k3/quant/cuda.cuh"
 #include "k3/quant/reference.hpp"
 
@@ -173,14 +174,7 @@ TEST_CASE("cuda wrappers reject broadcast (stride-0) or overlapping outputs, nam
   index_t const m = 4, k = 256;
   std::vector<float> f(std::size_t(4 * m * k));
   std::vector<std::uint8_t> b(std::size_t(4 * m * k));
-  auto err = [](auto&& fn) {
-    try {
-      fn();
-    } catch (k3::error const& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
+  auto err = [](auto&& fn) { return k3::test::error_of(fn); };
   auto bcast = [](std::string const& e, char const* arg) {
     return e.find(std::string("argument '") + arg + "'") != std::string::npos && e.find("stride 0") != std::string::npos;
   };
