@@ -52,18 +52,27 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
   auto gv = k3::tensor_view<C const, 1>(g.data(), {static_cast<k3::index_t>(g.size())});
   ar::options opt;
   opt.eps = args.number("eps", 1e-5);
-  auto src = part ? ar::make_sources(bank, *part) : ar::make_sources(bank);
-  std::vector<S> h(static_cast<std::size_t>(k3::cli::output_elements("h", {T, d})));
-  ar::mix_forward(b, src, wv, gv, k3::host_view(h.data(), T, d), opt);
-  args.save("h", k3::host_view(h.data(), T, d));
-  if (args.flag("backward")) {
+  // dh is read and checked before anything is written: a bad dh leaves no h.npy behind.
+  std::vector<C> dh;
+  bool const backward = args.flag("backward");
+  if (backward) {
     auto dh_arr = args.load("dh");
     k3::detail::require(dh_arr.rank() == 2 && dh_arr.shape()[0] == T && dh_arr.shape()[1] == d, [&] {
       return "argument 'dh': expected shape [" + std::to_string(T) + ", " + std::to_string(d) + "], got " +
              k3::detail::format_shape(dh_arr.shape());
     });
-    std::vector<C> dh(static_cast<std::size_t>(T * d));
+    // Like w and gain: an integer file is not a gradient.
+    k3::detail::require(dh_arr.type() == k3::io::dtype::float32 || dh_arr.type() == k3::io::dtype::float64 ||
+                            dh_arr.type() == k3::io::dtype::bfloat16 || dh_arr.type() == k3::io::dtype::uint16,
+                        [&] { return std::string("argument 'dh': expected a floating-point dtype, got ") + k3::io::dtype_name(dh_arr.type()); });
+    dh.resize(static_cast<std::size_t>(T * d));
     for (k3::index_t i = 0; i < T * d; ++i) dh[static_cast<std::size_t>(i)] = C(element(dh_arr, i));
+  }
+  auto src = part ? ar::make_sources(bank, *part) : ar::make_sources(bank);
+  std::vector<S> h(static_cast<std::size_t>(k3::cli::output_elements("h", {T, d})));
+  ar::mix_forward(b, src, wv, gv, k3::host_view(h.data(), T, d), opt);
+  args.save("h", k3::host_view(h.data(), T, d));
+  if (backward) {
     k3::index_t const n = bank.extent(0);
     std::vector<C> ds(static_cast<std::size_t>(n * T * d)), dp(static_cast<std::size_t>(T * d)), dw(w.size()), dg(g.size());
     ar::mix_backward(b, src, wv, gv, k3::tensor_view<C const, 2>(dh.data(), {T, d}),

@@ -182,9 +182,17 @@ int run_dequant(k3::cli::args& a) {
                     std::to_string(s.fam == family::mx ? q::mx_block : q::nvfp4_block));
   index_t const want_r = s.fam == family::deepseek ? (m + s.tile.rows - 1) / s.tile.rows : m;
   index_t const want_c = s.fam == family::deepseek ? (k + s.tile.cols - 1) / s.tile.cols : k / (s.fam == family::mx ? q::mx_block : q::nvfp4_block);
-  if (sshape.first != want_r || sshape.second != want_c)
-    throw k3::error("argument 'scales': expected " + std::to_string(want_r) + " x " + std::to_string(want_c) + " scales for codes of shape " +
-                    k3::detail::format_shape(ca.shape()) + " (" + std::to_string(m) + " rows of " + std::to_string(k) +
+  // The shape k3 quant writes: MX/NVFP4 scales keep the codes' leading axes (or their flattened
+  // [rows, blocks] form); DeepSeek scales are one [row tiles, column tiles] matrix. Another shape
+  // with the same element count (e.g. leading axes in another order) is a different file.
+  bool const layout_ok = s.fam == family::deepseek ? sa.rank() == 2
+                                                   : (sa.rank() == 2 || sa.shape() == with_last(ca.shape(), want_c));
+  if (sshape.first != want_r || sshape.second != want_c || !layout_ok)
+    throw k3::error("argument 'scales': expected shape " +
+                    (s.fam == family::deepseek ? k3::detail::format_shape({want_r, want_c})
+                                               : k3::detail::format_shape(with_last(ca.shape(), want_c)) + " (or " +
+                                                     k3::detail::format_shape({want_r, want_c}) + ")") +
+                    " for codes of shape " + k3::detail::format_shape(ca.shape()) + " (" + std::to_string(m) + " rows of " + std::to_string(k) +
                     " elements), got shape " + k3::detail::format_shape(sa.shape()));
   auto flat = [&](k3::io::npy_array const& arr, char const* name, auto tag, index_t rows, index_t cols) {
     using E = decltype(tag);

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -36,8 +37,12 @@ int run_route(k3::cli::args& args) {
   auto scores_file = args.load_optional("scores");
   std::optional<k3::io::npy_array> input = scores_file;
   std::string in_name = "scores";
+  auto logits_file = args.load_optional("logits");
+  // Both present: which one to route on is a guess, so neither is picked silently.
+  if (scores_file && logits_file)
+    throw k3::error("ambiguous input: both scores.npy and logits.npy are in " + args.value("in") + "; give one of them");
   if (!input) {
-    input = args.load_optional("logits");
+    input = std::move(logits_file);
     in_name = "logits";
     opt.input = moe::score_kind::logits;
   }
@@ -59,7 +64,11 @@ int run_route(k3::cli::args& args) {
       return "argument 'mask': expected shape [" + std::to_string(m) + "], got " + k3::detail::format_shape(mk->shape());
     });
     mask.resize(static_cast<std::size_t>(m));
-    for (k3::index_t i = 0; i < m; ++i) mask[static_cast<std::size_t>(i)] = mk->as_double(i) != 0 ? 1 : 0;
+    for (k3::index_t i = 0; i < m; ++i) {
+      double const v = mk->as_double(i);
+      k3::detail::require(std::isfinite(v), [&] { return "argument 'mask': non-finite value at token " + std::to_string(i); });
+      mask[static_cast<std::size_t>(i)] = v != 0 ? 1 : 0;
+    }
   }
   k3::const_view<std::uint8_t, 1> mv = mask.empty() ? k3::const_view<std::uint8_t, 1>{} : k3::const_view<std::uint8_t, 1>(mask.data(), {m});
   k3::const_view<float, 2> sv(s.data(), {m, n});
@@ -72,8 +81,36 @@ int run_route(k3::cli::args& args) {
   if (opt.k < 1 || opt.k >= n)
     throw k3::cli::usage_error("option '--k': must be in [1, n - 1] = [1, " + std::to_string(n - 1) + "] for n = " + std::to_string(n) +
                                " experts, got " + std::to_string(opt.k));
+  // Options that only one mode reads are errors elsewhere, not silently dropped: --solve runs no
+  // per-batch update (the solver routes with its own bias), --groups > 1 has no Quantile Balancing,
+  // --iterations is the solver's and --bins the histogram's.
+  bool const solve = args.flag("solve");
+  if (!solve && args.has("iterations")) throw k3::cli::usage_error("option '--iterations' applies only with --solve");
+  for (char const* o : {"update", "bins", "ema"}) {
+    if (solve && args.has(o))
+      throw k3::cli::usage_error(std::string("option '--") + o +
+                                 "' does not apply with --solve (the offline solver routes with its own bias and writes it as new_bias.npy)");
+    if (opt.n_groups > 1 && args.has(o))
+      throw k3::cli::usage_error(std::string("option '--") + o + "' does not apply with --groups " + std::to_string(opt.n_groups) +
+                                 " (no Quantile Balancing for group-limited routing: new_bias.npy is the input bias)");
+  }
+  if (solve && opt.n_groups > 1)
+    throw k3::cli::usage_error("option '--solve' does not apply with --groups " + std::to_string(opt.n_groups) +
+                               " (Quantile Balancing does not cover group-limited routing)");
+  if (args.has("bins") && update != "histogram") throw k3::cli::usage_error("option '--bins' applies only to --update histogram");
+  // The library checks these too, under its own argument names (routed_scale, n_groups, ...).
+  if (!std::isfinite(opt.routed_scale))
+    throw k3::cli::usage_error("option '--scale': must be a finite float32, got '" + args.value("scale") + "'");
+  if (opt.n_groups < 1 || n % opt.n_groups != 0)
+    throw k3::cli::usage_error("option '--groups': must divide n = " + std::to_string(n) + ", got " + std::to_string(opt.n_groups));
+  if (opt.topk_groups < 1 || opt.topk_groups > opt.n_groups)
+    throw k3::cli::usage_error("option '--topk-groups': must be in [1, --groups] = [1, " + std::to_string(opt.n_groups) + "], got " +
+                               std::to_string(opt.topk_groups));
+  if (opt.k > opt.topk_groups * (n / opt.n_groups))
+    throw k3::cli::usage_error("option '--k': " + std::to_string(opt.k) + " is more than the " + std::to_string(opt.topk_groups * (n / opt.n_groups)) +
+                               " experts of --topk-groups " + std::to_string(opt.topk_groups) + " groups of " + std::to_string(n / opt.n_groups));
   std::vector<float> new_bias = bias;
-  if (args.flag("solve")) {
+  if (solve) {
     // Offline solver on this batch; then route with the solved bias.
     // Bounded: each iteration is O(m n); the solver converges in ~10 (spec A.4.1).
     k3::index_t const it = args.integer_in("iterations", 12, 1, 10000);
@@ -86,7 +123,7 @@ int run_route(k3::cli::args& args) {
   moe::route_outputs out{k3::host_view(idx.data(), m, opt.k), k3::host_view(w.data(), m, opt.k), k3::host_view(cut.data(), m),
                          k3::host_view(load.data(), n)};
   k3::const_view<float, 1> bv(bias.data(), {n});
-  if (!args.flag("solve")) {
+  if (!solve) {
     if (opt.n_groups > 1) {
       // QB does not cover group-limited routing: route only, the bias is kept.
       moe::route(backend, sv, bv, out, opt, mv);
@@ -129,7 +166,9 @@ k3::cli::registrar reg({"route", "MoE top-k routing with Quantile Balancing (sig
                         "(ties: lower expert index), weights from s renormalised x scale. Writes indices.npy [m, k] int32\n"
                         "(-1 for padding), weights.npy [m, k], load.npy [n] int64 and new_bias.npy [n]: the Quantile-\n"
                         "Balancing bias for the NEXT batch (this batch is routed with the old one). With --solve, runs the\n"
-                        "offline solver on this batch, routes with its bias and writes it as new_bias.npy.",
+                        "offline solver on this batch (from a zero bias: bias.npy is not used), routes with its bias and writes it\n"
+                        "as new_bias.npy. --update/--bins/--ema are errors with --solve or --groups > 1, --iterations without\n"
+                        "--solve and --bins with --update exact (options that would otherwise be ignored).",
                         k3::cli::io_options({{"k", true, "experts per token (default 16)"},
                                              {"scale", true, "routed scaling factor (default 1.0)"},
                                              {"bins", true, "histogram bins (default 1000)"},

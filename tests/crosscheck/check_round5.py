@@ -619,8 +619,11 @@ def route_sweep(rng, nseeds):
                         put(d, "bias", b)
                         if use_mask:
                             put(d, "mask", mask.astype(np.uint8 if seed % 2 else np.bool_))
-                        opts = ["--k", str(k), "--scale", "2.5", "--update", upd, "--ema", repr(ema), "--bins", "257",
-                                "--groups", str(groups), "--topk-groups", str(tg), "--threads", str(seed % 3)]
+                        # --update/--ema/--bins only where they apply (k3 rejects them elsewhere)
+                        opts = ["--k", str(k), "--scale", "2.5", "--groups", str(groups), "--topk-groups", str(tg),
+                                "--threads", str(seed % 3)]
+                        if groups == 1:
+                            opts += ["--update", upd, "--ema", repr(ema)] + (["--bins", "257"] if upd == "histogram" else [])
                         r = run(label, "route", d, opts)
                         if r is None:
                             continue

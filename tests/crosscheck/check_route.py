@@ -112,11 +112,13 @@ def run_case(ck, label, rng, m, n, k, scale=1.0, bias_scale=0.05, masked=False, 
     save(d, "bias", b)
     if masked:
         save(d, "mask", mask.astype([bool, np.uint8, np.int32][m % 3]))  # numpy bool is the natural mask dtype
-    opts = ["--k", str(k), "--scale", repr(scale), "--update", update]
-    if bins is not None:
-        opts += ["--bins", str(bins)]
-    if ema is not None:
-        opts += ["--ema", repr(ema)]
+    opts = ["--k", str(k), "--scale", repr(scale)]
+    if not solve and not (groups and groups > 1):  # k3 rejects the update options where no update runs
+        opts += ["--update", update]
+        if bins is not None:
+            opts += ["--bins", str(bins)]
+        if ema is not None:
+            opts += ["--ema", repr(ema)]
     if groups:
         opts += ["--groups", str(groups), "--topk-groups", str(topk_groups)]
     if solve:

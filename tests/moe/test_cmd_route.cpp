@@ -1,12 +1,15 @@
 // `k3 route` end to end: writes .npy inputs, runs the tool, compares with the library.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <unistd.h>
+#include <utility>
+#include <vector>
 
 #include "k3/io/npy.hpp"
 #include "moe/moe_test_util.hpp"
@@ -78,5 +81,43 @@ TEST_CASE("k3 route: histogram and exact updates, --solve, and a clear error for
   CHECK(err.find("option '--k': must be in [1, n - 1]") != std::string::npos);
   CHECK(run(io + (dir / "x").string() + " --k 4 --update median", &err) != 0);
   CHECK(err.find("histogram|exact") != std::string::npos);
+  // Options the chosen mode would not read are errors, not silently ignored.
+  for (auto const& [opts, what] : std::vector<std::pair<std::string, std::string>>{
+           {" --solve --update exact", "'--update' does not apply with --solve"},
+           {" --solve --bins 10", "'--bins' does not apply with --solve"},
+           {" --solve --ema 0.5", "'--ema' does not apply with --solve"},
+           {" --groups 4 --update histogram", "'--update' does not apply with --groups 4"},
+           {" --groups 4 --topk-groups 2 --bins 8", "'--bins' does not apply with --groups 4"},
+           {" --groups 4 --topk-groups 2 --ema 0.1", "'--ema' does not apply with --groups 4"},
+           {" --groups 4 --topk-groups 2 --solve", "'--solve' does not apply with --groups 4"},
+           {" --iterations 5", "'--iterations' applies only with --solve"},
+           {" --update exact --bins 10", "'--bins' applies only to --update histogram"}}) {
+    CAPTURE(opts);
+    CHECK(run(io + (dir / "x").string() + " --k 4" + opts, &err) != 0);
+    CHECK(err.find(what) != std::string::npos);
+    CHECK(!fs::exists(dir / "x" / "indices.npy"));
+  }
+  // Named by the CLI option, not the library's field.
+  CHECK(run(io + (dir / "x").string() + " --k 4 --groups 5", &err) != 0);
+  CHECK(err.find("option '--groups': must divide n = 32") != std::string::npos);
+  CHECK(run(io + (dir / "x").string() + " --k 4 --scale nan", &err) != 0);
+  CHECK(err.find("option '--scale'") != std::string::npos);
+  // Both scores.npy and logits.npy: ambiguous, not a silent pick.
+  k3::io::write_npy((dir / "in" / "logits.npy").string(), k3::host_view(s.data(), m, n));
+  CHECK(run(io + (dir / "x").string() + " --k 4", &err) != 0);
+  CHECK(err.find("both scores.npy and logits.npy") != std::string::npos);
+  fs::remove(dir / "in" / "logits.npy");
+  // A non-finite mask entry is an error, not a real token.
+  {
+    std::vector<float> mk(static_cast<std::size_t>(m), 1.f);
+    mk[7] = std::nanf("");
+    k3::io::write_npy((dir / "in" / "mask.npy").string(), k3::host_view(mk.data(), m));
+    CHECK(run(io + (dir / "x").string() + " --k 4", &err) != 0);
+    CHECK(err.find("argument 'mask': non-finite value at token 7") != std::string::npos);
+    fs::remove(dir / "in" / "mask.npy");
+  }
+  // The combinations that do apply still run.
+  for (std::string const opts : {" --update exact --ema 0.5", " --bins 7 --ema 0.25", " --solve --iterations 3", " --groups 4 --topk-groups 2"})
+    CHECK(run(io + (dir / "ok").string() + " --k 4" + opts) == 0);
   fs::remove_all(dir);
 }
