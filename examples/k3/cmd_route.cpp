@@ -1,4 +1,5 @@
 // k3 route — MoE routing with Quantile Balancing on .npy files.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -136,6 +137,17 @@ int run_route(k3::cli::args& args) {
             throw k3::error("argument 'scores': --update histogram needs router probabilities in [0, 1], got " +
                             std::to_string(s[static_cast<std::size_t>(i)]) + " at [" + std::to_string(i / n) + ", " + std::to_string(i % n) +
                             "] (use --update exact, or give logits.npy)");
+      // The bins span [min(b) - 1, max(b) + 1] in float32: with |b| >= ~1e7 that range is empty
+      // (b - 1 == b) and near FLT_MAX its width overflows. Said here in the option's terms (the
+      // library's message names its own bounds).
+      if (std::all_of(bias.begin(), bias.end(), [](float x) { return std::isfinite(x); })) {
+        float const lo = *std::min_element(bias.begin(), bias.end()) - 1.f, hi = *std::max_element(bias.begin(), bias.end()) + 1.f;
+        float const inv_w = float(bins) / (hi - lo);
+        if (!(hi > lo && std::isfinite(inv_w) && inv_w > 0.f))
+          throw k3::error("argument 'bias': --update histogram bins the margins over [min(bias) - 1, max(bias) + 1] = [" + std::to_string(lo) +
+                          ", " + std::to_string(hi) + "] in float32, which cannot be split into " + std::to_string(bins) +
+                          " bins (use --update exact)");
+      }
       auto hist = moe::qb_histogram::for_bias(bv, bins);
       moe::route(backend, sv, bv, out, opt, mv, &hist);
       moe::qb_histogram_update(hist, opt.k, k3::host_view(new_bias.data(), n), ema);

@@ -226,6 +226,11 @@ def route_cases(rng):
         save(d, "scores", s)
         o = list(opts) if "--k" in opts else ["--k", "2"] + list(opts)
         expect_error(f"route bad {' '.join(opts)}", d, "route", o, must)
+    for b in (np.full(12, 1e8, f32), np.array([3e38, -3e38] + [0] * 10, f32)):
+        d = ck.newdir()
+        save(d, "scores", s)
+        save(d, "bias", b)
+        expect_error(f"route histogram bias {b[:2]}", d, "route", ["--k", "2"], "'bias'")
     d = ck.newdir()
     save(d, "scores", s)
     save(d, "logits", s)
@@ -422,6 +427,23 @@ def quant_cases(rng):
                 quant_case(f"quant {fmt} {rule} {shp}", x, fmt, scale=rule)
             x = special_bf16(rng, (3, 2, 64))
             quant_case(f"quant {fmt} {rule} bf16 subnormals", x, fmt, scale=rule)
+    # scale-rule boundaries: block amax at elem_max * 2^j (RCEIL exact), one ulp either side,
+    # powers of two (FLOOR), float32 subnormal and maximal amax, all-zero blocks
+    for fmt, elem in MXNAME.items():
+        mx = ELEM[elem][1]
+        amaxes = []
+        for j in (-140, -127, -100, -1, 0, 3, 60, 112):
+            a = np.float32(np.ldexp(mx, j))
+            if np.isfinite(a) and a > 0:
+                amaxes += [a, np.nextafter(a, f32(0)), np.nextafter(a, f32(np.inf))]
+            amaxes += [np.float32(np.ldexp(1.0, j)), np.nextafter(np.float32(np.ldexp(1.0, j)), f32(0))]
+        amaxes += [np.float32(2.0 ** -149), np.float32(3 * 2.0 ** -149), np.finfo(f32).max, f32(0), np.finfo(f32).tiny]
+        amaxes = np.array([a for a in amaxes if a >= 0], f32)
+        x = (rng.uniform(-1, 1, (len(amaxes), 32)) * amaxes[:, None]).astype(f32)
+        pos = rng.integers(0, 32, len(amaxes))
+        x[np.arange(len(amaxes)), pos] = amaxes * rng.choice([-1, 1], len(amaxes)).astype(f32)
+        for rule in ("floor", "rceil"):
+            quant_case(f"quant {fmt} {rule} amax boundaries", x, fmt, scale=rule)
     for elem in ("e5m2", "e3m2", "e2m3", "e2m1"):  # element names with --block 32
         quant_case(f"quant {elem} --block 32", rng.standard_normal((4, 64)).astype(f32), elem, block="32", scale="rceil")
     # NaN / Inf blocks (bf16): MX scale 0xFF, the block dequantises to NaN, other blocks unaffected
@@ -434,6 +456,23 @@ def quant_cases(rng):
             for sc in ("fp32", "ue8m0"):
                 x = (rng.standard_normal(shp) * 10.0 ** rng.uniform(-6, 6)).astype(f32)
                 quant_case(f"quant e4m3 {block} {sc} {shp}", x, "e4m3", block=block, scale=sc)
+    am = []
+    for j in (-20, -13, -12, 0, 10, 100, 118):
+        a = np.float32(np.ldexp(448.0, j))
+        am += [a, np.nextafter(a, f32(0)), np.nextafter(a, f32(np.inf))]
+    am += [f32(1e-4), np.nextafter(f32(1e-4), f32(0)), np.nextafter(f32(1e-4), f32(1)), f32(0), np.finfo(f32).max, f32(1e-40)]
+    am = np.array(am, f32)
+    x = (rng.uniform(-1, 1, (len(am), 130)) * am[:, None]).astype(f32)
+    x[np.arange(len(am)), rng.integers(0, 130, len(am))] = am
+    x[np.arange(len(am)), 128 + rng.integers(0, 2, len(am))] = am[::-1]  # the partial tile gets another amax
+    for sc in ("fp32", "ue8m0"):
+        quant_case(f"quant e4m3 1x128 {sc} amax boundaries", x, "e4m3", block="1x128", scale=sc)
+        quant_case(f"quant e4m3 128x1 {sc} amax boundaries", x.T.copy(), "e4m3", block="128x1", scale=sc)
+    # NVFP4: blocks far below the tensor amax (UE4M3 scale clamped at 2^-6), tiny tensors
+    x = (rng.standard_normal((6, 64)) * np.array([1, 1e-2, 1e-4, 1e-6, 1e3, 0])[:, None]).astype(f32)
+    quant_case("quant nvfp4 mixed magnitudes", x, "nvfp4")
+    for mag in (1e-20, 1e-33, 1e-38, 1e30):  # below amax 2.4e-39 k3 documents all-zero codes (g = 1)
+        quant_case(f"quant nvfp4 tensor amax ~{mag:g}", (rng.standard_normal((2, 32)) * mag).astype(f32), "nvfp4")
     quant_case("quant e4m3 1x128 bf16 subnormals", special_bf16(rng, (2, 2, 200)), "e4m3", block="1x128")
     for shp in [(16,), (2, 3, 48), (7, 32)]:
         quant_case(f"quant nvfp4 {shp}", (rng.standard_normal(shp) * 3).astype(f32), "nvfp4")
