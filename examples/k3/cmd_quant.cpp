@@ -220,6 +220,13 @@ int run_dequant(k3::cli::args& a) {
     if (s.fam == family::mx) {
       if (m != 0 && k != 0) q::mx_dequantize(be, cv, sv, yv, s.elem);
     } else {
+      // UE4M3 is a 7-bit code in a byte (k3 quant never sets the top bit); a set top bit would be
+      // a signed E4M3 scale from elsewhere, which decoding as UE4M3 would silently make positive.
+      auto const* sc = static_cast<std::uint8_t const*>(sa.data());
+      for (index_t i = 0; i < sa.size(); ++i)
+        if (sc[i] > 0x7F)
+          throw k3::error("argument 'scales': NVFP4 UE4M3 scales use the low 7 bits of each byte, got " + std::to_string(sc[i]) +
+                          " at flat index " + std::to_string(i));
       auto ga = a.load("tensor_scale");
       if (ga.type() != k3::io::dtype::float32 || ga.size() != 1) throw k3::error("argument 'tensor_scale': expected one float32");
       float const g = *static_cast<float const*>(ga.data());

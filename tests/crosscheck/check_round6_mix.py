@@ -561,7 +561,8 @@ def quant_cases(rng):
         ck.fail("dequant 2-D scales for 3-D codes", f"exit {rc} {text[:200]}", cmd)
     else:
         ck.ok("dequant 2-D scales for 3-D codes")
-    for nm, arr, must in (("codes", np.zeros((2, 64), f32), "codes"), ("tensor_scale", np.array([0.0], f32), "tensor_scale"),
+    for nm, arr, must in (("scales", np.full((2, 4), 0x88, np.uint8), "scales"), ("scales", np.full((2, 4), 0xFF, np.uint8), "scales"),
+                          ("codes", np.zeros((2, 64), f32), "codes"), ("tensor_scale", np.array([0.0], f32), "tensor_scale"),
                           ("tensor_scale", np.array([1.0, 2.0], f32), "tensor_scale"), ("tensor_scale", np.array([np.nan], f32), "tensor_scale")):
         d = ck.newdir()
         save(d, "codes", np.zeros((2, 32), np.uint8))
