@@ -55,7 +55,8 @@ def route_ref(s32, b32, k, scale, real, groups=1, topk_groups=1):
     if groups > 1:
         gs = n // groups
         zg = np.sort(z.reshape(m, groups, gs), axis=2)[:, :, ::-1]
-        gscore = zg[:, :, :min(2, gs)].sum(2)
+        # float32 sum, as DeepSeek-V3's Gate does it in the scores' dtype: 0.5 + 1e-13 ties with 0.5
+        gscore = zg[:, :, 0].astype(f32) + (zg[:, :, 1].astype(f32) if gs > 1 else f32(0))
         gorder = np.lexsort((np.broadcast_to(np.arange(groups), (m, groups)), -gscore), axis=1)
         keep = np.zeros((m, groups), bool)
         np.put_along_axis(keep, gorder[:, :topk_groups], True, axis=1)
@@ -89,8 +90,8 @@ def route_case(label, s, k, bias=None, mask=None, opts=(), kind="scores", groups
     save(d, kind, s)
     if kind == "logits":
         s32 = (1.0 / (1.0 + np.exp(-s.astype(np.float64)))).astype(f32)
-    elif s.dtype == np.uint16:
-        s32 = s.view(ml_dtypes.bfloat16).astype(f32)
+    elif s.dtype in (np.uint16, ml_dtypes.bfloat16):
+        s32 = s.view(ml_dtypes.bfloat16).astype(f32) if s.dtype == np.uint16 else s.astype(f32)
     else:
         s32 = s.astype(f32)
     b32 = np.zeros(n, f32) if bias is None else bias.astype(f32)
@@ -184,6 +185,14 @@ def route_cases(rng):
     # bfloat16 scores (ties everywhere) as ml_dtypes and as '<u2'
     sb = rng.uniform(0, 1, (40, 12)).astype(ml_dtypes.bfloat16)
     route_case("route bf16 scores", sb.view(np.uint16), 4, b[:12], opts=["--update", "exact"], update="exact")
+    # saturated logits: sigmoid is exactly 1 (or 0 / subnormal) in float32 -> ties at the cut-off
+    # (not 17: float32 1/(1+exp(-17)) is 1.0, the correctly rounded sigmoid 1 - 2^-24; see round 5)
+    lg = rng.choice(np.array([-200, -100, -30, 0, 30, 80], f32), (40, 10))
+    route_case("route saturated logits exact", lg, 4, kind="logits", opts=["--update", "exact"], update="exact")
+    route_case("route saturated logits hist", lg, 4, kind="logits", opts=["--bins", "50"], bins=50)
+    route_case("route saturated logits groups", lg, 4, kind="logits", groups=5, topk_groups=3, opts=["--groups", "5", "--topk-groups", "3"])
+    # bfloat16 scores saved by ml_dtypes ('|V2') rather than as '<u2' bits
+    route_case("route bf16 |V2 scores", sb, 4, b[:12], opts=["--update", "exact"], update="exact")
     # groups: ties between group scores (lower group first), ties inside groups, groups of 1 expert
     s = (rng.integers(0, 3, (50, 16)) / 8).astype(f32)
     route_case("route group ties", s, 4, groups=4, topk_groups=2, opts=["--groups", "4", "--topk-groups", "2"])
