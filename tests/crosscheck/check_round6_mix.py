@@ -323,6 +323,10 @@ def deepseek_ref(x32, tr, tc, ue8m0):
     for i in range(sr):
         for j in range(sc):
             blk = x32[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]
+            if not np.isfinite(blk).all():  # the spec leaves this open; k3 documents s = NaN, codes 0x7F
+                S[i, j] = np.nan
+                q[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc] = np.uint8(0x7F).view(ml_dtypes.float8_e4m3fn)
+                continue
             s = f32(max(f32(np.abs(blk).max()), f32(1e-4)) / f32(448))
             if ue8m0:
                 s = f32(np.ldexp(1.0, int(ceil_pow2_exp(np.array([s]))[0])))
@@ -334,14 +338,20 @@ def deepseek_ref(x32, tr, tc, ue8m0):
 
 def nvfp4_ref(x32):
     rows, K = x32.shape
-    g = f32(f32(np.abs(x32).max()) / f32(448 * 6))
+    fin = np.isfinite(x32)
+    # k3 documents: tensor scale over the finite values, a non-finite block gets scale 0x7F (NaN)
+    g = f32(f32(np.abs(np.where(fin, x32, 0)).max()) / f32(448 * 6))
     xb = x32.reshape(rows, K // 16, 16)
-    bs = (np.abs(xb).max(2) / f32(6)).astype(f32)
+    bfin = fin.reshape(rows, K // 16, 16).all(2)
+    bs = (np.abs(np.where(bfin[:, :, None], xb, 0)).max(2) / f32(6)).astype(f32)
     sb = np.clip((bs / g).astype(f32), 2.0 ** -6, 448).astype(f32).astype(ml_dtypes.float8_e4m3fn)
-    y = (xb / (g * sb.astype(f32))[:, :, None]).astype(f32)
-    P = encode(y, "e2m1").reshape(rows, K)
-    deq = (P.astype(f32) * np.repeat((sb.astype(f32) * g).astype(f32), 16, 1)).astype(f32)
-    return g, sb.view(np.uint8), P, deq
+    sb = np.where(bfin, sb.view(np.uint8), np.uint8(0x7F)).astype(np.uint8)
+    sbf = sb.view(ml_dtypes.float8_e4m3fn).astype(f32)
+    with np.errstate(invalid="ignore"):
+        y = (np.where(bfin[:, :, None], xb, 0) / (g * sbf)[:, :, None]).astype(f32)
+    P = encode(np.where(bfin[:, :, None], y, 0), "e2m1").reshape(rows, K)
+    deq = (P.astype(f32) * np.repeat((sbf * g).astype(f32), 16, 1)).astype(f32)
+    return g, sb, P, deq
 
 
 def pack4(P):
@@ -377,8 +387,12 @@ def quant_case(label, x, fmt, block=None, scale=None):
     if fmt == "nvfp4":
         g, sb, P, dref = nvfp4_ref(x32)
         want = [("tensor_scale", ck.out(d, "tensor_scale"), np.array([g], f32)),
-                ("scales", scales, sb.reshape(shp[:-1] + (shp[-1] // 16,))),
-                ("codes", codes, pack4(P).reshape(shp[:-1] + (shp[-1] // 2,)))]
+                ("scales", scales, sb.reshape(shp[:-1] + (shp[-1] // 16,)))]
+        cm = np.repeat(sb != 0x7F, 8, 1)  # codes of NaN blocks are unspecified
+        got_c = codes.reshape(x32.shape[0], -1)
+        if not (got_c.shape == cm.shape and np.array_equal(got_c[cm], pack4(P)[cm])):
+            ck.fail(label, "codes differ from the NVFP4 reference", cmd)
+            return
     elif fmt in MXNAME or (block == "32"):
         elem = MXNAME.get(fmt, fmt)
         X, P, dref = mx_ref(x32, elem, scale or "floor")
@@ -453,12 +467,19 @@ def quant_cases(rng):
         x[np.arange(len(amaxes)), pos] = amaxes * rng.choice([-1, 1], len(amaxes)).astype(f32)
         for rule in ("floor", "rceil"):
             quant_case(f"quant {fmt} {rule} amax boundaries", x, fmt, scale=rule)
-    for elem in ("e5m2", "e3m2", "e2m3", "e2m1"):  # element names with --block 32
+    for elem in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"):  # element names with --block 32
         quant_case(f"quant {elem} --block 32", rng.standard_normal((4, 64)).astype(f32), elem, block="32", scale="rceil")
+    # float64 input: rounded to float32 first (1e39 becomes Inf: that block is NaN)
+    x = rng.standard_normal((3, 64)) * 100
+    x[1, 40] = 1e39
+    x[0, 5] = -np.inf
+    x[2, 3] = 1 + 2.0 ** -24 + 2.0 ** -40  # just above a float32 rounding midpoint
+    for fmt, blk in (("mxfp8", None), ("e4m3", "1x128"), ("nvfp4", None)):
+        quant_case(f"quant {fmt} float64 input", x, fmt, block=blk)
     # NaN / Inf blocks (bf16): MX scale 0xFF, the block dequantises to NaN, other blocks unaffected
     x = rng.standard_normal((2, 3, 64)).astype(f32)
     x[0, 1, 5], x[1, 2, 40], x[1, 0, 33] = np.nan, np.inf, -np.inf
-    for fmt in ("mxfp8", "mxfp4", "mxfp6"):
+    for fmt in ("mxfp8", "mxfp4", "mxfp6", "nvfp4", "e4m3"):
         quant_case(f"quant {fmt} nan/inf bf16", x.astype(ml_dtypes.bfloat16), fmt)
     for shp in [(200,), (3, 2, 130), (129, 1), (130, 257), (1, 1, 5)]:
         for block in ("1x128", "128x128", "128x1"):
