@@ -281,13 +281,8 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
     prefetch_rows_l2(a.g, b, tn, hv, r0, r1);
     // (prefetching the gradient rows for writing as well measured no different)
     if (grad) prefetch_rows_l2(a.d_o, b, tn, hv, r0, r1);
-    // The saved record of the next chunk (176 KiB at K = V = 128): the chunks run backwards,
-    // each record forwards, which the hardware prefetchers do not anticipate.
-    if (grad && given && cn > 0) {
-      char const* rec = reinterpret_cast<char const*>(&a.saved(hv, p.first_chunk(n) + (tn - bos) / C, 0));
-      index_t const bytes = a.saved.extent(2) * index_t(sizeof(S));
-      for (index_t o = bytes * part / 4 / 64 * 64, oe = bytes * (part + 1) / 4; o < oe; o += 64) prefetch_l2(rec + o);
-    }
+    // (prefetching the next chunk's saved record as well measured no different: each record
+    // is one contiguous 176 KiB stream, which the hardware prefetchers follow)
   };
   for (index_t hv = h * p.G; hv < (h + 1) * p.G; ++hv) {
     if (!given) {
