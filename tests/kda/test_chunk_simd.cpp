@@ -92,6 +92,46 @@ TEST_CASE("transpose_fast equals transpose_into") {
   run(double{});
 }
 
+// small_gemm::run_t reads A transposed in place (the backward's A^T B products): the same
+// products in the same order as run() on a transposed copy, so bit for bit the same, for every
+// init mode and shape (dense, lower, upper triangular), partial register tiles (m not a
+// multiple of the tile rows, n of the tile width) and padded leading dimensions.
+TEST_CASE("small_gemm::run_t equals run on the transposed copy") {
+  auto check = [](auto tag) {
+    using T = decltype(tag);
+    using gemm = kda::detail::small_gemm<xsimd::default_arch, T>;
+    index_t const L = gemm::L;
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<double> ud(-1, 1);
+    for (index_t m : {1, 5, 8, 13, 64})
+      for (index_t k : {1, 9, 16, 64})
+        for (index_t n : {L, 2 * L, 3 * L, 5 * L})
+          for (int shape : {0, 1, 2}) {
+            if (shape != 0 && k != m) continue;  // the triangular shapes are square
+            index_t const lda = m + 3, ldb = n + L, ldc = n + 2 * L, ldat = k + 1;
+            std::vector<T> at(std::size_t(k * lda)), a(std::size_t(m * ldat)), b(std::size_t(k * ldb)), rs(static_cast<std::size_t>(m));
+            for (auto& x : at) x = T(ud(rng));
+            for (auto& x : b) x = T(ud(rng));
+            for (auto& x : rs) x = T(ud(rng));
+            if (shape == 2)  // upper triangular A: the zeros inside a diagonal block are multiplied
+              for (index_t p = 0; p < k; ++p)
+                for (index_t i = p + 1; i < m; ++i) at[std::size_t(p * lda + i)] = T(0);
+            kda::detail::transpose_into(at.data(), k, m, lda, a.data(), ldat);
+            for (auto init : {gemm::zero, gemm::accumulate, gemm::row_scaled}) {
+              std::vector<T> c1(static_cast<std::size_t>(m * ldc));
+              for (auto& x : c1) x = T(ud(rng));
+              std::vector<T> c2 = c1;
+              gemm::run(m, n, k, a.data(), ldat, b.data(), ldb, c1.data(), ldc, init, rs.data(), shape);
+              gemm::run_t(m, n, k, at.data(), lda, b.data(), ldb, c2.data(), ldc, init, rs.data(), shape);
+              INFO("m=" << m << " n=" << n << " k=" << k << " shape=" << shape << " init=" << int(init));
+              CHECK(c1 == c2);
+            }
+          }
+  };
+  check(float{});
+  check(double{});
+}
+
 TEST_CASE("chunk_inverse_simd equals chunk_inverse") {
   auto run = [](auto tag) {
     using T = decltype(tag);

@@ -131,7 +131,8 @@ inline void log_decay_from(chunk_workspace<Acc> const& w, E&& e, index_t r0, ind
 // Loads chunk rows [t0, t0+c) of sequence batch row b, heads h (q/k) and hv, and the gate cumsum.
 template <class Acc, class In>
 void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view<In const, 4> k, tensor_view<In const, 4> v,
-                tensor_view<In const, 4> g, tensor_view<In const, 3> beta, index_t b, index_t h, index_t hv, index_t t0, index_t c) {
+                tensor_view<In const, 4> g, tensor_view<In const, 3> beta, index_t b, index_t h, index_t hv, index_t t0, index_t c,
+                bool with_v = true) {
   // v has V = v.extent(3) columns; the workspace may be wider (chunk_simd.hpp pads V to the
   // vector width, and those columns must stay zero).
   index_t const K = w.K, V = v.extent(3);
@@ -139,7 +140,7 @@ void load_chunk(chunk_workspace<Acc>& w, tensor_view<In const, 4> q, tensor_view
   for (index_t r = 0; r < c; ++r) {
     load_row(&q(b, t0 + r, h, 0), w.Q.row(r).data(), K);
     load_row(&k(b, t0 + r, h, 0), w.Kc.row(r).data(), K);
-    load_row(&v(b, t0 + r, hv, 0), w.Vc.row(r).data(), V);
+    if (with_v) load_row(&v(b, t0 + r, hv, 0), w.Vc.row(r).data(), V);
     large |= load_gate_cumsum_row(&g(b, t0 + r, hv, 0), w.G.row(r).data(), r > 0 ? w.G.row(r - 1).data() : nullptr, K);
     w.beta(r) = load_as<Acc>(beta(b, t0 + r, hv));
   }

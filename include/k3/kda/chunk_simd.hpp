@@ -47,7 +47,7 @@ struct small_gemm {
   // only k <= tri + i (a lower triangular A's diagonal block): its zeros above the diagonal
   // are skipped, not multiplied, so a non-finite later row of B cannot reach an earlier row
   // of C (0 * NaN), and the triangular products stay causal.
-  template <int MRr, int NVr>
+  template <int MRr, int NVr, bool AT = false>
   static void micro(index_t kb, index_t ke, index_t tri, T const* K3_RESTRICT A, index_t lda, T const* K3_RESTRICT B, index_t ldb,
                     T* K3_RESTRICT C, index_t ldc, init_mode init, T const* rs) noexcept {
     batch acc[MRr][NVr];
@@ -65,7 +65,7 @@ struct small_gemm {
       batch bv[NVr];
       for (int j = 0; j < NVr; ++j) bv[j] = batch::load_unaligned(B + p * ldb + j * L);
       for (int i = 0; i < MRr; ++i) {
-        batch const a(A[i * lda + p]);
+        batch const a(AT ? A[p * lda + i] : A[i * lda + p]);
         for (int j = 0; j < NVr; ++j) acc[i][j] = xsimd::fma(a, bv[j], acc[i][j]);
       }
     }
@@ -74,7 +74,7 @@ struct small_gemm {
       for (int j = 0; j < NVr; ++j) bv[j] = batch::load_unaligned(B + p * ldb + j * L);
       for (int i = 0; i < MRr; ++i) {
         if (p - tri > i) continue;
-        batch const a(A[i * lda + p]);
+        batch const a(AT ? A[p * lda + i] : A[i * lda + p]);
         for (int j = 0; j < NVr; ++j) acc[i][j] = xsimd::fma(a, bv[j], acc[i][j]);
       }
     }
@@ -82,23 +82,23 @@ struct small_gemm {
       for (int j = 0; j < NVr; ++j) acc[i][j].store_unaligned(C + i * ldc + j * L);
   }
 
-  template <int NVr>
+  template <int NVr, bool AT = false>
   static void rows(index_t mr, index_t kb, index_t ke, index_t tri, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc,
                    init_mode init, T const* rs) noexcept {
     if constexpr (MR == 8) {
       switch (mr) {
-        case 8: return micro<8, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
-        case 7: return micro<7, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
-        case 6: return micro<6, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
-        case 5: return micro<5, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+        case 8: return micro<8, NVr, AT>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+        case 7: return micro<7, NVr, AT>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+        case 6: return micro<6, NVr, AT>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+        case 5: return micro<5, NVr, AT>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
         default: break;
       }
     }
     switch (mr) {
-      case 4: return micro<4, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
-      case 3: return micro<3, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
-      case 2: return micro<2, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
-      default: return micro<1, NVr>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+      case 4: return micro<4, NVr, AT>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+      case 3: return micro<3, NVr, AT>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+      case 2: return micro<2, NVr, AT>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
+      default: return micro<1, NVr, AT>(kb, ke, tri, A, lda, B, ldb, C, ldc, init, rs);
     }
   }
 
@@ -113,6 +113,20 @@ struct small_gemm {
   template <class Hook = no_hook>
   static void run(index_t m, index_t n, index_t k, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc,
                   init_mode init = zero, T const* rs = nullptr, int shape = 0, Hook&& hook = {}) noexcept {
+    run_impl<false>(m, n, k, A, lda, B, ldb, C, ldc, init, rs, shape, hook);
+  }
+
+  // run() with A given transposed: A^T is stored k x m (row-major, leading dimension lda), so
+  // the product reads A(i, p) at A[p * lda + i] and needs no transposed copy. The same
+  // products in the same order as run() on the transposed copy: bit for bit the same result.
+  static void run_t(index_t m, index_t n, index_t k, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc,
+                    init_mode init = zero, T const* rs = nullptr, int shape = 0) noexcept {
+    run_impl<true>(m, n, k, A, lda, B, ldb, C, ldc, init, rs, shape, no_hook{});
+  }
+
+  template <bool AT, class Hook>
+  static void run_impl(index_t m, index_t n, index_t k, T const* A, index_t lda, T const* B, index_t ldb, T* C, index_t ldc,
+                       init_mode init, T const* rs, int shape, Hook&& hook) noexcept {
     index_t const nb = n / L;
     for (index_t j0 = 0; j0 < nb; j0 += NV) {
       index_t const nv = std::min<index_t>(NV, nb - j0);
@@ -120,16 +134,16 @@ struct small_gemm {
         index_t const mr = std::min<index_t>(MR, m - i0);
         index_t const kb = shape == 2 ? std::min(i0, k) : 0;
         index_t const ke = shape == 1 ? std::min(k, i0 + mr) : k;
-        T const* Ai = A + i0 * lda;
+        T const* Ai = AT ? A + i0 : A + i0 * lda;
         T const* Bj = B + j0 * L;
         T* Cij = C + i0 * ldc + j0 * L;
         index_t const tri = shape == 1 ? i0 : ke;
         T const* r = rs ? rs + i0 : nullptr;
         hook();
         if (nv == NV)
-          rows<NV>(mr, kb, ke, tri, Ai, lda, Bj, ldb, Cij, ldc, init, r);
+          rows<NV, AT>(mr, kb, ke, tri, Ai, lda, Bj, ldb, Cij, ldc, init, r);
         else
-          rows<1>(mr, kb, ke, tri, Ai, lda, Bj, ldb, Cij, ldc, init, r);
+          rows<1, AT>(mr, kb, ke, tri, Ai, lda, Bj, ldb, Cij, ldc, init, r);
       }
     }
   }

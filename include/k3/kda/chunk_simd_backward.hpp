@@ -32,7 +32,7 @@ struct chunk_intra_backward_simd {
   using batch = xsimd::batch<Acc, Arch>;
   static constexpr index_t L = index_t(batch::size);
   index_t K, Kp;
-  Mat EI, QKa, EJ, Kb, Xa, XaT, D1, dKb;
+  Mat EI, QKa, EJ, Kb, Xa, D1, dKb;
   std::vector<Acc> cv;
 
   explicit chunk_intra_backward_simd(index_t K_) : K(K_), Kp(padded_v<Arch, Acc>(K_)) {
@@ -42,7 +42,6 @@ struct chunk_intra_backward_simd {
     EJ.setZero(C, Kp);
     Kb.setZero(C, Kp);
     Xa.setZero(2 * s, C);
-    XaT.setZero(C, 2 * s);
     D1.setZero(2 * s, Kp);
     dKb.setZero(C, Kp);
     cv.assign(std::size_t(K), Acc(0));
@@ -110,8 +109,7 @@ struct chunk_intra_backward_simd {
           }
         }
         gemm::run(2 * ci, Kp, nj, Xa.data(), C, Kb.data(), Kp, D1.data(), Kp);
-        transpose_fast(Xa.data(), 2 * ci, nj, C, XaT.data(), 2 * BC);
-        gemm::run(nj, Kp, 2 * ci, XaT.data(), 2 * BC, QKa.data(), Kp, dKb.data(), Kp);
+        gemm::run_t(nj, Kp, 2 * ci, Xa.data(), C, QKa.data(), Kp, dKb.data(), Kp);
         for (index_t j = 0; j < nj; ++j) {
           Acc const* K3_RESTRICT x = dKb.row(j).data();
           Acc const* K3_RESTRICT ej = EJ.row(j).data();
@@ -252,7 +250,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
   Mat St = Mat::Zero(K, Vp), dS = Mat::Zero(K, Vp), P = Mat::Zero(2 * C, Vp);
   Mat R = Mat::Zero(C, Vp), U = Mat::Zero(C, Vp), Y = Mat::Zero(2 * C, Vp), dU = Mat::Zero(C, Vp), dB = Mat::Zero(C, Vp);
   Mat Bm = Mat::Zero(C, Vp), BT = Mat::Zero(Vp, C), UT = Mat::Zero(Vp, C), ST = Mat::Zero(Vp, Kp), dST = Mat::Zero(Vp, Kp);
-  Mat Z = Mat::Zero(2 * C, Kp), dKd = Mat::Zero(C, Kp), AqkT = Mat::Zero(C, C), AT = Mat::Zero(C, C), T1 = Mat::Zero(C, C), QKT = Mat::Zero(K, 2 * C);
+  Mat Z = Mat::Zero(2 * C, Kp), dKd = Mat::Zero(C, Kp), AT = Mat::Zero(C, C), T1 = Mat::Zero(C, C);
   index_t const nch = (Tn + C - 1) / C;
   bool const given = present(a.saved);
   bool const in_place = given && V == Vp;  // the forward's records are read where they are
@@ -279,10 +277,12 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
     index_t const r0 = cn * part / 4, r1 = cn * (part + 1) / 4;
     prefetch_rows_l2(a.q, b, tn, h, r0, r1);
     prefetch_rows_l2(a.k, b, tn, h, r0, r1);
-    prefetch_rows_l2(a.v, b, tn, hv, r0, r1);
+    if (!grad || !given) prefetch_rows_l2(a.v, b, tn, hv, r0, r1);  // v: read by the recompute pass only
     prefetch_rows_l2(a.g, b, tn, hv, r0, r1);
     // (prefetching the gradient rows for writing as well measured no different)
     if (grad) prefetch_rows_l2(a.d_o, b, tn, hv, r0, r1);
+    // (prefetching the next chunk's saved record as well measured no different: each record
+    // is one contiguous 176 KiB stream, which the hardware prefetchers follow)
   };
   for (index_t hv = h * p.G; hv < (h + 1) * p.G; ++hv) {
     if (!given) {
@@ -321,7 +321,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
       for (index_t d = 0; d < K; ++d) load_row(&a.dht(n, hv, d, 0), dS.row(d).data(), V);
     for (index_t ch = nch; ch-- > 0;) {
       index_t const t0 = bos + ch * C, c = std::min(C, eos - t0);
-      load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c);
+      load_chunk(w, a.q, a.k, a.v, a.g, a.beta, b, h, hv, t0, c, !given);
       for (index_t r = 0; r < c; ++r) load_row(&a.d_o(b, t0 + r, hv, 0), Y.row(r).data(), V);
       index_t const cp = ch > 0 ? C : 0, tp = t0 - cp;  // previous chunk (next to be processed)
       prefetch_next(hv, tp, cp, 0, true);
@@ -348,8 +348,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
       index_t const cL = (c + L - 1) / L * L;  // columns of the c x c products, padded
       // dU = Kd dS + Aqk^T dO
       gemm::run(c, Vp, K, op.Kd.data(), K, dS.data(), Vp, dU.data(), Vp);
-      transpose_fast(Aqkp, c, c, C, AqkT.data(), C);
-      gemm::run(c, Vp, c, AqkT.data(), C, Y.data(), Vp, dU.data(), Vp, gemm::accumulate, nullptr, 2);
+      gemm::run_t(c, Vp, c, Aqkp, C, Y.data(), Vp, dU.data(), Vp, gemm::accumulate, nullptr, 2);
       // C (c x c) = X (c x Vp) Yt (Vp x c), the lower triangle (by column slices of the kernel's
       // width: the slice starting at column j0 needs rows j0.. only); the rest is zeroed.
       auto lower_product = [&](Acc const* X, Acc const* Yt, Mat& out, bool strict) {
@@ -413,9 +412,8 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
       // d G_last from the state decay: e^{G_last} rowsum(S .* dS)
       for (index_t d = 0; d < K; ++d) dl(d) = op.decay[std::size_t(d)] * dot_simd<Arch>(Sp + d * ldv, dS.row(d).data(), Vp);
       // state gradient for the previous chunk: e^{G_last} dS + scale Qe^T dO - Ke^T dR
-      transpose_fast(op.QK.data(), 2 * c, K, K, QKT.data(), 2 * C);
       // (in place: dS has no reader after this point in the chunk)
-      gemm::run(K, Vp, 2 * c, QKT.data(), 2 * C, Y.data(), Vp, dS.data(), Vp, gemm::row_scaled, op.decay.data());
+      gemm::run_t(K, Vp, 2 * c, op.QK.data(), K, Y.data(), Vp, dS.data(), Vp, gemm::row_scaled, op.decay.data());
       prefetch_next(hv, tp, cp, 3, true);
       for (index_t r = 0; r < c; ++r) {
         Acc const* zq = Z.row(r).data();
