@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "option_names.hpp"
 #include "k3/kda.hpp"
 
 namespace {
@@ -86,7 +87,7 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   return 0;
 }
 
-int run_kda(k3::cli::args& args) {
+int run_kda_body(k3::cli::args& args) {
   k3::kda::options opt;
   opt.mode = args.choice("mode", {"chunk", "recurrent"}) == "chunk" ? k3::kda::algorithm::chunk : k3::kda::algorithm::recurrent;
   if (args.has("scale")) opt.scale = args.number("scale", 0);
@@ -123,6 +124,10 @@ int run_kda(k3::cli::args& args) {
   }
   if (t == k3::io::dtype::bfloat16) return run_typed<k3::bfloat16>(args, opt);
   return t == k3::io::dtype::float32 ? run_typed<float>(args, opt) : run_typed<double>(args, opt);
+}
+
+int run_kda(k3::cli::args& args) {
+  return k3::cli::with_option_spellings({{"gate_lower_bound", "gate-lower-bound"}, {"scale", "scale"}}, [&] { return run_kda_body(args); });
 }
 
 k3::cli::registrar reg({"kda",

@@ -430,22 +430,22 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
     });
     used[std::size_t(s)] = 1;
   }
-  auto ins = [&](auto&& f) {
-    f("q", a.q);
-    f("k", a.k);
-    f("v", a.v);
-    f("g", a.g);
-    f("beta", a.beta);
-    f("slots", a.slots32);
-    f("slots", a.slots64);
-  };
-  ins([&](char const* in, auto const& iv) {
-    check_no_overlap("o", a.o, in, iv);
-    check_no_overlap("state_pool", a.state_pool, in, iv);
-  });
-  check_no_overlap("o", a.o, "state_pool", a.state_pool);
-  check_not_broadcast("o", a.o);
-  check_not_broadcast("state_pool", a.state_pool);
+  // The pool is read and written in place: checked as an output (not broadcast, apart from
+  // o and from every input).
+  check_outputs_apart(
+      [&](auto&& f) {
+        f("o", a.o);
+        f("state_pool", a.state_pool);
+      },
+      [&](auto&& f) {
+        f("q", a.q);
+        f("k", a.k);
+        f("v", a.v);
+        f("g", a.g);
+        f("beta", a.beta);
+        f("slots", a.slots32);
+        f("slots", a.slots64);
+      });
   return p;
 }
 
