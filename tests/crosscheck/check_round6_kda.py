@@ -16,6 +16,7 @@ not from the library code.
 Gradients: complex-step derivatives of <do, o> + <dht, ht> along random directions.
 """
 import os
+import re
 import sys
 
 import numpy as np
@@ -112,8 +113,9 @@ def run(label, d, opts=(), cmd=None):
     return {f[:-4]: np.load(os.path.join(d, "out", f)) for f in os.listdir(os.path.join(d, "out"))}
 
 
-def error_case(label, d, opts=(), mention=None, cmd=None, not_mention=None):
-    """Exit 1 or 2 with exactly one stderr line that names `mention` (and not `not_mention`)."""
+def error_case(label, d, opts=(), mention=None, cmd=None, not_mention=None, line_ok=None):
+    """Exit 1 or 2 with exactly one stderr line that names `mention` (and not `not_mention`);
+    line_ok(line) -> problem text or None, for what else the line must say."""
     rc, text, c = ck.run(d, list(opts), timeout=60, cmdname=cmd)
     lines = [l for l in text.strip().splitlines() if l.strip()]
     if rc is None:
@@ -128,6 +130,8 @@ def error_case(label, d, opts=(), mention=None, cmd=None, not_mention=None):
         ck.fail(label, f"error does not name {mention!r}: {lines[0]}", c)
     elif not_mention and not_mention in lines[0]:
         ck.fail(label, f"error names {not_mention!r} (not what the user typed): {lines[0]}", c)
+    elif line_ok and line_ok(lines[0]):
+        ck.fail(label, f"{line_ok(lines[0])}: {lines[0]}", c)
     else:
         ck.ok(label)
         if ck.args.verbose:
@@ -275,6 +279,18 @@ x["g"][0, [3, 40, 64, 65], 0, :] = -np.inf
 x["g"][0, 70, 1, 2] = -np.inf
 kda_case("kda g = -inf resets", x, backward=False)
 
+def value_below_bound(gval):
+    """The error must print g's value exactly (once "%g" printed it as -5: "value -5 ... below ... = -5")."""
+    def problem(line):
+        m = re.search(r"value (\S+) at .* = (\S+)$", line)
+        if not m:
+            return "no 'value X at [...] ... = B' in the message"
+        if float(m.group(1)) != float(gval) or not float(m.group(1)) < float(m.group(2)):
+            return f"printed value {m.group(1)} is not g = {float(gval)!r} below the bound {m.group(2)}"
+        return None
+    return problem
+
+
 # The promised bound at exactly -5 (float32 and float64), and one ulp below it.
 for dtype in (f32, f64):
     x = kda_inputs(1, 70, 1, 1, 16, 8, dtype=dtype, gate=(-5, -4))
@@ -286,7 +302,8 @@ for dtype in (f32, f64):
     d = ck.newdir()
     write(d, x)
     if ck.want("kda bad: g below bound"):
-        error_case(f"kda bad: g one ulp below -5 {np.dtype(dtype).name}", d, ["--gate-lower-bound", "-5"], "--gate-lower-bound", not_mention="gate_lower_bound")
+        error_case(f"kda bad: g one ulp below -5 {np.dtype(dtype).name}", d, ["--gate-lower-bound", "-5"], "--gate-lower-bound",
+                   not_mention="gate_lower_bound", line_ok=value_below_bound(x["g"][0, 33, 0, 5]))
         error_case(f"kda bad: --gate-lower-bound 0 {np.dtype(dtype).name}", d, ["--gate-lower-bound", "0"], "--gate-lower-bound", not_mention="gate_lower_bound")
 
 # No decay (g = 0) over one long float32 sequence, normalised k, beta in (0, 1): bounded state.
@@ -491,6 +508,27 @@ if outs.get("rec") is not None:
 dplr_case("dplr chunk size 2^40 (one chunk)", dplr_inputs(1, 30, 1, 4, 3), None, ["--chunk-size", str(1 << 40)], 0.7)
 dplr_case("dplr long single sequence segment-maps", dplr_inputs(1, 400, 1, 3, 2, h0=True), None,
           ["--long-sequence", "segment-maps", "--threads", "4", "--chunk-size", "32"], 1.0)
+
+
+# Zero-width heads (K = 0 or V = 0): an empty state, so o = 0, every gradient 0, dh0 = dht.
+for K, V in ((0, 3), (3, 0)):
+    for cmd in ("kda", "dplr"):
+        for mode in (("chunk", "recurrent") if cmd == "kda" else ("chunked", "recurrent")):
+            lab = f"{cmd} zero width K={K} V={V} {mode}"
+            if not ck.want(lab):
+                continue
+            x = kda_inputs(1, 20, 1, 2, K, V, N=2) if cmd == "kda" else dplr_inputs(1, 20, 1, K, V, N=2)
+            HV = x["v"].shape[2]
+            dh = rng.standard_normal((2, HV, K, V))
+            d = ck.newdir()
+            write(d, x, [0, 7, 20], np.int32, {"do": np.ones((1, 20, HV, V)), "dht": dh})
+            r = run(lab, d, ["--mode", mode, "--backward"], cmd=cmd)
+            if r is None:
+                continue
+            grads = [n for n in r if n.startswith("d") and n != "dh0"]
+            ok = (np.all(r["o"] == 0) and r["o"].shape == (1, 20, HV, V) and r["ht"].shape == (2, HV, K, V)
+                  and np.array_equal(r["dh0"], dh) and all(np.all(r[n] == 0) for n in grads))
+            (ck.ok if ok else lambda l: ck.fail(l, "o or a gradient not 0, or dh0 != dht"))(lab)
 
 
 def dplr_bad(label, mutate, opts=(), mention=None):

@@ -14,6 +14,7 @@
 
 #include "error_of.hpp"
 #include "k3/kda.hpp"
+#include "k3/kda/preprocess.hpp"
 #include "kda/metrics.hpp"
 
 using namespace k3;
@@ -224,4 +225,53 @@ TEST_CASE("kda decode after a packed chunked prefill equals one chunked run (emp
     for (index_t s : {1, 3})
       for (index_t i = 0; i < per; ++i) REQUIRE(pool[std::size_t(s * per + i)] == 7.5);
   });
+}
+
+// Values just past the gate bound were printed rounded ("%g" / std::to_string): a g one ulp
+// below -5 read "value -5 ... is below option 'gate_lower_bound' = -5", a lower bound of
+// -5.0000001 read "got -5.000000". Now the shortest text that reads back.
+TEST_CASE("kda: errors about the gate bound print values that read back exactly") {
+  std::vector<float> x(2 * 3 * 2 * 4, 0.5f), g(x.size());
+  auto xv = host_view(static_cast<float const*>(x.data()), 2, 3, 2, 4);
+  auto gv = host_view(g.data(), 2, 3, 2, 4);
+  std::string e = error_of([&] { kda::gate_lower_bound(cpu::serial{}, xv, nullptr, nullptr, -5.0000001, gv); });
+  CHECK(e.find("got -5.0000001") != std::string::npos);
+  e = error_of([&] { kda::gate_lower_bound(cpu::serial{}, xv, nullptr, nullptr, 1e-9, gv); });
+  CHECK(e.find("got 1e-09") != std::string::npos);
+
+  index_t const T = 5, H = 1, K = 3, V = 2;
+  for (bool as_float : {true, false}) {
+    CAPTURE(as_float);
+    std::vector<double> q(std::size_t(T * H * K), 0.1), v(std::size_t(T * V), 1.0), gd(std::size_t(T * K), -5.0), beta(std::size_t(T), 0.5),
+        o(std::size_t(T * V));
+    std::vector<float> qf(q.begin(), q.end()), vf(v.begin(), v.end()), gf(gd.begin(), gd.end()), bf(beta.begin(), beta.end()), of(o.size());
+    gd[7] = std::nextafter(-5.0, -6.0);
+    gf[7] = std::nextafter(-5.0f, -6.0f);
+    kda::options opt;
+    opt.gate_lower_bound = -5;
+    std::string const want = as_float ? "value -5.000000476837158 at [0, 2, 0, 1] is below option 'gate_lower_bound' = -5"
+                                      : "value -5.000000000000001 at [0, 2, 0, 1] is below option 'gate_lower_bound' = -5";
+    if (as_float) {
+      auto c = [](std::vector<float> const& a, index_t t, index_t h, index_t d) { return host_view(a.data(), 1, t, h, d); };
+      e = error_of([&] {
+        kda::forward(cpu::serial{}, kda::forward_args<float>{c(qf, T, H, K), c(qf, T, H, K), c(vf, T, 1, V), c(gf, T, 1, K),
+                                                             host_view(static_cast<float const*>(bf.data()), 1, T, 1),
+                                                             host_view(of.data(), 1, T, 1, V)},
+                     opt);
+      });
+    } else {
+      auto c = [](std::vector<double> const& a, index_t t, index_t h, index_t d) { return host_view(a.data(), 1, t, h, d); };
+      auto run = [&] {
+        kda::forward(cpu::serial{}, kda::forward_args<double>{c(q, T, H, K), c(q, T, H, K), c(v, T, 1, V), c(gd, T, 1, K),
+                                                              host_view(static_cast<double const*>(beta.data()), 1, T, 1),
+                                                              host_view(o.data(), 1, T, 1, V)},
+                     opt);
+      };
+      e = error_of(run);
+      opt.gate_lower_bound = -5.000000001;
+      std::string const e2 = error_of(run);
+      CHECK_MESSAGE(e2.find("got -5.000000001") != std::string::npos, e2);
+    }
+    CHECK_MESSAGE(e.find(want) != std::string::npos, e);
+  }
 }

@@ -6,6 +6,7 @@
 // when computing in double). Value head hv reads q/k head hv / (HV/H).
 #pragma once
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -189,10 +190,12 @@ void check_optional(char const* name, V const& v, std::initializer_list<index_t>
   check_input(name, v, shape);
 }
 
+// The shortest text that reads back as x: "%g" wrote a g one ulp below the bound -5 as
+// "value -5 ... is below option 'gate_lower_bound' = -5".
 inline std::string fmt(double x) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%g", x);
-  return buf;
+  auto const r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
 }
 
 template <class In>
