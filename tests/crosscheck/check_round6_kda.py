@@ -369,6 +369,50 @@ if ck.want("kda nan"):
             bad.append("o of head 3: NaN not exactly from token 70 on")
         (ck.fail(f"kda nan head {mode}", "; ".join(bad)) if bad else ck.ok(f"kda nan head {mode}"))
 
+# NaN in one packed sequence (in v, h0 or do) leaves the other sequences bit for bit unchanged,
+# forward and gradients, for sequences shorter than a chunk packed next to each other.
+def nan_sequence_case(cmd, modes, make, vname, gnames):
+    cu = np.array([0, 5, 14, 17, 57], np.int64)
+    x = make()
+    HV, V = x["v"].shape[2:]
+    do = rng.standard_normal((1, 57, HV, V))
+    dh = rng.standard_normal(x["h0"].shape)
+    for where in ("v", "h0", "do"):
+        for mode in modes:
+            lab = f"{cmd} nan in sequence 1 ({where}) {mode}"
+            if not ck.want(lab):
+                continue
+            rs = []
+            for poison in (False, True):
+                y = {n: a.copy() for n, a in x.items()}
+                dd = do.copy()
+                if poison:
+                    {"v": lambda: y["v"].__setitem__((0, 8, 0, 1), np.nan), "h0": lambda: y["h0"].__setitem__((1, 0, 0, 0), np.nan),
+                     "do": lambda: dd.__setitem__((0, 9, 0, 0), np.nan)}[where]()
+                d = ck.newdir()
+                write(d, y, cu, np.int64, {"do": dd, "dht": dh})
+                rs.append(run(lab, d, ["--mode", mode, "--backward"], cmd=cmd))
+            if None in rs:
+                continue
+            a, b = rs
+            bad = []
+            for nm in a:
+                if nm in ("ht", "dh0"):
+                    keep = [0, 2, 3]
+                    if not np.array_equal(a[nm][keep], b[nm][keep]):
+                        bad.append(nm)
+                else:
+                    tok = np.r_[0:5, 14:57]
+                    if not np.array_equal(a[nm][:, tok], b[nm][:, tok]):
+                        bad.append(nm)
+            if where != "do" and np.all(np.isfinite(b["ht"][1])):
+                bad.append("ht of sequence 1 finite")
+            (ck.fail(lab, "other sequences changed: " + ", ".join(bad)) if bad else ck.ok(lab))
+
+
+nan_sequence_case("kda", ("chunk", "recurrent"), lambda: kda_inputs(1, 57, 1, 2, 6, 4, N=4), "v", None)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fortran order everywhere, with bfloat16 inputs: the same bytes out as C order.
 if ck.want("kda fortran"):
@@ -529,6 +573,28 @@ for K, V in ((0, 3), (3, 0)):
             ok = (np.all(r["o"] == 0) and r["o"].shape == (1, 20, HV, V) and r["ht"].shape == (2, HV, K, V)
                   and np.array_equal(r["dh0"], dh) and all(np.all(r[n] == 0) for n in grads))
             (ck.ok if ok else lambda l: ck.fail(l, "o or a gradient not 0, or dh0 != dht"))(lab)
+
+
+nan_sequence_case("dplr", ("chunked", "recurrent"), lambda: dplr_inputs(1, 57, 1, 6, 4, N=4), "v", None)
+
+
+# Fortran order for every bfloat16 input of `k3 dplr` (widened to float32 by the tool itself),
+# cu_seqlens, h0, do and dht: the same bytes out as C order.
+if ck.want("dplr fortran"):
+    x = dplr_inputs(1, 40, 2, 5, 3, N=3)
+    cu = np.array([0, 11, 11, 40], np.int32)
+    do = rng.standard_normal((1, 40, 2, 3))
+    dh = rng.standard_normal((3, 2, 5, 3)).astype(f32)
+    got = []
+    for order in ("C", "F"):
+        d = ck.newdir()
+        for n, a in list(x.items()) + [("do", do), ("dht", dh), ("cu_seqlens", cu)]:
+            a = a if n in ("dht", "cu_seqlens") else a.astype(f32 if n == "h0" else bf16)
+            np.save(os.path.join(d, "in", n + ".npy"), np.asfortranarray(a) if order == "F" else a)
+        got.append(run(f"dplr fortran bf16 {order}", d, ["--backward", "--chunk-size", "16"], cmd="dplr"))
+    if None not in got:
+        diff = [n for n in got[0] if got[0][n].tobytes() != got[1][n].tobytes() or got[0][n].dtype != got[1][n].dtype]
+        (ck.fail("dplr fortran bf16", f"outputs differ from C order: {diff}") if diff else ck.ok("dplr fortran bf16"))
 
 
 def dplr_bad(label, mutate, opts=(), mention=None):
