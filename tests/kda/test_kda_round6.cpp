@@ -275,3 +275,43 @@ TEST_CASE("kda: errors about the gate bound print values that read back exactly"
     CHECK_MESSAGE(e.find(want) != std::string::npos, e);
   }
 }
+
+// cu_seqlens reached only through the API: an int32 view with stride 2 (every other element of
+// a buffer) must give what the contiguous int64 list gives, in both modes.
+TEST_CASE("kda forward: strided int32 cu_seqlens equal contiguous int64 ones") {
+  index_t const T = 40, H = 1, HV = 2, K = 6, V = 5;
+  std::vector<std::int64_t> const cu64{0, 0, 9, 9, 40};
+  std::vector<std::int32_t> buf;
+  for (auto c : cu64) {
+    buf.push_back(std::int32_t(c));
+    buf.push_back(-77);  // garbage between the offsets
+  }
+  tensor_view<std::int32_t const, 1> const cu32(buf.data(), {index_t(cu64.size())}, {2});
+  std::mt19937_64 rng(61);
+  std::normal_distribution<double> nd;
+  auto fill = [&](index_t n, double sc, double shift) {
+    std::vector<double> x(static_cast<std::size_t>(n));
+    for (auto& e : x) e = sc * nd(rng) + shift;
+    return x;
+  };
+  auto const q = fill(T * H * K, 1, 0), k = fill(T * H * K, 0.3, 0), v = fill(T * HV * V, 1, 0), g = fill(T * HV * K, 0.05, -0.2),
+             beta = fill(T * HV, 0.1, 0.5), h0 = fill(4 * HV * K * V, 1, 0);
+  for (auto mode : {kda::algorithm::chunk, kda::algorithm::recurrent}) {
+    std::vector<double> o[2], ht[2];
+    for (int i = 0; i < 2; ++i) {
+      o[i].assign(std::size_t(T * HV * V), 0);
+      ht[i].assign(h0.size(), 0);
+      kda::options opt;
+      opt.mode = mode;
+      if (i == 0) opt.cu_seqlens = cu64;
+      else opt.cu_seqlens = cu32;
+      kda::forward(cpu::threads<>(2),
+                   kda::forward_args<double>{host_view(q.data(), 1, T, H, K), host_view(k.data(), 1, T, H, K), host_view(v.data(), 1, T, HV, V),
+                                             host_view(g.data(), 1, T, HV, K), host_view(beta.data(), 1, T, HV), host_view(o[i].data(), 1, T, HV, V),
+                                             host_view(h0.data(), 4, HV, K, V), host_view(ht[i].data(), 4, HV, K, V)},
+                   opt);
+    }
+    CHECK(o[0] == o[1]);
+    CHECK(ht[0] == ht[1]);
+  }
+}
