@@ -7,6 +7,7 @@
 //   one chunked run over the whole sequences; untouched pool slots stay bit for bit.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -314,4 +315,21 @@ TEST_CASE("kda forward: strided int32 cu_seqlens equal contiguous int64 ones") {
     CHECK(o[0] == o[1]);
     CHECK(ht[0] == ht[1]);
   }
+}
+
+// kda::decode used to ignore options::gate_lower_bound entirely, so an out-of-range bound that
+// forward and backward reject passed silently. g itself is not checked (the step is exact for
+// any gate): a g below a valid bound is accepted.
+TEST_CASE("kda decode: an out-of-range gate_lower_bound is refused, a valid one accepted") {
+  every_backend([&](auto const& be) {
+    decode_buf d;
+    auto a = d.args();
+    kda::options opt;
+    for (double lb : {0.0, 0.5, -5.5, std::nan("")}) {
+      opt.gate_lower_bound = lb;
+      CHECK(error_of([&] { kda::decode(be, a, opt); }).find("option 'gate_lower_bound': expected a value in [-5, 0)") != std::string::npos);
+    }
+    opt.gate_lower_bound = -0.05;  // every g = -0.1 of decode_buf lies below it: accepted all the same
+    CHECK(error_of([&] { kda::decode(be, a, opt); }).empty());
+  });
 }

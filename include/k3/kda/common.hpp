@@ -198,6 +198,15 @@ inline std::string fmt(double x) {
   return std::string(buf, r.ptr);
 }
 
+inline std::optional<double> checked_lower_bound(options const& opt) {
+  if (opt.gate_lower_bound) {
+    double const lb = *opt.gate_lower_bound;
+    ::k3::detail::require(lb >= -5.0 && lb < 0.0,
+                          [&] { return "option 'gate_lower_bound': expected a value in [-5, 0), got " + fmt(lb); });
+  }
+  return opt.gate_lower_bound;
+}
+
 template <class In>
 problem make_problem(tensor_view<In const, 4> q, tensor_view<In const, 4> v, options const& opt) {
   problem p;
@@ -218,12 +227,7 @@ problem make_problem(tensor_view<In const, 4> q, tensor_view<In const, 4> v, opt
   double const sc = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
   ::k3::detail::require(std::isfinite(sc), [&] { return "option 'scale': must be finite, got " + fmt(sc); });
   p.scale = sc;
-  if (opt.gate_lower_bound) {
-    double lb = *opt.gate_lower_bound;
-    ::k3::detail::require(lb >= -5.0 && lb < 0.0,
-                          [&] { return "option 'gate_lower_bound': expected a value in [-5, 0), got " + fmt(lb); });
-    p.lower_bound = lb;
-  }
+  p.lower_bound = checked_lower_bound(opt);
   auto const& cs = opt.cu_seqlens;
   if (cs.present()) {
     p.varlen = true;
@@ -405,6 +409,9 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
   p.G = p.HV / p.H;
   p.scale = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
   ::k3::detail::require(std::isfinite(p.scale), [&] { return "option 'scale': must be finite, got " + fmt(p.scale); });
+  // The step is exact for any gate, so g is not checked against the bound; an out-of-range
+  // bound is still a bad option (as for forward and backward), not silently ignored.
+  checked_lower_bound(opt);
   index_t const N = p.N, H = p.H, HV = p.HV, K = p.K, V = p.V;
   check_input("q", a.q, {N, H, K});
   check_input("k", a.k, {N, H, K});
