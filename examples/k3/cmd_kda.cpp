@@ -102,10 +102,13 @@ int run_kda_body(k3::cli::args& args) {
   k3::io::dtype const st = t == k3::io::dtype::float64 ? t : k3::io::dtype::float32;
   std::vector<std::string> names = {"k", "v", "g", "beta"};
   if (args.flag("backward")) names.push_back("do");
-  for (auto const& extra : {"h0", "dht"})
+  // dht.npy is read only with --backward (like do.npy): a stale one is otherwise ignored.
+  std::vector<std::string> states = {"h0"};
+  if (args.flag("backward")) states.push_back("dht");
+  for (auto const& extra : states)
     if (auto x = args.load_optional(extra)) {
       if (x->type() != st)
-        throw k3::error("argument '" + std::string(extra) + "': expected dtype " + k3::io::dtype_name(st) + " (the state type for q of dtype " +
+        throw k3::error("argument '" + extra + "': expected dtype " + k3::io::dtype_name(st) + " (the state type for q of dtype " +
                         k3::io::dtype_name(t) + "), got " + k3::io::dtype_name(x->type()));
     }
   for (auto const& n : names) {
