@@ -333,3 +333,35 @@ TEST_CASE("kda decode: an out-of-range gate_lower_bound is refused, a valid one 
     CHECK(error_of([&] { kda::decode(be, a, opt); }).empty());
   });
 }
+
+// K = 0 or V = 0 (an empty state): o = 0, so every gradient is 0. The backward kernels formed
+// references into empty, null-data rows (UBSan: "reference binding to null pointer" through
+// `k3 kda --backward` with K = 0); the backward now returns zeros before them.
+TEST_CASE("kda backward: zero-width heads give zero gradients, every backend and mode") {
+  for (auto [K, V] : {std::pair<index_t, index_t>{0, 3}, {3, 0}}) {
+    index_t const T = 20, H = 1, HV = 2;
+    std::vector<double> q(std::size_t(T * H * K), 0.3), v(std::size_t(T * HV * V), 0.7), g(std::size_t(T * HV * K), -0.1),
+        beta(std::size_t(T * HV), 0.5), d_o(v.size(), 1.0);
+    for (auto mode : {kda::algorithm::chunk, kda::algorithm::recurrent})
+      every_backend([&](auto const& be) {
+        std::vector<double> dq(q.size(), 7), dk(q.size(), 7), dv(v.size(), 7), dg(g.size(), 7), db(beta.size(), 7);
+        kda::backward_args<double> a;
+        a.q = host_view(static_cast<double const*>(q.data()), 1, T, H, K);
+        a.k = a.q;
+        a.v = host_view(static_cast<double const*>(v.data()), 1, T, HV, V);
+        a.g = host_view(static_cast<double const*>(g.data()), 1, T, HV, K);
+        a.beta = host_view(static_cast<double const*>(beta.data()), 1, T, HV);
+        a.d_o = host_view(static_cast<double const*>(d_o.data()), 1, T, HV, V);
+        a.dq = host_view(dq.data(), 1, T, H, K);
+        a.dk = host_view(dk.data(), 1, T, H, K);
+        a.dv = host_view(dv.data(), 1, T, HV, V);
+        a.dg = host_view(dg.data(), 1, T, HV, K);
+        a.dbeta = host_view(db.data(), 1, T, HV);
+        kda::options opt;
+        opt.mode = mode;
+        kda::backward(be, a, opt);
+        for (auto const* x : {&dq, &dk, &dv, &dg, &db})
+          for (double e : *x) REQUIRE(e == 0.0);
+      });
+  }
+}
