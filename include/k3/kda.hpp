@@ -90,6 +90,13 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
   // every thread. Either runs the exact sequential check (which names the first offending
   // element and throws) only when its fast float filter hits.
   detail::problem const p = detail::validate(a, opt, !detail::SimdBackend<B>);
+  if (p.K == 0 || p.V == 0) {
+    // An empty state (ht and saved have no elements): o = 0. The kernels would form references
+    // into the empty (possibly null) K- or V-rows. The gate bound is still checked.
+    if constexpr (detail::SimdBackend<B>) detail::check_gate_bound(p, a.g);
+    detail::zero_fill(a.o);
+    return;
+  }
   if constexpr (detail::SimdBackend<B>) {
     if (p.lower_bound && p.T > 0 && opt.mode == algorithm::recurrent) {
       index_t parts = 1;

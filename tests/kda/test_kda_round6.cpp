@@ -334,10 +334,10 @@ TEST_CASE("kda decode: an out-of-range gate_lower_bound is refused, a valid one 
   });
 }
 
-// K = 0 or V = 0 (an empty state): o = 0, so every gradient is 0. The backward kernels formed
-// references into empty, null-data rows (UBSan: "reference binding to null pointer" through
-// `k3 kda --backward` with K = 0); the backward now returns zeros before them.
-TEST_CASE("kda backward: zero-width heads give zero gradients, every backend and mode") {
+// K = 0 or V = 0 (an empty state): o = 0, so every gradient is 0. The kernels formed references
+// into empty, null-data rows (UBSan: "reference binding to null pointer" through `k3 kda` with
+// K = 0 or V = 0); forward and backward now return zeros before them.
+TEST_CASE("kda forward/backward: zero-width heads give o = 0 and zero gradients, every backend and mode") {
   for (auto [K, V] : {std::pair<index_t, index_t>{0, 3}, {3, 0}}) {
     index_t const T = 20, H = 1, HV = 2;
     std::vector<double> q(std::size_t(T * H * K), 0.3), v(std::size_t(T * HV * V), 0.7), g(std::size_t(T * HV * K), -0.1),
@@ -362,6 +362,9 @@ TEST_CASE("kda backward: zero-width heads give zero gradients, every backend and
         kda::backward(be, a, opt);
         for (auto const* x : {&dq, &dk, &dv, &dg, &db})
           for (double e : *x) REQUIRE(e == 0.0);
+        std::vector<double> o(v.size(), 7);
+        kda::forward(be, kda::forward_args<double>{a.q, a.k, a.v, a.g, a.beta, host_view(o.data(), 1, T, HV, V)}, opt);
+        for (double e : o) REQUIRE(e == 0.0);
       });
   }
 }
