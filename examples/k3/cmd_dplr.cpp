@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cli.hpp"
+#include "option_names.hpp"
 #include "k3/core/tensor.hpp"
 #include "k3/dplr.hpp"
 
@@ -101,7 +102,7 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q, bool bf16_io = fa
   return 0;
 }
 
-int run_dplr(k3::cli::args& args) {
+int run_dplr_body(k3::cli::args& args) {
   args.threads(1);  // a bad --threads is reported before any input is read
   auto q = args.load("q");
   if (q.type() == k3::io::dtype::float32) return run_typed<float>(args, q);
@@ -109,6 +110,10 @@ int run_dplr(k3::cli::args& args) {
   // bfloat16 ('|V2', or PyTorch's .view(torch.uint16) dump '<u2'): computed in float32.
   if (is_bf16(q)) return run_typed<float>(args, widen(q), true);
   throw k3::error(std::string("argument 'q': expected dtype float32, float64 or bfloat16, got ") + k3::io::dtype_name(q.type()));
+}
+
+int run_dplr(k3::cli::args& args) {
+  return k3::cli::with_option_spellings({{"chunk_size", "chunk-size"}, {"scale", "scale"}}, [&] { return run_dplr_body(args); });
 }
 
 k3::cli::registrar reg({"dplr", "DPLR state update (forward, --backward for gradients)",

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "option_names.hpp"
 #include "k3/kda.hpp"
 
 namespace {
@@ -86,7 +87,7 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   return 0;
 }
 
-int run_kda(k3::cli::args& args) {
+int run_kda_body(k3::cli::args& args) {
   k3::kda::options opt;
   opt.mode = args.choice("mode", {"chunk", "recurrent"}) == "chunk" ? k3::kda::algorithm::chunk : k3::kda::algorithm::recurrent;
   if (args.has("scale")) opt.scale = args.number("scale", 0);
@@ -101,10 +102,13 @@ int run_kda(k3::cli::args& args) {
   k3::io::dtype const st = t == k3::io::dtype::float64 ? t : k3::io::dtype::float32;
   std::vector<std::string> names = {"k", "v", "g", "beta"};
   if (args.flag("backward")) names.push_back("do");
-  for (auto const& extra : {"h0", "dht"})
+  // dht.npy is read only with --backward (like do.npy): a stale one is otherwise ignored.
+  std::vector<std::string> states = {"h0"};
+  if (args.flag("backward")) states.push_back("dht");
+  for (auto const& extra : states)
     if (auto x = args.load_optional(extra)) {
       if (x->type() != st)
-        throw k3::error("argument '" + std::string(extra) + "': expected dtype " + k3::io::dtype_name(st) + " (the state type for q of dtype " +
+        throw k3::error("argument '" + extra + "': expected dtype " + k3::io::dtype_name(st) + " (the state type for q of dtype " +
                         k3::io::dtype_name(t) + "), got " + k3::io::dtype_name(x->type()));
     }
   for (auto const& n : names) {
@@ -123,6 +127,10 @@ int run_kda(k3::cli::args& args) {
   }
   if (t == k3::io::dtype::bfloat16) return run_typed<k3::bfloat16>(args, opt);
   return t == k3::io::dtype::float32 ? run_typed<float>(args, opt) : run_typed<double>(args, opt);
+}
+
+int run_kda(k3::cli::args& args) {
+  return k3::cli::with_option_spellings({{"gate_lower_bound", "gate-lower-bound"}, {"scale", "scale"}}, [&] { return run_kda_body(args); });
 }
 
 k3::cli::registrar reg({"kda",

@@ -57,6 +57,21 @@ index_t concurrency_of(B const& be) {
     return 1;
 }
 
+template <class V>
+void zero_fill(V const& v) {
+  using E = typename V::value_type;
+  if constexpr (V::rank() == 3) {
+    for (index_t i = 0; i < v.extent(0); ++i)
+      for (index_t j = 0; j < v.extent(1); ++j)
+        for (index_t l = 0; l < v.extent(2); ++l) v(i, j, l) = E(0.0f);
+  } else {
+    for (index_t i = 0; i < v.extent(0); ++i)
+      for (index_t j = 0; j < v.extent(1); ++j)
+        for (index_t l = 0; l < v.extent(2); ++l)
+          for (index_t m = 0; m < v.extent(3); ++m) v(i, j, l, m) = E(0.0f);
+  }
+}
+
 template <class B, class F>
 void run_tasks(B const& be, index_t n, F&& f) {
   if (n <= 0) return;
@@ -75,6 +90,13 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
   // every thread. Either runs the exact sequential check (which names the first offending
   // element and throws) only when its fast float filter hits.
   detail::problem const p = detail::validate(a, opt, !detail::SimdBackend<B>);
+  if (p.K == 0 || p.V == 0) {
+    // An empty state (ht and saved have no elements): o = 0. The kernels would form references
+    // into the empty (possibly null) K- or V-rows. The gate bound is still checked.
+    if constexpr (detail::SimdBackend<B>) detail::check_gate_bound(p, a.g);
+    detail::zero_fill(a.o);
+    return;
+  }
   if constexpr (detail::SimdBackend<B>) {
     if (p.lower_bound && p.T > 0 && opt.mode == algorithm::recurrent) {
       index_t parts = 1;
@@ -116,6 +138,16 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
 template <HostBackend B, Storage In, Real S>
 void backward(B const& be, backward_args<In, S> const& a, options const& opt = {}) {
   detail::problem const p = detail::validate(a, opt);
+  if (p.K == 0 || p.V == 0) {
+    // An empty state: o = 0 whatever the inputs, so every gradient is 0 (dh0 has no elements).
+    // The kernels would form references into the empty (possibly null) K- or V-rows.
+    detail::zero_fill(a.dq);
+    detail::zero_fill(a.dk);
+    detail::zero_fill(a.dv);
+    detail::zero_fill(a.dg);
+    detail::zero_fill(a.dbeta);
+    return;
+  }
   index_t const tasks = p.N * p.H;  // one task per q/k head: dq and dk sum over its value heads
   if (opt.mode == algorithm::recurrent) {
     detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_backward_task<S>(p, a, i / p.H, i % p.H); });

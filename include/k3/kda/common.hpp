@@ -6,6 +6,7 @@
 // when computing in double). Value head hv reads q/k head hv / (HV/H).
 #pragma once
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -189,10 +190,21 @@ void check_optional(char const* name, V const& v, std::initializer_list<index_t>
   check_input(name, v, shape);
 }
 
+// The shortest text that reads back as x: "%g" wrote a g one ulp below the bound -5 as
+// "value -5 ... is below option 'gate_lower_bound' = -5".
 inline std::string fmt(double x) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%g", x);
-  return buf;
+  auto const r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
+}
+
+inline std::optional<double> checked_lower_bound(options const& opt) {
+  if (opt.gate_lower_bound) {
+    double const lb = *opt.gate_lower_bound;
+    ::k3::detail::require(lb >= -5.0 && lb < 0.0,
+                          [&] { return "option 'gate_lower_bound': expected a value in [-5, 0), got " + fmt(lb); });
+  }
+  return opt.gate_lower_bound;
 }
 
 template <class In>
@@ -215,12 +227,7 @@ problem make_problem(tensor_view<In const, 4> q, tensor_view<In const, 4> v, opt
   double const sc = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
   ::k3::detail::require(std::isfinite(sc), [&] { return "option 'scale': must be finite, got " + fmt(sc); });
   p.scale = sc;
-  if (opt.gate_lower_bound) {
-    double lb = *opt.gate_lower_bound;
-    ::k3::detail::require(lb >= -5.0 && lb < 0.0,
-                          [&] { return "option 'gate_lower_bound': expected a value in [-5, 0), got " + fmt(lb); });
-    p.lower_bound = lb;
-  }
+  p.lower_bound = checked_lower_bound(opt);
   auto const& cs = opt.cu_seqlens;
   if (cs.present()) {
     p.varlen = true;
@@ -402,6 +409,9 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
   p.G = p.HV / p.H;
   p.scale = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
   ::k3::detail::require(std::isfinite(p.scale), [&] { return "option 'scale': must be finite, got " + fmt(p.scale); });
+  // The step is exact for any gate, so g is not checked against the bound; an out-of-range
+  // bound is still a bad option (as for forward and backward), not silently ignored.
+  checked_lower_bound(opt);
   index_t const N = p.N, H = p.H, HV = p.HV, K = p.K, V = p.V;
   check_input("q", a.q, {N, H, K});
   check_input("k", a.k, {N, H, K});
@@ -430,22 +440,22 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
     });
     used[std::size_t(s)] = 1;
   }
-  auto ins = [&](auto&& f) {
-    f("q", a.q);
-    f("k", a.k);
-    f("v", a.v);
-    f("g", a.g);
-    f("beta", a.beta);
-    f("slots", a.slots32);
-    f("slots", a.slots64);
-  };
-  ins([&](char const* in, auto const& iv) {
-    check_no_overlap("o", a.o, in, iv);
-    check_no_overlap("state_pool", a.state_pool, in, iv);
-  });
-  check_no_overlap("o", a.o, "state_pool", a.state_pool);
-  check_not_broadcast("o", a.o);
-  check_not_broadcast("state_pool", a.state_pool);
+  // The pool is read and written in place: checked as an output (not broadcast, apart from
+  // o and from every input).
+  check_outputs_apart(
+      [&](auto&& f) {
+        f("o", a.o);
+        f("state_pool", a.state_pool);
+      },
+      [&](auto&& f) {
+        f("q", a.q);
+        f("k", a.k);
+        f("v", a.v);
+        f("g", a.g);
+        f("beta", a.beta);
+        f("slots", a.slots32);
+        f("slots", a.slots64);
+      });
   return p;
 }
 
