@@ -1,4 +1,6 @@
 // k3::error and the message helpers every entry point uses.
+#include <cmath>
+#include <limits>
 #include <doctest/doctest.h>
 
 #include <stdexcept>
@@ -16,6 +18,17 @@ TEST_CASE("k3::error is an invalid_argument with a k3 prefix") {
   } catch (std::invalid_argument const& e) {
     CHECK(std::string(e.what()) == "k3: argument 'q': bad");
   }
+}
+
+TEST_CASE("format_number prints the shortest text that reads back, in the value's own type") {
+  using k3::detail::format_number;
+  double const below = std::nextafter(-5.0, -6.0);  // one ulp below a bound must not print as the bound
+  CHECK(format_number(below) != "-5");
+  CHECK(std::stod(format_number(below)) == below);
+  CHECK(format_number(-5.0) == "-5");
+  CHECK(format_number(1e-9f) == "1e-09");  // float: not the double 9.99999971718e-10
+  CHECK(format_number(0.1) == "0.1");
+  CHECK(format_number(std::numeric_limits<double>::infinity()) == "inf");
 }
 
 TEST_CASE("format_shape prints any range of extents") {

@@ -1,6 +1,7 @@
 // k3/core/error.hpp — the exception every host entry point throws on bad input, and the
 // helpers that build messages naming the argument and the expected vs actual shape.
 #pragma once
+#include <charconv>
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
@@ -35,6 +36,16 @@ std::string format_shape(Range const& r) {
 
 inline std::string format_shape(std::initializer_list<std::int64_t> r) {
   return format_shape<std::initializer_list<std::int64_t>>(r);
+}
+
+// The shortest text that reads back as x, in x's own type ("%g" wrote a gate one ulp below the
+// bound -5 as "-5", std::to_string wrote 1e-9 as "0.000000").
+template <class Real>
+  requires std::is_floating_point_v<Real>
+std::string format_number(Real x) {
+  char buf[64];
+  auto const r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
 }
 
 // Throws k3::error when `cond` is false; the message is built only on failure.

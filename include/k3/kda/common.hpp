@@ -6,7 +6,6 @@
 // when computing in double). Value head hv reads q/k head hv / (HV/H).
 #pragma once
 #include <array>
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -190,13 +189,7 @@ void check_optional(char const* name, V const& v, std::initializer_list<index_t>
   check_input(name, v, shape);
 }
 
-// The shortest text that reads back as x: "%g" wrote a g one ulp below the bound -5 as
-// "value -5 ... is below option 'gate_lower_bound' = -5".
-inline std::string fmt(double x) {
-  char buf[64];
-  auto const r = std::to_chars(buf, buf + sizeof buf, x);
-  return std::string(buf, r.ptr);
-}
+inline std::string fmt(double x) { return ::k3::detail::format_number(x); }
 
 inline std::optional<double> checked_lower_bound(options const& opt) {
   if (opt.gate_lower_bound) {

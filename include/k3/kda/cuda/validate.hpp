@@ -2,7 +2,6 @@
 // C++ (no CUDA header), so the checks compile and can be exercised anywhere.
 #pragma once
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -207,9 +206,7 @@ inline void check(gate_params const& p) {
   });
   if (p.kind == gate_kind::lower_bound)
     ::k3::detail::require(p.lower_bound >= -5.0f && p.lower_bound < 0.0f, [&] {
-      char buf[32];  // the shortest text that reads back (std::to_string wrote 1e-9 as "0.000000")
-      auto const r = std::to_chars(buf, buf + sizeof buf, p.lower_bound);
-      return "argument 'lower_bound': must lie in [-5, 0), got " + std::string(buf, r.ptr);
+      return "argument 'lower_bound': must lie in [-5, 0), got " + ::k3::detail::format_number(p.lower_bound);
     });
 }
 

@@ -16,7 +16,6 @@
 // backend or its thread count.
 #pragma once
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -217,16 +216,10 @@ void pp_check_gate(std::string_view gname, X const& x, A const& A_log, Bias cons
   }
 }
 
-// The shortest text that reads back as x (std::to_string wrote -5.0000001 as "-5.000000").
-inline std::string pp_shortest(double x) {
-  char buf[64];
-  auto const r = std::to_chars(buf, buf + sizeof buf, x);
-  return std::string(buf, r.ptr);
-}
 
 inline void pp_check_lower_bound(double lb) {
   ::k3::detail::require(lb >= -5.0 && lb < 0.0, [&] {
-    return "argument 'lower_bound': must lie in [-5, 0), got " + pp_shortest(lb);
+    return "argument 'lower_bound': must lie in [-5, 0), got " + ::k3::detail::format_number(lb);
   });
 }
 
