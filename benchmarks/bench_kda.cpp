@@ -25,13 +25,17 @@ using k3::index_t;
 
 namespace {
 
+// 64-byte aligned like k3::tensor's and Eigen's (the GEMM yardstick's) buffers: a std::vector
+// of this size starts 16 bytes past a page, so every row would straddle one more cache line.
+using row_buffer = std::vector<float, xsimd::aligned_allocator<float, 64>>;
+
 struct inputs {
   index_t T, H, K, V;
-  std::vector<float> q, k, v, g, beta, o, d_o, dq, dk, dv, dg, db, ht, dh0;
+  row_buffer q, k, v, g, beta, o, d_o, dq, dk, dv, dg, db, ht, dh0;
   inputs(index_t T_, index_t H_, index_t K_, index_t V_) : T(T_), H(H_), K(K_), V(V_) {
     std::mt19937 rng(1);
     std::normal_distribution<float> nd;
-    auto fill_normed = [&](std::vector<float>& x) {
+    auto fill_normed = [&](row_buffer& x) {
       x.resize(std::size_t(T * H * K));
       for (index_t r = 0; r < T * H; ++r) {
         float s = 0;
@@ -132,7 +136,7 @@ int main(int argc, char** argv) {
     auto fs = fa;  // training forward: also fills the saved states
     auto bs = ba;  // backward reading them
     auto const sh = k3::kda::saved_shape(fa, chunk_opt);
-    std::vector<float> saved(std::size_t(sh[0] * sh[1] * sh[2]));
+    row_buffer saved(std::size_t(sh[0] * sh[1] * sh[2]));
     fs.saved = k3::host_view(saved.data(), sh[0], sh[1], sh[2]);
     bs.saved = fs.saved;
     k3::kda::forward(be, fa, chunk_opt);  // warm-up
