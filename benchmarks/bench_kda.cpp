@@ -25,9 +25,7 @@ using k3::index_t;
 
 namespace {
 
-// 64-byte aligned like k3::tensor's and Eigen's (the GEMM yardstick's) buffers: a std::vector
-// of this size starts 16 bytes past a page, so every row would straddle one more cache line.
-using row_buffer = std::vector<float, xsimd::aligned_allocator<float, 64>>;
+using row_buffer = k3::bench::aligned_buffer<float>;
 
 struct inputs {
   index_t T, H, K, V;

@@ -21,7 +21,7 @@ int main() {
   print_header("moe routing: m=16384 n=896 k=16 bins=1000 float32");
   int const nt = hardware_threads();
   k3::index_t const m = 16384, n = 896, k = 16, B = 1000;
-  std::vector<float> s(static_cast<std::size_t>(m * n)), bias(static_cast<std::size_t>(n));
+  k3::bench::aligned_buffer<float> s(static_cast<std::size_t>(m * n)), bias(static_cast<std::size_t>(n));
   {
     std::mt19937_64 g(1);
     std::normal_distribution<float> nd;
@@ -31,8 +31,8 @@ int main() {
   }
   moe::router_options opt;
   opt.k = k;
-  std::vector<std::int32_t> idx(static_cast<std::size_t>(m * k));
-  std::vector<float> w(idx.size()), cut(static_cast<std::size_t>(m));
+  k3::bench::aligned_buffer<std::int32_t> idx(static_cast<std::size_t>(m * k));
+  k3::bench::aligned_buffer<float> w(idx.size()), cut(static_cast<std::size_t>(m));
   std::vector<std::int64_t> load(static_cast<std::size_t>(n));
   moe::route_outputs out{k3::host_view(idx.data(), m, k), k3::host_view(w.data(), m, k), k3::host_view(cut.data(), m),
                          k3::host_view(load.data(), n)};

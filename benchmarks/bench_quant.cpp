@@ -35,15 +35,15 @@ int main() {
   int const reps = 7;
 
   index_t const m = 16384, k = 7168;
-  std::vector<k3::bfloat16> x(static_cast<std::size_t>(m * k));
+  k3::bench::aligned_buffer<k3::bfloat16> x(static_cast<std::size_t>(m * k));
   be.for_each_task(m, [&](index_t i) {
     std::mt19937 rng(static_cast<std::uint32_t>(i));
     std::normal_distribution<float> nd;
     for (index_t j = 0; j < k; ++j) x[static_cast<std::size_t>(i * k + j)] = k3::bfloat16(nd(rng));
   });
-  std::vector<std::uint8_t> q8(static_cast<std::size_t>(m * k)), q4(static_cast<std::size_t>(m * k / 2));
-  std::vector<float> s128(static_cast<std::size_t>(m * (k / 128)));
-  std::vector<std::uint8_t> smx(static_cast<std::size_t>(m * (k / 32)));
+  k3::bench::aligned_buffer<std::uint8_t> q8(static_cast<std::size_t>(m * k)), q4(static_cast<std::size_t>(m * k / 2));
+  k3::bench::aligned_buffer<float> s128(static_cast<std::size_t>(m * (k / 128)));
+  k3::bench::aligned_buffer<std::uint8_t> smx(static_cast<std::size_t>(m * (k / 32)));
   auto xv = k3::host_view(x.data(), m, k);
   double const in_bytes = double(m) * k * 2;
   double const b128 = in_bytes + double(m) * k + double(s128.size()) * 4;
@@ -99,13 +99,13 @@ int main() {
 
   // ---- block-scaled GEMM ----
   index_t const gm = 2048, gn = 2048, gk = 2048;
-  std::vector<float> a(static_cast<std::size_t>(gm * gk)), b(static_cast<std::size_t>(gn * gk)), c(static_cast<std::size_t>(gm * gn));
+  k3::bench::aligned_buffer<float> a(static_cast<std::size_t>(gm * gk)), b(static_cast<std::size_t>(gn * gk)), c(static_cast<std::size_t>(gm * gn));
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   for (auto& v : a) v = nd(rng);
   for (auto& v : b) v = nd(rng);
-  std::vector<std::uint8_t> qa(a.size()), qb(b.size());
-  std::vector<float> sa(static_cast<std::size_t>(gm * (gk / 128))), sb(static_cast<std::size_t>((gn / 128) * (gk / 128)));
+  k3::bench::aligned_buffer<std::uint8_t> qa(a.size()), qb(b.size());
+  k3::bench::aligned_buffer<float> sa(static_cast<std::size_t>(gm * (gk / 128))), sb(static_cast<std::size_t>((gn / 128) * (gk / 128)));
   k3::quant::fp8_quantize(be, k3::host_view(a.data(), gm, gk), k3::host_view(qa.data(), gm, gk), k3::host_view(sa.data(), gm, gk / 128));
   k3::quant::fp8_quantize(be, k3::host_view(b.data(), gn, gk), k3::host_view(qb.data(), gn, gk), k3::host_view(sb.data(), gn / 128, gk / 128),
                           k3::quant::tile_128x128);

@@ -19,6 +19,12 @@
 
 namespace k3::bench {
 
+// The ops' buffers, 64-byte aligned like k3::tensor's, the in-place pass's and Eigen's (the GEMM
+// yardstick's): a large std::vector starts 16 bytes past a page, so every 64-byte row segment
+// would straddle two cache lines, a handicap the yardsticks do not have.
+template <class T>
+using aligned_buffer = std::vector<T, xsimd::aligned_allocator<T, 64>>;
+
 inline char const* isa() { return xsimd::default_arch::name(); }
 
 inline double now() {
