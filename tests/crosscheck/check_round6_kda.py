@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Checker, save, rel_rms  # noqa: E402
+from common import Checker, compare, save  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 
@@ -88,21 +88,7 @@ def dplr_ref(x, scale, cu):
 # Helpers
 
 def check(label, name, got, ref, tol):
-    got = np.asarray(got, dtype=f64)
-    ref = np.asarray(ref, dtype=f64)
-    if got.shape != ref.shape:
-        ck.fail(label, f"{name}: shape {got.shape} != {ref.shape}")
-        return False
-    if not np.array_equal(np.isfinite(got), np.isfinite(ref)):
-        ck.fail(label, f"{name}: non-finite pattern differs ({np.sum(~np.isfinite(got))} vs {np.sum(~np.isfinite(ref))} non-finite)")
-        return False
-    fin = np.isfinite(ref)
-    e = rel_rms(got[fin], ref[fin])
-    if not e <= tol:
-        ck.fail(label, f"{name}: rel-RMS {e:.3e} > {tol:.1e}")
-        return False
-    ck.ok(f"{label} {name} {e:.1e}")
-    return True
+    return compare(ck, label, got, ref, tol, name=name)
 
 
 def run(label, d, opts=(), cmd=None):
