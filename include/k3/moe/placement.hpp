@@ -156,21 +156,49 @@ inline eplb_plan eplb_rebalance(const_view<double, 2> load, index_t physical, in
 }
 
 // Structural check of an EPLB plan: every expert placed logcnt times with replica numbers
-// 0..logcnt-1, log2phy the inverse of phy2log. Returns an empty string when consistent.
+// 0..logcnt-1, log2phy the inverse of phy2log (and -1 beyond logcnt). Returns an empty string
+// when consistent. A malformed plan (sizes that do not match its header, ids out of range) is
+// reported, never read out of bounds.
 inline std::string check_eplb(eplb_plan const& p) {
+  auto const sz = [](auto const& v) { return static_cast<index_t>(v.size()); };
+  if (p.layers < 0 || p.experts < 1 || p.physical < p.experts || p.max_replicas < 1)
+    return "header: need layers >= 0, experts >= 1, physical >= experts, max_replicas >= 1 (got layers " + std::to_string(p.layers) +
+           ", experts " + std::to_string(p.experts) + ", physical " + std::to_string(p.physical) + ", max_replicas " +
+           std::to_string(p.max_replicas) + ")";
+  if (sz(p.phy2log) != p.layers * p.physical || sz(p.phyrank) != p.layers * p.physical || sz(p.logcnt) != p.layers * p.experts ||
+      sz(p.log2phy) != p.layers * p.experts * p.max_replicas)
+    return "sizes: expected phy2log and phyrank of " + std::to_string(p.layers * p.physical) + ", logcnt of " +
+           std::to_string(p.layers * p.experts) + ", log2phy of " + std::to_string(p.layers * p.experts * p.max_replicas) +
+           " entries, got " + std::to_string(p.phy2log.size()) + ", " + std::to_string(p.phyrank.size()) + ", " +
+           std::to_string(p.logcnt.size()) + ", " + std::to_string(p.log2phy.size());
   for (index_t l = 0; l < p.layers; ++l) {
+    for (index_t e = 0; e < p.experts; ++e) {
+      auto c = p.logcnt[l * p.experts + e];
+      if (c < 1 || c > p.max_replicas)
+        return "layer " + std::to_string(l) + ": expert " + std::to_string(e) + " has logcnt " + std::to_string(c) + ", outside [1, " +
+               std::to_string(p.max_replicas) + "]";
+    }
     std::vector<index_t> seen(static_cast<std::size_t>(p.experts), 0);
     for (index_t s = 0; s < p.physical; ++s) {
       auto e = p.phy2log[l * p.physical + s];
       if (e < 0 || e >= p.experts) return "layer " + std::to_string(l) + ": slot " + std::to_string(s) + " holds no valid expert";
+      auto r = p.phyrank[l * p.physical + s];
+      if (r < 0 || r >= p.logcnt[l * p.experts + e])
+        return "layer " + std::to_string(l) + ": slot " + std::to_string(s) + " is replica " + std::to_string(r) + " of expert " +
+               std::to_string(e) + ", which has " + std::to_string(p.logcnt[l * p.experts + e]) + " replicas";
       ++seen[e];
-      if (p.log2phy[(l * p.experts + e) * p.max_replicas + p.phyrank[l * p.physical + s]] != s)
+      if (p.log2phy[(l * p.experts + e) * p.max_replicas + r] != s)
         return "layer " + std::to_string(l) + ": log2phy is not the inverse of phy2log at slot " + std::to_string(s);
     }
-    for (index_t e = 0; e < p.experts; ++e)
-      if (seen[e] < 1 || seen[e] != p.logcnt[l * p.experts + e])
+    for (index_t e = 0; e < p.experts; ++e) {
+      if (seen[e] != p.logcnt[l * p.experts + e])
         return "layer " + std::to_string(l) + ": expert " + std::to_string(e) + " placed " + std::to_string(seen[e]) + " times, logcnt " +
                std::to_string(p.logcnt[l * p.experts + e]);
+      for (index_t r = p.logcnt[l * p.experts + e]; r < p.max_replicas; ++r)
+        if (p.log2phy[(l * p.experts + e) * p.max_replicas + r] != -1)
+          return "layer " + std::to_string(l) + ": log2phy of expert " + std::to_string(e) + " replica " + std::to_string(r) +
+                 " (beyond logcnt) is not -1";
+    }
   }
   return {};
 }
