@@ -288,6 +288,8 @@ struct moonep_report {
 inline moonep_report check_moonep(const_view<std::int64_t, 1> counts, moonep_plan const& p) {
   moonep_report rep;
   index_t const E = p.experts, R = p.ranks;
+  // A plan whose header cannot describe a placement (home() divides by E / R) is not ok.
+  if (R < 1 || E < R || E % R != 0) return rep;
   rep.bound = E / R;
   std::vector<std::int64_t> per_rank(static_cast<std::size_t>(R), 0), per_exp(static_cast<std::size_t>(E), 0);
   std::vector<std::vector<char>> hosted(static_cast<std::size_t>(R), std::vector<char>(static_cast<std::size_t>(E), 0));
@@ -328,8 +330,19 @@ inline void moonep_dispatch(const_view<std::int32_t, 2> indices, moonep_plan con
         f("slot_of", slot_of);
       },
       [&](auto&& f) { f("indices", indices); });
+  ::k3::detail::require(p.ranks >= 1 && p.experts >= p.ranks && p.experts % p.ranks == 0, [&] {
+    return "argument 'plan': experts (" + std::to_string(p.experts) + ") must be a positive multiple of ranks (" +
+           std::to_string(p.ranks) + ")";
+  });
   std::vector<std::vector<moonep_assignment>> parts(static_cast<std::size_t>(p.experts));
-  for (auto const& a : p.parts) parts[a.expert].push_back(a);
+  for (auto const& a : p.parts) {
+    ::k3::detail::require(a.expert >= 0 && a.expert < p.experts && a.rank >= 0 && a.rank < p.ranks && a.count >= 0, [&] {
+      return "argument 'plan': part (expert " + std::to_string(a.expert) + ", rank " + std::to_string(a.rank) + ", count " +
+             std::to_string(a.count) + ") outside experts [0, " + std::to_string(p.experts) + "), ranks [0, " + std::to_string(p.ranks) +
+             "), count >= 0";
+    });
+    parts[a.expert].push_back(a);
+  }
   std::vector<std::size_t> cur(static_cast<std::size_t>(p.experts), 0);
   std::vector<std::int64_t> used(static_cast<std::size_t>(p.experts), 0), next_slot(static_cast<std::size_t>(p.ranks), 0);
   for (index_t t = 0; t < Tn; ++t)
