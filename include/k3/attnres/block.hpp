@@ -176,12 +176,12 @@ class block_attn_res {
       if (training()) {
         if (!boundary) {
           auto& sp = saved_partial_[std::size_t(l)];
-          if (sp.extent(0) != T_) sp = tensor<S, 2, B>({T_, cfg_.d}, b_);
+          if (sp.extent(0) != T_ || sp.extent(1) != cfg_.d) sp = tensor<S, 2, B>({T_, cfg_.d}, b_);  // also T = 0 on first use
           copy_rows(partial(), sp.view());
         }
         if (cfg_.run_mode == mode::train_stored) {
           auto& ss = saved_stats_[std::size_t(l)];
-          if (ss.extent(0) != T_) ss = tensor<C, 3, B>({T_, src.count(), 3}, b_);
+          if (ss.extent(0) != T_ || ss.extent(1) != src.count()) ss = tensor<C, 3, B>({T_, src.count(), 3}, b_);
           st = ss.view();
         }
       }
@@ -260,7 +260,7 @@ class block_attn_res {
   // does not hold the output site calls it before its first backward hop).
   void backward_prepare() {
     detail::require(training(), "block_attn_res::backward: the driver was not built in a training mode");
-    if (dbank_.extent(1) != T_) {
+    if (dbank_.extent(1) != T_ || dbank_.extent(2) != cfg_.d) {  // also T = 0 on first use
       dbank_ = tensor<C, 3, B>({cfg_.max_blocks(), T_, cfg_.d}, b_);
       grad_ = tensor<C, 2, B>({T_, cfg_.d}, b_);
     }
@@ -339,7 +339,7 @@ class block_attn_res {
   bool prefix_empty() const noexcept { return prefix_empty_; }
   // Resumes a backward pass at `site` (the gradient buffers hold the caller's state).
   void resume_backward(index_t site) {
-    detail::require(training() && dbank_.extent(1) == T_ && site >= 0 && site <= cfg_.sublayers, [&] {
+    detail::require(training() && dbank_.extent(1) == T_ && dbank_.extent(2) == cfg_.d && site >= 0 && site <= cfg_.sublayers, [&] {
       return "block_attn_res::resume_backward: call backward_prepare() first (site " + std::to_string(site) + ")";
     });
     bl_ = site;

@@ -1,0 +1,344 @@
+// Round-7 adversarial checks of the Block AttnRes driver (the C++ API the CLI cannot reach):
+// layouts with L = 0, block sizes 1, L, L + 1 and beyond, both decoder-layer-0 rules, every
+// mode, T = 0, a driver reused with changing token counts, padded w/gain rows, the threads
+// backend; forward against an independent float64 simulation of spec Eq. 6 and gradients
+// against complex-step derivatives of the same simulation.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <complex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "k3/attnres.hpp"
+
+namespace ar = k3::attnres;
+using k3::index_t;
+using cplx = std::complex<double>;
+
+namespace {
+
+double re(double x) { return x; }
+double re(cplx x) { return x.real(); }
+
+struct problem {
+  index_t L, S, T, d;
+  bool skip;
+  double eps = 1e-5;
+  std::vector<double> w, g, a, c, emb, dout;  // w, g [L+1, d]; sublayer l: y = tanh(a_l * x + c_l)
+  problem(index_t L_, index_t S_, index_t T_, index_t d_, bool skip_, std::uint64_t seed) : L(L_), S(S_), T(T_), d(d_), skip(skip_) {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<double> nd(0.0, 1.0);
+    auto fill = [&](std::vector<double>& v, std::size_t n, double sc, double off) {
+      v.resize(n);
+      for (auto& x : v) x = off + sc * nd(gen);
+    };
+    fill(w, std::size_t((L + 1) * d), 1.5, 0.0);
+    fill(g, std::size_t((L + 1) * d), 0.3, 1.0);
+    fill(a, std::size_t(L * d), 0.8, 0.0);
+    fill(c, std::size_t(L * d), 0.5, 0.0);
+    fill(emb, std::size_t(T * d), 1.0, 0.0);
+    fill(dout, std::size_t(T * d), 1.0, 0.0);
+  }
+};
+
+// One token's mix over the sources (spec §2): k_i = g * v_i / sqrt(mean(v_i^2) + eps),
+// softmax over i of w . k_i, h = sum softmax_i v_i.
+template <class X>
+void mix_ref(std::vector<std::vector<X>> const& src, index_t t, index_t d, X const* w, X const* g, double eps, X* h) {
+  std::size_t const n = src.size();
+  std::vector<X> logit(n);
+  double mx = -1e300;
+  for (std::size_t i = 0; i < n; ++i) {
+    X ss = 0;
+    for (index_t k = 0; k < d; ++k) ss += src[i][t * d + k] * src[i][t * d + k];
+    X const r = X(1) / std::sqrt(ss / double(d) + eps);
+    X lg = 0;
+    for (index_t k = 0; k < d; ++k) lg += w[k] * g[k] * src[i][t * d + k] * r;
+    logit[i] = lg;
+    mx = std::max(mx, re(lg));
+  }
+  X den = 0;
+  for (auto& x : logit) den += (x = std::exp(x - mx));
+  for (index_t k = 0; k < d; ++k) {
+    X v = 0;
+    for (std::size_t i = 0; i < n; ++i) v += logit[i] / den * src[i][t * d + k];
+    h[k] = v;
+  }
+}
+
+// Eq. 6 over the whole stack; returns every site's input (L + 1 of them).
+template <class X>
+std::vector<std::vector<X>> simulate(problem const& p, std::vector<X> const& w, std::vector<X> const& g, std::vector<X> const& emb) {
+  index_t const d = p.d, T = p.T;
+  std::vector<std::vector<X>> ys, hs;
+  for (index_t l = 0; l <= p.L; ++l) {
+    std::vector<std::vector<X>> src{emb};
+    auto block_sum = [&](index_t from, index_t to) {
+      std::vector<X> b(std::size_t(T * d), X(0));
+      for (index_t i = from; i < to; ++i)
+        for (std::size_t e = 0; e < b.size(); ++e) b[e] += ys[std::size_t(i)][e];
+      return b;
+    };
+    for (index_t k = 1; k <= l / p.S; ++k) src.push_back(block_sum((k - 1) * p.S, k * p.S));
+    if (l % p.S != 0) src.push_back(block_sum(l / p.S * p.S, l));
+    std::vector<X> h(std::size_t(T * d));
+    if (p.skip && l == 0) h = emb;
+    else
+      for (index_t t = 0; t < T; ++t) mix_ref(src, t, d, &w[std::size_t(l * d)], &g[std::size_t(l * d)], p.eps, &h[std::size_t(t * d)]);
+    hs.push_back(h);
+    if (l < p.L) {
+      std::vector<X> y(h.size());
+      for (index_t t = 0; t < T; ++t)
+        for (index_t k = 0; k < d; ++k) y[t * d + k] = std::tanh(p.a[l * d + k] * h[t * d + k] + p.c[l * d + k]);
+      ys.push_back(y);
+    }
+  }
+  return hs;
+}
+
+template <class X>
+std::vector<X> cast(std::vector<double> const& v) {
+  return std::vector<X>(v.begin(), v.end());
+}
+
+// loss = sum(dout * output mix) and its gradients by the complex step (exact to rounding).
+struct ref_grads {
+  std::vector<double> dw, dg, demb;
+};
+ref_grads complex_step(problem const& p) {
+  double const h = 1e-30;
+  auto W = cast<cplx>(p.w), G = cast<cplx>(p.g), E = cast<cplx>(p.emb);
+  auto loss = [&] {
+    auto hs = simulate(p, W, G, E);
+    cplx s = 0;
+    for (std::size_t i = 0; i < p.dout.size(); ++i) s += p.dout[i] * hs.back()[i];
+    return s.imag() / h;
+  };
+  ref_grads r;
+  auto sweep = [&](std::vector<cplx>& v, std::vector<double>& out) {
+    out.resize(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      v[i] += cplx(0, h);
+      out[i] = loss();
+      v[i] -= cplx(0, h);
+    }
+  };
+  sweep(W, r.dw);
+  sweep(G, r.dg);
+  sweep(E, r.demb);
+  return r;
+}
+
+double rel_err(std::vector<double> const& x, std::vector<double> const& ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    num += (x[i] - ref[i]) * (x[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  if (x.size() != ref.size()) return 1e300;
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+ar::block_config make_cfg(problem const& p, ar::mode m, index_t capacity) {
+  ar::block_config c;
+  c.d = p.d;
+  c.tokens = capacity;
+  c.sublayers = p.L;
+  c.block_sublayers = p.S;
+  c.skip_first_mix = p.skip;
+  c.eps = p.eps;
+  c.run_mode = m;
+  return c;
+}
+
+// The driver with w/gain rows padded to a stride of d + 3 (inner-contiguous, not contiguous).
+template <class S, class B = k3::cpu::serial>
+struct drv {
+  std::vector<double> wpad, gpad;
+  ar::block_attn_res<S, B> a;
+  static std::vector<double> pad(std::vector<double> const& v, index_t rows, index_t d) {
+    std::vector<double> o(std::size_t(rows * (d + 3)), 1e30);
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t k = 0; k < d; ++k) o[std::size_t(r * (d + 3) + k)] = v[std::size_t(r * d + k)];
+    return o;
+  }
+  drv(problem const& p, ar::mode m, index_t capacity, B b = B{})
+      : wpad(pad(p.w, p.L + 1, p.d)), gpad(pad(p.g, p.L + 1, p.d)),
+        a(make_cfg(p, m, capacity), k3::tensor_view<double const, 2>(wpad.data(), {p.L + 1, p.d}, {p.d + 3, 1}),
+          k3::tensor_view<double const, 2>(gpad.data(), {p.L + 1, p.d}, {p.d + 3, 1}), b) {}
+};
+
+struct run_result {
+  std::vector<std::vector<double>> inputs;  // L + 1
+  std::vector<double> dw, dg, demb;
+};
+
+// Forward (and, in training modes, backward) through the driver with the toy sublayers.
+// fused: two-phase add_input instead of add + input.
+template <class B>
+run_result run(ar::block_attn_res<double, B>& a, problem const& p, bool backward, bool fused = false) {
+  index_t const T = p.T, d = p.d;
+  run_result r;
+  std::vector<double> x(std::size_t(T * d)), y(std::size_t(T * d));
+  a.begin(k3::host_view(p.emb.data(), T, d));
+  auto sub = [&](index_t l) {
+    for (index_t t = 0; t < T; ++t)
+      for (index_t k = 0; k < d; ++k) y[std::size_t(t * d + k)] = std::tanh(p.a[l * d + k] * x[std::size_t(t * d + k)] + p.c[l * d + k]);
+  };
+  if (p.L == 0) {
+    a.output(k3::host_view(x.data(), T, d));
+    r.inputs.push_back(x);
+  } else {
+    a.input(k3::host_view(x.data(), T, d));
+    r.inputs.push_back(x);
+    for (index_t l = 0; l < p.L; ++l) {
+      sub(l);
+      if (l + 1 == p.L) {
+        a.add(k3::host_view(y.data(), T, d));
+        a.output(k3::host_view(x.data(), T, d));
+      } else if (fused) {
+        a.add_input(k3::host_view(y.data(), T, d), k3::host_view(x.data(), T, d));
+      } else {
+        a.add(k3::host_view(y.data(), T, d));
+        a.input(k3::host_view(x.data(), T, d));
+      }
+      r.inputs.push_back(x);
+    }
+  }
+  if (!backward) return r;
+  a.backward_begin();
+  a.backward_site(k3::host_view(p.dout.data(), T, d));
+  std::vector<double> dx(std::size_t(T * d));
+  for (index_t l = p.L - 1; l >= 0; --l) {
+    auto gy = a.grad_sublayer_output();
+    auto const& xin = r.inputs[std::size_t(l)];
+    for (index_t t = 0; t < T; ++t)
+      for (index_t k = 0; k < d; ++k) {
+        double const yy = std::tanh(p.a[l * d + k] * xin[std::size_t(t * d + k)] + p.c[l * d + k]);
+        dx[std::size_t(t * d + k)] = gy(t, k) * p.a[l * d + k] * (1 - yy * yy);
+      }
+    a.backward_site(k3::host_view(dx.data(), T, d));
+  }
+  CHECK(a.next_backward_site() == -1);
+  auto ge = a.grad_embedding();
+  for (index_t t = 0; t < T; ++t)
+    for (index_t k = 0; k < d; ++k) r.demb.push_back(ge(t, k));
+  auto gw = a.grad_w(), gg = a.grad_gain();
+  for (index_t l = 0; l <= p.L; ++l)
+    for (index_t k = 0; k < d; ++k) {
+      r.dw.push_back(gw(l, k));
+      r.dg.push_back(gg(l, k));
+    }
+  return r;
+}
+
+double forward_err(run_result const& r, std::vector<std::vector<double>> const& ref) {
+  double e = 0;
+  if (r.inputs.size() != ref.size()) return 1e300;
+  for (std::size_t l = 0; l < ref.size(); ++l) e = std::max(e, rel_err(r.inputs[l], ref[l]));
+  return e;
+}
+
+struct layout {
+  index_t L, S, T, d;
+  bool skip;
+};
+std::vector<layout> const layouts = {
+    {0, 1, 3, 5, true},  {0, 1, 2, 4, false}, {0, 6, 2, 3, false}, {1, 1, 2, 5, true},  {1, 1, 3, 4, false}, {1, 2, 2, 3, false},
+    {3, 2, 2, 5, false}, {5, 7, 3, 4, true},  {6, 6, 2, 5, false}, {6, 7, 2, 3, true},  {6, 5, 1, 4, false}, {7, 3, 3, 1, true},
+    {4, 4, 2, 6, true},  {5, 1, 2, 3, false}, {8, 2, 1, 7, true},  {9, 4, 2, 2, false},
+};
+
+}  // namespace
+
+TEST_CASE("round 7: driver forward in every mode vs an Eq. 6 simulation (L = 0, S = 1, L, L + 1, > L + 1, d = 1)") {
+  for (auto const& ly : layouts) {
+    problem p(ly.L, ly.S, ly.T, ly.d, ly.skip, std::uint64_t(100 + ly.L * 10 + ly.S));
+    CAPTURE(ly.L);
+    CAPTURE(ly.S);
+    CAPTURE(ly.skip);
+    auto ref = simulate(p, p.w, p.g, p.emb);
+    for (ar::mode m : {ar::mode::one_pass, ar::mode::two_phase, ar::mode::train_stored, ar::mode::train_recompute}) {
+      CAPTURE(int(m));
+      drv<double> dr(p, m, ly.T + 1);
+      CHECK(forward_err(run(dr.a, p, false), ref) <= 1e-12);
+      if (m == ar::mode::two_phase) {
+        drv<double> df(p, m, ly.T);
+        CHECK(forward_err(run(df.a, p, false, true), ref) <= 1e-12);
+      }
+      drv<double, k3::cpu::threads<>> dt(p, m, ly.T, k3::cpu::threads<>(2));
+      CHECK(forward_err(run(dt.a, p, false), ref) <= 1e-12);
+    }
+  }
+}
+
+TEST_CASE("round 7: driver gradients (stored and recompute) vs complex-step derivatives of the simulation") {
+  for (auto const& ly : layouts) {
+    problem p(ly.L, ly.S, ly.T, ly.d, ly.skip, std::uint64_t(200 + ly.L * 10 + ly.S));
+    CAPTURE(ly.L);
+    CAPTURE(ly.S);
+    CAPTURE(ly.skip);
+    auto ref = complex_step(p);
+    drv<double> st(p, ar::mode::train_stored, ly.T);
+    drv<double> rc(p, ar::mode::train_recompute, ly.T + 2);
+    auto a = run(st.a, p, true);
+    auto b = run(rc.a, p, true);
+    CHECK(rel_err(a.dw, ref.dw) <= 1e-11);
+    CHECK(rel_err(a.dg, ref.dg) <= 1e-11);
+    CHECK(rel_err(a.demb, ref.demb) <= 1e-11);
+    CHECK(a.dw == b.dw);
+    CHECK(a.dg == b.dg);
+    CHECK(a.demb == b.demb);
+    if (ly.skip)
+      for (index_t k = 0; k < ly.d; ++k) {
+        CHECK(a.dw[std::size_t(k)] == 0.0);
+        CHECK(a.dg[std::size_t(k)] == 0.0);
+      }
+    drv<double, k3::cpu::threads<>> th(p, ar::mode::train_recompute, ly.T, k3::cpu::threads<>(3));
+    auto c = run(th.a, p, true);
+    CHECK(rel_err(c.dw, ref.dw) <= 1e-11);
+    CHECK(rel_err(c.demb, ref.demb) <= 1e-11);
+  }
+}
+
+TEST_CASE("round 7: one driver reused with changing token counts (3, 1, 0, 4) equals fresh drivers, every mode") {
+  problem base(7, 3, 4, 5, true, 300);
+  for (ar::mode m : {ar::mode::one_pass, ar::mode::two_phase, ar::mode::train_stored, ar::mode::train_recompute}) {
+    CAPTURE(int(m));
+    bool const train = m == ar::mode::train_stored || m == ar::mode::train_recompute;
+    drv<double> reused(base, m, 4);
+    for (index_t T : {3, 1, 0, 4, 2}) {
+      CAPTURE(T);
+      problem p(7, 3, T, 5, true, std::uint64_t(310 + T));
+      // the driver keeps base's w/gain; p shares L, d and uses its own sublayers and embedding
+      p.w = base.w;
+      p.g = base.g;
+      drv<double> fresh2(p, m, T);
+      auto x = run(reused.a, p, train);
+      auto y = run(fresh2.a, p, train);
+      CHECK(x.inputs == y.inputs);
+      CHECK(x.dw == y.dw);
+      CHECK(x.dg == y.dg);
+      CHECK(x.demb == y.demb);
+      if (T > 0) CHECK(forward_err(x, simulate(p, p.w, p.g, p.emb)) <= 1e-12);
+      if (T == 0 && train) {
+        for (double v : x.dw) CHECK(v == 0.0);
+      }
+    }
+  }
+}
+
+TEST_CASE("round 7: K3's 93-layer layout (S = 24 sublayers) in two-phase and recompute modes, T = 2, d = 3") {
+  problem p(186, 24, 2, 3, true, 400);
+  auto ref = simulate(p, p.w, p.g, p.emb);
+  drv<double> tp(p, ar::mode::two_phase, 2);
+  CHECK(forward_err(run(tp.a, p, false, true), ref) <= 1e-12);
+  drv<double> st(p, ar::mode::train_stored, 2), rc(p, ar::mode::train_recompute, 2);
+  auto a = run(st.a, p, true), b = run(rc.a, p, true);
+  CHECK(forward_err(a, ref) <= 1e-12);
+  CHECK(a.dw == b.dw);
+  CHECK(a.demb == b.demb);
+  CHECK(st.a.bank_count() == 8);
+}
