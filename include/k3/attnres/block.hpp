@@ -337,9 +337,11 @@ class block_attn_res {
     if (cfg_.run_mode == mode::two_phase && site % cfg_.block_sublayers != 0 && n > 0) start_phase1(site - site % cfg_.block_sublayers);
   }
   bool prefix_empty() const noexcept { return prefix_empty_; }
-  // Resumes a backward pass at `site` (the gradient buffers hold the caller's state).
+  // Resumes a backward pass at `site` (the gradient buffers hold the caller's state). Site -1:
+  // nothing left to run here (a stage whose chunk was empty, its first site 0): the received
+  // running-sum gradient is the embedding's.
   void resume_backward(index_t site) {
-    detail::require(training() && dbank_.extent(1) == T_ && dbank_.extent(2) == cfg_.d && site >= 0 && site <= cfg_.sublayers, [&] {
+    detail::require(training() && dbank_.extent(1) == T_ && dbank_.extent(2) == cfg_.d && site >= -1 && site <= cfg_.sublayers, [&] {
       return "block_attn_res::resume_backward: call backward_prepare() first (site " + std::to_string(site) + ")";
     });
     bl_ = site;
