@@ -292,3 +292,53 @@ TEST_CASE("round 7: SiTU-GLU value and gradients keep relative precision at extr
     CHECK(worst[i] <= 1e-13);
   }
 }
+
+// ---- error quality ---------------------------------------------------------------------------
+namespace {
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (k3::error const& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+bool has(std::string const& s, std::string const& sub) { return s.find(sub) != std::string::npos; }
+}  // namespace
+
+TEST_CASE("round 7: placement and QB errors name the argument and give the values") {
+  std::vector<double> w(12, 1.0);
+  k3::const_view<double, 2> lv(w.data(), {1, 12});
+  auto e1 = error_of([&] { moe::eplb_rebalance(lv, 16, 0, 2, 8); });
+  CHECK(has(e1, "'groups'"));
+  CHECK(has(e1, "groups = 0"));
+  auto e2 = error_of([&] { moe::eplb_rebalance(lv, 15, 4, 2, 5); });
+  CHECK(has(e2, "'gpus' (5)"));
+  CHECK(has(e2, "'nodes' (2)"));
+  auto e3 = error_of([&] { moe::eplb_rebalance(lv, 14, 4, 4, 4); });  // 14 % 4 != 0 (also physical % gpus)
+  CHECK(has(e3, "'physical'"));
+  CHECK(has(e3, "14"));
+  std::vector<std::int64_t> counts = {5, 3, 2, 6};
+  auto plan = moe::moonep_rebalance({counts.data(), {4}}, 2);
+  std::vector<std::int32_t> idx = {0, 7};
+  std::vector<std::int64_t> rk(2), sl(2);
+  auto e4 = error_of([&] { moe::moonep_dispatch({idx.data(), {1, 2}}, plan, {rk.data(), {1, 2}}, {sl.data(), {1, 2}}); });
+  CHECK(has(e4, "'indices'"));
+  CHECK(has(e4, "expert id 7 at (0, 1)"));
+  moe::router_options ro;
+  ro.k = 2;
+  ro.n_groups = 2;
+  auto e5 = error_of([&] { moe::quantile_balancer qb(8, ro); });
+  CHECK(has(e5, "'n_groups'"));
+  CHECK(has(e5, "got 2"));
+  ro.n_groups = 1;
+  ro.routed_scale = std::numeric_limits<float>::infinity();
+  std::vector<float> s(8, 0.5f), b(8, 0.f), wt(2);
+  std::vector<std::int32_t> ix(2);
+  auto e6 = error_of([&] {
+    moe::route(k3::cpu::serial{}, {s.data(), {1, 8}}, {b.data(), {8}}, {k3::host_view(ix.data(), 1, 2), k3::host_view(wt.data(), 1, 2)}, ro);
+  });
+  CHECK(has(e6, "'routed_scale'"));
+  CHECK(has(e6, "inf"));
+}

@@ -95,7 +95,7 @@ class block_attn_res {
     detail::require(cfg.sublayers >= 0, [&] { return "block_config: sublayers must be >= 0, got " + std::to_string(cfg.sublayers); });
     detail::require(cfg.block_sublayers >= 1,
                     [&] { return "block_config: block_sublayers must be >= 1, got " + std::to_string(cfg.block_sublayers); });
-    detail::require(cfg.eps >= 0 && std::isfinite(cfg.eps), [&] { return "block_config: eps must be finite and >= 0"; });
+    detail::require(cfg.eps >= 0 && std::isfinite(cfg.eps), [&] { return "block_config: eps must be finite and >= 0, got " + std::to_string(cfg.eps); });
     detail::check_view("w", w);
     detail::check_view("gain", gain);
     detail::check_shape("w", w, {cfg.sublayers + 1, cfg.d});

@@ -97,15 +97,23 @@ inline eplb_plan eplb_rebalance(const_view<double, 2> load, index_t physical, in
         return "argument 'load': expected finite values >= 0, got " + std::to_string(load(l, e)) + " at layer " + std::to_string(l) +
                ", expert " + std::to_string(e);
       });
-  require(groups >= 1 && nodes >= 1 && gpus >= 1, "eplb: groups, nodes and gpus must be >= 1");
+  require(groups >= 1 && nodes >= 1 && gpus >= 1, [&] {
+    return "eplb: arguments 'groups', 'nodes' and 'gpus' must be >= 1, got groups = " + std::to_string(groups) + ", nodes = " +
+           std::to_string(nodes) + ", gpus = " + std::to_string(gpus);
+  });
   require(physical >= E && physical % gpus == 0, [&] {
     return "argument 'physical': need physical >= experts (" + std::to_string(E) + ") and a multiple of gpus (" + std::to_string(gpus) +
            "), got " + std::to_string(physical);
   });
-  require(gpus % nodes == 0, "eplb: gpus must be a multiple of nodes");
+  require(gpus % nodes == 0, [&] {
+    return "eplb: argument 'gpus' (" + std::to_string(gpus) + ") must be a multiple of 'nodes' (" + std::to_string(nodes) + ")";
+  });
   if (groups % nodes != 0) groups = nodes = 1;
   require(E % groups == 0, [&] { return "eplb: experts (" + std::to_string(E) + ") must be a multiple of groups (" + std::to_string(groups) + ")"; });
-  require(physical % nodes == 0 && physical / nodes >= E / nodes, "eplb: physical slots per node must cover the node's experts");
+  require(physical % nodes == 0 && physical / nodes >= E / nodes, [&] {
+    return "eplb: argument 'physical' (" + std::to_string(physical) + ") must be a multiple of nodes (" + std::to_string(nodes) +
+           ") with at least experts / nodes (" + std::to_string(E / nodes) + ") slots per node";
+  });
   index_t const gsize = E / groups, gpn = groups / nodes, epn = E / nodes, ppn = physical / nodes, gpu_per_node = gpus / nodes,
                 per_gpu = physical / gpus;
   eplb_plan plan;
@@ -352,7 +360,10 @@ inline void moonep_dispatch(const_view<std::int32_t, 2> indices, moonep_plan con
         rank_of(t, r) = slot_of(t, r) = -1;
         continue;
       }
-      ::k3::detail::require(e < p.experts, "moonep_dispatch: expert id outside the plan");
+      ::k3::detail::require(e < p.experts, [&] {
+        return "argument 'indices': expert id " + std::to_string(e) + " at (" + std::to_string(t) + ", " + std::to_string(r) +
+               ") outside the plan's experts [0, " + std::to_string(p.experts) + ")";
+      });
       auto& ps = parts[e];
       while (cur[e] < ps.size() && used[e] == ps[cur[e]].count) ++cur[e], used[e] = 0;
       ::k3::detail::require(cur[e] < ps.size(), [&] {

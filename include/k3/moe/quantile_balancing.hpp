@@ -156,7 +156,7 @@ inline void check_qb_inputs(const_view<float, 2> scores, const_view<float, 1> cu
   ::k3::detail::require(opt.k >= 1 && opt.k < n, [&] {
     return "argument 'k': need 1 <= k < n, got k = " + std::to_string(opt.k) + ", n = " + std::to_string(n);
   });
-  ::k3::detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+  ::k3::detail::require(opt.n_groups == 1, [&] { return detail::qb_groups_message(opt.n_groups); });
   ::k3::detail::check_view("cutoff", cutoff);
   ::k3::detail::check_shape("cutoff", cutoff, {m});
   if (!mask.empty()) {
@@ -322,7 +322,7 @@ inline void qb_offline_solve(const_view<float, 2> scores, router_options const& 
   detail::require(iterations >= 1, [&] { return "argument 'iterations': must be >= 1, got " + std::to_string(iterations); });
   // Like the per-step updates: the solver ranks all n experts per token, which group-limited
   // routing would not do, so its bias would not balance the routing it is used with.
-  detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+  detail::require(opt.n_groups == 1, [&] { return detail::qb_groups_message(opt.n_groups); });
   ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {n});
   if (!mask.empty()) {
