@@ -342,3 +342,65 @@ TEST_CASE("round 7: placement and QB errors name the argument and give the value
   CHECK(has(e6, "'routed_scale'"));
   CHECK(has(e6, "inf"));
 }
+
+TEST_CASE("round 7: group-limited routing: topk_groups = n_groups is plain top-k; k = 1; threads == serial with logits and masks") {
+  k3::cpu::threads<> thr(3);
+  std::mt19937_64 gen(5);
+  for (index_t n : {6, 12, 30, 64}) {
+    for (index_t G : {1, 2, 3, 6}) {
+      if (n % G != 0) continue;
+      for (index_t k : {1, 2, 5}) {
+        if (k >= n) continue;
+        index_t const m = 37;
+        auto s = moe_test::uniform(m * n, 0.0, 1.0, gen());
+        for (std::size_t i = 0; i < s.size(); i += 7) s[i] = s[i / 2];  // some ties
+        auto b = moe_test::uniform(n, -0.1, 0.1, gen());
+        std::vector<std::uint8_t> mask(static_cast<std::size_t>(m), 1);
+        for (index_t i = 0; i < m; i += 5) mask[std::size_t(i)] = 0;
+        CAPTURE(n);
+        CAPTURE(G);
+        CAPTURE(k);
+        moe::router_options plain;
+        plain.k = k;
+        moe::router_options all = plain;
+        all.n_groups = G;
+        all.topk_groups = G;
+        moe_test::routed r0(m, k, n), r1(m, k, n), r2(m, k, n);
+        moe::route(k3::cpu::serial{}, moe_test::cview(s, m, n), moe_test::cview(b), r0.out(), plain, {mask.data(), {m}});
+        moe::route(k3::cpu::serial{}, moe_test::cview(s, m, n), moe_test::cview(b), r1.out(), all, {mask.data(), {m}});
+        moe::route(thr, moe_test::cview(s, m, n), moe_test::cview(b), r2.out(), all, {mask.data(), {m}});
+        CHECK(r0.idx == r1.idx);
+        CHECK(r0.w == r1.w);
+        CHECK(r0.cut == r1.cut);
+        CHECK(r0.load == r1.load);
+        CHECK(r1.idx == r2.idx);
+        CHECK(r1.w == r2.w);
+        CHECK(r1.cut == r2.cut);
+        CHECK(r1.load == r2.load);
+        for (index_t tg = 1; tg < G; ++tg) {
+          if (k > tg * (n / G)) continue;
+          moe::router_options lim = plain;
+          lim.n_groups = G;
+          lim.topk_groups = tg;
+          lim.input = moe::score_kind::logits;
+          auto lg = moe_test::uniform(m * n, -6.0, 6.0, gen());
+          moe_test::routed a(m, k, n), c(m, k, n);
+          moe::route(k3::cpu::serial{}, moe_test::cview(lg, m, n), moe_test::cview(b), a.out(), lim, {mask.data(), {m}});
+          moe::route(thr, moe_test::cview(lg, m, n), moe_test::cview(b), c.out(), lim, {mask.data(), {m}});
+          CHECK(a.idx == c.idx);
+          CHECK(a.w == c.w);
+          CHECK(a.cut == c.cut);
+          // every chosen expert lies in one of tg groups
+          for (index_t i = 0; i < m; ++i) {
+            if (!mask[std::size_t(i)]) continue;
+            std::vector<int> used(static_cast<std::size_t>(G), 0);
+            for (index_t r = 0; r < k; ++r) used[std::size_t(a.idx[std::size_t(i * k + r)] / (n / G))] = 1;
+            int cnt = 0;
+            for (int u : used) cnt += u;
+            CHECK(cnt <= tg);
+          }
+        }
+      }
+    }
+  }
+}
