@@ -36,6 +36,7 @@
 //     ar.grad_embedding();  ar.grad_w();  ar.grad_gain();
 #pragma once
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -229,8 +230,15 @@ class block_attn_res {
   void add_input(tensor_view<Y, 2> y, tensor_view<X, 2> x) {
     detail::check_not_broadcast("x", x);  // before add() moves the driver on
     index_t const next = l_ + 1;
+    // x may be y's own buffer (the next input written over the sublayer output, as add then
+    // input allows); the fused pass reads y while it writes x, so it runs only on separate
+    // buffers.
+    std::uintptr_t x0, x1, y0, y1;
+    detail::byte_range(x, x0, x1);
+    detail::byte_range(y, y0, y1);
+    bool const apart = !(x0 < x1 && y0 < y1 && x0 < y1 && y0 < x1);
     bool const fusable = cfg_.run_mode == mode::two_phase && awaiting_add_ && !prefix_empty_ && next <= cfg_.sublayers &&
-                         cfg_.partial_at(next);
+                         cfg_.partial_at(next) && apart;
     if (!fusable) {
       add(y);
       input(x);
