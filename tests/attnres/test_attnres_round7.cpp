@@ -514,3 +514,24 @@ TEST_CASE("round 7: two-phase add_input accepts x = y (one buffer), like add the
         two_phase_add_input<k3::bfloat16>(p, false, k3::cpu::threads<>(2)));
   CHECK(two_phase_add_input<k3::bfloat16>(p, true, k3::cpu::serial{}) == two_phase_add_input<k3::bfloat16>(p, false, k3::cpu::serial{}));
 }
+
+TEST_CASE("round 7: a second input() for the same site, and add() after begin() restarts a pass, are errors") {
+  problem p(6, 3, 2, 4, true, 700);
+  for (ar::mode m : {ar::mode::one_pass, ar::mode::two_phase, ar::mode::train_stored, ar::mode::train_recompute}) {
+    CAPTURE(int(m));
+    drv<double> dr(p, m, 2);
+    std::vector<double> x(8), y(8, 0.25);
+    dr.a.begin(k3::host_view(p.emb.data(), 2, 4));
+    dr.a.input(k3::host_view(x.data(), 2, 4));
+    // was accepted: the boundary push ran again, bank_count() became 2 at site 0
+    CHECK_THROWS_AS(dr.a.input(k3::host_view(x.data(), 2, 4)), k3::error);
+    CHECK(dr.a.bank_count() == 1);
+    dr.a.add(k3::host_view(y.data(), 2, 4));
+    dr.a.input(k3::host_view(x.data(), 2, 4));
+    dr.a.begin(k3::host_view(p.emb.data(), 2, 4));  // restart mid-site
+    CHECK_THROWS_AS(dr.a.add(k3::host_view(y.data(), 2, 4)), k3::error);
+    // the restarted pass still gives the simulation's numbers
+    auto ref = simulate(p, p.w, p.g, p.emb);
+    CHECK(forward_err(run(dr.a, p, false), ref) <= 1e-12);
+  }
+}

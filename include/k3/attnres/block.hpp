@@ -147,6 +147,7 @@ class block_attn_res {
     l_ = 0;
     prefix_empty_ = false;
     output_done_ = false;
+    awaiting_add_ = false;  // a pass abandoned after an input() does not let add() skip site 0
   }
 
   // Writes the input of site l = site() into x [T, d]. Closes the block first at a boundary.
@@ -154,6 +155,11 @@ class block_attn_res {
   void input(tensor_view<X, 2> x) {
     detail::require(T_ >= 0 && l_ <= cfg_.sublayers && !output_done_, [&] {
       return "block_attn_res::input: no site left (site " + std::to_string(l_) + " of " + std::to_string(cfg_.sublayers) + ")";
+    });
+    // A second input() for the same site would close the block at a boundary twice (a
+    // duplicated bank row, every later site mixing the wrong sources).
+    detail::require(!awaiting_add_, [&] {
+      return "block_attn_res::input: site " + std::to_string(l_) + " already handed out its input; call add() with its output first";
     });
     detail::check_view("x", x);
     detail::check_shape("x", x, {T_, cfg_.d});
