@@ -535,3 +535,21 @@ TEST_CASE("round 7: a second input() for the same site, and add() after begin() 
     CHECK(forward_err(run(dr.a, p, false), ref) <= 1e-12);
   }
 }
+
+TEST_CASE("round 7: a backward abandoned half-way does not continue into the next pass") {
+  problem p(6, 3, 2, 4, true, 710);
+  for (ar::mode m : {ar::mode::train_stored, ar::mode::train_recompute}) {
+    drv<double> dr(p, m, 2);
+    run(dr.a, p, false);
+    dr.a.backward_begin();
+    dr.a.backward_site(k3::host_view(p.dout.data(), 2, 4));
+    CHECK(dr.a.next_backward_site() == 5);
+    run(dr.a, p, false);  // a new pass: was: backward_site went on at site 5 with stale buffers
+    CHECK(dr.a.next_backward_site() == -1);
+    CHECK_THROWS_AS(dr.a.backward_site(k3::host_view(p.dout.data(), 2, 4)), k3::error);
+    drv<double> fresh(p, m, 2);
+    auto a = run(dr.a, p, true), b = run(fresh.a, p, true);
+    CHECK(a.dw == b.dw);
+    CHECK(a.demb == b.demb);
+  }
+}

@@ -148,6 +148,7 @@ class block_attn_res {
     prefix_empty_ = false;
     output_done_ = false;
     awaiting_add_ = false;  // a pass abandoned after an input() does not let add() skip site 0
+    bl_ = -1;               // nor a backward abandoned half-way continue on this pass's state
   }
 
   // Writes the input of site l = site() into x [T, d]. Closes the block first at a boundary.
@@ -348,6 +349,7 @@ class block_attn_res {
     prefix_empty_ = prefix_empty;
     output_done_ = false;
     awaiting_add_ = false;
+    bl_ = -1;
     if (cfg_.run_mode == mode::two_phase && site % cfg_.block_sublayers != 0 && n > 0) start_phase1(site - site % cfg_.block_sublayers);
   }
   bool prefix_empty() const noexcept { return prefix_empty_; }
