@@ -176,3 +176,62 @@ TEST_CASE("round 7: wrong scale shapes name the argument with expected and actua
   });
   CHECK(e5.find("(no error)") == std::string::npos);  // q2 over q (and s2 over s) is an overlap error
 }
+
+TEST_CASE("round 7: DeepSeek FP8 quantisation with custom tiles (1x1, 1x7, 3x5, 2x128, 128x2, 5x300) on every backend vs the recipe") {
+  cpu::threads<> thr(2);
+  struct tl {
+    index_t r, c;
+  };
+  index_t const m = 131, k = 301;
+  auto xf = qt::random_matrix(m, k, 77, 5.0f);
+  auto xb = qt::to_bf16(xf);
+  for (tl t : {tl{1, 1}, tl{1, 7}, tl{3, 5}, tl{2, 128}, tl{128, 2}, tl{5, 300}, tl{131, 301}, tl{200, 400}}) {
+    for (scale_format fmt : {scale_format::fp32, scale_format::ue8m0}) {
+      CAPTURE(t.r);
+      CAPTURE(t.c);
+      CAPTURE(int(fmt));
+      tile const tt{t.r, t.c};
+      index_t const sr = cdiv(m, t.r), scn = cdiv(k, t.c);
+      for (int bf = 0; bf < 2; ++bf) {
+        // the recipe: s = max(amax, 1e-4) / 448 (ue8m0: the power-of-two ceiling), q = e4m3(x * (1/s))
+        std::vector<float> xs(std::size_t(m * k));
+        for (std::size_t e = 0; e < xs.size(); ++e) xs[e] = bf ? float(xb[e]) : xf[e];
+        std::vector<float> s_ref(std::size_t(sr * scn));
+        std::vector<std::uint8_t> q_ref(std::size_t(m * k));
+        for (index_t a = 0; a < sr; ++a)
+          for (index_t b = 0; b < scn; ++b) {
+            float amax = 0;
+            for (index_t i = a * t.r; i < std::min(m, (a + 1) * t.r); ++i)
+              for (index_t j = b * t.c; j < std::min(k, (b + 1) * t.c); ++j) amax = std::max(amax, std::fabs(xs[std::size_t(i * k + j)]));
+            float s = std::max(amax, 1e-4f) / 448.0f;
+            if (fmt == scale_format::ue8m0) s = std::ldexp(1.0f, int(std::ceil(std::log2(double(s)))));
+            s_ref[std::size_t(a * scn + b)] = s;
+            for (index_t i = a * t.r; i < std::min(m, (a + 1) * t.r); ++i)
+              for (index_t j = b * t.c; j < std::min(k, (b + 1) * t.c); ++j)
+                q_ref[std::size_t(i * k + j)] = encode<e4m3_format>(xs[std::size_t(i * k + j)] * (1.0f / s));
+          }
+        auto run = [&](auto const& be) {
+          std::vector<std::uint8_t> q(std::size_t(m * k), 0x55);
+          std::vector<float> s(std::size_t(sr * scn), -1.0f);
+          if (bf)
+            fp8_quantize(be, host_view(xb.data(), m, k), host_view(q.data(), m, k), host_view(s.data(), sr, scn), tt, fmt);
+          else
+            fp8_quantize(be, host_view(xf.data(), m, k), host_view(q.data(), m, k), host_view(s.data(), sr, scn), tt, fmt);
+          CHECK(q == q_ref);
+          CHECK(std::memcmp(s.data(), s_ref.data(), s.size() * sizeof(float)) == 0);
+          std::vector<float> y(std::size_t(m * k));
+          fp8_dequantize(be, host_view(q.data(), m, k), host_view(s.data(), sr, scn), host_view(y.data(), m, k), tt);
+          bool ok = true;
+          for (index_t i = 0; i < m; ++i)
+            for (index_t j = 0; j < k; ++j)
+              ok &= y[std::size_t(i * k + j)] == decode<e4m3_format>(q[std::size_t(i * k + j)]) * s[std::size_t((i / t.r) * scn + j / t.c)];
+          CHECK(ok);
+        };
+        CAPTURE(bf);
+        run(cpu::serial{});
+        run(cpu::simd<>{});
+        run(thr);
+      }
+    }
+  }
+}
