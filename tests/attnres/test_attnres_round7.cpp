@@ -553,3 +553,15 @@ TEST_CASE("round 7: a backward abandoned half-way does not continue into the nex
     CHECK(a.demb == b.demb);
   }
 }
+
+TEST_CASE("round 7: block_config queries on a default config (block size 0) do not divide by zero") {
+  ar::block_config c;  // block_sublayers = 0: was SIGFPE in sources_at / bank_rows_at / partial_at
+  CHECK(c.max_blocks() == 0);
+  CHECK(c.bank_rows_at(3) == 0);
+  CHECK_FALSE(c.partial_at(3));
+  CHECK(c.sources_at(0) == 0);
+  ar::block_config k = ar::block_config::kimi_k3(4);
+  CHECK(k.sources_at(186) == 9);
+  CHECK(k.partial_at(185));
+  CHECK_FALSE(k.partial_at(168));
+}

@@ -74,9 +74,10 @@ struct block_config {
 
   // Bank rows pushed over a whole pass: one at every site l in [0, L] with l % S == 0.
   index_t max_blocks() const noexcept { return block_sublayers > 0 ? sublayers / block_sublayers + 1 : 0; }
-  // Rows of the bank a site mixes, and whether it also mixes the partial sum.
-  index_t bank_rows_at(index_t site) const noexcept { return site / block_sublayers + 1; }
-  bool partial_at(index_t site) const noexcept { return site % block_sublayers != 0; }
+  // Rows of the bank a site mixes, and whether it also mixes the partial sum (0 / false for a
+  // config without a valid block size, which the driver rejects, instead of a division by 0).
+  index_t bank_rows_at(index_t site) const noexcept { return block_sublayers > 0 ? site / block_sublayers + 1 : 0; }
+  bool partial_at(index_t site) const noexcept { return block_sublayers > 0 && site % block_sublayers != 0; }
   index_t sources_at(index_t site) const noexcept { return bank_rows_at(site) + (partial_at(site) ? 1 : 0); }
 };
 
