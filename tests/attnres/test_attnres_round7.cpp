@@ -450,8 +450,8 @@ TEST_CASE("round 7: pipeline cache over random chunkings (empty chunks, cuts ins
       cases.push_back(pc);
   int idx = 0;
   for (auto const& pc : cases) {
-    for (int rep = 0; rep < 3; ++rep, ++idx) {
-      problem p(pc.L, pc.S, 2, 4, pc.skip, std::uint64_t(500 + idx));
+    for (int rep = 0; rep < 4; ++rep, ++idx) {
+      problem p(pc.L, pc.S, rep == 3 ? 0 : 2, 4, pc.skip, std::uint64_t(500 + idx));
       CAPTURE(pc.L);
       CAPTURE(pc.S);
       CAPTURE(pc.P);
