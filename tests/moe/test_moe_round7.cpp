@@ -404,3 +404,13 @@ TEST_CASE("round 7: group-limited routing: topk_groups = n_groups is plain top-k
     }
   }
 }
+
+TEST_CASE("round 7: MoonEP with a null or negative-stride counts view is a k3::error naming 'counts', not a crash") {
+  k3::const_view<std::int64_t, 1> null_counts(nullptr, {4});  // was: read through a null pointer
+  auto e1 = error_of([&] { moe::moonep_rebalance(null_counts, 2); });
+  CHECK(has(e1, "'counts'"));
+  std::vector<std::int64_t> counts = {5, 3, 2, 6};
+  auto plan = moe::moonep_rebalance({counts.data(), {4}}, 2);
+  auto e2 = error_of([&] { moe::check_moonep(null_counts, plan); });
+  CHECK(has(e2, "'counts'"));
+}

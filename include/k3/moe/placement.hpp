@@ -227,6 +227,7 @@ struct moonep_plan {
 // Expert e lives on rank e / (E/R).
 inline moonep_plan moonep_rebalance(const_view<std::int64_t, 1> counts, index_t ranks) {
   using ::k3::detail::require;
+  ::k3::detail::check_view("counts", counts);
   index_t const E = counts.extent(0);
   require(ranks >= 1 && E >= ranks && E % ranks == 0, [&] {
     return "argument 'ranks': experts (" + std::to_string(E) + ") must be a positive multiple of ranks (" + std::to_string(ranks) + ")";
@@ -294,6 +295,7 @@ struct moonep_report {
 };
 
 inline moonep_report check_moonep(const_view<std::int64_t, 1> counts, moonep_plan const& p) {
+  ::k3::detail::check_view("counts", counts);
   moonep_report rep;
   index_t const E = p.experts, R = p.ranks;
   // A plan whose header cannot describe a placement (home() divides by E / R) is not ok.
