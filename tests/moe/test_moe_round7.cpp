@@ -414,3 +414,11 @@ TEST_CASE("round 7: MoonEP with a null or negative-stride counts view is a k3::e
   auto e2 = error_of([&] { moe::check_moonep(null_counts, plan); });
   CHECK(has(e2, "'counts'"));
 }
+
+TEST_CASE("round 7: qb_histogram::for_bias with a null bias view is a k3::error naming 'bias', not a crash") {
+  k3::const_view<float, 1> null_bias(nullptr, {6});  // was: read through a null pointer
+  auto e = error_of([&] { moe::qb_histogram::for_bias(null_bias); });
+  CHECK(has(e, "'bias'"));
+  moe::qb_histogram h(6, 10, -1.f, 1.f);
+  CHECK(has(error_of([&] { h.reset_for_bias(null_bias); }), "'bias'"));
+}

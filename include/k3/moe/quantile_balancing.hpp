@@ -70,6 +70,7 @@ class qb_histogram {
   // The histogram for routing with `bias`: bounds [min(b) - 1, max(b) + 1], which contain
   // every margin when scores lie in (0, 1). Build it from the bias USED for routing.
   static qb_histogram for_bias(const_view<float, 1> bias, index_t bins = 1000) {
+    ::k3::detail::check_view("bias", bias);
     detail::require(bias.extent(0) >= 1, "qb_histogram::for_bias: argument 'bias' is empty");
     float lo = bias(0), hi = bias(0);
     for (index_t j = 0; j < bias.extent(0); ++j) {
