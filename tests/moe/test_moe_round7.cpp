@@ -422,3 +422,22 @@ TEST_CASE("round 7: qb_histogram::for_bias with a null bias view is a k3::error 
   moe::qb_histogram h(6, 10, -1.f, 1.f);
   CHECK(has(error_of([&] { h.reset_for_bias(null_bias); }), "'bias'"));
 }
+
+TEST_CASE("round 7: SiTU-GLU gradients in float keep relative precision in the tails too") {
+  std::vector<float> const pts = {0.0f, 1e-40f, -1e-40f, 1e-20f, 1e-4f, -1e-4f, 0.7f, -0.7f, 3.0f, -3.0f, 30.0f, -30.0f, 45.0f, -45.0f, 80.0f, -80.0f, 300.0f, -300.0f};
+  moe::situ_params<float> const c{};
+  double worst = 0;
+  for (float gg : pts)
+    for (float uu : pts) {
+      auto k = moe::situ_glu_grad(gg, uu, c);
+      auto r = situ_ref(gg, uu, 4.0L, 25.0L);
+      // float: relative 1e-5, or absolute at the float normal floor
+      auto rf = [](float got, ld want) {
+        if (std::fabs(want) < ld(std::numeric_limits<float>::min()))
+          return double(std::fabs(ld(got) - want)) / double(std::numeric_limits<float>::min());
+        return double(std::fabs(ld(got) - want) / std::fabs(want));
+      };
+      worst = std::max({worst, rf(k.value, r.v), rf(k.d_gate, r.dg), rf(k.d_up, r.du), rf(k.d_beta1, r.db1), rf(k.d_beta2, r.db2)});
+    }
+  CHECK(worst <= 2e-5);
+}
