@@ -569,11 +569,11 @@ TEST_CASE("round 7: block_config queries on a default config (block size 0) do n
 namespace {
 // Forward + backward with storage S (float or bfloat16) on backend B; gradients in double.
 template <class S, class B>
-run_result run_storage(problem const& p, ar::mode m, B be) {
+run_result run_storage(problem const& p, ar::mode m, B be, index_t spare = 0) {
   using C = ar::compute_t<S>;
   index_t const T = p.T, d = p.d;
   std::vector<C> w(p.w.begin(), p.w.end()), g(p.g.begin(), p.g.end());
-  ar::block_attn_res<S, B> a(make_cfg(p, m, T), k3::tensor_view<C const, 2>(w.data(), {p.L + 1, d}),
+  ar::block_attn_res<S, B> a(make_cfg(p, m, T + spare), k3::tensor_view<C const, 2>(w.data(), {p.L + 1, d}),
                              k3::tensor_view<C const, 2>(g.data(), {p.L + 1, d}), be);
   std::vector<S> e(p.emb.size()), x(std::size_t(T * d)), y(std::size_t(T * d)), dout(p.dout.size());
   for (std::size_t i = 0; i < e.size(); ++i) e[i] = S(float(p.emb[i]));
@@ -642,5 +642,21 @@ TEST_CASE("round 7: float and bfloat16 storage drivers track the float64 driver 
       check(run_storage<k3::bfloat16>(p, m, k3::cpu::serial{}), 2e-2, 0.3);
       check(run_storage<k3::bfloat16>(p, m, k3::cpu::threads<>(2)), 2e-2, 0.3);
     }
+  }
+}
+
+TEST_CASE("round 7: spare token capacity (strided bank, phase-1 outputs) gives the bits of an exact-capacity driver, bfloat16 and float") {
+  problem p(9, 4, 5, 96, true, 820);
+  for (ar::mode m : {ar::mode::one_pass, ar::mode::two_phase, ar::mode::train_recompute}) {
+    CAPTURE(int(m));
+    auto a = run_storage<k3::bfloat16>(p, m, k3::cpu::threads<>(2));
+    auto b = run_storage<k3::bfloat16>(p, m, k3::cpu::threads<>(2), 3);
+    CHECK(a.inputs == b.inputs);
+    CHECK(a.dw == b.dw);
+    CHECK(a.demb == b.demb);
+    auto c = run_storage<float>(p, m, k3::cpu::simd<>{});
+    auto e = run_storage<float>(p, m, k3::cpu::simd<>{}, 11);
+    CHECK(c.inputs == e.inputs);
+    CHECK(c.dw == e.dw);
   }
 }
