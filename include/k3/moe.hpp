@@ -50,7 +50,7 @@ void route(B const& backend, const_view<float, 2> scores, const_view<float, 1> b
            router_options const& opt, const_view<std::uint8_t, 1> mask = {}, qb_histogram* hist = nullptr) {
   detail::validate_route(scores, bias, out, opt, mask);
   if (hist) {
-    detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+    detail::require(opt.n_groups == 1, [&] { return detail::qb_groups_message(opt.n_groups); });
     detail::require(hist->experts() == scores.extent(1), [&] {
       return "argument 'hist': built for " + std::to_string(hist->experts()) + " experts, scores have " +
              std::to_string(scores.extent(1));
@@ -96,7 +96,7 @@ class quantile_balancer {
   quantile_balancer(std::vector<float> bias, router_options ropt, qb_options qopt = {})
       : bias_(std::move(bias)), ropt_(ropt), qopt_(qopt) {
     detail::require(!bias_.empty(), "quantile_balancer: argument 'bias' is empty");
-    detail::require(ropt_.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+    detail::require(ropt_.n_groups == 1, [&] { return detail::qb_groups_message(ropt_.n_groups); });
     detail::check_ema(qopt_.ema);
     reset_stats();
   }

@@ -36,6 +36,7 @@
 //     ar.grad_embedding();  ar.grad_w();  ar.grad_gain();
 #pragma once
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -73,9 +74,10 @@ struct block_config {
 
   // Bank rows pushed over a whole pass: one at every site l in [0, L] with l % S == 0.
   index_t max_blocks() const noexcept { return block_sublayers > 0 ? sublayers / block_sublayers + 1 : 0; }
-  // Rows of the bank a site mixes, and whether it also mixes the partial sum.
-  index_t bank_rows_at(index_t site) const noexcept { return site / block_sublayers + 1; }
-  bool partial_at(index_t site) const noexcept { return site % block_sublayers != 0; }
+  // Rows of the bank a site mixes, and whether it also mixes the partial sum (0 / false for a
+  // config without a valid block size, which the driver rejects, instead of a division by 0).
+  index_t bank_rows_at(index_t site) const noexcept { return block_sublayers > 0 ? site / block_sublayers + 1 : 0; }
+  bool partial_at(index_t site) const noexcept { return block_sublayers > 0 && site % block_sublayers != 0; }
   index_t sources_at(index_t site) const noexcept { return bank_rows_at(site) + (partial_at(site) ? 1 : 0); }
 };
 
@@ -95,7 +97,7 @@ class block_attn_res {
     detail::require(cfg.sublayers >= 0, [&] { return "block_config: sublayers must be >= 0, got " + std::to_string(cfg.sublayers); });
     detail::require(cfg.block_sublayers >= 1,
                     [&] { return "block_config: block_sublayers must be >= 1, got " + std::to_string(cfg.block_sublayers); });
-    detail::require(cfg.eps >= 0 && std::isfinite(cfg.eps), [&] { return "block_config: eps must be finite and >= 0"; });
+    detail::require(cfg.eps >= 0 && std::isfinite(cfg.eps), [&] { return "block_config: eps must be finite and >= 0, got " + std::to_string(cfg.eps); });
     detail::check_view("w", w);
     detail::check_view("gain", gain);
     detail::check_shape("w", w, {cfg.sublayers + 1, cfg.d});
@@ -146,6 +148,8 @@ class block_attn_res {
     l_ = 0;
     prefix_empty_ = false;
     output_done_ = false;
+    awaiting_add_ = false;  // a pass abandoned after an input() does not let add() skip site 0
+    bl_ = -1;               // nor a backward abandoned half-way continue on this pass's state
   }
 
   // Writes the input of site l = site() into x [T, d]. Closes the block first at a boundary.
@@ -153,6 +157,11 @@ class block_attn_res {
   void input(tensor_view<X, 2> x) {
     detail::require(T_ >= 0 && l_ <= cfg_.sublayers && !output_done_, [&] {
       return "block_attn_res::input: no site left (site " + std::to_string(l_) + " of " + std::to_string(cfg_.sublayers) + ")";
+    });
+    // A second input() for the same site would close the block at a boundary twice (a
+    // duplicated bank row, every later site mixing the wrong sources).
+    detail::require(!awaiting_add_, [&] {
+      return "block_attn_res::input: site " + std::to_string(l_) + " already handed out its input; call add() with its output first";
     });
     detail::check_view("x", x);
     detail::check_shape("x", x, {T_, cfg_.d});
@@ -176,12 +185,12 @@ class block_attn_res {
       if (training()) {
         if (!boundary) {
           auto& sp = saved_partial_[std::size_t(l)];
-          if (sp.extent(0) != T_) sp = tensor<S, 2, B>({T_, cfg_.d}, b_);
+          if (sp.extent(0) != T_ || sp.extent(1) != cfg_.d) sp = tensor<S, 2, B>({T_, cfg_.d}, b_);  // also T = 0 on first use
           copy_rows(partial(), sp.view());
         }
         if (cfg_.run_mode == mode::train_stored) {
           auto& ss = saved_stats_[std::size_t(l)];
-          if (ss.extent(0) != T_) ss = tensor<C, 3, B>({T_, src.count(), 3}, b_);
+          if (ss.extent(0) != T_ || ss.extent(1) != src.count()) ss = tensor<C, 3, B>({T_, src.count(), 3}, b_);
           st = ss.view();
         }
       }
@@ -229,8 +238,15 @@ class block_attn_res {
   void add_input(tensor_view<Y, 2> y, tensor_view<X, 2> x) {
     detail::check_not_broadcast("x", x);  // before add() moves the driver on
     index_t const next = l_ + 1;
+    // x may be y's own buffer (the next input written over the sublayer output, as add then
+    // input allows); the fused pass reads y while it writes x, so it runs only on separate
+    // buffers.
+    std::uintptr_t x0, x1, y0, y1;
+    detail::byte_range(x, x0, x1);
+    detail::byte_range(y, y0, y1);
+    bool const apart = !(x0 < x1 && y0 < y1 && x0 < y1 && y0 < x1);
     bool const fusable = cfg_.run_mode == mode::two_phase && awaiting_add_ && !prefix_empty_ && next <= cfg_.sublayers &&
-                         cfg_.partial_at(next);
+                         cfg_.partial_at(next) && apart;
     if (!fusable) {
       add(y);
       input(x);
@@ -260,7 +276,7 @@ class block_attn_res {
   // does not hold the output site calls it before its first backward hop).
   void backward_prepare() {
     detail::require(training(), "block_attn_res::backward: the driver was not built in a training mode");
-    if (dbank_.extent(1) != T_) {
+    if (dbank_.extent(1) != T_ || dbank_.extent(2) != cfg_.d) {  // also T = 0 on first use
       dbank_ = tensor<C, 3, B>({cfg_.max_blocks(), T_, cfg_.d}, b_);
       grad_ = tensor<C, 2, B>({T_, cfg_.d}, b_);
     }
@@ -334,12 +350,15 @@ class block_attn_res {
     prefix_empty_ = prefix_empty;
     output_done_ = false;
     awaiting_add_ = false;
+    bl_ = -1;
     if (cfg_.run_mode == mode::two_phase && site % cfg_.block_sublayers != 0 && n > 0) start_phase1(site - site % cfg_.block_sublayers);
   }
   bool prefix_empty() const noexcept { return prefix_empty_; }
-  // Resumes a backward pass at `site` (the gradient buffers hold the caller's state).
+  // Resumes a backward pass at `site` (the gradient buffers hold the caller's state). Site -1:
+  // nothing left to run here (a stage whose chunk was empty, its first site 0): the received
+  // running-sum gradient is the embedding's.
   void resume_backward(index_t site) {
-    detail::require(training() && dbank_.extent(1) == T_ && site >= 0 && site <= cfg_.sublayers, [&] {
+    detail::require(training() && dbank_.extent(1) == T_ && dbank_.extent(2) == cfg_.d && site >= -1 && site <= cfg_.sublayers, [&] {
       return "block_attn_res::resume_backward: call backward_prepare() first (site " + std::to_string(site) + ")";
     });
     bl_ = site;

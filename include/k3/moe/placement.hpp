@@ -97,15 +97,23 @@ inline eplb_plan eplb_rebalance(const_view<double, 2> load, index_t physical, in
         return "argument 'load': expected finite values >= 0, got " + std::to_string(load(l, e)) + " at layer " + std::to_string(l) +
                ", expert " + std::to_string(e);
       });
-  require(groups >= 1 && nodes >= 1 && gpus >= 1, "eplb: groups, nodes and gpus must be >= 1");
+  require(groups >= 1 && nodes >= 1 && gpus >= 1, [&] {
+    return "eplb: arguments 'groups', 'nodes' and 'gpus' must be >= 1, got groups = " + std::to_string(groups) + ", nodes = " +
+           std::to_string(nodes) + ", gpus = " + std::to_string(gpus);
+  });
   require(physical >= E && physical % gpus == 0, [&] {
     return "argument 'physical': need physical >= experts (" + std::to_string(E) + ") and a multiple of gpus (" + std::to_string(gpus) +
            "), got " + std::to_string(physical);
   });
-  require(gpus % nodes == 0, "eplb: gpus must be a multiple of nodes");
+  require(gpus % nodes == 0, [&] {
+    return "eplb: argument 'gpus' (" + std::to_string(gpus) + ") must be a multiple of 'nodes' (" + std::to_string(nodes) + ")";
+  });
   if (groups % nodes != 0) groups = nodes = 1;
   require(E % groups == 0, [&] { return "eplb: experts (" + std::to_string(E) + ") must be a multiple of groups (" + std::to_string(groups) + ")"; });
-  require(physical % nodes == 0 && physical / nodes >= E / nodes, "eplb: physical slots per node must cover the node's experts");
+  require(physical % nodes == 0 && physical / nodes >= E / nodes, [&] {
+    return "eplb: argument 'physical' (" + std::to_string(physical) + ") must be a multiple of nodes (" + std::to_string(nodes) +
+           ") with at least experts / nodes (" + std::to_string(E / nodes) + ") slots per node";
+  });
   index_t const gsize = E / groups, gpn = groups / nodes, epn = E / nodes, ppn = physical / nodes, gpu_per_node = gpus / nodes,
                 per_gpu = physical / gpus;
   eplb_plan plan;
@@ -156,21 +164,49 @@ inline eplb_plan eplb_rebalance(const_view<double, 2> load, index_t physical, in
 }
 
 // Structural check of an EPLB plan: every expert placed logcnt times with replica numbers
-// 0..logcnt-1, log2phy the inverse of phy2log. Returns an empty string when consistent.
+// 0..logcnt-1, log2phy the inverse of phy2log (and -1 beyond logcnt). Returns an empty string
+// when consistent. A malformed plan (sizes that do not match its header, ids out of range) is
+// reported, never read out of bounds.
 inline std::string check_eplb(eplb_plan const& p) {
+  auto const sz = [](auto const& v) { return static_cast<index_t>(v.size()); };
+  if (p.layers < 0 || p.experts < 1 || p.physical < p.experts || p.max_replicas < 1)
+    return "header: need layers >= 0, experts >= 1, physical >= experts, max_replicas >= 1 (got layers " + std::to_string(p.layers) +
+           ", experts " + std::to_string(p.experts) + ", physical " + std::to_string(p.physical) + ", max_replicas " +
+           std::to_string(p.max_replicas) + ")";
+  if (sz(p.phy2log) != p.layers * p.physical || sz(p.phyrank) != p.layers * p.physical || sz(p.logcnt) != p.layers * p.experts ||
+      sz(p.log2phy) != p.layers * p.experts * p.max_replicas)
+    return "sizes: expected phy2log and phyrank of " + std::to_string(p.layers * p.physical) + ", logcnt of " +
+           std::to_string(p.layers * p.experts) + ", log2phy of " + std::to_string(p.layers * p.experts * p.max_replicas) +
+           " entries, got " + std::to_string(p.phy2log.size()) + ", " + std::to_string(p.phyrank.size()) + ", " +
+           std::to_string(p.logcnt.size()) + ", " + std::to_string(p.log2phy.size());
   for (index_t l = 0; l < p.layers; ++l) {
+    for (index_t e = 0; e < p.experts; ++e) {
+      auto c = p.logcnt[l * p.experts + e];
+      if (c < 1 || c > p.max_replicas)
+        return "layer " + std::to_string(l) + ": expert " + std::to_string(e) + " has logcnt " + std::to_string(c) + ", outside [1, " +
+               std::to_string(p.max_replicas) + "]";
+    }
     std::vector<index_t> seen(static_cast<std::size_t>(p.experts), 0);
     for (index_t s = 0; s < p.physical; ++s) {
       auto e = p.phy2log[l * p.physical + s];
       if (e < 0 || e >= p.experts) return "layer " + std::to_string(l) + ": slot " + std::to_string(s) + " holds no valid expert";
+      auto r = p.phyrank[l * p.physical + s];
+      if (r < 0 || r >= p.logcnt[l * p.experts + e])
+        return "layer " + std::to_string(l) + ": slot " + std::to_string(s) + " is replica " + std::to_string(r) + " of expert " +
+               std::to_string(e) + ", which has " + std::to_string(p.logcnt[l * p.experts + e]) + " replicas";
       ++seen[e];
-      if (p.log2phy[(l * p.experts + e) * p.max_replicas + p.phyrank[l * p.physical + s]] != s)
+      if (p.log2phy[(l * p.experts + e) * p.max_replicas + r] != s)
         return "layer " + std::to_string(l) + ": log2phy is not the inverse of phy2log at slot " + std::to_string(s);
     }
-    for (index_t e = 0; e < p.experts; ++e)
-      if (seen[e] < 1 || seen[e] != p.logcnt[l * p.experts + e])
+    for (index_t e = 0; e < p.experts; ++e) {
+      if (seen[e] != p.logcnt[l * p.experts + e])
         return "layer " + std::to_string(l) + ": expert " + std::to_string(e) + " placed " + std::to_string(seen[e]) + " times, logcnt " +
                std::to_string(p.logcnt[l * p.experts + e]);
+      for (index_t r = p.logcnt[l * p.experts + e]; r < p.max_replicas; ++r)
+        if (p.log2phy[(l * p.experts + e) * p.max_replicas + r] != -1)
+          return "layer " + std::to_string(l) + ": log2phy of expert " + std::to_string(e) + " replica " + std::to_string(r) +
+                 " (beyond logcnt) is not -1";
+    }
   }
   return {};
 }
@@ -191,6 +227,7 @@ struct moonep_plan {
 // Expert e lives on rank e / (E/R).
 inline moonep_plan moonep_rebalance(const_view<std::int64_t, 1> counts, index_t ranks) {
   using ::k3::detail::require;
+  ::k3::detail::check_view("counts", counts);
   index_t const E = counts.extent(0);
   require(ranks >= 1 && E >= ranks && E % ranks == 0, [&] {
     return "argument 'ranks': experts (" + std::to_string(E) + ") must be a positive multiple of ranks (" + std::to_string(ranks) + ")";
@@ -258,8 +295,11 @@ struct moonep_report {
 };
 
 inline moonep_report check_moonep(const_view<std::int64_t, 1> counts, moonep_plan const& p) {
+  ::k3::detail::check_view("counts", counts);
   moonep_report rep;
   index_t const E = p.experts, R = p.ranks;
+  // A plan whose header cannot describe a placement (home() divides by E / R) is not ok.
+  if (R < 1 || E < R || E % R != 0) return rep;
   rep.bound = E / R;
   std::vector<std::int64_t> per_rank(static_cast<std::size_t>(R), 0), per_exp(static_cast<std::size_t>(E), 0);
   std::vector<std::vector<char>> hosted(static_cast<std::size_t>(R), std::vector<char>(static_cast<std::size_t>(E), 0));
@@ -300,8 +340,19 @@ inline void moonep_dispatch(const_view<std::int32_t, 2> indices, moonep_plan con
         f("slot_of", slot_of);
       },
       [&](auto&& f) { f("indices", indices); });
+  ::k3::detail::require(p.ranks >= 1 && p.experts >= p.ranks && p.experts % p.ranks == 0, [&] {
+    return "argument 'plan': experts (" + std::to_string(p.experts) + ") must be a positive multiple of ranks (" +
+           std::to_string(p.ranks) + ")";
+  });
   std::vector<std::vector<moonep_assignment>> parts(static_cast<std::size_t>(p.experts));
-  for (auto const& a : p.parts) parts[a.expert].push_back(a);
+  for (auto const& a : p.parts) {
+    ::k3::detail::require(a.expert >= 0 && a.expert < p.experts && a.rank >= 0 && a.rank < p.ranks && a.count >= 0, [&] {
+      return "argument 'plan': part (expert " + std::to_string(a.expert) + ", rank " + std::to_string(a.rank) + ", count " +
+             std::to_string(a.count) + ") outside experts [0, " + std::to_string(p.experts) + "), ranks [0, " + std::to_string(p.ranks) +
+             "), count >= 0";
+    });
+    parts[a.expert].push_back(a);
+  }
   std::vector<std::size_t> cur(static_cast<std::size_t>(p.experts), 0);
   std::vector<std::int64_t> used(static_cast<std::size_t>(p.experts), 0), next_slot(static_cast<std::size_t>(p.ranks), 0);
   for (index_t t = 0; t < Tn; ++t)
@@ -311,7 +362,10 @@ inline void moonep_dispatch(const_view<std::int32_t, 2> indices, moonep_plan con
         rank_of(t, r) = slot_of(t, r) = -1;
         continue;
       }
-      ::k3::detail::require(e < p.experts, "moonep_dispatch: expert id outside the plan");
+      ::k3::detail::require(e < p.experts, [&] {
+        return "argument 'indices': expert id " + std::to_string(e) + " at (" + std::to_string(t) + ", " + std::to_string(r) +
+               ") outside the plan's experts [0, " + std::to_string(p.experts) + ")";
+      });
       auto& ps = parts[e];
       while (cur[e] < ps.size() && used[e] == ps[cur[e]].count) ++cur[e], used[e] = 0;
       ::k3::detail::require(cur[e] < ps.size(), [&] {

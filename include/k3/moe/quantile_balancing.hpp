@@ -70,6 +70,7 @@ class qb_histogram {
   // The histogram for routing with `bias`: bounds [min(b) - 1, max(b) + 1], which contain
   // every margin when scores lie in (0, 1). Build it from the bias USED for routing.
   static qb_histogram for_bias(const_view<float, 1> bias, index_t bins = 1000) {
+    ::k3::detail::check_view("bias", bias);
     detail::require(bias.extent(0) >= 1, "qb_histogram::for_bias: argument 'bias' is empty");
     float lo = bias(0), hi = bias(0);
     for (index_t j = 0; j < bias.extent(0); ++j) {
@@ -156,7 +157,7 @@ inline void check_qb_inputs(const_view<float, 2> scores, const_view<float, 1> cu
   ::k3::detail::require(opt.k >= 1 && opt.k < n, [&] {
     return "argument 'k': need 1 <= k < n, got k = " + std::to_string(opt.k) + ", n = " + std::to_string(n);
   });
-  ::k3::detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+  ::k3::detail::require(opt.n_groups == 1, [&] { return detail::qb_groups_message(opt.n_groups); });
   ::k3::detail::check_view("cutoff", cutoff);
   ::k3::detail::check_shape("cutoff", cutoff, {m});
   if (!mask.empty()) {
@@ -322,7 +323,7 @@ inline void qb_offline_solve(const_view<float, 2> scores, router_options const& 
   detail::require(iterations >= 1, [&] { return "argument 'iterations': must be >= 1, got " + std::to_string(iterations); });
   // Like the per-step updates: the solver ranks all n experts per token, which group-limited
   // routing would not do, so its bias would not balance the routing it is used with.
-  detail::require(opt.n_groups == 1, "quantile balancing does not cover group-limited routing (n_groups must be 1)");
+  detail::require(opt.n_groups == 1, [&] { return detail::qb_groups_message(opt.n_groups); });
   ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {n});
   if (!mask.empty()) {

@@ -88,7 +88,8 @@ inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bia
     return "argument 'k': need 1 <= k < n (the cut-off is the (k+1)-th expert), got k = " + std::to_string(opt.k) +
            ", n = " + std::to_string(n);
   });
-  require(std::isfinite(opt.routed_scale), "argument 'routed_scale': must be finite");
+  require(std::isfinite(opt.routed_scale),
+          [&] { return "argument 'routed_scale': must be finite, got " + std::to_string(opt.routed_scale); });
   ::k3::detail::check_view("bias", bias);
   require(bias.extent(0) == n, [&] {
     return "argument 'bias': expected shape [" + std::to_string(n) + "] (one entry per expert), got " + ::k3::detail::shape_of(bias);
@@ -137,6 +138,11 @@ inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bia
         f("bias", bias);
         f("mask", mask);
       });
+}
+
+inline std::string qb_groups_message(index_t n_groups) {
+  return "argument 'n_groups': quantile balancing does not cover group-limited routing (n_groups must be 1), got " +
+         std::to_string(n_groups);
 }
 
 inline std::string nonfinite_message(index_t i, index_t j, score_kind kind) {
