@@ -9,6 +9,12 @@
 //  - segment_maps: the tokens are split into one segment per thread; each segment's affine
 //    map S -> M S + N is computed, an exclusive scan composes them, and each segment is then
 //    finished from its true initial state (see maps.hpp).
+// The value split is deterministic: 1, 2, ... threads give the single-thread outputs, final
+// states and gradients bit for bit (and so do the maps, whose K + V columns split the same way).
+// Every product over state columns is one fma chain per entry whatever block of columns
+// computes it (cols_gemm, chunk_kernels.hpp), and the backward's sums over the V columns (the
+// parameter gradients) are taken once per chunk over the whole width, not per part and added.
+// segment_maps is a different computation (composed maps): close, not bit for bit.
 //
 // Non-finite inputs: a NaN or Inf at token t of a (sequence, head) reaches no output before t
 // and no other sequence or head (bit for bit as without it), and no gradient before t when it
