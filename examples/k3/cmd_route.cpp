@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "option_names.hpp"
 #include "k3/moe.hpp"
 
 namespace {
@@ -28,11 +29,16 @@ std::vector<float> as_float(k3::io::npy_array const& a, std::string const& name,
   return v;
 }
 
-int run_route(k3::cli::args& args) {
+int run_route_body(k3::cli::args& args) {
   namespace moe = k3::moe;
   moe::router_options opt;
   opt.k = args.integer("k", 16);
-  opt.routed_scale = static_cast<float>(args.number("scale", 1.0));
+  double const scale = args.number("scale", 1.0);
+  // Narrowing the typed number to the library's float32 is the tool's own step (NaN is left to
+  // the library's check).
+  if (std::isfinite(scale) && !std::isfinite(static_cast<float>(scale)))
+    throw k3::cli::usage_error("option '--scale': " + args.value("scale") + " is outside the float32 range");
+  opt.routed_scale = static_cast<float>(scale);
   opt.n_groups = args.integer("groups", 1);
   opt.topk_groups = args.integer("topk-groups", 1);
   auto scores_file = args.load_optional("scores");
@@ -78,10 +84,8 @@ int run_route(k3::cli::args& args) {
   double const ema = args.number("ema", 0.0);
   k3::cpu::threads<> backend(args.threads(0));
 
-  // Checked here as well as in the library: the solver and the outputs [m, k] need it before the call.
-  if (opt.k < 1 || opt.k >= n)
-    throw k3::cli::usage_error("option '--k': must be in [1, n - 1] = [1, " + std::to_string(n - 1) + "] for n = " + std::to_string(n) +
-                               " experts, got " + std::to_string(opt.k));
+  // The library's checks of the options, made before anything is sized from k.
+  moe::check_router_options(opt, n);
   // Options that only one mode reads are errors elsewhere, not silently dropped: --solve runs no
   // per-batch update (the solver routes with its own bias), --groups > 1 has no Quantile Balancing,
   // --iterations is the solver's and --bins the histogram's.
@@ -99,17 +103,6 @@ int run_route(k3::cli::args& args) {
     throw k3::cli::usage_error("option '--solve' does not apply with --groups " + std::to_string(opt.n_groups) +
                                " (Quantile Balancing does not cover group-limited routing)");
   if (args.has("bins") && update != "histogram") throw k3::cli::usage_error("option '--bins' applies only to --update histogram");
-  // The library checks these too, under its own argument names (routed_scale, n_groups, ...).
-  if (!std::isfinite(opt.routed_scale))
-    throw k3::cli::usage_error("option '--scale': must be a finite float32, got '" + args.value("scale") + "'");
-  if (opt.n_groups < 1 || n % opt.n_groups != 0)
-    throw k3::cli::usage_error("option '--groups': must divide n = " + std::to_string(n) + ", got " + std::to_string(opt.n_groups));
-  if (opt.topk_groups < 1 || opt.topk_groups > opt.n_groups)
-    throw k3::cli::usage_error("option '--topk-groups': must be in [1, --groups] = [1, " + std::to_string(opt.n_groups) + "], got " +
-                               std::to_string(opt.topk_groups));
-  if (opt.k > opt.topk_groups * (n / opt.n_groups))
-    throw k3::cli::usage_error("option '--k': " + std::to_string(opt.k) + " is more than the " + std::to_string(opt.topk_groups * (n / opt.n_groups)) +
-                               " experts of --topk-groups " + std::to_string(opt.topk_groups) + " groups of " + std::to_string(n / opt.n_groups));
   std::vector<float> new_bias = bias;
   if (solve) {
     // Offline solver on this batch; then route with the solved bias.
@@ -170,6 +163,12 @@ int run_route(k3::cli::args& args) {
   std::printf("routed %lld tokens to %lld of %lld experts; max |load - q| = %.1f (q = %.1f)\n", static_cast<long long>(real),
               static_cast<long long>(opt.k), static_cast<long long>(n), worst, q);
   return 0;
+}
+
+int run_route(k3::cli::args& args) {
+  return k3::cli::with_option_spellings(
+      {{"k", "k"}, {"routed_scale", "scale"}, {"n_groups", "groups"}, {"topk_groups", "topk-groups"}, {"ema", "ema"}},
+      [&] { return run_route_body(args); });
 }
 
 k3::cli::registrar reg({"route", "MoE top-k routing with Quantile Balancing (sigmoid scores + bias)",

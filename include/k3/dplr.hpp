@@ -9,7 +9,9 @@
 //   dplr_chunked_forward / _backward(backend, in, ...)     chunked; cpu::serial, cpu::simd<>,
 //                                                          cpu::threads<> (one long sequence
 //                                                          uses every thread: value_split or
-//                                                          segment_maps, dplr_options)
+//                                                          segment_maps, dplr_options;
+//                                                          value_split gives the 1-thread
+//                                                          results bit for bit)
 //   iplr_*                                                 gk = 0
 //   kda_as_dplr<T>(kda_inputs)                             KDA as DPLR (GVA expanded), and
 //     .grads_to_kda(dplr_grads, kda_grads)                 its gradients folded back

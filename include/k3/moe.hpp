@@ -39,6 +39,16 @@ template <class B>
 struct is_threads_backend : std::false_type {};
 template <class A>
 struct is_threads_backend<cpu::threads<A>> : std::true_type {};
+
+// out with a cutoff to write: its own, or one in `store` (m entries), which the Quantile
+// Balancing statistics read after routing.
+inline route_outputs with_cutoff(route_outputs out, index_t m, std::vector<float>& store) {
+  if (out.cutoff.empty()) {
+    store.resize(static_cast<std::size_t>(m));
+    out.cutoff = host_view(store.data(), m);
+  }
+  return out;
+}
 }  // namespace detail
 
 // Routes m tokens with `bias` (see router.hpp for the exact definition and tie-breaking).
@@ -68,11 +78,7 @@ void route(B const& backend, const_view<float, 2> scores, const_view<float, 1> b
       return;
     }
     std::vector<float> cut;
-    route_outputs o = out;
-    if (o.cutoff.empty()) {
-      cut.resize(static_cast<std::size_t>(scores.extent(0)));
-      o.cutoff = host_view(cut.data(), scores.extent(0));
-    }
+    route_outputs const o = detail::with_cutoff(out, scores.extent(0), cut);
     route_serial(scores, bias, o, opt, mask);
     qb_accumulate(scores, o.cutoff, *hist, opt, mask);
   }
@@ -120,11 +126,7 @@ class quantile_balancer {
       return;
     }
     std::vector<float> cut;
-    route_outputs o = out;
-    if (o.cutoff.empty()) {
-      cut.resize(static_cast<std::size_t>(scores.extent(0)));
-      o.cutoff = host_view(cut.data(), scores.extent(0));
-    }
+    route_outputs const o = detail::with_cutoff(out, scores.extent(0), cut);
     moe::route(backend, scores, bias(), o, ropt_, mask);
     index_t const n = scores.extent(1);
     for (index_t i = 0; i < scores.extent(0); ++i) {

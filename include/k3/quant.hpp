@@ -74,6 +74,16 @@ void rows_parallel(B const& b, index_t m, index_t rows_per_task, F&& f) {
   simd_impl::run_tasks(b, tasks, [&](index_t t) { f(t * rows_per_task, std::min(m, (t + 1) * rows_per_task)); });
 }
 
+// The codes q [m, code_columns(k)] and block scales s [m, k / block] of the [m, k] tensor
+// `name` (x quantized, or y dequantized into), whose k must be a multiple of the block.
+template <class X, class Q, class S, class Codes>
+void check_block_layout(char const* name, X const& x, Q const& q, S const& s, index_t block, Codes&& code_columns) {
+  index_t const m = x.extent(0), k = x.extent(1);
+  check_divides(name, k, block);
+  k3::detail::check_shape("q", q, {m, code_columns(k)});
+  k3::detail::check_shape("s", s, {m, k / block});
+}
+
 }  // namespace detail
 
 // ---- DeepSeek FP8 tiles ------------------------------------------------------------------------
@@ -153,10 +163,8 @@ void mx_quantize(B const& b, tensor_view<T, 2> x_in, tensor_view<std::uint8_t, 2
   k3::detail::check_view("x", x);
   k3::detail::check_view("q", q);
   k3::detail::check_view("s", s);
-  index_t const m = x.extent(0), k = x.extent(1);
-  detail::check_divides("x", k, mx_block);
-  k3::detail::check_shape("q", q, {m, mx_code_columns(e, k)});
-  k3::detail::check_shape("s", s, {m, k / mx_block});
+  index_t const m = x.extent(0);
+  detail::check_block_layout("x", x, q, s, mx_block, [&](index_t k) { return mx_code_columns(e, k); });
   detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
   visit(e, [&]<class F>(F) {
@@ -177,10 +185,8 @@ void mx_dequantize(B const& b, tensor_view<QT, 2> q_in, tensor_view<ST, 2> s_in,
   k3::detail::check_view("q", q);
   k3::detail::check_view("s", s);
   k3::detail::check_view("y", y);
-  index_t const m = y.extent(0), k = y.extent(1);
-  detail::check_divides("y", k, mx_block);
-  k3::detail::check_shape("q", q, {m, mx_code_columns(e, k)});
-  k3::detail::check_shape("s", s, {m, k / mx_block});
+  index_t const m = y.extent(0);
+  detail::check_block_layout("y", y, q, s, mx_block, [&](index_t k) { return mx_code_columns(e, k); });
   detail::check_dequantize_output(y, q, s);
   visit(e, [&]<class F>(F) {
     detail::rows_parallel(b, m, 16, [&](index_t i0, index_t i1) { reference::mx_dequantize_rows<F>(q, s, y, i0, i1); });
@@ -209,10 +215,8 @@ void nvfp4_quantize(B const& b, tensor_view<T, 2> x_in, tensor_view<std::uint8_t
   k3::detail::check_view("q", q);
   k3::detail::check_view("s", s);
   detail::check_tensor_scale(g);
-  index_t const m = x.extent(0), k = x.extent(1);
-  detail::check_divides("x", k, nvfp4_block);
-  k3::detail::check_shape("q", q, {m, k / 2});
-  k3::detail::check_shape("s", s, {m, k / nvfp4_block});
+  index_t const m = x.extent(0);
+  detail::check_block_layout("x", x, q, s, nvfp4_block, [](index_t k) { return k / 2; });
   detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
   if constexpr (detail::vector_backend<B>) {
@@ -232,10 +236,8 @@ void nvfp4_dequantize(B const& b, tensor_view<QT, 2> q_in, tensor_view<ST, 2> s_
   k3::detail::check_view("s", s);
   k3::detail::check_view("y", y);
   detail::check_tensor_scale(g);
-  index_t const m = y.extent(0), k = y.extent(1);
-  detail::check_divides("y", k, nvfp4_block);
-  k3::detail::check_shape("q", q, {m, k / 2});
-  k3::detail::check_shape("s", s, {m, k / nvfp4_block});
+  index_t const m = y.extent(0);
+  detail::check_block_layout("y", y, q, s, nvfp4_block, [](index_t k) { return k / 2; });
   detail::check_dequantize_output(y, q, s);
   detail::rows_parallel(b, m, 16, [&](index_t i0, index_t i1) { reference::nvfp4_dequantize_rows(q, s, g, y, i0, i1); });
 }

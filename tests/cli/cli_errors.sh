@@ -85,7 +85,7 @@ PY
   expect 2 "option '--k' expects an integer, got '99999999999999999999'" -- route --in "$tmp/r" --out "$tmp/o" --k 99999999999999999999
   expect 2 "option '--threads' expects an integer, got ''" -- route --in "$tmp/r" --out "$tmp/o" --k 4 --threads=
   expect 2 "option '--scale' expects a number, got '1e999'" -- route --in "$tmp/r" --out "$tmp/o" --k 4 --scale 1e999
-  expect 2 "option '--scale': must be a finite float32, got 'nan'" -- route --in "$tmp/r" --out "$tmp/o" --k 4 --scale nan
+  expect 2 "option '--scale': must be finite, got nan" -- route --in "$tmp/r" --out "$tmp/o" --k 4 --scale nan
   expect 2 "option '--update' must be one of histogram|exact, got 'Exact'" -- route --in "$tmp/r" --out "$tmp/o" --k 4 --update Exact
   expect 2 "option '--chunk-size' expects an integer, got '0x10'" -- dplr --in "$tmp/d" --out "$tmp/o" --chunk-size 0x10
   expect 2 "option '--long-sequence' must be one of" -- dplr --in "$tmp/d" --out "$tmp/o" --long-sequence both

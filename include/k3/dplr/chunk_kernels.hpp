@@ -19,10 +19,12 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <vector>
 
 #include "k3/core/gate_cumsum.hpp"
 #include "k3/core/math.hpp"
 #include "k3/dplr/common.hpp"
+#include "k3/kda/chunk_simd.hpp"  // kda::detail::small_gemm
 
 namespace k3::detail::dplr {
 
@@ -349,18 +351,56 @@ struct chunk_fwd {
   }
 };
 
+// The products over state columns: C (m x n) = init + A (m x k) B (k x n), row-major, A given
+// transposed (stored k x m) when `at`. Every entry of C is one chain of fmas over k in order,
+// from the same start, whether a SIMD lane of small_gemm or the padded tail computes it: a
+// column's value does not depend on which block of columns it is computed in, so the value
+// split (one block of columns per thread) gives the single-thread result bit for bit. Eigen's
+// GEMM does not: its 1-packet micro-kernel alternates two accumulators over k where the 3- and
+// 2-packet kernels use one, and which one a column meets depends on its offset in the block
+// (benchmarks/dplr.md). It also packs both operands, which costs more than it saves here.
+enum class cols_init { zero, accumulate, row_scaled };
+
+template <class Arch = xsimd::default_arch, class R>
+void cols_gemm(index_t m, index_t n, index_t k, R const* A, index_t lda, bool at, R const* B, index_t ldb, R* C, index_t ldc, cols_init init,
+               R const* rs = nullptr) {
+  using gemm = ::k3::kda::detail::small_gemm<Arch, R>;
+  auto const mode = init == cols_init::zero ? gemm::zero : init == cols_init::accumulate ? gemm::accumulate : gemm::row_scaled;
+  index_t const L = gemm::L, nb = n / L * L;
+  if (nb > 0) {
+    if (at) gemm::run_t(m, nb, k, A, lda, B, ldb, C, ldc, mode, rs);
+    else gemm::run(m, nb, k, A, lda, B, ldb, C, ldc, mode, rs);
+  }
+  if (nb == n || m == 0) return;
+  // The last n - nb columns through the same kernel, zero-padded to one batch.
+  index_t const t = n - nb;
+  thread_local std::vector<R> bp, cp;
+  bp.assign(static_cast<std::size_t>(k * L), R(0));
+  cp.assign(static_cast<std::size_t>(m * L), R(0));
+  for (index_t p = 0; p < k; ++p) std::copy_n(B + p * ldb + nb, t, bp.data() + p * L);
+  if (init != cols_init::zero)
+    for (index_t i = 0; i < m; ++i) std::copy_n(C + i * ldc + nb, t, cp.data() + i * L);
+  if (at) gemm::run_t(m, L, k, A, lda, bp.data(), L, cp.data(), L, mode, rs);
+  else gemm::run(m, L, k, A, lda, bp.data(), L, cp.data(), L, mode, rs);
+  for (index_t i = 0; i < m; ++i) std::copy_n(cp.data() + i * L, t, C + i * ldc + nb);
+}
+
 // Forward over one chunk for a block of state columns: S (K x w) is advanced in place; O (c x w)
 // is written when non-null. Pre: chunk_pre or chunk_fwd.
 template <class R, class Pre>
 void chunk_forward(Pre const& p, mat<R> const& Vc, mat<R>& S, mat<R>* O) {
-  index_t const K = S.rows(), c = p.c;
-  mat<R> Z(K + 2 * c, S.cols());
+  index_t const K = S.rows(), c = p.c, w = S.cols();
+  mat<R> Z(K + 2 * c, w);
   Z.topRows(K) = S;
   Z.middleRows(K, c) = Vc;
-  Z.bottomRows(c).noalias() = p.P1 * Z.topRows(K + c);
-  if (O) O->noalias() = p.P2 * Z;
-  S.array().colwise() *= p.dC.array();
-  S.noalias() += p.KdBd.transpose() * Z.bottomRows(2 * c);
+  R* const X = Z.data() + (K + c) * w;
+  cols_gemm(c, w, K + c, p.P1.data(), K + c, false, Z.data(), w, X, w, cols_init::zero);  // X = P1 [S; V]
+  if (O) {
+    O->resize(c, w);
+    cols_gemm(c, w, K + 2 * c, p.P2.data(), K + 2 * c, false, Z.data(), w, O->data(), w, cols_init::zero);  // O = P2 Z
+  }
+  // S' = e^{gi_c} S + KdBd^T [V; X]
+  cols_gemm(K, w, 2 * c, p.KdBd.data(), K, true, Z.data() + K * w, w, S.data(), w, cols_init::row_scaled, p.dC.data());
 }
 
 // Gradients of the V- and S-contracted products of one chunk, summed over state columns.
@@ -369,67 +409,66 @@ struct chunk_acc {
   mat<R> Aqk, Aqb, Aak, Aab;  // c x c
   mat<R> Qe, Ae, Kd, Bd;      // c x K
   vec<R> dC;                  // K
-  void reset(index_t c, index_t K) {
-    Aqk.setZero(c, c);
-    Aqb.setZero(c, c);
-    Aak.setZero(c, c);
-    Aab.setZero(c, c);
-    Qe.setZero(c, K);
-    Ae.setZero(c, K);
-    Kd.setZero(c, K);
-    Bd.setZero(c, K);
-    dC.setZero(K);
-  }
-  void add(chunk_acc const& o) {
-    Aqk += o.Aqk;
-    Aqb += o.Aqb;
-    Aak += o.Aak;
-    Aab += o.Aab;
-    Qe += o.Qe;
-    Ae += o.Ae;
-    Kd += o.Kd;
-    Bd += o.Bd;
-    dC += o.dC;
-  }
 };
 
-// Backward over one chunk for a block of columns. S: chunk-start state; dS: on entry the
-// gradient of the chunk-end state, on exit that of the chunk-start state. dV (c x w) written.
+// The state-gradient chain of one chunk for a block of w columns: dS (K x w) in = gradient of
+// the chunk-end state, out = of the chunk-start state; Y = Tm^T (Aqb^T dO + Bd dS) (c x w) is
+// written at (Y, ldy). dV (c x w), when non-null, gets Aqk^T dO + Kd dS + Aak^T Y. Every
+// product through cols_gemm: per column the same bits whatever the block of columns.
 template <class R>
-void chunk_backward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R> const& S, mat<R>& dS, mat<R> const& dO, mat<R>& dV, chunk_acc<R>& acc) {
-  mat<R> X = p.Tm * (p.Aak * Vc);
-  X.noalias() += p.w() * S;
-  mat<R> dX = p.Aqb.transpose() * dO;
-  dX.noalias() += p.Bd() * dS;
-  mat<R> Y = p.Tm.transpose() * dX;
-  dV.noalias() = p.Aqk.transpose() * dO;
-  dV.noalias() += p.Kd() * dS;
-  dV.noalias() += p.Aak.transpose() * Y;
-  acc.Aqk.noalias() += dO * Vc.transpose();
-  acc.Aqb.noalias() += dO * X.transpose();
-  acc.Aak.noalias() += Y * Vc.transpose();
-  acc.Aab.noalias() += Y * X.transpose();
-  acc.Qe.noalias() += dO * S.transpose();
-  acc.Ae.noalias() += Y * S.transpose();
-  acc.Kd.noalias() += Vc * dS.transpose();
-  acc.Bd.noalias() += X * dS.transpose();
-  acc.dC += (S.array() * dS.array()).rowwise().sum().matrix();
-  mat<R> dSp = p.Qe().transpose() * dO;
-  dSp.noalias() += p.Ae().transpose() * Y;
+void chunk_dstate_cols(chunk_pre<R> const& p, mat<R> const& dO, mat<R>& dS, R* Y, index_t ldy, mat<R>* dV) {
+  index_t const c = p.c, K = dS.rows(), w = dS.cols();
+  R const* const Bd = p.KdBd.data() + c * K;
+  mat<R> dX(c, w), dSp(K, w);
+  cols_gemm(c, w, c, p.Aqb.data(), c, true, dO.data(), w, dX.data(), w, cols_init::zero);
+  cols_gemm(c, w, K, Bd, K, false, dS.data(), w, dX.data(), w, cols_init::accumulate);
+  cols_gemm(c, w, c, p.Tm.data(), c, true, dX.data(), w, Y, ldy, cols_init::zero);
+  if (dV) {
+    dV->resize(c, w);
+    cols_gemm(c, w, c, p.Aqk.data(), c, true, dO.data(), w, dV->data(), w, cols_init::zero);
+    cols_gemm(c, w, K, p.KdBd.data(), K, false, dS.data(), w, dV->data(), w, cols_init::accumulate);
+    cols_gemm(c, w, c, p.Aak.data(), c, true, Y, ldy, dV->data(), w, cols_init::accumulate);
+  }
+  cols_gemm(K, w, c, p.QA.data(), K, true, dO.data(), w, dSp.data(), w, cols_init::zero);
+  cols_gemm(K, w, c, p.QA.data() + c * K, K, true, Y, ldy, dSp.data(), w, cols_init::accumulate);
   dSp.array() += dS.array().colwise() * p.dC.array();
   dS.swap(dSp);
+}
+
+// Backward over one chunk for a block of w columns. S: chunk-start state; dS: on entry the
+// gradient of the chunk-end state, on exit that of the chunk-start state. dV (c x w) written;
+// X = P1 [S; V] and Y (what the parameter gradients contract with) written at (X, ld), (Y, ld).
+template <class R>
+void chunk_backward(chunk_pre<R> const& p, mat<R> const& Vc, mat<R> const& S, mat<R>& dS, mat<R> const& dO, mat<R>& dV, R* X, R* Y, index_t ld) {
+  index_t const c = p.c, K = S.rows(), w = S.cols();
+  mat<R> Z(K + c, w);
+  Z.topRows(K) = S;
+  Z.bottomRows(c) = Vc;
+  cols_gemm(c, w, K + c, p.P1.data(), K + c, false, Z.data(), w, X, ld, cols_init::zero);
+  chunk_dstate_cols(p, dO, dS, Y, ld, &dV);
 }
 
 // The state-gradient chain alone (the transposed map): no S, no V needed.
 template <class R>
 void chunk_dstate(chunk_pre<R> const& p, mat<R> const& dO, mat<R>& dS) {
-  mat<R> dX = p.Aqb.transpose() * dO;
-  dX.noalias() += p.Bd() * dS;
-  mat<R> Y = p.Tm.transpose() * dX;
-  mat<R> dSp = p.Qe().transpose() * dO;
-  dSp.noalias() += p.Ae().transpose() * Y;
-  dSp.array() += dS.array().colwise() * p.dC.array();
-  dS.swap(dSp);
+  mat<R> Y(p.c, dS.cols());
+  chunk_dstate_cols(p, dO, dS, Y.data(), dS.cols(), static_cast<mat<R>*>(nullptr));
+}
+
+// The sums over all V state columns that the parameter gradients need (V, X, Y, dO: c x V;
+// S, dS: K x V; dS the gradient of the chunk-end state). Taken over the whole width in one
+// place, so that they do not depend on how the columns were split across threads.
+template <class R>
+void chunk_accumulate(chunk_acc<R>& acc, mat<R> const& Vc, mat<R> const& S, mat<R> const& dS, mat<R> const& dO, mat<R> const& X, mat<R> const& Y) {
+  acc.Aqk.noalias() = dO * Vc.transpose();
+  acc.Aqb.noalias() = dO * X.transpose();
+  acc.Aak.noalias() = Y * Vc.transpose();
+  acc.Aab.noalias() = Y * X.transpose();
+  acc.Qe.noalias() = dO * S.transpose();
+  acc.Ae.noalias() = Y * S.transpose();
+  acc.Kd.noalias() = Vc * dS.transpose();
+  acc.Bd.noalias() = X * dS.transpose();
+  acc.dC = (S.array() * dS.array()).rowwise().sum().matrix();
 }
 
 // From the summed accumulators to dq dk da db dgk of the chunk's tokens (rows t0..t0+c).

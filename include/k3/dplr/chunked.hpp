@@ -9,6 +9,12 @@
 //  - segment_maps: the tokens are split into one segment per thread; each segment's affine
 //    map S -> M S + N is computed, an exclusive scan composes them, and each segment is then
 //    finished from its true initial state (see maps.hpp).
+// The value split is deterministic: 1, 2, ... threads give the single-thread outputs, final
+// states and gradients bit for bit (and so do the maps, whose K + V columns split the same way).
+// Every product over state columns is one fma chain per entry whatever block of columns
+// computes it (cols_gemm, chunk_kernels.hpp), and the backward's sums over the V columns (the
+// parameter gradients) are taken once per chunk over the whole width, not per part and added.
+// segment_maps is a different computation (composed maps): close, not bit for bit.
 //
 // Non-finite inputs: a NaN or Inf at token t of a (sequence, head) reaches no output before t
 // and no other sequence or head (bit for bit as without it), and no gradient before t when it
@@ -163,8 +169,14 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
   }
   index_t const ns = pipeline_parts(par, V);
   std::vector<chunk_pre<R>> pres(static_cast<std::size_t>(pipeline_slots(par, nch))), scratch(static_cast<std::size_t>(par.size()));
-  std::vector<std::vector<chunk_acc<R>>> acc(static_cast<std::size_t>(ns), std::vector<chunk_acc<R>>(pres.size()));
-  std::vector<std::vector<chunk_acc<R>>> acc2 = acc;  // the twins' (chunks with a non-finite k or v)
+  // Per ring slot, over all V columns (each part writes its own): X and Y of the chunk (and of
+  // its twin, a chunk with a non-finite k or v) and the gradient of its end state. The sums over
+  // the columns that the parameter gradients need are then taken once, in finish, the same way
+  // whatever the number of parts: the gradients do not depend on the thread count.
+  struct slot {
+    mat<R> X, Y, dS, X2, Y2;
+  };
+  std::vector<slot> sl(pres.size());
   struct part {
     mat<R> dS, Vc, dOc, dVc, Sc;
   };
@@ -179,33 +191,49 @@ void head_backward(Par const& par, head_views<T> const& hv, head_cfg<R> const& c
         index_t t0 = (nch - 1 - s) * C;
         make_pre(hv, t0, std::min(C, L - t0), cfg.scale, cfg.mode, scratch[worker], true, twin_kind::kv);
         pres[k].take(scratch[worker]);
+        index_t const c = pres[k].c;
+        sl[k].X.resize(c, V);
+        sl[k].Y.resize(c, V);
+        sl[k].dS.resize(K, V);
+        if (pres[k].twin) {
+          sl[k].X2.resize(c, V);
+          sl[k].Y2.resize(c, V);
+        }
       },
       [&](index_t p, index_t s, index_t k) {
         auto [c0, c1] = col_range(V, ns, p);
         auto const& pr = pres[k];
         auto& q = pt[p];
-        acc[p][k].reset(pr.c, K);
+        auto& b = sl[k];
         load_cols(hv.v, pr.t0, pr.c, c0, c1 - c0, q.Vc);
         load_cols(dO, pr.t0, pr.c, c0, c1 - c0, q.dOc);
         q.Sc = states[nch - 1 - s].middleCols(c0, c1 - c0);
+        b.dS.middleCols(c0, c1 - c0) = q.dS;
         if (pr.twin) {
-          // The twin's parameter-gradient sums; its dV and state gradient equal the chunk's
-          // before `bad` (neither reads k or v of later tokens), so only those are kept.
+          // The twin's X and Y for its parameter-gradient sums; its dV and state gradient equal
+          // the chunk's before `bad` (neither reads k or v of later tokens), so they are dropped.
           mat<R> dS2 = q.dS, dV2, V2 = pr.tv.middleCols(c0, c1 - c0);
-          acc2[p][k].reset(pr.c, K);
-          chunk_backward(*pr.twin, V2, q.Sc, dS2, q.dOc, dV2, acc2[p][k]);
+          chunk_backward(*pr.twin, V2, q.Sc, dS2, q.dOc, dV2, b.X2.data() + c0, b.Y2.data() + c0, V);
         }
-        chunk_backward(pr, q.Vc, q.Sc, q.dS, q.dOc, q.dVc, acc[p][k]);
+        chunk_backward(pr, q.Vc, q.Sc, q.dS, q.dOc, q.dVc, b.X.data() + c0, b.Y.data() + c0, V);
         store_cols(g.dv, pr.t0, c0, q.dVc);
       },
-      [&](index_t, index_t k) {
-        for (index_t p = 1; p < ns; ++p) acc[0][k].add(acc[p][k]);
-        if (pres[k].twin) {
-          for (index_t p = 1; p < ns; ++p) acc2[0][k].add(acc2[p][k]);
-          chunk_param_grads<T, R>(*pres[k].twin, acc2[0][k], g.dq, g.dk, g.da, g.db, g.dgk, 0, pres[k].bad);
-          chunk_param_grads<T, R>(pres[k], acc[0][k], g.dq, g.dk, g.da, g.db, g.dgk, pres[k].bad, pres[k].c);
+      [&](index_t s, index_t k) {
+        auto const& pr = pres[k];
+        auto& b = sl[k];
+        mat<R> Vf, dOf;
+        load_cols(hv.v, pr.t0, pr.c, 0, V, Vf);
+        load_cols(dO, pr.t0, pr.c, 0, V, dOf);
+        mat<R> const& S = states[nch - 1 - s];
+        chunk_acc<R> acc;
+        chunk_accumulate(acc, Vf, S, b.dS, dOf, b.X, b.Y);
+        if (pr.twin) {
+          chunk_acc<R> acc2;
+          chunk_accumulate(acc2, pr.tv, S, b.dS, dOf, b.X2, b.Y2);
+          chunk_param_grads<T, R>(*pr.twin, acc2, g.dq, g.dk, g.da, g.db, g.dgk, 0, pr.bad);
+          chunk_param_grads<T, R>(pr, acc, g.dq, g.dk, g.da, g.db, g.dgk, pr.bad, pr.c);
         } else {
-          chunk_param_grads<T, R>(pres[k], acc[0][k], g.dq, g.dk, g.da, g.db, g.dgk);
+          chunk_param_grads<T, R>(pr, acc, g.dq, g.dk, g.da, g.db, g.dgk);
         }
       });
   for (index_t p = 0; p < ns; ++p) {

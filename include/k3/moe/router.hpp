@@ -51,6 +51,32 @@ struct route_outputs {
   tensor_view<std::int64_t, 1> load{};   // [n]  tokens per expert (padding excluded)
 };
 
+// The options' checks against n experts, as route() makes them. A caller that sizes buffers
+// from opt.k (the outputs [m, k]) can make them first. Each message names the option and
+// gives the allowed range and the value.
+inline void check_router_options(router_options const& opt, index_t n) {
+  using ::k3::detail::require;
+  require(opt.k >= 1 && opt.k < n, [&] {
+    return "option 'k': must be in [1, n - 1] = [1, " + std::to_string(n - 1) + "] for n = " + std::to_string(n) +
+           " experts (the cut-off is the (k+1)-th expert), got " + std::to_string(opt.k);
+  });
+  require(std::isfinite(opt.routed_scale),
+          [&] { return "option 'routed_scale': must be finite, got " + ::k3::detail::format_number(opt.routed_scale); });
+  require(opt.n_groups >= 1 && n % opt.n_groups == 0, [&] {
+    return "option 'n_groups': must divide n = " + std::to_string(n) + ", got " + std::to_string(opt.n_groups);
+  });
+  require(opt.topk_groups >= 1 && opt.topk_groups <= opt.n_groups, [&] {
+    return "option 'topk_groups': must be in [1, option 'n_groups'] = [1, " + std::to_string(opt.n_groups) + "], got " +
+           std::to_string(opt.topk_groups);
+  });
+  index_t const kept = opt.topk_groups * (n / opt.n_groups);
+  require(opt.n_groups == 1 || opt.k <= kept, [&] {
+    return "option 'k': must be at most " + std::to_string(kept) + ", the experts group-limited routing keeps (option 'topk_groups' = " +
+           std::to_string(opt.topk_groups) + " of option 'n_groups' = " + std::to_string(opt.n_groups) + " groups of " +
+           std::to_string(n / opt.n_groups) + "), got " + std::to_string(opt.k);
+  });
+}
+
 namespace detail {
 
 // k3::moe::detail shadows k3::detail; re-export the shared validators.
@@ -84,30 +110,13 @@ inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bia
   require(m > 0, [&] { return "argument 'scores': zero tokens (shape " + ::k3::detail::shape_of(scores) + "); need m >= 1"; });
   require(n >= 2, [&] { return "argument 'scores': need at least 2 experts, got shape " + ::k3::detail::shape_of(scores); });
   ::k3::detail::check_inner_contiguous("scores", scores);
-  require(opt.k >= 1 && opt.k < n, [&] {
-    return "argument 'k': need 1 <= k < n (the cut-off is the (k+1)-th expert), got k = " + std::to_string(opt.k) +
-           ", n = " + std::to_string(n);
-  });
-  require(std::isfinite(opt.routed_scale),
-          [&] { return "argument 'routed_scale': must be finite, got " + std::to_string(opt.routed_scale); });
+  check_router_options(opt, n);
   ::k3::detail::check_view("bias", bias);
   require(bias.extent(0) == n, [&] {
     return "argument 'bias': expected shape [" + std::to_string(n) + "] (one entry per expert), got " + ::k3::detail::shape_of(bias);
   });
   for (index_t j = 0; j < n; ++j)
     require(std::isfinite(bias(j)), [&] { return "argument 'bias': non-finite value at expert " + std::to_string(j); });
-  require(opt.n_groups >= 1 && n % opt.n_groups == 0, [&] {
-    return "argument 'n_groups': must divide n = " + std::to_string(n) + ", got " + std::to_string(opt.n_groups);
-  });
-  require(opt.topk_groups >= 1 && opt.topk_groups <= opt.n_groups, [&] {
-    return "argument 'topk_groups': need 1 <= topk_groups <= n_groups = " + std::to_string(opt.n_groups) + ", got " +
-           std::to_string(opt.topk_groups);
-  });
-  if (opt.n_groups > 1)
-    require(opt.k <= opt.topk_groups * (n / opt.n_groups), [&] {
-      return "argument 'k': group-limited routing keeps " + std::to_string(opt.topk_groups * (n / opt.n_groups)) +
-             " experts, fewer than k = " + std::to_string(opt.k);
-    });
   ::k3::detail::check_view("indices", out.indices);
   check_shape("indices", out.indices, {m, opt.k});
   ::k3::detail::check_view("weights", out.weights);

@@ -420,6 +420,17 @@ inline void observe_cutoff512(select_state512& st, float cut, float top) {
 }
 #endif
 
+// qb_bin for the W margins alpha - s[0..W) (va = alpha, vlo = lo, vinv = inv_w, vmax = B - 1
+// broadcast): the same operations per lane, so the same bins.
+template <class Arch>
+K3_INLINE xsimd::batch<std::int32_t, Arch> qb_bin_batch(float const* s, xsimd::batch<float, Arch> va, xsimd::batch<float, Arch> vlo,
+                                                        xsimd::batch<float, Arch> vinv, xsimd::batch<float, Arch> vmax) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  batch const r = va - batch::load_unaligned(s);
+  batch const t = xsimd::floor((r - vlo) * vinv);
+  return xsimd::batch_cast<std::int32_t>(xsimd::min(xsimd::max(t, batch(0.f)), vmax));
+}
+
 // Adds one token's margins alpha - s_j to a private 16-bit histogram [n][B] (half the cache
 // footprint of int32; the caller spills it before any count can reach 65535).
 template <class Arch>
@@ -434,13 +445,10 @@ void scatter_token_simd(float const* K3_RESTRICT s, float alpha, index_t n, floa
     for (index_t l = 0; l < W; ++l) off0[l] = static_cast<std::int32_t>(l) * B;
     ibatch off = ibatch::load_aligned(off0);
     ibatch const step(static_cast<std::int32_t>(W) * B);
-    batch const va(alpha), vlo(lo), vinv(inv_w), vmax(float(B - 1)), zero(0.f);
+    batch const va(alpha), vlo(lo), vinv(inv_w), vmax(float(B - 1));
     alignas(64) std::int32_t idx[W];
     for (; j + W <= n; j += W) {
-      batch r = va - batch::load_unaligned(s + j);
-      batch t = xsimd::floor((r - vlo) * vinv);
-      t = xsimd::min(xsimd::max(t, zero), vmax);
-      ibatch bin = xsimd::batch_cast<std::int32_t>(t) + off;
+      ibatch bin = qb_bin_batch<Arch>(s + j, va, vlo, vinv, vmax) + off;
       bin.store_aligned(idx);
       for (index_t l = 0; l < W; ++l) ++h[idx[l]];
       off += step;
@@ -458,13 +466,10 @@ void bin_token_simd(float const* K3_RESTRICT s, float alpha, index_t n, float lo
   using batch = xsimd::batch<float, Arch>;
   constexpr index_t W = static_cast<index_t>(batch::size);
   index_t j = 0;
-  batch const va(alpha), vlo(lo), vinv(inv_w), vmax(float(B - 1)), zero(0.f);
+  batch const va(alpha), vlo(lo), vinv(inv_w), vmax(float(B - 1));
   alignas(64) std::int32_t idx[W];
   for (; j + W <= n; j += W) {
-    batch r = va - batch::load_unaligned(s + j);
-    batch t = xsimd::floor((r - vlo) * vinv);
-    t = xsimd::min(xsimd::max(t, zero), vmax);
-    auto const ib = xsimd::batch_cast<std::int32_t>(t);
+    auto const ib = qb_bin_batch<Arch>(s + j, va, vlo, vinv, vmax);
 #if defined(__AVX512F__)
     if constexpr (W == 16 && sizeof(ib) == 64) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm512_cvtepi32_epi16(static_cast<__m512i>(ib)));
