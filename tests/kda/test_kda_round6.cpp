@@ -338,7 +338,8 @@ TEST_CASE("kda decode: an out-of-range gate_lower_bound is refused, a valid one 
 // into empty, null-data rows (UBSan: "reference binding to null pointer" through `k3 kda` with
 // K = 0 or V = 0); forward and backward now return zeros before them.
 TEST_CASE("kda forward/backward: zero-width heads give o = 0 and zero gradients, every backend and mode") {
-  for (auto [K, V] : {std::pair<index_t, index_t>{0, 3}, {3, 0}}) {
+  for (auto KV : {std::pair<index_t, index_t>{0, 3}, {3, 0}}) {
+    index_t const K = KV.first, V = KV.second;  // not a structured binding: the lambdas below capture them (clang 14)
     index_t const T = 20, H = 1, HV = 2;
     std::vector<double> q(std::size_t(T * H * K), 0.3), v(std::size_t(T * HV * V), 0.7), g(std::size_t(T * HV * K), -0.1),
         beta(std::size_t(T * HV), 0.5), d_o(v.size(), 1.0);
