@@ -1,0 +1,427 @@
+// Round-7 checks of the KDA C++ API against this file's own reference, written from
+// shared/spec/kda.md section 1.1 (not from the library): a token-by-token recurrence templated
+// on the scalar, run in double for values and in std::complex<double> for gradients (complex
+// step: d/dx f = Im f(x + i h e) / h, exact to rounding for h = 1e-30).
+// Probed: state type different from the storage type (float/bfloat16 inputs with a double
+// state, double inputs with a float state), every backend (serial, simd, threads 1..5), both
+// modes, padded views with permuted dimensions for every input and output, packed sequences of
+// length 0..chunk+1 with h0/dht/dh0, the default scale with K odd, and decode steps after a
+// prefill with grouped value heads in double.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <complex>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "k3/kda.hpp"
+#include "kda/round7_views.hpp"
+
+namespace {
+
+using namespace k3;
+using k3::test::rel_rms7;
+using k3::test::strided;
+using cd = std::complex<double>;
+
+struct shape {
+  index_t B = 1, T = 1, H = 1, HV = 1, K = 1, V = 1;
+  std::vector<std::int64_t> cu;  // packed when non-empty (B = 1)
+  index_t N() const { return cu.empty() ? B : index_t(cu.size()) - 1; }
+};
+
+// Row-major dense arrays in the public layouts.
+template <class Z>
+struct problem_data {
+  shape s;
+  double scale = 0;
+  std::vector<Z> q, k, v, g, beta, h0;
+};
+
+// The reference: S' = Diag(e^g) S; u = beta (v - S'^T k); S = S' + k u^T; o = S^T (scale q).
+template <class Z>
+void reference(problem_data<Z> const& d, std::vector<Z>& o, std::vector<Z>& ht) {
+  auto const& s = d.s;
+  index_t const G = s.HV / s.H;
+  o.assign(std::size_t(s.B * s.T * s.HV * s.V), Z(0));
+  ht.assign(std::size_t(s.N() * s.HV * s.K * s.V), Z(0));
+  for (index_t n = 0; n < s.N(); ++n) {
+    index_t const b = s.cu.empty() ? n : 0, t0 = s.cu.empty() ? 0 : s.cu[std::size_t(n)], t1 = s.cu.empty() ? s.T : s.cu[std::size_t(n) + 1];
+    for (index_t hv = 0; hv < s.HV; ++hv) {
+      index_t const h = hv / G;
+      std::vector<Z> S(std::size_t(s.K * s.V), Z(0)), u(std::size_t(s.V));
+      if (!d.h0.empty())
+        for (index_t i = 0; i < s.K * s.V; ++i) S[std::size_t(i)] = d.h0[std::size_t((n * s.HV + hv) * s.K * s.V + i)];
+      for (index_t t = t0; t < t1; ++t) {
+        index_t const qk = ((b * s.T + t) * s.H + h) * s.K, vv = ((b * s.T + t) * s.HV + hv) * s.V, gg = ((b * s.T + t) * s.HV + hv) * s.K;
+        Z const beta = d.beta[std::size_t((b * s.T + t) * s.HV + hv)];
+        for (index_t i = 0; i < s.K; ++i) {
+          Z const e = std::exp(d.g[std::size_t(gg + i)]);
+          for (index_t j = 0; j < s.V; ++j) S[std::size_t(i * s.V + j)] *= e;
+        }
+        for (index_t j = 0; j < s.V; ++j) {
+          Z p = 0;
+          for (index_t i = 0; i < s.K; ++i) p += S[std::size_t(i * s.V + j)] * d.k[std::size_t(qk + i)];
+          u[std::size_t(j)] = beta * (d.v[std::size_t(vv + j)] - p);
+        }
+        for (index_t i = 0; i < s.K; ++i)
+          for (index_t j = 0; j < s.V; ++j) S[std::size_t(i * s.V + j)] += d.k[std::size_t(qk + i)] * u[std::size_t(j)];
+        for (index_t j = 0; j < s.V; ++j) {
+          Z a = 0;
+          for (index_t i = 0; i < s.K; ++i) a += S[std::size_t(i * s.V + j)] * d.q[std::size_t(qk + i)];
+          o[std::size_t(vv + j)] = d.scale * a;
+        }
+      }
+      for (index_t i = 0; i < s.K * s.V; ++i) ht[std::size_t((n * s.HV + hv) * s.K * s.V + i)] = S[std::size_t(i)];
+    }
+  }
+}
+
+struct grads {
+  std::vector<double> dq, dk, dv, dg, dbeta, dh0;
+};
+
+// Gradients of L = sum(o * do) + sum(ht * dht), element by element by the complex step.
+grads reference_grads(problem_data<double> const& d, std::vector<double> const& d_o, std::vector<double> const& dht) {
+  problem_data<cd> z{d.s, d.scale, {}, {}, {}, {}, {}, {}};
+  auto up = [](std::vector<double> const& x) { return std::vector<cd>(x.begin(), x.end()); };
+  z.q = up(d.q), z.k = up(d.k), z.v = up(d.v), z.g = up(d.g), z.beta = up(d.beta), z.h0 = up(d.h0);
+  double const h = 1e-30;
+  auto loss = [&] {
+    std::vector<cd> o, ht;
+    reference(z, o, ht);
+    cd l = 0;
+    for (std::size_t i = 0; i < o.size(); ++i) l += o[i] * d_o[i];
+    for (std::size_t i = 0; i < ht.size() && !dht.empty(); ++i) l += ht[i] * dht[i];
+    return l.imag() / h;
+  };
+  auto grad = [&](std::vector<cd>& x) {
+    std::vector<double> r(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      cd const keep = x[i];
+      x[i] += cd(0, h);
+      r[i] = loss();
+      x[i] = keep;
+    }
+    return r;
+  };
+  return {grad(z.q), grad(z.k), grad(z.v), grad(z.g), grad(z.beta), grad(z.h0)};
+}
+
+problem_data<double> random_problem(shape const& s, std::uint64_t seed, bool with_h0 = true, std::optional<double> scale = {}) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0, 1);
+  std::uniform_real_distribution<double> ud(0, 1);
+  problem_data<double> d{s, scale ? *scale : 1 / std::sqrt(double(s.K)), {}, {}, {}, {}, {}, {}};
+  auto fill = [&](std::vector<double>& x, index_t n, double sd) {
+    x.resize(std::size_t(n));
+    for (auto& e : x) e = sd * nd(rng);
+  };
+  index_t const BT = s.B * s.T;
+  fill(d.q, BT * s.H * s.K, 1 / std::sqrt(double(s.K)));
+  fill(d.k, BT * s.H * s.K, 1 / std::sqrt(double(s.K)));
+  fill(d.v, BT * s.HV * s.V, 1);
+  d.g.resize(std::size_t(BT * s.HV * s.K));
+  for (auto& e : d.g) e = ud(rng) < 0.05 ? -30 * ud(rng) : -0.3 * ud(rng);
+  d.beta.resize(std::size_t(BT * s.HV));
+  for (auto& e : d.beta) e = 1.2 * ud(rng);
+  if (with_h0) fill(d.h0, s.N() * s.HV * s.K * s.V, 0.5);
+  return d;
+}
+
+template <class T>
+std::vector<double> rounded(std::vector<double> const& x) {
+  std::vector<double> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) r[i] = load_as<double>(store_as<T>(x[i]));
+  return r;
+}
+
+struct tol {
+  double o, ht, grad, dh0;
+};
+
+// Runs forward and backward with In storage and S state on padded, permuted views of every
+// tensor; compares with the reference on the In-rounded inputs.
+// The problem as a run with In storage and S state sees it, with do/dht and the reference.
+struct prepared {
+  problem_data<double> d;
+  std::vector<double> d_o, dht, o_ref, ht_ref;
+  grads gr;
+};
+template <class In, class S>
+prepared prepare(problem_data<double> d, std::uint64_t seed) {
+  auto const& s = d.s;
+  d.q = rounded<In>(d.q), d.k = rounded<In>(d.k), d.v = rounded<In>(d.v), d.g = rounded<In>(d.g), d.beta = rounded<In>(d.beta);
+  d.h0 = rounded<S>(d.h0);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0, 1);
+  std::vector<double> d_o(std::size_t(s.B * s.T * s.HV * s.V)), dht(std::size_t(s.N() * s.HV * s.K * s.V));
+  for (auto& e : d_o) e = nd(rng);
+  for (auto& e : dht) e = nd(rng);
+  d_o = rounded<In>(d_o);
+  dht = rounded<S>(dht);
+  prepared p{d, d_o, dht, {}, {}, {}};
+  reference(d, p.o_ref, p.ht_ref);
+  p.gr = reference_grads(d, d_o, dht);
+  return p;
+}
+
+template <class In, class S, class Backend>
+void run_case(Backend const& be, kda::algorithm mode, prepared const& pp, tol const& tl, bool with_saved) {
+  auto const& d = pp.d;
+  auto const& s = d.s;
+  auto const& d_o = pp.d_o;
+  auto const& dht = pp.dht;
+  auto const& o_ref = pp.o_ref;
+  auto const& ht_ref = pp.ht_ref;
+  auto const& gr = pp.gr;
+  In const nan_in = store_as<In>(std::numeric_limits<double>::quiet_NaN());
+  S const nan_s = std::numeric_limits<S>::quiet_NaN();
+  using A4 = std::array<index_t, 4>;
+  std::array<std::size_t, 3> const tb{1, 0, 2}, hb{2, 1, 0}, id{0, 1, 2};
+  strided<In, 4> q(A4{s.B, s.T, s.H, s.K}, tb, 3, nan_in), k(A4{s.B, s.T, s.H, s.K}, hb, 1, nan_in), v(A4{s.B, s.T, s.HV, s.V}, tb, 2, nan_in),
+      g(A4{s.B, s.T, s.HV, s.K}, hb, 5, nan_in), dov(A4{s.B, s.T, s.HV, s.V}, hb, 1, nan_in);
+  strided<In, 3> beta(std::array<index_t, 3>{s.B, s.T, s.HV}, std::array<std::size_t, 2>{1, 0}, 2, nan_in);
+  strided<S, 4> h0(A4{s.N(), s.HV, s.K, s.V}, std::array<std::size_t, 3>{1, 0, 2}, 2, nan_s), dhtv(A4{s.N(), s.HV, s.K, s.V}, id, 3, nan_s);
+  q.set(d.q), k.set(d.k), v.set(d.v), g.set(d.g), beta.set(d.beta), h0.set(d.h0), dov.set(d_o), dhtv.set(dht);
+  In const sent = store_as<In>(-3.0);
+  S const sents = S(-3);
+  strided<In, 4> o(A4{s.B, s.T, s.HV, s.V}, hb, 2, sent);
+  strided<S, 4> ht(A4{s.N(), s.HV, s.K, s.V}, std::array<std::size_t, 3>{2, 1, 0}, 1, sents);
+  kda::options opt;
+  opt.mode = mode;
+  if (!s.cu.empty()) opt.cu_seqlens = s.cu;
+  if (!s.cu.empty()) opt.scale = d.scale;  // else the default K^-1/2 (K odd here), as d.scale
+  kda::forward_args<In, S> fa;
+  fa.q = q.view, fa.k = k.view, fa.v = v.view, fa.g = g.view, fa.beta = beta.view, fa.o = o.view, fa.h0 = h0.view, fa.ht = ht.view;
+  std::vector<S> saved;
+  if (with_saved) {
+    auto const sh = kda::saved_shape(fa, opt);
+    saved.assign(std::size_t(sh[0] * sh[1] * sh[2]), nan_s);
+    fa.saved = host_view(saved.data(), sh[0], sh[1], sh[2]);
+  }
+  kda::forward(be, fa, opt);
+  CHECK(rel_rms7(o_ref, o.get()) <= tl.o);
+  CHECK(rel_rms7(ht_ref, ht.get()) <= tl.ht);
+  CHECK(o.padding_is(sent));
+  CHECK(ht.padding_is(sents));
+
+  strided<In, 4> dq(A4{s.B, s.T, s.H, s.K}, tb, 1, sent), dk(A4{s.B, s.T, s.H, s.K}, hb, 4, sent), dv(A4{s.B, s.T, s.HV, s.V}, tb, 1, sent),
+      dg(A4{s.B, s.T, s.HV, s.K}, hb, 2, sent);
+  strided<In, 3> dbeta(std::array<index_t, 3>{s.B, s.T, s.HV}, std::array<std::size_t, 2>{1, 0}, 3, sent);
+  strided<S, 4> dh0(A4{s.N(), s.HV, s.K, s.V}, std::array<std::size_t, 3>{1, 2, 0}, 2, sents);
+  kda::backward_args<In, S> ba;
+  ba.q = q.view, ba.k = k.view, ba.v = v.view, ba.g = g.view, ba.beta = beta.view, ba.h0 = h0.view, ba.d_o = dov.view, ba.dht = dhtv.view;
+  ba.dq = dq.view, ba.dk = dk.view, ba.dv = dv.view, ba.dg = dg.view, ba.dbeta = dbeta.view, ba.dh0 = dh0.view;
+  if (with_saved) ba.saved = host_view(static_cast<S const*>(saved.data()), fa.saved.extent(0), fa.saved.extent(1), fa.saved.extent(2));
+  kda::backward(be, ba, opt);
+  CHECK(rel_rms7(gr.dq, dq.get()) <= tl.grad);
+  CHECK(rel_rms7(gr.dk, dk.get()) <= tl.grad);
+  CHECK(rel_rms7(gr.dv, dv.get()) <= tl.grad);
+  CHECK(rel_rms7(gr.dg, dg.get()) <= tl.grad);
+  CHECK(rel_rms7(gr.dbeta, dbeta.get()) <= tl.grad);
+  CHECK(rel_rms7(gr.dh0, dh0.get()) <= tl.dh0);
+  for (auto* x : {&dq, &dk, &dv, &dg}) CHECK(x->padding_is(sent));
+  CHECK(dbeta.padding_is(sent));
+  CHECK(dh0.padding_is(sents));
+}
+
+template <class In, class S>
+void every_backend(problem_data<double> const& d0, tol const& tl, std::uint64_t seed) {
+  prepared const d = prepare<In, S>(d0, seed);
+  for (auto mode : {kda::algorithm::chunk, kda::algorithm::recurrent}) {
+    CAPTURE(int(mode));
+    bool const sv = mode == kda::algorithm::chunk;
+    {
+      INFO("serial");
+      run_case<In, S>(cpu::serial{}, mode, d, tl, false);
+    }
+    {
+      INFO("simd");
+      run_case<In, S>(cpu::simd<>{}, mode, d, tl, sv);
+    }
+    for (unsigned th = 1; th <= 5; th += 2) {
+      INFO("threads " << th);
+      run_case<In, S>(cpu::threads<>(th), mode, d, tl, sv);
+    }
+  }
+}
+
+std::vector<shape> shapes() {
+  return {
+      shape{.B = 2, .T = 67, .H = 1, .HV = 2, .K = 5, .V = 3},
+      shape{.B = 1, .T = 1, .H = 2, .HV = 2, .K = 3, .V = 4},
+      shape{.B = 1, .T = 135, .H = 1, .HV = 3, .K = 7, .V = 2, .cu = {0, 0, 1, 2, 66, 130, 130, 135}},
+      shape{.B = 1, .T = 65, .H = 2, .HV = 4, .K = 9, .V = 5, .cu = {0, 65}},
+  };
+}
+
+}  // namespace
+
+TEST_CASE("kda round 7: double storage and state at 1e-12 on padded permuted views, every backend and mode") {
+  std::uint64_t seed = 100;
+  for (auto const& s : shapes()) {
+    CAPTURE(s.T);
+    CAPTURE(s.K);
+    every_backend<double, double>(random_problem(s, seed), tol{1e-12, 1e-12, 1e-11, 1e-11}, seed);
+    ++seed;
+  }
+}
+
+TEST_CASE("kda round 7: float and bfloat16 storage with a double state") {
+  std::uint64_t seed = 200;
+  for (auto const& s : shapes()) {
+    CAPTURE(s.T);
+    CAPTURE(s.K);
+    // Values rounded to the storage type on output only: the state (double) keeps 1e-12.
+    every_backend<float, double>(random_problem(s, seed), tol{1e-6, 1e-12, 1e-6, 1e-11}, seed);
+    ++seed;
+    every_backend<bfloat16, double>(random_problem(s, seed), tol{8e-3, 1e-12, 8e-3, 1e-11}, seed);
+    ++seed;
+  }
+}
+
+TEST_CASE("kda round 7: double storage with a float state") {
+  std::uint64_t seed = 300;
+  for (auto const& s : shapes()) {
+    CAPTURE(s.T);
+    CAPTURE(s.K);
+    every_backend<double, float>(random_problem(s, seed), tol{2e-5, 2e-5, 5e-5, 5e-5}, seed);
+    ++seed;
+  }
+}
+
+namespace {
+// A prefill of `T0` tokens (chunked forward into pool slots), then decode steps one token at a
+// time for the rest, with grouped value heads, against the reference of the whole sequence.
+template <class In, class S, class Backend>
+void prefill_then_decode(Backend const& be, double tol_o, double tol_state, std::uint64_t seed) {
+  shape const s{.B = 3, .T = 70, .H = 2, .HV = 6, .K = 5, .V = 7};
+  index_t const T0 = 66, P = 5;
+  auto d = random_problem(s, seed);
+  d.q = rounded<In>(d.q), d.k = rounded<In>(d.k), d.v = rounded<In>(d.v), d.g = rounded<In>(d.g), d.beta = rounded<In>(d.beta);
+  d.h0 = rounded<S>(d.h0);
+  std::vector<double> o_ref, ht_ref;
+  reference(d, o_ref, ht_ref);
+  // Pool with padded rows, sequence n in slot slots[n]; slots 1 and 3 are never touched.
+  std::vector<std::int64_t> const slots = {4, 0, 2};
+  S const sent = S(-3);
+  strided<S, 4> pool(std::array<index_t, 4>{P, s.HV, s.K, s.V}, std::array<std::size_t, 3>{1, 0, 2}, 3, sent);
+  auto at = [](auto const& v, std::array<index_t, 4> e, index_t b, index_t t, index_t h, index_t i) {
+    return v[std::size_t(((b * e[1] + t) * e[2] + h) * e[3] + i)];
+  };
+  // Prefill: tokens [0, T0) of every sequence, final states straight into the pool slots.
+  {
+    std::vector<In> q, k, v, g, beta;
+    for (index_t b = 0; b < s.B; ++b)
+      for (index_t t = 0; t < T0; ++t) {
+        for (index_t h = 0; h < s.H; ++h)
+          for (index_t i = 0; i < s.K; ++i) {
+            q.push_back(store_as<In>(at(d.q, {s.B, s.T, s.H, s.K}, b, t, h, i)));
+            k.push_back(store_as<In>(at(d.k, {s.B, s.T, s.H, s.K}, b, t, h, i)));
+          }
+        for (index_t h = 0; h < s.HV; ++h) {
+          for (index_t i = 0; i < s.V; ++i) v.push_back(store_as<In>(at(d.v, {s.B, s.T, s.HV, s.V}, b, t, h, i)));
+          for (index_t i = 0; i < s.K; ++i) g.push_back(store_as<In>(at(d.g, {s.B, s.T, s.HV, s.K}, b, t, h, i)));
+          beta.push_back(store_as<In>(d.beta[std::size_t((b * s.T + t) * s.HV + h)]));
+        }
+      }
+    std::vector<S> h0(d.h0.size());
+    for (std::size_t i = 0; i < h0.size(); ++i) h0[i] = S(d.h0[i]);
+    std::vector<In> o(std::size_t(s.B * T0 * s.HV * s.V));
+    for (index_t b = 0; b < s.B; ++b) {
+      kda::forward_args<In, S> fa;
+      fa.q = host_view(static_cast<In const*>(q.data()), s.B, T0, s.H, s.K).sub(0, b, 1);
+      fa.k = host_view(static_cast<In const*>(k.data()), s.B, T0, s.H, s.K).sub(0, b, 1);
+      fa.v = host_view(static_cast<In const*>(v.data()), s.B, T0, s.HV, s.V).sub(0, b, 1);
+      fa.g = host_view(static_cast<In const*>(g.data()), s.B, T0, s.HV, s.K).sub(0, b, 1);
+      fa.beta = host_view(static_cast<In const*>(beta.data()), s.B, T0, s.HV).sub(0, b, 1);
+      fa.o = host_view(o.data(), s.B, T0, s.HV, s.V).sub(0, b, 1);
+      fa.h0 = host_view(static_cast<S const*>(h0.data()), s.B, s.HV, s.K, s.V).sub(0, b, 1);
+      fa.ht = pool.view.sub(0, slots[std::size_t(b)], 1);
+      kda::forward(be, fa, kda::options{});
+    }
+    std::vector<double> o_pre, o_ref_pre;
+    for (index_t b = 0; b < s.B; ++b)
+      for (index_t t = 0; t < T0; ++t)
+        for (index_t h = 0; h < s.HV; ++h)
+          for (index_t i = 0; i < s.V; ++i) {
+            o_pre.push_back(load_as<double>(o[std::size_t(((b * T0 + t) * s.HV + h) * s.V + i)]));
+            o_ref_pre.push_back(at(o_ref, {s.B, s.T, s.HV, s.V}, b, t, h, i));
+          }
+    CHECK(rel_rms7(o_ref_pre, o_pre) <= tol_o);
+  }
+  for (index_t t = T0; t < s.T; ++t) {
+    std::vector<In> q, k, v, g, beta, o(std::size_t(s.B * s.HV * s.V));
+    for (index_t b = 0; b < s.B; ++b) {
+      for (index_t h = 0; h < s.H; ++h)
+        for (index_t i = 0; i < s.K; ++i) {
+          q.push_back(store_as<In>(at(d.q, {s.B, s.T, s.H, s.K}, b, t, h, i)));
+          k.push_back(store_as<In>(at(d.k, {s.B, s.T, s.H, s.K}, b, t, h, i)));
+        }
+      for (index_t h = 0; h < s.HV; ++h) {
+        for (index_t i = 0; i < s.V; ++i) v.push_back(store_as<In>(at(d.v, {s.B, s.T, s.HV, s.V}, b, t, h, i)));
+        for (index_t i = 0; i < s.K; ++i) g.push_back(store_as<In>(at(d.g, {s.B, s.T, s.HV, s.K}, b, t, h, i)));
+        beta.push_back(store_as<In>(d.beta[std::size_t((b * s.T + t) * s.HV + h)]));
+      }
+    }
+    kda::decode_args<In, S> da;
+    da.q = host_view(static_cast<In const*>(q.data()), s.B, s.H, s.K);
+    da.k = host_view(static_cast<In const*>(k.data()), s.B, s.H, s.K);
+    da.v = host_view(static_cast<In const*>(v.data()), s.B, s.HV, s.V);
+    da.g = host_view(static_cast<In const*>(g.data()), s.B, s.HV, s.K);
+    da.beta = host_view(static_cast<In const*>(beta.data()), s.B, s.HV);
+    da.o = host_view(o.data(), s.B, s.HV, s.V);
+    da.state_pool = pool.view;
+    da.slots64 = host_view(slots.data(), s.B);
+    kda::decode(be, da, kda::options{});
+    std::vector<double> got, want;
+    for (index_t b = 0; b < s.B; ++b)
+      for (index_t h = 0; h < s.HV; ++h)
+        for (index_t i = 0; i < s.V; ++i) {
+          got.push_back(load_as<double>(o[std::size_t((b * s.HV + h) * s.V + i)]));
+          want.push_back(at(o_ref, {s.B, s.T, s.HV, s.V}, b, t, h, i));
+        }
+    CHECK(rel_rms7(want, got) <= tol_o);
+  }
+  std::vector<double> got;
+  for (index_t b = 0; b < s.B; ++b)
+    for (index_t h = 0; h < s.HV; ++h)
+      for (index_t i = 0; i < s.K; ++i)
+        for (index_t j = 0; j < s.V; ++j) got.push_back(double(pool.at({slots[std::size_t(b)], h, i, j})));
+  CHECK(rel_rms7(ht_ref, got) <= tol_state);
+  for (index_t slot : {1, 3})
+    for (index_t h = 0; h < s.HV; ++h)
+      for (index_t i = 0; i < s.K; ++i)
+        for (index_t j = 0; j < s.V; ++j) CHECK(pool.at({slot, h, i, j}) == sent);
+  CHECK(pool.padding_is(sent));
+}
+
+template <class In, class S>
+void decode_every_backend(double tol_o, double tol_state, std::uint64_t seed) {
+  {
+    INFO("serial");
+    prefill_then_decode<In, S>(cpu::serial{}, tol_o, tol_state, seed);
+  }
+  {
+    INFO("simd");
+    prefill_then_decode<In, S>(cpu::simd<>{}, tol_o, tol_state, seed);
+  }
+  for (unsigned th : {1u, 2u, 4u}) {
+    INFO("threads " << th);
+    prefill_then_decode<In, S>(cpu::threads<>(th), tol_o, tol_state, seed);
+  }
+}
+}  // namespace
+
+TEST_CASE("kda round 7: decode after a chunked prefill, grouped value heads, padded pool, every backend and type") {
+  decode_every_backend<double, double>(1e-12, 1e-12, 401);
+  decode_every_backend<float, double>(1e-6, 1e-12, 402);
+  decode_every_backend<bfloat16, double>(8e-3, 1e-12, 403);
+  decode_every_backend<double, float>(2e-5, 2e-5, 404);
+  decode_every_backend<float, float>(2e-5, 2e-5, 405);
+}
