@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "k3/kda.hpp"
+#include "k3/kda/preprocess.hpp"
 #include "kda/round7_views.hpp"
 
 namespace {
@@ -153,7 +154,7 @@ struct prepared {
   grads gr;
 };
 template <class In, class S>
-prepared prepare(problem_data<double> d, std::uint64_t seed) {
+prepared prepare(problem_data<double> d, std::uint64_t seed, bool with_grads = true) {
   auto const& s = d.s;
   d.q = rounded<In>(d.q), d.k = rounded<In>(d.k), d.v = rounded<In>(d.v), d.g = rounded<In>(d.g), d.beta = rounded<In>(d.beta);
   d.h0 = rounded<S>(d.h0);
@@ -166,7 +167,7 @@ prepared prepare(problem_data<double> d, std::uint64_t seed) {
   dht = rounded<S>(dht);
   prepared p{d, d_o, dht, {}, {}, {}};
   reference(d, p.o_ref, p.ht_ref);
-  p.gr = reference_grads(d, d_o, dht);
+  if (with_grads) p.gr = reference_grads(d, d_o, dht);
   return p;
 }
 
@@ -424,4 +425,173 @@ TEST_CASE("kda round 7: decode after a chunked prefill, grouped value heads, pad
   decode_every_backend<bfloat16, double>(8e-3, 1e-12, 403);
   decode_every_backend<double, float>(2e-5, 2e-5, 404);
   decode_every_backend<float, float>(2e-5, 2e-5, 405);
+}
+
+namespace {
+// Forward on one backend with `saved`, backward on another reading it; optional tensors
+// (h0, ht, dht, dh0) present or absent in every combination.
+template <class In, class S, class Fb, class Bb>
+void saved_across(Fb const& fb, Bb const& bb, problem_data<double> d, bool h0, bool ht, bool dht, bool dh0, std::optional<double> lb,
+                  double tol_v, double tol_g) {
+  auto const& s = d.s;
+  // Without h0 the reference starts from zeros (and dh0 is still its gradient).
+  if (!h0) std::fill(d.h0.begin(), d.h0.end(), 0.0);
+  // The references, once per problem, types and (h0, dht) presence.
+  struct entry {
+    std::vector<double> key;
+    prepared pp;
+    grads gr;
+  };
+  static std::vector<entry> cache;
+  std::vector<double> key = {double(sizeof(In)), double(sizeof(S)), double(h0), double(dht), d.g.front(), d.v.back(), double(d.g.size())};
+  entry const* hit = nullptr;
+  for (auto const& e : cache)
+    if (e.key == key) hit = &e;
+  if (!hit) {
+    prepared pp = prepare<In, S>(d, 9, false);
+    std::vector<double> dht_used = dht ? pp.dht : std::vector<double>(pp.dht.size(), 0.0);
+    grads gr = reference_grads(pp.d, pp.d_o, dht_used);
+    cache.push_back({key, std::move(pp), std::move(gr)});
+    hit = &cache.back();
+  }
+  prepared const& pp = hit->pp;
+  auto const& p = pp.d;
+  auto const& o_ref = pp.o_ref;
+  auto const& ht_ref = pp.ht_ref;
+  grads const& gr = hit->gr;
+  auto cast = [](std::vector<double> const& x, auto z) {
+    std::vector<decltype(z)> r(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) r[i] = store_as<decltype(z)>(x[i]);
+    return r;
+  };
+  auto q = cast(p.q, In{}), k = cast(p.k, In{}), v = cast(p.v, In{}), g = cast(p.g, In{}), beta = cast(p.beta, In{}), d_o = cast(pp.d_o, In{});
+  auto h0v = cast(p.h0, S{}), dhtv = cast(pp.dht, S{});
+  std::vector<In> o(d_o.size());
+  std::vector<S> htv(pp.dht.size(), S(-3)), dh0v(pp.dht.size(), S(-3));
+  auto c4 = [](auto const& x, index_t a, index_t b, index_t c, index_t e) { return host_view(x.data(), a, b, c, e); };
+  kda::options opt;
+  if (!s.cu.empty()) opt.cu_seqlens = s.cu;
+  opt.gate_lower_bound = lb;
+  kda::forward_args<In, S> fa;
+  fa.q = c4(q, s.B, s.T, s.H, s.K), fa.k = c4(k, s.B, s.T, s.H, s.K), fa.v = c4(v, s.B, s.T, s.HV, s.V), fa.g = c4(g, s.B, s.T, s.HV, s.K);
+  fa.beta = host_view(static_cast<In const*>(beta.data()), s.B, s.T, s.HV);
+  fa.o = host_view(o.data(), s.B, s.T, s.HV, s.V);
+  if (h0) fa.h0 = c4(static_cast<std::vector<S> const&>(h0v), s.N(), s.HV, s.K, s.V);
+  if (ht) fa.ht = host_view(htv.data(), s.N(), s.HV, s.K, s.V);
+  auto const sh = kda::saved_shape(fa, opt);
+  std::vector<S> saved(std::size_t(sh[0] * sh[1] * sh[2]), std::numeric_limits<S>::quiet_NaN());
+  fa.saved = host_view(saved.data(), sh[0], sh[1], sh[2]);
+  kda::forward(fb, fa, opt);
+  std::vector<double> od(o.size());
+  for (std::size_t i = 0; i < o.size(); ++i) od[i] = load_as<double>(o[i]);
+  CHECK(rel_rms7(o_ref, od) <= tol_v);
+  if (ht) CHECK(rel_rms7(ht_ref, std::vector<double>(htv.begin(), htv.end())) <= tol_v);
+  std::vector<In> dq(q.size()), dk(k.size()), dv(v.size()), dg(g.size()), db(beta.size());
+  kda::backward_args<In, S> ba;
+  ba.q = fa.q, ba.k = fa.k, ba.v = fa.v, ba.g = fa.g, ba.beta = fa.beta, ba.h0 = fa.h0;
+  ba.d_o = c4(static_cast<std::vector<In> const&>(d_o), s.B, s.T, s.HV, s.V);
+  if (dht) ba.dht = c4(static_cast<std::vector<S> const&>(dhtv), s.N(), s.HV, s.K, s.V);
+  ba.dq = host_view(dq.data(), s.B, s.T, s.H, s.K), ba.dk = host_view(dk.data(), s.B, s.T, s.H, s.K);
+  ba.dv = host_view(dv.data(), s.B, s.T, s.HV, s.V), ba.dg = host_view(dg.data(), s.B, s.T, s.HV, s.K);
+  ba.dbeta = host_view(db.data(), s.B, s.T, s.HV);
+  if (dh0) ba.dh0 = host_view(dh0v.data(), s.N(), s.HV, s.K, s.V);
+  ba.saved = host_view(static_cast<S const*>(saved.data()), sh[0], sh[1], sh[2]);
+  kda::backward(bb, ba, opt);
+  auto dd = [](std::vector<In> const& x) {
+    std::vector<double> r(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) r[i] = load_as<double>(x[i]);
+    return r;
+  };
+  CHECK(rel_rms7(gr.dq, dd(dq)) <= tol_g);
+  CHECK(rel_rms7(gr.dk, dd(dk)) <= tol_g);
+  CHECK(rel_rms7(gr.dv, dd(dv)) <= tol_g);
+  CHECK(rel_rms7(gr.dg, dd(dg)) <= tol_g);
+  CHECK(rel_rms7(gr.dbeta, dd(db)) <= tol_g);
+  // Without h0 the gradient is still that of the (zero) initial state.
+  if (dh0) CHECK(rel_rms7(gr.dh0, std::vector<double>(dh0v.begin(), dh0v.end())) <= tol_g);
+}
+
+problem_data<double> bounded_problem(shape const& s, std::uint64_t seed) {
+  auto d = random_problem(s, seed);
+  std::mt19937_64 rng(seed + 1);
+  std::uniform_real_distribution<double> ud(0, 1);
+  for (auto& e : d.g) e = ud(rng) < 0.3 ? -5.0 : -5.0 * ud(rng);
+  return d;
+}
+}  // namespace
+
+TEST_CASE("kda round 7: saved states from one backend read by another; h0/ht/dht/dh0 absent in any combination") {
+  shape const s{.B = 1, .T = 100, .H = 1, .HV = 2, .K = 6, .V = 5, .cu = {0, 3, 3, 70, 100}};
+  auto const d = random_problem(s, 501);
+  for (int mask = 0; mask < 16; ++mask) {
+    bool const h0 = mask & 1, ht = mask & 2, dht = mask & 4, dh0 = mask & 8;
+    CAPTURE(mask);
+    saved_across<double, double>(cpu::serial{}, cpu::threads<>(3), d, h0, ht, dht, dh0, {}, 1e-12, 1e-11);
+    saved_across<double, double>(cpu::threads<>(2), cpu::serial{}, d, h0, ht, dht, dh0, {}, 1e-12, 1e-11);
+    saved_across<float, float>(cpu::simd<>{}, cpu::serial{}, d, h0, ht, dht, dh0, {}, 2e-5, 5e-5);
+    saved_across<float, float>(cpu::serial{}, cpu::simd<>{}, d, h0, ht, dht, dh0, {}, 2e-5, 5e-5);
+  }
+}
+
+TEST_CASE("kda round 7: gate_lower_bound -5 (dense diagonal tiles) in double at 1e-12, g exactly -5 on 30% of entries") {
+  for (auto const& s : {shape{.B = 2, .T = 80, .H = 1, .HV = 2, .K = 7, .V = 3}, shape{.B = 1, .T = 47, .H = 2, .HV = 2, .K = 16, .V = 9, .cu = {0, 17, 17, 47}}}) {
+    auto const d = bounded_problem(s, 601);
+    for (double lb : {-5.0, -5.0 + 0.0})
+      for (bool h0 : {true, false}) {
+        saved_across<double, double>(cpu::serial{}, cpu::serial{}, d, h0, true, true, true, lb, 1e-12, 1e-11);
+        saved_across<double, double>(cpu::simd<>{}, cpu::threads<>(4), d, h0, true, true, true, lb, 1e-12, 1e-11);
+        saved_across<float, double>(cpu::threads<>(3), cpu::simd<>{}, d, h0, true, true, true, lb, 1e-6, 1e-6);
+      }
+  }
+}
+
+TEST_CASE("kda round 7: the lower-bounded gate stored as bfloat16 (lb rounded to -4.3125 for lb = -4.3) meets its own bound") {
+  // Defect found in round 7: kda::gate_lower_bound writes lb * sigmoid(z) = lb for large z; in
+  // bfloat16 -4.3 is stored as -4.3125, and forward/backward with gate_lower_bound = -4.3 then
+  // rejected the library's own gate ("value -4.3125 ... is below ... -4.3"). A value one
+  // bfloat16 step lower is still refused.
+  index_t const B = 1, T = 70, H = 1, HV = 2, K = 5, V = 3;
+  for (double lb : {-4.3, -0.1, -5.0, -1.0 / 3}) {
+    CAPTURE(lb);
+    std::vector<float> x(std::size_t(B * T * HV * K));
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = i % 3 == 0 ? 40.f : float(i % 7) - 3.f;
+    std::vector<bfloat16> g(x.size()), q(std::size_t(B * T * H * K), bfloat16(0.25f)), v(std::size_t(B * T * HV * V), bfloat16(1.f)),
+        beta(std::size_t(B * T * HV), bfloat16(0.5f)), o(v.size()), d_o(v.size(), bfloat16(1.f)), dq(q.size()), dk(q.size()), dv(v.size()),
+        dg(g.size()), db(beta.size());
+    kda::gate_lower_bound(cpu::serial{}, host_view(static_cast<float const*>(x.data()), B, T, HV, K), nullptr, nullptr, lb,
+                          host_view(g.data(), B, T, HV, K));
+    CHECK(double(float(g[0])) == load_as<double>(store_as<bfloat16>(lb)));
+    kda::forward_args<bfloat16> fa;
+    fa.q = host_view(static_cast<bfloat16 const*>(q.data()), B, T, H, K), fa.k = fa.q;
+    fa.v = host_view(static_cast<bfloat16 const*>(v.data()), B, T, HV, V);
+    fa.g = host_view(static_cast<bfloat16 const*>(g.data()), B, T, HV, K);
+    fa.beta = host_view(static_cast<bfloat16 const*>(beta.data()), B, T, HV);
+    fa.o = host_view(o.data(), B, T, HV, V);
+    kda::backward_args<bfloat16> ba;
+    ba.q = fa.q, ba.k = fa.k, ba.v = fa.v, ba.g = fa.g, ba.beta = fa.beta;
+    ba.d_o = host_view(static_cast<bfloat16 const*>(d_o.data()), B, T, HV, V);
+    ba.dq = host_view(dq.data(), B, T, H, K), ba.dk = host_view(dk.data(), B, T, H, K), ba.dv = host_view(dv.data(), B, T, HV, V);
+    ba.dg = host_view(dg.data(), B, T, HV, K), ba.dbeta = host_view(db.data(), B, T, HV);
+    kda::options opt;
+    opt.gate_lower_bound = lb;
+    for (auto mode : {kda::algorithm::chunk, kda::algorithm::recurrent}) {
+      opt.mode = mode;
+      CHECK_NOTHROW(kda::forward(cpu::serial{}, fa, opt));
+      CHECK_NOTHROW(kda::forward(cpu::simd<>{}, fa, opt));
+      CHECK_NOTHROW(kda::forward(cpu::threads<>(3), fa, opt));
+      CHECK_NOTHROW(kda::backward(cpu::serial{}, ba, opt));
+      CHECK_NOTHROW(kda::backward(cpu::threads<>(2), ba, opt));
+    }
+    // One bfloat16 step below the stored bound: refused by every backend.
+    bfloat16 const below = bfloat16::from_bits(static_cast<std::uint16_t>(store_as<bfloat16>(lb).bits + 1));
+    REQUIRE(double(float(below)) < std::min(lb, load_as<double>(store_as<bfloat16>(lb))));
+    g[37] = below;
+    for (auto mode : {kda::algorithm::chunk, kda::algorithm::recurrent}) {
+      opt.mode = mode;
+      CHECK_THROWS_AS(kda::forward(cpu::serial{}, fa, opt), k3::error);
+      CHECK_THROWS_AS(kda::forward(cpu::simd<>{}, fa, opt), k3::error);
+      CHECK_THROWS_AS(kda::forward(cpu::threads<>(3), fa, opt), k3::error);
+      CHECK_THROWS_AS(kda::backward(cpu::threads<>(2), ba, opt), k3::error);
+    }
+  }
 }
