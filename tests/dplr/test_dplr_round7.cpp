@@ -119,7 +119,11 @@ data<double> random_dplr(shape const& s, std::uint64_t seed, bool resets = true)
   double const r = 1 / std::sqrt(double(s.K));
   fill(d.q, nk, r), fill(d.k, nk, r), fill(d.v, nv, 1), fill(d.a, nk, 0.6 * r), fill(d.b, nk, 0.6 * r);
   d.gk.resize(std::size_t(nk));
-  for (auto& e : d.gk) e = resets && ud(rng) < 0.04 ? -40 * ud(rng) : -0.4 * ud(rng);
+  // Mostly decays, some strong (resets), some growth (gk > 0: the API takes any log decay).
+  for (auto& e : d.gk) {
+    double const u = ud(rng);
+    e = resets && u < 0.04 ? -40 * ud(rng) : u < 0.12 ? 0.3 * ud(rng) : -0.4 * ud(rng);
+  }
   fill(d.h0, s.N() * s.H * s.K * s.V, 0.5);
   return d;
 }
@@ -263,7 +267,9 @@ tensor_view<double, 4> mv(std::vector<double>& x, index_t n, index_t h, index_t 
 }  // namespace
 
 TEST_CASE("dplr round 7: segment maps of any split compose and apply to the one-pass state and state gradient") {
-  shape const s{.B = 2, .T = 37, .H = 2, .K = 4, .V = 3};
+  // Four (sequence, head) pairs, and one (the threads backend then splits each span's map
+  // over its threads: the single-sequence pipeline).
+  for (shape const& s : {shape{.B = 2, .T = 37, .H = 2, .K = 4, .V = 3}, shape{.B = 1, .T = 37, .H = 1, .K = 3, .V = 5}}) {
   auto const d = random_dplr(s, 77);
   std::vector<double> o_ref, ht_ref;
   reference(d, o_ref, ht_ref);
@@ -315,6 +321,7 @@ TEST_CASE("dplr round 7: segment maps of any split compose and apply to the one-
       run(cpu::serial{});
       run(cpu::threads<>(3));
     }
+  }
   }
 }
 
@@ -393,4 +400,60 @@ TEST_CASE("dplr round 7: context-parallel entry points on one process equal the 
   check_all(
       d, options_for(s, 7), [&](auto const& in, auto const& out, auto const& o) { dplr_cp_forward(comm, in, out, o, cpu::threads<>(2)); },
       [&](auto const& in, auto const& gi, auto const& g, auto const& o) { dplr_cp_backward(comm, in, gi, g, o, cpu::threads<>(2)); }, gr, d_o, dht);
+}
+
+TEST_CASE("dplr round 7: IPLR entry points (gk = 0) on padded views, chunked on every backend and recurrent") {
+  for (auto const& s : {shape{.B = 2, .T = 19, .H = 2, .K = 4, .V = 3}, shape{.B = 1, .T = 33, .H = 1, .K = 5, .V = 2, .cu = {0, 1, 1, 33}}}) {
+    auto d = random_dplr(s, 55);
+    std::fill(d.gk.begin(), d.gk.end(), 0.0);
+    std::mt19937_64 rng(56);
+    std::normal_distribution<double> nd(0, 1);
+    std::vector<double> d_o(std::size_t(s.B * s.T * s.H * s.V)), dht(std::size_t(s.N() * s.H * s.K * s.V));
+    for (auto& e : d_o) e = nd(rng);
+    for (auto& e : dht) e = nd(rng);
+    grads gr = reference_grads(d, d_o, dht);
+    // IPLR has no gate gradient: the checks compare dgk with this (the call leaves dgk alone).
+    std::fill(gr.dgk.begin(), gr.dgk.end(), -3.0);
+    auto as_iplr = [](dplr_inputs<double> const& in) { return iplr_inputs<double>{in.q, in.k, in.v, in.a, in.b, in.h0}; };
+    auto as_grads = [](dplr_grads<double> const& g) { return iplr_grads<double>{g.dq, g.dk, g.dv, g.da, g.db, g.dh0}; };
+    check_all(
+        d, options_for(s, 64), [&](auto const& in, auto const& out, auto const& o) { iplr_recurrent_forward(as_iplr(in), out, o); },
+        [&](auto const& in, auto const& gi, auto const& g, auto const& o) { iplr_recurrent_backward(as_iplr(in), gi, as_grads(g), o); }, gr, d_o,
+        dht);
+    for (index_t chunk : {5, 16}) {
+      auto run = [&](auto const& be) {
+        check_all(
+            d, options_for(s, chunk), [&](auto const& in, auto const& out, auto const& o) { iplr_chunked_forward(be, as_iplr(in), out, o); },
+            [&](auto const& in, auto const& gi, auto const& g, auto const& o) { iplr_chunked_backward(be, as_iplr(in), gi, as_grads(g), o); }, gr,
+            d_o, dht);
+      };
+      run(cpu::serial{});
+      run(cpu::simd<>{});
+      run(cpu::threads<>(4));
+    }
+  }
+}
+
+TEST_CASE("dplr round 7: segment maps ignore h0, whatever its shape (as documented)") {
+  // Found in round 7: dplr_segment_maps / _transposed are documented to ignore h0 but rejected
+  // a call whose h0 did not have the span's [N, H, K, V] shape (e.g. the whole problem's h0).
+  shape const s{.B = 2, .T = 9, .H = 1, .K = 3, .V = 2};
+  auto const d = random_dplr(s, 12);
+  views x(d);
+  std::vector<double> other(100, 0.5), d_o(std::size_t(s.B * s.T * s.H * s.V), 1.0);
+  std::vector<double> M1(std::size_t(s.N() * s.H * s.K * s.K)), N1(std::size_t(s.N() * s.H * s.K * s.V)), M2(M1.size()), N2(N1.size());
+  auto in = x.in();
+  in.h0 = {};
+  dplr_segment_maps(in, mv(M1, s.N(), s.H, s.K, s.K), mv(N1, s.N(), s.H, s.K, s.V));
+  in.h0 = host_view(static_cast<double const*>(other.data()), 5, 1, 2, 2);
+  CHECK_NOTHROW(dplr_segment_maps(in, mv(M2, s.N(), s.H, s.K, s.K), mv(N2, s.N(), s.H, s.K, s.V)));
+  CHECK(M1 == M2);
+  CHECK(N1 == N2);
+  auto dov = host_view(static_cast<double const*>(d_o.data()), s.B, s.T, s.H, s.V);
+  in.h0 = {};
+  dplr_segment_maps_transposed(in, dov, mv(M1, s.N(), s.H, s.K, s.K), mv(N1, s.N(), s.H, s.K, s.V));
+  in.h0 = host_view(static_cast<double const*>(other.data()), 5, 1, 2, 2);
+  CHECK_NOTHROW(dplr_segment_maps_transposed(in, dov, mv(M2, s.N(), s.H, s.K, s.K), mv(N2, s.N(), s.H, s.K, s.V)));
+  CHECK(M1 == M2);
+  CHECK(N1 == N2);
 }
