@@ -595,3 +595,123 @@ TEST_CASE("kda round 7: the lower-bounded gate stored as bfloat16 (lb rounded to
     }
   }
 }
+
+namespace {
+// Forward only, V a multiple of the SIMD width (the vectorised recurrent form and the decode
+// column blocks run only then; the shapes above take their scalar fallbacks).
+template <class In, class S, class Backend>
+void wide_forward(Backend const& be, kda::algorithm mode, prepared const& pp, double tol_o, double tol_ht) {
+  auto const& s = pp.d.s;
+  using A4 = std::array<index_t, 4>;
+  In const nan_in = store_as<In>(std::numeric_limits<double>::quiet_NaN());
+  strided<In, 4> q(A4{s.B, s.T, s.H, s.K}, {1, 0, 2}, 3, nan_in), k(A4{s.B, s.T, s.H, s.K}, {2, 1, 0}, 1, nan_in),
+      v(A4{s.B, s.T, s.HV, s.V}, {1, 0, 2}, 8, nan_in), g(A4{s.B, s.T, s.HV, s.K}, {2, 1, 0}, 5, nan_in);
+  strided<In, 3> beta(std::array<index_t, 3>{s.B, s.T, s.HV}, std::array<std::size_t, 2>{1, 0}, 2, nan_in);
+  strided<S, 4> h0(A4{s.N(), s.HV, s.K, s.V}, {1, 0, 2}, 16, std::numeric_limits<S>::quiet_NaN());
+  q.set(pp.d.q), k.set(pp.d.k), v.set(pp.d.v), g.set(pp.d.g), beta.set(pp.d.beta), h0.set(pp.d.h0);
+  strided<In, 4> o(A4{s.B, s.T, s.HV, s.V}, {2, 1, 0}, 16, store_as<In>(-3.0));
+  strided<S, 4> ht(A4{s.N(), s.HV, s.K, s.V}, {2, 1, 0}, 8, S(-3));
+  kda::options opt;
+  opt.mode = mode;
+  if (!s.cu.empty()) opt.cu_seqlens = s.cu;
+  kda::forward_args<In, S> fa;
+  fa.q = q.view, fa.k = k.view, fa.v = v.view, fa.g = g.view, fa.beta = beta.view, fa.o = o.view, fa.h0 = h0.view, fa.ht = ht.view;
+  kda::forward(be, fa, opt);
+  CHECK(rel_rms7(pp.o_ref, o.get()) <= tol_o);
+  CHECK(rel_rms7(pp.ht_ref, ht.get()) <= tol_ht);
+  CHECK(o.padding_is(store_as<In>(-3.0)));
+  CHECK(ht.padding_is(S(-3)));
+}
+
+template <class In, class S>
+void wide_every_backend(problem_data<double> const& d, double tol_o, double tol_ht) {
+  prepared const pp = prepare<In, S>(d, 3, false);
+  for (auto mode : {kda::algorithm::recurrent, kda::algorithm::chunk}) {
+    CAPTURE(int(mode));
+    wide_forward<In, S>(cpu::serial{}, mode, pp, tol_o, tol_ht);
+    wide_forward<In, S>(cpu::simd<>{}, mode, pp, tol_o, tol_ht);
+    wide_forward<In, S>(cpu::threads<>(2), mode, pp, tol_o, tol_ht);
+    wide_forward<In, S>(cpu::threads<>(5), mode, pp, tol_o, tol_ht);
+  }
+}
+}  // namespace
+
+TEST_CASE("kda round 7: V a multiple of the SIMD width (vectorised recurrent form), every type, strong decays and resets") {
+  std::uint64_t seed = 800;
+  for (auto const& s : {shape{.B = 2, .T = 70, .H = 1, .HV = 2, .K = 5, .V = 16}, shape{.B = 1, .T = 90, .H = 2, .HV = 4, .K = 17, .V = 32, .cu = {0, 1, 1, 40, 90}},
+                        shape{.B = 1, .T = 33, .H = 1, .HV = 1, .K = 3, .V = 64}}) {
+    CAPTURE(s.V);
+    auto d = random_problem(s, ++seed);
+    // A large state and per-step decays down to e^-60 (the rescaled-state path), some exact resets.
+    for (auto& e : d.h0) e *= 1e3;
+    for (std::size_t i = 0; i < d.g.size(); i += 11) d.g[i] = -60.0 * double(i % 3);
+    for (std::size_t i = 5; i < d.g.size(); i += 97) d.g[i] = -std::numeric_limits<double>::infinity();
+    wide_every_backend<double, double>(d, 1e-12, 1e-12);
+    wide_every_backend<float, double>(d, 1e-6, 1e-12);
+    wide_every_backend<bfloat16, double>(d, 8e-3, 1e-12);
+    wide_every_backend<double, float>(d, 2e-5, 2e-5);
+    wide_every_backend<float, float>(d, 2e-5, 2e-5);
+  }
+}
+
+TEST_CASE("kda round 7: decode with V a multiple of the SIMD width (column blocks), every backend and type") {
+  for (index_t V : {16, 40, 136}) {
+    CAPTURE(V);
+    shape const s{.B = 6, .T = 3, .H = 1, .HV = 2, .K = 7, .V = V};
+    auto const d = random_problem(s, 900 + std::uint64_t(V));
+    auto one = [&](auto in_tag, auto s_tag, double tol_o, double tol_s) {
+      using In = decltype(in_tag);
+      using S = decltype(s_tag);
+      prepared const pp = prepare<In, S>(d, 5, false);
+      auto run = [&](auto const& be) {
+        // Pool: 8 slots with padded rows, sequences in slots 7, 0, 3, 5, 1, 6.
+        std::vector<std::int32_t> const slots = {7, 0, 3, 5, 1, 6};
+        strided<S, 4> pool(std::array<index_t, 4>{8, s.HV, s.K, s.V}, std::array<std::size_t, 3>{0, 1, 2}, 8, S(-3));
+        for (index_t n = 0; n < s.B; ++n)
+          for (index_t h = 0; h < s.HV; ++h)
+            for (index_t i = 0; i < s.K * s.V; ++i)
+              pool.at({slots[std::size_t(n)], h, i / s.V, i % s.V}) = S(pp.d.h0[std::size_t((n * s.HV + h) * s.K * s.V + i)]);
+        for (index_t t = 0; t < s.T; ++t) {
+          auto rows = [&](std::vector<double> const& x, index_t heads, index_t w) {
+            std::vector<In> r;
+            for (index_t n = 0; n < s.B; ++n)
+              for (index_t i = 0; i < heads * w; ++i) r.push_back(store_as<In>(x[std::size_t((n * s.T + t) * heads * w + i)]));
+            return r;
+          };
+          auto q = rows(pp.d.q, s.H, s.K), k = rows(pp.d.k, s.H, s.K), v = rows(pp.d.v, s.HV, s.V), g = rows(pp.d.g, s.HV, s.K),
+               beta = rows(pp.d.beta, s.HV, 1);
+          std::vector<In> o(v.size());
+          kda::decode_args<In, S> da;
+          da.q = host_view(static_cast<In const*>(q.data()), s.B, s.H, s.K), da.k = host_view(static_cast<In const*>(k.data()), s.B, s.H, s.K);
+          da.v = host_view(static_cast<In const*>(v.data()), s.B, s.HV, s.V), da.g = host_view(static_cast<In const*>(g.data()), s.B, s.HV, s.K);
+          da.beta = host_view(static_cast<In const*>(beta.data()), s.B, s.HV), da.o = host_view(o.data(), s.B, s.HV, s.V);
+          da.state_pool = pool.view;
+          da.slots32 = host_view(slots.data(), s.B);
+          kda::decode(be, da, kda::options{});
+          std::vector<double> got, want;
+          for (index_t n = 0; n < s.B; ++n)
+            for (index_t i = 0; i < s.HV * s.V; ++i) {
+              got.push_back(load_as<double>(o[std::size_t(n * s.HV * s.V + i)]));
+              want.push_back(pp.o_ref[std::size_t((n * s.T + t) * s.HV * s.V + i)]);
+            }
+          CHECK(rel_rms7(want, got) <= tol_o);
+        }
+        std::vector<double> st;
+        for (index_t n = 0; n < s.B; ++n)
+          for (index_t h = 0; h < s.HV; ++h)
+            for (index_t i = 0; i < s.K * s.V; ++i) st.push_back(double(pool.at({slots[std::size_t(n)], h, i / s.V, i % s.V})));
+        CHECK(rel_rms7(pp.ht_ref, st) <= tol_s);
+        for (index_t slot : {2, 4})
+          for (index_t h = 0; h < s.HV; ++h) CHECK(pool.at({slot, h, 0, 0}) == S(-3));
+        CHECK(pool.padding_is(S(-3)));
+      };
+      run(cpu::serial{});
+      run(cpu::simd<>{});
+      run(cpu::threads<>(3));
+    };
+    one(double{}, double{}, 1e-12, 1e-12);
+    one(float{}, double{}, 1e-6, 1e-12);
+    one(bfloat16{}, double{}, 8e-3, 1e-12);
+    one(float{}, float{}, 2e-5, 2e-5);
+  }
+}
