@@ -51,7 +51,7 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
     saved.resize(std::size_t(sh[0] * sh[1] * sh[2]));
     a.saved = k3::host_view(saved.data(), sh[0], sh[1], sh[2]);
   }
-  k3::cpu::threads<> be;
+  k3::cpu::threads<> be(args.threads(0));
   k3::kda::forward(be, a, opt);
   args.save("o", a.o);
   args.save("ht", a.ht);
@@ -88,6 +88,7 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
 }
 
 int run_kda_body(k3::cli::args& args) {
+  args.threads(0);  // a bad --threads is reported before any input is read
   k3::kda::options opt;
   opt.mode = args.choice("mode", {"chunk", "recurrent"}) == "chunk" ? k3::kda::algorithm::chunk : k3::kda::algorithm::recurrent;
   if (args.has("scale")) opt.scale = args.number("scale", 0);
@@ -144,7 +145,8 @@ k3::cli::registrar reg({"kda",
                         k3::cli::io_options({{"mode", true, "chunk (default) or recurrent"},
                                              {"scale", true, "query scale (default K^-1/2)"},
                                              {"gate-lower-bound", true, "promise g >= this bound (in [-5, 0)): dense diagonal tiles"},
-                                             {"backward", false, "also compute the gradients from do.npy [dht.npy]"}}),
+                                             {"backward", false, "also compute the gradients from do.npy [dht.npy]"},
+                                             {"threads", true, "worker threads (default 0: one per hardware thread); results do not depend on it"}}),
                         true, run_kda});
 
 }  // namespace

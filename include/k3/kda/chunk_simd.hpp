@@ -688,7 +688,7 @@ bool chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
     return ((Vp / gemm::L + gemm::NV - 1) / gemm::NV) * ((2 * c + gemm::MR - 1) / gemm::MR + 2 * mt + (K + gemm::MR - 1) / gemm::MR);
   };
   bool below = false;
-  float const lbf = p.lower_bound ? static_cast<float>(*p.lower_bound) : 0.f;
+  float const lbf = p.lower_bound ? filter_bound<In>(*p.lower_bound) : 0.f;
   for (index_t t0 = bos; t0 < eos; t0 += C) {
     index_t const c = std::min(C, eos - t0);
     index_t staged_q = -1;  // the query head whose rows w.Q / w.Kc hold for this chunk

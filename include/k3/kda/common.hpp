@@ -5,6 +5,7 @@
 // per-channel decay; beta [B,T,HV]; states [N,HV,K,V] in the state type S (float, or double
 // when computing in double). Value head hv reads q/k head hv / (HV/H).
 #pragma once
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -265,10 +266,24 @@ bool row_may_be_below(In const* row, index_t K, float lb) noexcept {
     for (index_t d = 0; d < K; ++d) below |= unsigned(load_as<double>(row[d]) < static_cast<double>(lb));
   return below != 0;
 }
+// The bound as the storage type holds it: a g equal to the bound rounded to In (for example
+// the lower-bounded gate lb * sigmoid(z) = lb stored as bfloat16: -4.3 becomes -4.3125) meets
+// the promise. Every lb in [-5, 0) rounds to a value >= -5 in float and bfloat16, so the dense
+// diagonal tiles keep their licence.
+template <class In>
+double stored_bound(double lb) noexcept {
+  return load_as<double>(store_as<In>(lb));
+}
+// The fast filters' threshold: a float below which a value of type In may fail the exact test.
+template <class In>
+float filter_bound(double lb) noexcept {
+  return std::min(static_cast<float>(lb), static_cast<float>(stored_bound<In>(lb)));
+}
+
 template <class In>
 bool gate_may_be_below(problem const& p, tensor_view<In const, 4> g, index_t t0, index_t t1) noexcept {
   if (!p.lower_bound) return false;
-  float const lb = static_cast<float>(*p.lower_bound);
+  float const lb = filter_bound<In>(*p.lower_bound);
   bool below = false;
   for (index_t b = 0; b < p.B; ++b)
     for (index_t t = t0; t < t1; ++t)
@@ -279,7 +294,8 @@ bool gate_may_be_below(problem const& p, tensor_view<In const, 4> g, index_t t0,
 template <class In>
 void check_gate_bound(problem const& p, tensor_view<In const, 4> g) {
   if (!p.lower_bound) return;
-  float const lb = static_cast<float>(*p.lower_bound);
+  float const lb = filter_bound<In>(*p.lower_bound);
+  double const lb_stored = stored_bound<In>(*p.lower_bound);
   for (index_t b = 0; b < p.B; ++b)
     for (index_t t = 0; t < p.T; ++t)
       for (index_t h = 0; h < p.HV; ++h) {
@@ -287,8 +303,9 @@ void check_gate_bound(problem const& p, tensor_view<In const, 4> g) {
         if (!row_may_be_below(row, p.K, lb)) continue;  // the fast filter first
         for (index_t d = 0; d < p.K; ++d) {
           double x = load_as<double>(row[d]);
-          // Compare in the storage precision's terms: a float g equal to lb rounded is fine.
-          if (x < static_cast<double>(lb) && x < *p.lower_bound)
+          // Compare in the storage precision's terms: a g equal to lb rounded to float or to
+          // the storage type is fine.
+          if (x < static_cast<double>(static_cast<float>(*p.lower_bound)) && x < *p.lower_bound && x < lb_stored)
             throw ::k3::error("argument 'g': value " + fmt(x) + " at [" + std::to_string(b) + ", " + std::to_string(t) + ", " +
                               std::to_string(h) + ", " + std::to_string(d) + "] is below option 'gate_lower_bound' = " +
                               fmt(*p.lower_bound));

@@ -1,0 +1,459 @@
+// Round-7 checks of the DPLR C++ API against this file's own reference, written from
+// shared/spec/kda.md section 4.1: S_t = Diag(e^gk_t) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T,
+// o_t = S_t^T (scale q_t), a token loop templated on the scalar (double for values,
+// std::complex<double> for complex-step gradients).
+// Probed: general a and b (not the KDA special case), every backend and long-sequence mode,
+// chunk sizes that are not powers of two, all intra-chunk forms, padded permuted views for every
+// input and output; segment maps of arbitrary splits (empty segments, splits inside a chunk)
+// composed and applied = one pass, the transposed maps likewise for the state gradient, maps of
+// packed sequences, KDA maps with grouped value heads, the context-parallel entry points.
+#include <doctest/doctest.h>
+
+#include <complex>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "k3/comm/communicator.hpp"
+#include "k3/dplr.hpp"
+#include "kda/round7_views.hpp"
+
+namespace {
+
+using namespace k3;
+using k3::test::rel_rms7;
+using k3::test::strided;
+using cd = std::complex<double>;
+using A4 = std::array<index_t, 4>;
+
+struct shape {
+  index_t B = 1, T = 1, H = 1, K = 1, V = 1;
+  std::vector<std::int64_t> cu;
+  index_t N() const { return cu.empty() ? B : index_t(cu.size()) - 1; }
+};
+
+template <class Z>
+struct data {
+  shape s;
+  double scale = 1;
+  std::vector<Z> q, k, v, a, b, gk, h0;
+};
+
+template <class Z>
+void reference(data<Z> const& d, std::vector<Z>& o, std::vector<Z>& ht) {
+  auto const& s = d.s;
+  o.assign(std::size_t(s.B * s.T * s.H * s.V), Z(0));
+  ht.assign(std::size_t(s.N() * s.H * s.K * s.V), Z(0));
+  for (index_t n = 0; n < s.N(); ++n) {
+    index_t const bb = s.cu.empty() ? n : 0, t0 = s.cu.empty() ? 0 : s.cu[std::size_t(n)], t1 = s.cu.empty() ? s.T : s.cu[std::size_t(n) + 1];
+    for (index_t h = 0; h < s.H; ++h) {
+      std::vector<Z> S(std::size_t(s.K * s.V), Z(0)), aS(std::size_t(s.V));
+      if (!d.h0.empty())
+        for (index_t i = 0; i < s.K * s.V; ++i) S[std::size_t(i)] = d.h0[std::size_t((n * s.H + h) * s.K * s.V + i)];
+      for (index_t t = t0; t < t1; ++t) {
+        index_t const rk = ((bb * s.T + t) * s.H + h) * s.K, rv = ((bb * s.T + t) * s.H + h) * s.V;
+        for (index_t j = 0; j < s.V; ++j) {
+          Z x = 0;
+          for (index_t i = 0; i < s.K; ++i) x += d.a[std::size_t(rk + i)] * S[std::size_t(i * s.V + j)];
+          aS[std::size_t(j)] = x;
+        }
+        for (index_t i = 0; i < s.K; ++i) {
+          Z const e = std::exp(d.gk[std::size_t(rk + i)]);
+          for (index_t j = 0; j < s.V; ++j)
+            S[std::size_t(i * s.V + j)] = e * S[std::size_t(i * s.V + j)] + d.b[std::size_t(rk + i)] * aS[std::size_t(j)] +
+                                          d.k[std::size_t(rk + i)] * d.v[std::size_t(rv + j)];
+        }
+        for (index_t j = 0; j < s.V; ++j) {
+          Z x = 0;
+          for (index_t i = 0; i < s.K; ++i) x += S[std::size_t(i * s.V + j)] * d.q[std::size_t(rk + i)];
+          o[std::size_t(rv + j)] = d.scale * x;
+        }
+      }
+      for (index_t i = 0; i < s.K * s.V; ++i) ht[std::size_t((n * s.H + h) * s.K * s.V + i)] = S[std::size_t(i)];
+    }
+  }
+}
+
+struct grads {
+  std::vector<double> dq, dk, dv, da, db, dgk, dh0;
+};
+
+grads reference_grads(data<double> const& d, std::vector<double> const& d_o, std::vector<double> const& dht) {
+  data<cd> z{d.s, d.scale, {}, {}, {}, {}, {}, {}, {}};
+  auto up = [](std::vector<double> const& x) { return std::vector<cd>(x.begin(), x.end()); };
+  z.q = up(d.q), z.k = up(d.k), z.v = up(d.v), z.a = up(d.a), z.b = up(d.b), z.gk = up(d.gk), z.h0 = up(d.h0);
+  double const h = 1e-30;
+  auto loss = [&] {
+    std::vector<cd> o, ht;
+    reference(z, o, ht);
+    cd l = 0;
+    for (std::size_t i = 0; i < o.size(); ++i) l += o[i] * d_o[i];
+    for (std::size_t i = 0; i < ht.size(); ++i) l += ht[i] * dht[i];
+    return l.imag() / h;
+  };
+  auto grad = [&](std::vector<cd>& x) {
+    std::vector<double> r(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      cd const keep = x[i];
+      x[i] += cd(0, h);
+      r[i] = loss();
+      x[i] = keep;
+    }
+    return r;
+  };
+  return {grad(z.q), grad(z.k), grad(z.v), grad(z.a), grad(z.b), grad(z.gk), grad(z.h0)};
+}
+
+// Stable general DPLR: |b a^T| small, a and b independent (not the KDA tie).
+data<double> random_dplr(shape const& s, std::uint64_t seed, bool resets = true) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0, 1);
+  std::uniform_real_distribution<double> ud(0, 1);
+  data<double> d{s, 1 / std::sqrt(double(s.K)), {}, {}, {}, {}, {}, {}, {}};
+  index_t const nk = s.B * s.T * s.H * s.K, nv = s.B * s.T * s.H * s.V;
+  auto fill = [&](std::vector<double>& x, index_t n, double sd) {
+    x.resize(std::size_t(n));
+    for (auto& e : x) e = sd * nd(rng);
+  };
+  double const r = 1 / std::sqrt(double(s.K));
+  fill(d.q, nk, r), fill(d.k, nk, r), fill(d.v, nv, 1), fill(d.a, nk, 0.6 * r), fill(d.b, nk, 0.6 * r);
+  d.gk.resize(std::size_t(nk));
+  // Mostly decays, some strong (resets), some growth (gk > 0: the API takes any log decay).
+  for (auto& e : d.gk) {
+    double const u = ud(rng);
+    e = resets && u < 0.04 ? -40 * ud(rng) : u < 0.12 ? 0.3 * ud(rng) : -0.4 * ud(rng);
+  }
+  fill(d.h0, s.N() * s.H * s.K * s.V, 0.5);
+  return d;
+}
+
+struct views {
+  strided<double, 4> q, k, v, a, b, gk, h0;
+  explicit views(data<double> const& d)
+      : q(A4{d.s.B, d.s.T, d.s.H, d.s.K}, {1, 0, 2}, 3, NAN),
+        k(A4{d.s.B, d.s.T, d.s.H, d.s.K}, {2, 1, 0}, 1, NAN),
+        v(A4{d.s.B, d.s.T, d.s.H, d.s.V}, {1, 2, 0}, 2, NAN),
+        a(A4{d.s.B, d.s.T, d.s.H, d.s.K}, {0, 2, 1}, 4, NAN),
+        b(A4{d.s.B, d.s.T, d.s.H, d.s.K}, {2, 0, 1}, 1, NAN),
+        gk(A4{d.s.B, d.s.T, d.s.H, d.s.K}, {1, 0, 2}, 2, NAN),
+        h0(A4{d.s.N(), d.s.H, d.s.K, d.s.V}, {1, 0, 2}, 2, NAN) {
+    q.set(d.q), k.set(d.k), v.set(d.v), a.set(d.a), b.set(d.b), gk.set(d.gk), h0.set(d.h0);
+  }
+  dplr_inputs<double> in() const { return {q.view, k.view, v.view, a.view, b.view, gk.view, h0.view}; }
+};
+
+dplr_options options_for(shape const& s, index_t chunk) {
+  dplr_options o;
+  o.chunk_size = chunk;
+  if (!s.cu.empty()) o.cu_seqlens = const_view<std::int64_t, 1>(s.cu.data(), {index_t(s.cu.size())});
+  return o;
+}
+
+// Forward and backward of `run` (chunked on a backend, or recurrent) on padded permuted views,
+// against the reference.
+template <class Fwd, class Bwd>
+void check_all(data<double> const& d, dplr_options const& opt, Fwd&& fwd, Bwd&& bwd, grads const& gr, std::vector<double> const& d_o,
+               std::vector<double> const& dht) {
+  auto const& s = d.s;
+  std::vector<double> o_ref, ht_ref;
+  reference(d, o_ref, ht_ref);
+  views x(d);
+  strided<double, 4> o(A4{s.B, s.T, s.H, s.V}, {2, 1, 0}, 2, -3), ht(A4{s.N(), s.H, s.K, s.V}, {2, 1, 0}, 1, -3);
+  fwd(x.in(), dplr_outputs<double>{o.view, ht.view}, opt);
+  CHECK(rel_rms7(o_ref, o.get()) <= 1e-12);
+  CHECK(rel_rms7(ht_ref, ht.get()) <= 1e-12);
+  CHECK(o.padding_is(-3));
+  CHECK(ht.padding_is(-3));
+  strided<double, 4> dov(A4{s.B, s.T, s.H, s.V}, {1, 0, 2}, 1, NAN), dhtv(A4{s.N(), s.H, s.K, s.V}, {0, 2, 1}, 2, NAN);
+  dov.set(d_o), dhtv.set(dht);
+  strided<double, 4> dq(A4{s.B, s.T, s.H, s.K}, {1, 0, 2}, 1, -3), dk(A4{s.B, s.T, s.H, s.K}, {2, 1, 0}, 2, -3),
+      dv(A4{s.B, s.T, s.H, s.V}, {1, 0, 2}, 3, -3), da(A4{s.B, s.T, s.H, s.K}, {2, 0, 1}, 1, -3), db(A4{s.B, s.T, s.H, s.K}, {0, 2, 1}, 1, -3),
+      dgk(A4{s.B, s.T, s.H, s.K}, {1, 2, 0}, 2, -3), dh0(A4{s.N(), s.H, s.K, s.V}, {1, 2, 0}, 1, -3);
+  bwd(x.in(), dplr_grad_inputs<double>{dov.view, dhtv.view}, dplr_grads<double>{dq.view, dk.view, dv.view, da.view, db.view, dgk.view, dh0.view},
+      opt);
+  CHECK(rel_rms7(gr.dq, dq.get()) <= 1e-11);
+  CHECK(rel_rms7(gr.dk, dk.get()) <= 1e-11);
+  CHECK(rel_rms7(gr.dv, dv.get()) <= 1e-11);
+  CHECK(rel_rms7(gr.da, da.get()) <= 1e-11);
+  CHECK(rel_rms7(gr.db, db.get()) <= 1e-11);
+  CHECK(rel_rms7(gr.dgk, dgk.get()) <= 1e-11);
+  CHECK(rel_rms7(gr.dh0, dh0.get()) <= 1e-11);
+  for (auto* g : {&dq, &dk, &dv, &da, &db, &dgk, &dh0}) CHECK(g->padding_is(-3));
+}
+
+std::vector<shape> shapes() {
+  return {shape{.B = 2, .T = 41, .H = 2, .K = 5, .V = 3}, shape{.B = 1, .T = 1, .H = 1, .K = 3, .V = 4},
+          shape{.B = 1, .T = 58, .H = 2, .K = 4, .V = 3, .cu = {0, 0, 1, 18, 18, 37, 58}}, shape{.B = 1, .T = 53, .H = 1, .K = 6, .V = 5}};
+}
+
+}  // namespace
+
+TEST_CASE("dplr round 7: chunked and recurrent forms at 1e-12 on padded views, general a and b, every backend, mode and chunk") {
+  std::uint64_t seed = 700;
+  for (auto const& s : shapes()) {
+    auto const d = random_dplr(s, ++seed);
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<double> nd(0, 1);
+    std::vector<double> d_o(std::size_t(s.B * s.T * s.H * s.V)), dht(std::size_t(s.N() * s.H * s.K * s.V));
+    for (auto& e : d_o) e = nd(rng);
+    for (auto& e : dht) e = nd(rng);
+    grads const gr = reference_grads(d, d_o, dht);
+    CAPTURE(s.T);
+    CAPTURE(s.K);
+    {
+      INFO("recurrent");
+      check_all(
+          d, options_for(s, 64), [](auto const& in, auto const& out, auto const& o) { dplr_recurrent_forward(in, out, o); },
+          [](auto const& in, auto const& gi, auto const& g, auto const& o) { dplr_recurrent_backward(in, gi, g, o); }, gr, d_o, dht);
+    }
+    for (index_t chunk : {1, 3, 16, 17, 40, 100}) {
+      for (auto intra : {dplr_intra::automatic, dplr_intra::factored, dplr_intra::pairwise}) {
+        for (auto ls : {dplr_long_sequence::value_split, dplr_long_sequence::segment_maps}) {
+          auto opt = options_for(s, chunk);
+          opt.intra = intra;
+          opt.long_sequence = ls;
+          CAPTURE(chunk);
+          CAPTURE(int(intra));
+          CAPTURE(int(ls));
+          auto run = [&](auto const& be) {
+            check_all(
+                d, opt, [&](auto const& in, auto const& out, auto const& o) { dplr_chunked_forward(be, in, out, o); },
+                [&](auto const& in, auto const& gi, auto const& g, auto const& o) { dplr_chunked_backward(be, in, gi, g, o); }, gr, d_o, dht);
+          };
+          if (ls == dplr_long_sequence::value_split && intra == dplr_intra::automatic) {
+            run(cpu::serial{});
+            run(cpu::simd<>{});
+          }
+          for (unsigned th : {2u, 3u, 5u}) {
+            CAPTURE(th);
+            run(cpu::threads<>(th));
+          }
+        }
+      }
+    }
+  }
+}
+
+namespace {
+// Maps of tokens [t0, t1) of every sequence of a non-packed problem.
+struct span_maps {
+  std::vector<double> M, N;
+};
+template <class Bk>
+span_maps maps_of(data<double> const& d, index_t t0, index_t t1, index_t chunk, Bk const& bk, std::vector<double> const* d_o = nullptr) {
+  auto const& s = d.s;
+  views x(d);
+  auto in = x.in();
+  auto sub = [&](const_view<double, 4> v) { return v.sub(1, t0, t1 - t0); };
+  dplr_inputs<double> part{sub(in.q), sub(in.k), sub(in.v), sub(in.a), sub(in.b), sub(in.gk), {}};
+  strided<double, 4> M(A4{s.N(), s.H, s.K, s.K}, {1, 0, 2}, 2, -3), N(A4{s.N(), s.H, s.K, s.V}, {2, 0, 1}, 1, -3);
+  dplr_options opt;
+  opt.chunk_size = chunk;
+  if (d_o) {
+    strided<double, 4> dov(A4{s.B, s.T, s.H, s.V}, {2, 1, 0}, 1, NAN);
+    dov.set(*d_o);
+    dplr_segment_maps_transposed(part, const_view<double, 4>(dov.view).sub(1, t0, t1 - t0), M.view, N.view, opt, bk);
+  } else {
+    dplr_segment_maps(part, M.view, N.view, opt, bk);
+  }
+  CHECK(M.padding_is(-3));
+  CHECK(N.padding_is(-3));
+  return {M.get(), N.get()};
+}
+
+const_view<double, 4> cv(std::vector<double> const& x, index_t n, index_t h, index_t r, index_t c) { return host_view(x.data(), n, h, r, c); }
+tensor_view<double, 4> mv(std::vector<double>& x, index_t n, index_t h, index_t r, index_t c) { return host_view(x.data(), n, h, r, c); }
+}  // namespace
+
+TEST_CASE("dplr round 7: segment maps of any split compose and apply to the one-pass state and state gradient") {
+  // Four (sequence, head) pairs, and one (the threads backend then splits each span's map
+  // over its threads: the single-sequence pipeline).
+  for (shape const& s : {shape{.B = 2, .T = 37, .H = 2, .K = 4, .V = 3}, shape{.B = 1, .T = 37, .H = 1, .K = 3, .V = 5}}) {
+  auto const d = random_dplr(s, 77);
+  std::vector<double> o_ref, ht_ref;
+  reference(d, o_ref, ht_ref);
+  std::mt19937_64 rng(78);
+  std::normal_distribution<double> nd(0, 1);
+  std::vector<double> d_o(std::size_t(s.B * s.T * s.H * s.V)), dht(std::size_t(s.N() * s.H * s.K * s.V));
+  for (auto& e : d_o) e = nd(rng);
+  for (auto& e : dht) e = nd(rng);
+  grads const gr = reference_grads(d, d_o, dht);
+  index_t const NH = s.N() * s.H;
+  for (auto const& cuts : std::vector<std::vector<index_t>>{{0, 37}, {0, 0, 37}, {0, 5, 5, 16, 17, 30, 37, 37}, {0, 1, 36, 37}, {0, 20, 37}}) {
+    for (index_t chunk : {1, 6, 16, 64}) {
+      CAPTURE(chunk);
+      CAPTURE(cuts.size());
+      auto run = [&](auto const& bk) {
+        // Forward: compose (M, N) of the segments left to right, then apply to h0.
+        std::vector<double> M(std::size_t(NH * s.K * s.K), 0), N(std::size_t(NH * s.K * s.V), 0);
+        for (index_t i = 0; i < NH; ++i)
+          for (index_t j = 0; j < s.K; ++j) M[std::size_t((i * s.K + j) * s.K + j)] = 1;
+        for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
+          auto seg = maps_of(d, cuts[c], cuts[c + 1], chunk, bk);
+          std::vector<double> M2(M.size()), N2(N.size());
+          dplr_compose_maps(cv(seg.M, s.N(), s.H, s.K, s.K), cv(seg.N, s.N(), s.H, s.K, s.V), cv(M, s.N(), s.H, s.K, s.K), cv(N, s.N(), s.H, s.K, s.V),
+                            mv(M2, s.N(), s.H, s.K, s.K), mv(N2, s.N(), s.H, s.K, s.V));
+          M.swap(M2), N.swap(N2);
+        }
+        std::vector<double> ht(N.size());
+        dplr_apply_map(cv(M, s.N(), s.H, s.K, s.K), cv(N, s.N(), s.H, s.K, s.V), cv(d.h0, s.N(), s.H, s.K, s.V), mv(ht, s.N(), s.H, s.K, s.V));
+        CHECK(rel_rms7(ht_ref, ht) <= 1e-12);
+        // In place over N.
+        dplr_apply_map(cv(M, s.N(), s.H, s.K, s.K), cv(N, s.N(), s.H, s.K, s.V), cv(d.h0, s.N(), s.H, s.K, s.V), mv(N, s.N(), s.H, s.K, s.V));
+        CHECK(rel_rms7(ht_ref, N) <= 1e-12);
+        // Backward: dS_in = Mt dS_out + G; compose from the last segment to the first.
+        std::vector<double> Mt(M.size(), 0), G(N.size(), 0);
+        for (index_t i = 0; i < NH; ++i)
+          for (index_t j = 0; j < s.K; ++j) Mt[std::size_t((i * s.K + j) * s.K + j)] = 1;
+        for (std::size_t c = cuts.size() - 1; c-- > 0;) {
+          auto seg = maps_of(d, cuts[c], cuts[c + 1], chunk, bk, &d_o);
+          // (Mt_seg, G_seg) after (Mt, G): dS_in = Mt_seg (Mt dS + G) + G_seg.
+          std::vector<double> M2(Mt.size()), G2(G.size());
+          dplr_compose_maps(cv(seg.M, s.N(), s.H, s.K, s.K), cv(seg.N, s.N(), s.H, s.K, s.V), cv(Mt, s.N(), s.H, s.K, s.K),
+                            cv(G, s.N(), s.H, s.K, s.V), mv(M2, s.N(), s.H, s.K, s.K), mv(G2, s.N(), s.H, s.K, s.V));
+          Mt.swap(M2), G.swap(G2);
+        }
+        std::vector<double> dh0(G.size());
+        dplr_apply_map(cv(Mt, s.N(), s.H, s.K, s.K), cv(G, s.N(), s.H, s.K, s.V), cv(dht, s.N(), s.H, s.K, s.V), mv(dh0, s.N(), s.H, s.K, s.V));
+        CHECK(rel_rms7(gr.dh0, dh0) <= 1e-11);
+      };
+      run(cpu::serial{});
+      run(cpu::threads<>(3));
+    }
+  }
+  }
+}
+
+TEST_CASE("dplr round 7: maps of packed sequences equal the per-sequence states (empty and length-1 sequences)") {
+  shape const s{.B = 1, .T = 50, .H = 2, .K = 3, .V = 4, .cu = {0, 0, 1, 25, 25, 50}};
+  auto const d = random_dplr(s, 91);
+  std::vector<double> o_ref, ht_ref;
+  reference(d, o_ref, ht_ref);
+  views x(d);
+  for (index_t chunk : {1, 7, 64})
+    for (unsigned th : {1u, 4u}) {
+      auto opt = options_for(s, chunk);
+      strided<double, 4> M(A4{s.N(), s.H, s.K, s.K}, {2, 1, 0}, 1, -3), N(A4{s.N(), s.H, s.K, s.V}, {1, 0, 2}, 3, -3);
+      dplr_segment_maps(x.in(), M.view, N.view, opt, cpu::threads<>(th));
+      std::vector<double> ht(std::size_t(s.N() * s.H * s.K * s.V));
+      auto Mv = M.get(), Nv = N.get();
+      dplr_apply_map(cv(Mv, s.N(), s.H, s.K, s.K), cv(Nv, s.N(), s.H, s.K, s.V), cv(d.h0, s.N(), s.H, s.K, s.V), mv(ht, s.N(), s.H, s.K, s.V));
+      CHECK(rel_rms7(ht_ref, ht) <= 1e-12);
+      CHECK(M.padding_is(-3));
+      CHECK(N.padding_is(-3));
+    }
+}
+
+TEST_CASE("dplr round 7: KDA segment maps with grouped value heads equal the KDA recurrence") {
+  // KDA written as DPLR per the spec (4.4): a = e^g k, b = -beta k, v' = beta v; h0 via the map.
+  index_t const B = 2, T = 23, H = 2, HV = 6, K = 5, V = 3;
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> nd(0, 1);
+  std::uniform_real_distribution<double> ud(0, 1);
+  std::vector<double> q(std::size_t(B * T * H * K)), k(q.size()), v(std::size_t(B * T * HV * V)), g(std::size_t(B * T * HV * K)),
+      beta(std::size_t(B * T * HV)), h0(std::size_t(B * HV * K * V));
+  for (auto* x : {&q, &k, &v, &h0}) for (auto& e : *x) e = 0.5 * nd(rng);
+  for (auto& e : g) e = -0.5 * ud(rng);
+  for (auto& e : beta) e = ud(rng);
+  // The expected final state: the KDA recurrence, written out here.
+  std::vector<double> ht_ref = h0;
+  for (index_t b = 0; b < B; ++b)
+    for (index_t hv = 0; hv < HV; ++hv) {
+      double* S = &ht_ref[std::size_t((b * HV + hv) * K * V)];
+      index_t const h = hv / (HV / H);
+      for (index_t t = 0; t < T; ++t) {
+        double const* kk = &k[std::size_t(((b * T + t) * H + h) * K)];
+        for (index_t i = 0; i < K; ++i)
+          for (index_t j = 0; j < V; ++j) S[i * V + j] *= std::exp(g[std::size_t(((b * T + t) * HV + hv) * K + i)]);
+        for (index_t j = 0; j < V; ++j) {
+          double p = 0;
+          for (index_t i = 0; i < K; ++i) p += S[i * V + j] * kk[i];
+          double const u = beta[std::size_t((b * T + t) * HV + hv)] * (v[std::size_t(((b * T + t) * HV + hv) * V + j)] - p);
+          for (index_t i = 0; i < K; ++i) S[i * V + j] += kk[i] * u;
+        }
+      }
+    }
+  kda_inputs<double> in{host_view(static_cast<double const*>(q.data()), B, T, H, K), host_view(static_cast<double const*>(k.data()), B, T, H, K),
+                        host_view(static_cast<double const*>(v.data()), B, T, HV, V), host_view(static_cast<double const*>(g.data()), B, T, HV, K),
+                        host_view(static_cast<double const*>(beta.data()), B, T, HV), {}};
+  for (index_t chunk : {3, 64}) {
+    std::vector<double> M(std::size_t(B * HV * K * K)), N(std::size_t(B * HV * K * V)), ht(N.size());
+    dplr_options opt;
+    opt.chunk_size = chunk;
+    kda_segment_maps(in, mv(M, B, HV, K, K), mv(N, B, HV, K, V), opt, cpu::threads<>(3));
+    dplr_apply_map(cv(M, B, HV, K, K), cv(N, B, HV, K, V), cv(h0, B, HV, K, V), mv(ht, B, HV, K, V));
+    CHECK(rel_rms7(ht_ref, ht) <= 1e-12);
+  }
+}
+
+TEST_CASE("dplr round 7: context-parallel entry points on one process equal the reference") {
+  shape const s{.B = 2, .T = 30, .H = 1, .K = 4, .V = 2};
+  auto const d = random_dplr(s, 31);
+  std::mt19937_64 rng(32);
+  std::normal_distribution<double> nd(0, 1);
+  std::vector<double> d_o(std::size_t(s.B * s.T * s.H * s.V)), dht(std::size_t(s.N() * s.H * s.K * s.V));
+  for (auto& e : d_o) e = nd(rng);
+  for (auto& e : dht) e = nd(rng);
+  grads const gr = reference_grads(d, d_o, dht);
+  single_process comm;
+  check_all(
+      d, options_for(s, 7), [&](auto const& in, auto const& out, auto const& o) { dplr_cp_forward(comm, in, out, o, cpu::threads<>(2)); },
+      [&](auto const& in, auto const& gi, auto const& g, auto const& o) { dplr_cp_backward(comm, in, gi, g, o, cpu::threads<>(2)); }, gr, d_o, dht);
+}
+
+TEST_CASE("dplr round 7: IPLR entry points (gk = 0) on padded views, chunked on every backend and recurrent") {
+  for (auto const& s : {shape{.B = 2, .T = 19, .H = 2, .K = 4, .V = 3}, shape{.B = 1, .T = 33, .H = 1, .K = 5, .V = 2, .cu = {0, 1, 1, 33}}}) {
+    auto d = random_dplr(s, 55);
+    std::fill(d.gk.begin(), d.gk.end(), 0.0);
+    std::mt19937_64 rng(56);
+    std::normal_distribution<double> nd(0, 1);
+    std::vector<double> d_o(std::size_t(s.B * s.T * s.H * s.V)), dht(std::size_t(s.N() * s.H * s.K * s.V));
+    for (auto& e : d_o) e = nd(rng);
+    for (auto& e : dht) e = nd(rng);
+    grads gr = reference_grads(d, d_o, dht);
+    // IPLR has no gate gradient: the checks compare dgk with this (the call leaves dgk alone).
+    std::fill(gr.dgk.begin(), gr.dgk.end(), -3.0);
+    auto as_iplr = [](dplr_inputs<double> const& in) { return iplr_inputs<double>{in.q, in.k, in.v, in.a, in.b, in.h0}; };
+    auto as_grads = [](dplr_grads<double> const& g) { return iplr_grads<double>{g.dq, g.dk, g.dv, g.da, g.db, g.dh0}; };
+    check_all(
+        d, options_for(s, 64), [&](auto const& in, auto const& out, auto const& o) { iplr_recurrent_forward(as_iplr(in), out, o); },
+        [&](auto const& in, auto const& gi, auto const& g, auto const& o) { iplr_recurrent_backward(as_iplr(in), gi, as_grads(g), o); }, gr, d_o,
+        dht);
+    for (index_t chunk : {5, 16}) {
+      auto run = [&](auto const& be) {
+        check_all(
+            d, options_for(s, chunk), [&](auto const& in, auto const& out, auto const& o) { iplr_chunked_forward(be, as_iplr(in), out, o); },
+            [&](auto const& in, auto const& gi, auto const& g, auto const& o) { iplr_chunked_backward(be, as_iplr(in), gi, as_grads(g), o); }, gr,
+            d_o, dht);
+      };
+      run(cpu::serial{});
+      run(cpu::simd<>{});
+      run(cpu::threads<>(4));
+    }
+  }
+}
+
+TEST_CASE("dplr round 7: segment maps ignore h0, whatever its shape (as documented)") {
+  // Found in round 7: dplr_segment_maps / _transposed are documented to ignore h0 but rejected
+  // a call whose h0 did not have the span's [N, H, K, V] shape (e.g. the whole problem's h0).
+  shape const s{.B = 2, .T = 9, .H = 1, .K = 3, .V = 2};
+  auto const d = random_dplr(s, 12);
+  views x(d);
+  std::vector<double> other(100, 0.5), d_o(std::size_t(s.B * s.T * s.H * s.V), 1.0);
+  std::vector<double> M1(std::size_t(s.N() * s.H * s.K * s.K)), N1(std::size_t(s.N() * s.H * s.K * s.V)), M2(M1.size()), N2(N1.size());
+  auto in = x.in();
+  in.h0 = {};
+  dplr_segment_maps(in, mv(M1, s.N(), s.H, s.K, s.K), mv(N1, s.N(), s.H, s.K, s.V));
+  in.h0 = host_view(static_cast<double const*>(other.data()), 5, 1, 2, 2);
+  CHECK_NOTHROW(dplr_segment_maps(in, mv(M2, s.N(), s.H, s.K, s.K), mv(N2, s.N(), s.H, s.K, s.V)));
+  CHECK(M1 == M2);
+  CHECK(N1 == N2);
+  auto dov = host_view(static_cast<double const*>(d_o.data()), s.B, s.T, s.H, s.V);
+  in.h0 = {};
+  dplr_segment_maps_transposed(in, dov, mv(M1, s.N(), s.H, s.K, s.K), mv(N1, s.N(), s.H, s.K, s.V));
+  in.h0 = host_view(static_cast<double const*>(other.data()), 5, 1, 2, 2);
+  CHECK_NOTHROW(dplr_segment_maps_transposed(in, dov, mv(M2, s.N(), s.H, s.K, s.K), mv(N2, s.N(), s.H, s.K, s.V)));
+  CHECK(M1 == M2);
+  CHECK(N1 == N2);
+}
