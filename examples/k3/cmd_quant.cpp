@@ -98,7 +98,7 @@ std::vector<index_t> with_last(std::vector<index_t> shape, index_t last) {
 
 template <class T>
 int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
-  k3::cpu::threads<> be;
+  k3::cpu::threads<> be(a.threads(0));
   auto [m, k] = matrix_shape(xa.shape(), "x");
   k3::tensor_view<T const, 2> x(static_cast<T const*>(xa.data()), {m, k});
   std::vector<float> y(static_cast<std::size_t>(m * k));
@@ -146,6 +146,7 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
 
 int run_quant(k3::cli::args& a) {
   spec const s = parse(a);
+  a.threads(0);  // a bad --threads is reported before any input is read
   auto xa = a.load("x");
   if (xa.type() == k3::io::dtype::float32) return quantize_as<float>(a, s, xa);
   if (xa.type() == k3::io::dtype::bfloat16 || xa.type() == k3::io::dtype::uint16) return quantize_as<k3::bfloat16>(a, s, xa);
@@ -163,7 +164,7 @@ int run_quant(k3::cli::args& a) {
 
 int run_dequant(k3::cli::args& a) {
   spec const s = parse(a);
-  k3::cpu::threads<> be;
+  k3::cpu::threads<> be(a.threads(0));
   auto ca = a.load("codes");
   auto sa = a.load("scales");
   auto [m, qc] = matrix_shape(ca.shape(), "codes");
@@ -241,7 +242,8 @@ int run_dequant(k3::cli::args& a) {
 std::vector<k3::cli::option_spec> options() {
   return k3::cli::io_options({{"format", true, "e4m3|e5m2|e3m2|e2m3|e2m1|mxfp8|mxfp8_e5m2|mxfp6|mxfp6_e2m3|mxfp4|nvfp4"},
                               {"block", true, "1x128|128x128|128x1 (DeepSeek E4M3), 32 (MX), 16 (NVFP4)"},
-                              {"scale", true, "fp32|ue8m0 (DeepSeek), floor|rceil (MX), ue4m3 (NVFP4)"}});
+                              {"scale", true, "fp32|ue8m0 (DeepSeek), floor|rceil (MX), ue4m3 (NVFP4)"},
+                              {"threads", true, "worker threads (default: all hardware threads); the results do not depend on it"}});
 }
 
 k3::cli::registrar reg_q({"quant", "block-quantize x.npy (FP8/MX/NVFP4): codes.npy, scales.npy, dequant.npy",

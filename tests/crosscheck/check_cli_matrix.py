@@ -9,7 +9,7 @@
     format version 2 must give the same outputs as version 1.
   * consistent but absurd shapes (nothing to compute, huge outputs): one clear line.
   * every option listed by `k3 <op> --help` is accepted by the parser, the others are not.
-  * --threads 0/1/2/7 give the same results (bitwise for route, to rounding for dplr/attnres).
+  * --threads 0/1/2/7 give the same results (bitwise for route/kda/quant/dequant, to rounding for dplr/attnres).
   * bfloat16 dumped from PyTorch as '<u2' gives the same outputs as ml_dtypes' '|V2'."""
 import os
 import resource
@@ -237,7 +237,7 @@ def help_lists_options(ck):
 
 
 def threads_invariance(ck, rng):
-    """--threads must not change results beyond rounding (route: not at all)."""
+    """--threads must not change results beyond rounding (route, kda, quant, dequant: not at all)."""
     runs = {
         "route": (dict(scores=rng.random((700, 40)).astype(f32), bias=(rng.standard_normal(40) * 0.05).astype(f32),
                        mask=(rng.random(700) < 0.8)), ["--k", "6"], 0.0),
@@ -252,6 +252,13 @@ def threads_invariance(ck, rng):
                               ["--long-sequence", "segment-maps", "--chunk-size", "16"], 1e-12),
         "attnres": (dict(sources=rng.standard_normal((5, 97, 33)), w=rng.standard_normal(33), gain=rng.random(33) + 0.5,
                          partial=rng.standard_normal((97, 33)), dh=rng.standard_normal((97, 33))), ["--backward"], 1e-12),
+        "kda": (dict(q=rng.standard_normal((2, 70, 2, 9)), k=rng.standard_normal((2, 70, 2, 9)) / 3, v=rng.standard_normal((2, 70, 4, 5)),
+                     g=-rng.random((2, 70, 4, 9)), beta=rng.random((2, 70, 4)), do=rng.standard_normal((2, 70, 4, 5))),
+                ["--backward"], 0.0),
+        "quant 1x128": (dict(x=rng.standard_normal((300, 300)).astype(f32)), ["--format", "e4m3"], 0.0),
+        "quant nvfp4": (dict(x=rng.standard_normal((3, 100, 64)).astype(f32)), ["--format", "nvfp4"], 0.0),
+        "dequant mxfp8": (dict(codes=rng.integers(0, 256, (300, 256)).astype(np.uint8),
+                               scales=rng.integers(100, 150, (300, 8)).astype(np.uint8)), ["--format", "mxfp8"], 0.0),
     }
     for label, (arrs, opts, tol) in runs.items():
         lab = f"threads {label}"
@@ -274,7 +281,10 @@ def threads_invariance(ck, rng):
                 for f, a in outs[1].items():
                     b = outs[th][f]
                     a64, b64 = a.astype(np.float64), b.astype(np.float64)
-                    e = np.abs(a64 - b64).max() / max(np.abs(a64).max(), 1e-300) if a.size else 0.0
+                    if tol == 0.0:  # bit for bit (NaN codes included)
+                        e = 0.0 if a.dtype == b.dtype and a.tobytes() == b.tobytes() else float("inf")
+                    else:
+                        e = np.abs(a64 - b64).max() / max(np.abs(a64).max(), 1e-300) if a.size else 0.0
                     if a.shape != b.shape or not e <= tol:
                         ck.fail(lab, f"{f}: --threads {th} differs from --threads 1 by {e:.3e} (tolerance {tol:.0e})", cmd)
                     else:

@@ -82,7 +82,7 @@ TEST_CASE("k3 route: histogram and exact updates, --solve, and a clear error for
   CHECK(run(io + (dir / "x").string() + " --k 4 --update median", &err) != 0);
   CHECK(err.find("histogram|exact") != std::string::npos);
   // Options the chosen mode would not read are errors, not silently ignored.
-  for (auto const& [opts, what] : std::vector<std::pair<std::string, std::string>>{
+  for (auto const& opts_what : std::vector<std::pair<std::string, std::string>>{
            {" --solve --update exact", "'--update' does not apply with --solve"},
            {" --solve --bins 10", "'--bins' does not apply with --solve"},
            {" --solve --ema 0.5", "'--ema' does not apply with --solve"},
@@ -92,7 +92,9 @@ TEST_CASE("k3 route: histogram and exact updates, --solve, and a clear error for
            {" --groups 4 --topk-groups 2 --solve", "'--solve' does not apply with --groups 4"},
            {" --iterations 5", "'--iterations' applies only with --solve"},
            {" --update exact --bins 10", "'--bins' applies only to --update histogram"}}) {
-    CAPTURE(opts);
+    auto const& [opts, what] = opts_what;
+    std::string const& label = opts;  // CAPTURE cannot name a structured binding (clang 14)
+    CAPTURE(label);
     CHECK(run(io + (dir / "x").string() + " --k 4" + opts, &err) != 0);
     CHECK(err.find(what) != std::string::npos);
     CHECK(!fs::exists(dir / "x" / "indices.npy"));
