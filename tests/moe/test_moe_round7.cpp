@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "error_of.hpp"
 #include "k3/moe.hpp"
 #include "moe/moe_test_util.hpp"
 
@@ -295,15 +296,7 @@ TEST_CASE("round 7: SiTU-GLU value and gradients keep relative precision at extr
 
 // ---- error quality ---------------------------------------------------------------------------
 namespace {
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (k3::error const& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using k3::test::error_of;
 bool has(std::string const& s, std::string const& sub) { return s.find(sub) != std::string::npos; }
 }  // namespace
 
