@@ -25,6 +25,12 @@
 // backend's chunked form (Eigen products over whole chunks) can also reach the earlier tokens
 // of t's own chunk (0 * NaN), never an earlier chunk. In the backward the whole head can
 // become non-finite.
+//
+// Subnormals. The simd and threads backends run their kernels with subnormal floats flushed to
+// zero (operands and results; k3/core/float_env.hpp says why: up to 13x on Intel cores), so
+// their results can differ from gradual underflow by less than 2^-126 (float state) or 2^-1022
+// (double) per operation. cpu::serial keeps IEEE gradual underflow. The caller's own
+// floating-point state is left as it was.
 #pragma once
 #include <algorithm>
 #include <type_traits>
@@ -33,6 +39,7 @@
 #include "k3/backend/cpu/serial.hpp"
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/core/concepts.hpp"
+#include "k3/core/float_env.hpp"
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/chunk_simd.hpp"
 #include "k3/kda/chunk_simd_backward.hpp"
@@ -75,10 +82,18 @@ void zero_fill(V const& v) {
 template <class B, class F>
 void run_tasks(B const& be, index_t n, F&& f) {
   if (n <= 0) return;
-  if constexpr (requires { be.for_each_task(n, f); })
-    be.for_each_task(n, f);
-  else
-    be.for_each(0, n, f);
+  auto run = [&] {
+    if constexpr (requires { be.for_each_task(n, f); })
+      be.for_each_task(n, f);
+    else
+      be.for_each(0, n, f);
+  };
+  if constexpr (SimdBackend<B>) {
+    k3::detail::subnormals_flushed const flush;  // the pool's workers take the caller's state
+    run();
+  } else {
+    run();
+  }
 }
 
 }  // namespace detail

@@ -444,6 +444,7 @@ void dplr_chunked_forward(Bk const& bk, dplr_inputs<T> const& in, dplr_outputs<T
   auto p = d::make_problem(in, opt);
   d::check_outputs(p, in, out);
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
+  k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
   auto par = d::make_par(bk);
   index_t const tasks = p.N * p.H;
   auto one = [&](auto const& ex, index_t task) {
@@ -468,6 +469,7 @@ void dplr_chunked_backward(Bk const& bk, dplr_inputs<T> const& in, dplr_grad_inp
   auto p = d::make_problem(in, opt);
   d::check_grads(p, in, gin, g);
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
+  k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
   auto par = d::make_par(bk);
   index_t const tasks = p.N * p.H;
   auto one = [&](auto const& ex, index_t task) {

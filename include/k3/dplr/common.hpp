@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "k3/core/error.hpp"
+#include "k3/core/float_env.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
 

@@ -87,6 +87,7 @@ void dplr_cp_forward(C const& comm, dplr_inputs<T> const& in, dplr_outputs<T> co
     return;
   }
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
+  k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
   auto par = d::make_par(bk);
   index_t const W = p.K + p.V, BH = p.B * p.H, P = comm.size(), me = comm.rank();
   std::vector<R> mine, all(static_cast<std::size_t>(P * BH * p.K * W));
@@ -136,6 +137,7 @@ void dplr_cp_backward(C const& comm, dplr_inputs<T> const& in, dplr_grad_inputs<
     return;
   }
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
+  k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
   auto par = d::make_par(bk);
   index_t const W = p.K + 2 * p.V, BH = p.B * p.H, P = comm.size(), me = comm.rank();
   std::vector<R> mine, all(static_cast<std::size_t>(P * BH * p.K * W));

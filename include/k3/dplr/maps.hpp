@@ -48,6 +48,7 @@ void dplr_segment_maps(dplr_inputs<T> const& in, tensor_view<dplr_state_t<T>, 4>
   auto p = d::make_problem(span, opt);
   d::check_maps(p, in, M, "M", N, "N");
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
+  k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
   auto par = d::make_par(bk);
   auto one = [&](auto const& ex, index_t task) {
     index_t n = task / p.H, h = task % p.H;
@@ -75,6 +76,7 @@ void dplr_segment_maps_transposed(dplr_inputs<T> const& in, std::type_identity_t
   detail::check_inner_contiguous("do", do_);
   d::check_maps(p, in, Mt, "Mt", G, "G", do_);
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
+  k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
   auto par = d::make_par(bk);
   auto one = [&](auto const& ex, index_t task) {
     index_t n = task / p.H, h = task % p.H;

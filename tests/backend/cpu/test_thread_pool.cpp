@@ -61,3 +61,24 @@ TEST_CASE("pool sizes, empty runs, and callers from several threads at once") {
   for (auto& c : callers) c.join();
   CHECK(total.load() == 4 * 50 * 28);
 }
+
+TEST_CASE("tasks run in the caller's floating-point control state, whichever thread takes them") {
+  using k3::detail::float_env;
+  k3::cpu::thread_pool pool(3);
+  float_env const plain = float_env::current();
+  auto envs_of_tasks = [&] {
+    std::vector<float_env> seen(64);
+    pool.run(64, [&](std::int64_t i) {
+      seen[static_cast<std::size_t>(i)] = float_env::current();
+      std::this_thread::yield();  // let every worker take some
+    });
+    return seen;
+  };
+  {
+    k3::detail::subnormals_flushed const flush;
+    float_env const caller = float_env::current();
+    for (auto const& e : envs_of_tasks()) CHECK(e == caller);
+  }
+  // Back in the plain state: the workers do not keep the previous caller's.
+  for (auto const& e : envs_of_tasks()) CHECK(e == plain);
+}

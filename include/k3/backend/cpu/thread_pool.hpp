@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "k3/core/error.hpp"
+#include "k3/core/float_env.hpp"
 
 namespace k3::cpu {
 
@@ -52,6 +53,7 @@ class thread_pool {
     job j;
     j.fn = [&task](std::int64_t i) { task(i); };
     j.tasks = tasks;
+    j.env = detail::float_env::current();
     {
       std::lock_guard lk(m_);
       job_ = &j;
@@ -71,6 +73,7 @@ class thread_pool {
   struct job {
     std::function<void(std::int64_t)> fn;
     std::int64_t tasks = 0;
+    detail::float_env env;  // the caller's, applied by the workers while they work on the job
     std::atomic<std::int64_t> next{0};
     std::int64_t finished = 0;  // guarded by the pool mutex
     std::exception_ptr err;     // guarded by the pool mutex
@@ -115,7 +118,10 @@ class thread_pool {
         j = job_;
         ++active_;
       }
+      detail::float_env const own = detail::float_env::current();
+      j->env.apply();
       work_on(*j);
+      own.apply();
       {
         std::lock_guard lk(m_);
         --active_;
