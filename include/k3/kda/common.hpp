@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "k3/core/error.hpp"
+#include "k3/core/prefetch.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
@@ -118,21 +119,7 @@ struct decode_args {
 
 namespace detail {
 
-// One cache line into L2 (prefetcht1). On x86 an asm statement: g++ 12 deletes a loop whose
-// body is only __builtin_prefetch calls (it has no side effect to keep), which silently
-// disabled an earlier prefetch here. The address goes in a register, not as a memory operand,
-// so the compiler need not assume the asm reads memory (it would then spill register
-// accumulators around every prefetch).
-inline void prefetch_l2(void const* p) noexcept {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("prefetcht1 (%0)" : : "r"(p));
-#elif defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 2);
-#else
-  (void)p;
-#endif
-}
-
+using k3::detail::prefetch_l2;  // k3/core/prefetch.hpp
 
 inline constexpr index_t chunk_size = 64;
 inline constexpr index_t sub_chunk = 16;
