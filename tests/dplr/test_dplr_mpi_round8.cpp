@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -197,20 +198,30 @@ struct cp_case {
   gates gm = gates::normal;
 };
 
+// This rank's outputs and gradients.
+template <class T>
+struct cp_raw {
+  std::vector<T> o, dq, dk, dv, da, db, dgk;
+  std::vector<k3::dplr_state_t<T>> ht, dh0;
+  bool operator==(cp_raw const&) const = default;
+};
+
 // Runs one case over `comm` in storage type T and compares this rank's block with the
-// reference. Returns the largest error over all outputs.
+// reference. Returns the largest error over all outputs. With `given`, that problem replaces
+// the generated one; with `raw`, the outputs are returned there and nothing is compared.
 template <class T, class Comm>
-double run_case(Comm const& comm, cp_case const& c, std::string const& label) {
+double run_case(Comm const& comm, cp_case const& c, std::string const& label, global_problem const* given = nullptr,
+                cp_raw<T>* raw = nullptr) {
   using S = k3::dplr_state_t<T>;
   int const me = comm.rank();
-  auto gp = make_problem(c.seed, c.B, c.T, c.H, c.K, c.V, c.gm);
+  auto gp = given ? *given : make_problem(c.seed, c.B, c.T, c.H, c.K, c.V, c.gm);
   if constexpr (!std::is_same_v<T, double>) {  // the reference gets the values the ranks see
     for (auto* x : {&gp.q, &gp.k, &gp.v, &gp.a, &gp.b, &gp.gk, &gp.dO})
       for (auto& e : *x) e = double(T(e));
     for (auto* x : {&gp.h0, &gp.dht})
       for (auto& e : *x) e = double(S(e));
   }
-  auto ref = reference(gp, c.h0, c.dht);
+  auto ref = raw ? ref_result{} : reference(gp, c.h0, c.dht);
   index_t const t0 = c.cuts[std::size_t(me)], n = c.cuts[std::size_t(me) + 1] - t0, B = c.B, H = c.H, K = c.K, V = c.V;
   auto q = block<T>(gp.q, B, c.T, H, K, t0, n), k = block<T>(gp.k, B, c.T, H, K, t0, n), a = block<T>(gp.a, B, c.T, H, K, t0, n),
        b = block<T>(gp.b, B, c.T, H, K, t0, n), gk = block<T>(gp.gk, B, c.T, H, K, t0, n), v = block<T>(gp.v, B, c.T, H, V, t0, n),
@@ -226,9 +237,13 @@ double run_case(Comm const& comm, cp_case const& c, std::string const& label) {
   k3::dplr_outputs<T> out{k3::host_view(o.data(), B, n, H, V), {}};
   if (c.ht) out.ht = k3::host_view(ht.data(), B, H, K, V);
   k3::dplr_cp_forward(comm, in, out, opt);
-  double err = rel(o, block<double>(ref.o, B, c.T, H, V, t0, n), ref.o);
+  if (raw) {
+    raw->o = o;
+    raw->ht = ht;
+  }
+  double err = raw ? 0.0 : rel(o, block<double>(ref.o, B, c.T, H, V, t0, n), ref.o);
   double const eo = err;
-  if (c.ht) err = std::max(err, rel(ht, ref.ht, ref.ht));
+  if (c.ht && !raw) err = std::max(err, rel(ht, ref.ht, ref.ht));
 
   std::vector<T> dq(q.size(), T(-7)), dk(q.size(), T(-7)), da(q.size(), T(-7)), db(q.size(), T(-7)), dgk(q.size(), T(-7)), dv(v.size(), T(-7));
   std::vector<S> dh0(h0.size(), S(-7));
@@ -238,6 +253,10 @@ double run_case(Comm const& comm, cp_case const& c, std::string const& label) {
   k3::dplr_grads<T> g{g4(dq, K), g4(dk, K), g4(dv, V), g4(da, K), g4(db, K), g4(dgk, K), {}};
   if (c.dh0) g.dh0 = k3::host_view(dh0.data(), B, H, K, V);
   k3::dplr_cp_backward(comm, in, gin, g, opt);
+  if (raw) {
+    *raw = cp_raw<T>{o, dq, dk, dv, da, db, dgk, ht, dh0};
+    return 0;
+  }
   double eg = 0;
   eg = std::max(eg, rel(dq, block<double>(ref.dq, B, c.T, H, K, t0, n), ref.dq));
   eg = std::max(eg, rel(dk, block<double>(ref.dk, B, c.T, H, K, t0, n), ref.dk));
@@ -393,6 +412,55 @@ int main(int argc, char** argv) {
     expect_error_everywhere(me, "dht on one rank", bwd(me == 0, false), "dht given");
     expect_error_everywhere(me, "dq shape on rank 0", bwd(false, me == 0), me == 0 ? "argument 'dq'" : "rank 0");
   }
+  // a NaN in v at one token of the last rank's block (sequence 0, head 1): sequence 1 and head
+  // 0 give the clean bits on every rank, and so do head 1's outputs before that token
+  try {
+    index_t const B = 2, T = 40, H = 2, K = 5, V = 4;
+    cp_case c{555, B, T, H, K, V, 16, cuts_for(T, P, 0, rng), true, true, true, true};
+    auto gp = make_problem(c.seed, B, T, H, K, V, gates::normal);
+    index_t const tn = c.cuts[std::size_t(P - 1)] + 2;  // inside the last rank's block
+    auto bad = gp;
+    bad.v[std::size_t(((0 * T + tn) * H + 1) * V + 2)] = std::numeric_limits<double>::quiet_NaN();
+    cp_raw<double> clean, dirty;
+    run_case<double>(comm, c, "clean", &gp, &clean);
+    run_case<double>(comm, c, "nan", &bad, &dirty);
+    index_t const t0 = c.cuts[std::size_t(me)], n = c.cuts[std::size_t(me) + 1] - t0;
+    auto same = [&](auto const& x, auto const& y, index_t D, bool head1_upto_tn) {
+      bool ok = x.size() == y.size();
+      for (index_t b = 0; b < B && ok; ++b)
+        for (index_t t = 0; t < n; ++t)
+          for (index_t h = 0; h < H; ++h) {
+            if (b == 0 && h == 1 && !(head1_upto_tn && t0 + t < tn)) continue;
+            for (index_t i = 0; i < D; ++i) {
+              std::size_t const at = std::size_t(((b * n + t) * H + h) * D + i);
+              ok = ok && std::memcmp(&x[at], &y[at], sizeof(double)) == 0;
+            }
+          }
+      return ok;
+    };
+    if (me == P - 1) {  // the NaN is there: head 1's output at token tn
+      std::size_t const at = std::size_t(((0 * n + (tn - t0)) * H + 1) * V + 2);  // the NaN column
+      EXPECT(std::isnan(dirty.o[at]) && !std::isnan(clean.o[at]), "rank %d: the injected NaN did not reach o", me);
+    }
+    EXPECT(same(dirty.o, clean.o, V, true), "rank %d: NaN reached o outside its sequence/head or before its token", me);
+    EXPECT(same(dirty.dq, clean.dq, K, false) && same(dirty.dk, clean.dk, K, false) && same(dirty.da, clean.da, K, false) &&
+               same(dirty.db, clean.db, K, false) && same(dirty.dgk, clean.dgk, K, false),
+           "rank %d: NaN reached a K-gradient of another sequence/head", me);
+    EXPECT(same(dirty.dv, clean.dv, V, false), "rank %d: NaN reached dv of another sequence/head", me);
+    auto state_same = [&](std::vector<double> const& x, std::vector<double> const& y) {
+      bool ok = true;
+      for (index_t b = 0; b < B; ++b)
+        for (index_t h = 0; h < H; ++h)
+          if (!(b == 0 && h == 1))
+            ok = ok && std::memcmp(&x[std::size_t((b * H + h) * K * V)], &y[std::size_t((b * H + h) * K * V)], std::size_t(K * V) * sizeof(double)) == 0;
+      return ok;
+    };
+    EXPECT(state_same(dirty.ht, clean.ht) && state_same(dirty.dh0, clean.dh0), "rank %d: NaN reached ht/dh0 of another sequence/head", me);
+  } catch (std::exception const& e) {
+    std::printf("rank %d: unexpected exception (NaN case): %s\n", me, e.what());
+    ++k3::test::mpi_failures();
+  }
+
   // after all that the communicator still works: one more good case
   {
     cp_case c{4242, 1, 21, 1, 4, 3, 16, cuts_for(21, P, 1, rng), true, true, true, true};
