@@ -77,27 +77,39 @@ class pipeline_cache {
     comm_.recv(tensor_view<std::int64_t, 1>(header.data(), {index_t(header.size())}), peer, tag);
     std::int64_t const site = header[0], n = header[1], k = header[2], T = header[3];
     bool const prefix_empty = header[4] != 0;
-    detail::require(k == known_[std::size_t(comm_.rank())], [&] {
-      return "pipeline_cache: the sender assumes this rank holds " + std::to_string(k) + " bank rows, it holds " +
-             std::to_string(known_[std::size_t(comm_.rank())]);
-    });
-    detail::require(n <= ar.bank_storage().extent(0), [&] {
-      return "pipeline_cache: " + std::to_string(n) + " bank rows exceed the bank (" + std::to_string(ar.bank_storage().extent(0)) + " rows)";
-    });
-    detail::require(T <= ar.config().tokens, [&] {
-      return "pipeline_cache: " + std::to_string(T) + " tokens exceed the driver's capacity " + std::to_string(ar.config().tokens);
-    });
+    std::string why;
+    if (k != known_[std::size_t(comm_.rank())])
+      why = "pipeline_cache: the sender assumes this rank holds " + std::to_string(k) + " bank rows, it holds " +
+            std::to_string(known_[std::size_t(comm_.rank())]);
+    else if (n > ar.bank_storage().extent(0))
+      why = "pipeline_cache: " + std::to_string(n) + " bank rows exceed the bank (" + std::to_string(ar.bank_storage().extent(0)) + " rows)";
+    else if (T > ar.config().tokens)
+      why = "pipeline_cache: " + std::to_string(T) + " tokens exceed the driver's capacity " + std::to_string(ar.config().tokens);
     // A header from a mismatched or corrupted send: the row counts index the bank later
     // (send_forward reads rows [known, n)), so each must lie in [k, n] / [0, n].
-    detail::require(T >= 0 && n >= k && site >= 0 && site <= ar.config().sublayers, [&] {
-      return "pipeline_cache: malformed forward header (site " + std::to_string(site) + ", rows " + std::to_string(k) + ".." +
-             std::to_string(n) + ", tokens " + std::to_string(T) + ")";
-    });
-    for (std::size_t r = 0; r < known_.size(); ++r)
-      detail::require(header[5 + r] >= 0 && header[5 + r] <= n, [&] {
-        return "pipeline_cache: malformed forward header (rank " + std::to_string(r) + " said to hold " + std::to_string(header[5 + r]) +
-               " of " + std::to_string(n) + " bank rows)";
-      });
+    else if (!(T >= 0 && n >= k && site >= 0 && site <= ar.config().sublayers))
+      why = "pipeline_cache: malformed forward header (site " + std::to_string(site) + ", rows " + std::to_string(k) + ".." + std::to_string(n) +
+            ", tokens " + std::to_string(T) + ")";
+    for (std::size_t r = 0; r < known_.size() && why.empty(); ++r)
+      if (header[5 + r] < 0 || header[5 + r] > n)
+        why = "pipeline_cache: malformed forward header (rank " + std::to_string(r) + " said to hold " + std::to_string(header[5 + r]) +
+              " of " + std::to_string(n) + " bank rows)";
+    if (!why.empty()) {
+      // A well-formed header (a sender whose driver differs from this one) announces the
+      // payload it has already posted (running sum; bank rows and their rinv when n > k): it
+      // is consumed first, or a large send would block the sender and the next hop on this
+      // pair would read these messages. A receive of 0 elements takes each one (a count or
+      // type mismatch drains the message, which communicators do).
+      bool wellformed = T >= 0 && k >= 0 && n >= k;
+      for (std::size_t r = 0; r < known_.size(); ++r) wellformed = wellformed && header[5 + r] >= 0 && header[5 + r] <= n;
+      for (int i = 0; wellformed && i < (n > k ? 3 : 1); ++i) {
+        try {
+          comm_.recv(tensor_view<float, 1>(nullptr, {0}), peer, tag);
+        } catch (k3::error const&) {
+        }
+      }
+      throw k3::error(why);
+    }
     for (std::size_t r = 0; r < known_.size(); ++r) known_[r] = header[5 + r];
     ar.resume_tokens(T);
     recv_rows(ar.prefix_storage().sub(0, 0, T), peer, tag);
