@@ -256,21 +256,22 @@ int main(int argc, char** argv) {
           cases += 3;
         }
       }
-  // A receiver whose driver holds fewer tokens than the sender sends (a config mismatch): it
-  // throws naming the capacity, and the payload already on its way is consumed, so the
-  // sender does not block in a large send and the next hop on the same pair works.
+  // A receiver whose driver differs from the sender's (fewer tokens: refused from the header;
+  // another width d: refused at the running sum) throws, and the payload already on its way
+  // is consumed, so the sender does not block in a large send and the next hop on the same
+  // pair works.
   {
     int const me = comm.rank();
     index_t const d = 600, T = 64;  // 150 KB of running sum: beyond MPI's eager limit
-    std::vector<float> w(std::size_t(3 * d), 0.1f), g(std::size_t(3 * d), 1.f), e(std::size_t(T * d), 0.5f), x(std::size_t(T * d));
-    auto wv = k3::tensor_view<float const, 2>(w.data(), {3, d}), gv = k3::tensor_view<float const, 2>(g.data(), {3, d});
-    ar::block_config cfg;
-    cfg.d = d;
-    cfg.sublayers = 2;
-    cfg.block_sublayers = 1;
-    cfg.run_mode = ar::mode::one_pass;
-    for (int attempt = 0; attempt < 2; ++attempt) {  // attempt 0: rank 1 too small; attempt 1: both fit
+    std::vector<float> w(std::size_t(3 * (d + 1)), 0.1f), g(w.size(), 1.f), e(std::size_t(T * d), 0.5f), x(std::size_t(T * (d + 1)));
+    for (int attempt = 0; attempt < 3; ++attempt) {  // rank 1: 0 too few tokens, 1 width d + 1, 2 the same driver
+      ar::block_config cfg;
+      cfg.d = (me == 1 && attempt == 1) ? d + 1 : d;
+      cfg.sublayers = 2;
+      cfg.block_sublayers = 1;
+      cfg.run_mode = ar::mode::one_pass;
       cfg.tokens = (me == 1 && attempt == 0) ? T / 2 : T;
+      auto wv = k3::tensor_view<float const, 2>(w.data(), {3, cfg.d}), gv = k3::tensor_view<float const, 2>(g.data(), {3, cfg.d});
       ar::block_attn_res<float> a(cfg, wv, gv);
       ar::pipeline_cache<k3::mpi_communicator> cache(comm);
       std::string msg;
@@ -279,16 +280,17 @@ int main(int argc, char** argv) {
           a.begin(k3::host_view(e.data(), T, d));
           a.input(k3::host_view(x.data(), T, d));
           a.add(k3::host_view(e.data(), T, d));
-          cache.send_forward(a, 1, 77);
+          cache.send_forward(a, 1, 77);  // running sum, bank row 0 and its rinv
         } else if (me == 1) {
           cache.recv_forward(a, 0, 77);
           a.input(k3::host_view(x.data(), T, d));
-          EXPECT(attempt == 1 && a.site() == 1);
+          EXPECT(attempt == 2 && a.site() == 1);
         }
       } catch (k3::error const& err) {
         msg = err.what();
       }
       if (me == 1 && attempt == 0) EXPECT(msg.find("capacity") != std::string::npos, "rank 1: '%s'", msg.c_str());
+      else if (me == 1 && attempt == 1) EXPECT(msg.find("peer sent 38400") != std::string::npos, "rank 1: '%s'", msg.c_str());
       else EXPECT(msg.empty(), "rank %d attempt %d: '%s'", me, attempt, msg.c_str());
     }
   }
