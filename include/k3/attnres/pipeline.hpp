@@ -77,37 +77,52 @@ class pipeline_cache {
     comm_.recv(tensor_view<std::int64_t, 1>(header.data(), {index_t(header.size())}), peer, tag);
     std::int64_t const site = header[0], n = header[1], k = header[2], T = header[3];
     bool const prefix_empty = header[4] != 0;
-    detail::require(k == known_[std::size_t(comm_.rank())], [&] {
-      return "pipeline_cache: the sender assumes this rank holds " + std::to_string(k) + " bank rows, it holds " +
-             std::to_string(known_[std::size_t(comm_.rank())]);
-    });
-    detail::require(n <= ar.bank_storage().extent(0), [&] {
-      return "pipeline_cache: " + std::to_string(n) + " bank rows exceed the bank (" + std::to_string(ar.bank_storage().extent(0)) + " rows)";
-    });
-    detail::require(T <= ar.config().tokens, [&] {
-      return "pipeline_cache: " + std::to_string(T) + " tokens exceed the driver's capacity " + std::to_string(ar.config().tokens);
-    });
+    std::string why;
+    if (k != known_[std::size_t(comm_.rank())])
+      why = "pipeline_cache: the sender assumes this rank holds " + std::to_string(k) + " bank rows, it holds " +
+            std::to_string(known_[std::size_t(comm_.rank())]);
+    else if (n > ar.bank_storage().extent(0))
+      why = "pipeline_cache: " + std::to_string(n) + " bank rows exceed the bank (" + std::to_string(ar.bank_storage().extent(0)) + " rows)";
+    else if (T > ar.config().tokens)
+      why = "pipeline_cache: " + std::to_string(T) + " tokens exceed the driver's capacity " + std::to_string(ar.config().tokens);
     // A header from a mismatched or corrupted send: the row counts index the bank later
     // (send_forward reads rows [known, n)), so each must lie in [k, n] / [0, n].
-    detail::require(T >= 0 && n >= k && site >= 0 && site <= ar.config().sublayers, [&] {
-      return "pipeline_cache: malformed forward header (site " + std::to_string(site) + ", rows " + std::to_string(k) + ".." +
-             std::to_string(n) + ", tokens " + std::to_string(T) + ")";
-    });
-    for (std::size_t r = 0; r < known_.size(); ++r)
-      detail::require(header[5 + r] >= 0 && header[5 + r] <= n, [&] {
-        return "pipeline_cache: malformed forward header (rank " + std::to_string(r) + " said to hold " + std::to_string(header[5 + r]) +
-               " of " + std::to_string(n) + " bank rows)";
-      });
+    else if (!(T >= 0 && n >= k && site >= 0 && site <= ar.config().sublayers))
+      why = "pipeline_cache: malformed forward header (site " + std::to_string(site) + ", rows " + std::to_string(k) + ".." + std::to_string(n) +
+            ", tokens " + std::to_string(T) + ")";
+    for (std::size_t r = 0; r < known_.size() && why.empty(); ++r)
+      if (header[5 + r] < 0 || header[5 + r] > n)
+        why = "pipeline_cache: malformed forward header (rank " + std::to_string(r) + " said to hold " + std::to_string(header[5 + r]) +
+              " of " + std::to_string(n) + " bank rows)";
+    if (!why.empty()) {
+      // A well-formed header (a sender whose driver differs from this one) announces the
+      // payload it has already posted (running sum; bank rows and their rinv when n > k): it
+      // is consumed first, or a large send would block the sender and the next hop on this
+      // pair would read these messages.
+      bool wellformed = T >= 0 && k >= 0 && n >= k;
+      for (std::size_t r = 0; r < known_.size(); ++r) wellformed = wellformed && header[5 + r] >= 0 && header[5 + r] <= n;
+      if (wellformed) drain(n > k ? 3 : 1, peer, tag);
+      throw k3::error(why);
+    }
     for (std::size_t r = 0; r < known_.size(); ++r) known_[r] = header[5 + r];
     ar.resume_tokens(T);
-    recv_rows(ar.prefix_storage().sub(0, 0, T), peer, tag);
-    if (n > k) {
-      recv_rows(ar.bank_storage().sub(0, k, n - k).sub(1, 0, T), peer, tag);
-      std::vector<C> rv(static_cast<std::size_t>((n - k) * T));
-      comm_.recv(tensor_view<C, 1>(rv.data(), {index_t(rv.size())}), peer, tag);
-      auto r = ar.rinv_storage();
-      for (index_t j = 0; j < n - k; ++j)
-        for (index_t t = 0; t < T; ++t) r(k + j, t) = rv[std::size_t(j * T + t)];
+    int taken = 0;  // messages of this hop received (or refused, which consumes them)
+    try {
+      ++taken;
+      recv_rows(ar.prefix_storage().sub(0, 0, T), peer, tag);
+      if (n > k) {
+        ++taken;
+        recv_rows(ar.bank_storage().sub(0, k, n - k).sub(1, 0, T), peer, tag);
+        std::vector<C> rv(static_cast<std::size_t>((n - k) * T));
+        ++taken;
+        comm_.recv(tensor_view<C, 1>(rv.data(), {index_t(rv.size())}), peer, tag);
+        auto r = ar.rinv_storage();
+        for (index_t j = 0; j < n - k; ++j)
+          for (index_t t = 0; t < T; ++t) r(k + j, t) = rv[std::size_t(j * T + t)];
+      }
+    } catch (k3::error const&) {  // e.g. the sender's width d differs: the rest of the hop is drained
+      drain((n > k ? 3 : 1) - taken, peer, tag);
+      throw;
     }
     received_.push_back({k, n, site});
     ar.resume(site, n, T, prefix_empty);
@@ -141,7 +156,12 @@ class pipeline_cache {
     sent_.pop_back();
     index_t const T = ar.tokens(), d = ar.config().d;
     auto g = ar.grad_storage();
-    comm_.recv(tensor_view<C, 2>(g.data_handle(), {T, d}), peer, tag);
+    try {
+      comm_.recv(tensor_view<C, 2>(g.data_handle(), {T, d}), peer, tag);
+    } catch (k3::error const&) {
+      drain(n > k ? 1 : 0, peer, tag);
+      throw;
+    }
     if (n > k) {
       std::vector<C> buf(static_cast<std::size_t>((n - k) * T * d));
       comm_.recv(tensor_view<C, 1>(buf.data(), {index_t(buf.size())}), peer, tag);
@@ -156,6 +176,17 @@ class pipeline_cache {
   struct hop {
     std::int64_t k, n, site;  // rows [k, n) crossed the hop; site: the receiver's first site
   };
+
+  // Consumes `count` messages from peer on tag, whatever their size: a receive of 0 elements
+  // takes each one (a count or type mismatch drains the message, which communicators do).
+  void drain(int count, int peer, int tag) const {
+    for (int i = 0; i < count; ++i) {
+      try {
+        comm_.recv(tensor_view<float, 1>(nullptr, {0}), peer, tag);
+      } catch (k3::error const&) {
+      }
+    }
+  }
 
   void check_peer(int peer) const {
     detail::require(peer >= 0 && peer < comm_.size() && peer != comm_.rank(), [&] {

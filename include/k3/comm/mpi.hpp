@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <type_traits>
 
@@ -69,13 +70,13 @@ class mpi_communicator {
   int size() const noexcept { return size_; }
   MPI_Comm native() const noexcept { return comm_; }
 
-  // In-place sum. Every rank must pass the same element count and type; a mismatch throws
-  // on every rank (checked with a small collective first, so nobody hangs).
+  // In-place sum. Every rank must pass the same element count and type; a mismatch, or a
+  // buffer one rank's own checks reject, throws on every rank (checked with a small
+  // collective first, so nobody hangs).
   template <class T, std::size_t R>
   void all_reduce_sum(tensor_view<T, R> v) const {
     static_assert(!std::is_const_v<T>, "all_reduce_sum writes its buffer");
-    detail::check_comm_view("all_reduce_sum", v);
-    agree("all_reduce_sum", v.size(), detail::comm_type_code<T>());
+    agree("all_reduce_sum", v.size(), detail::comm_type_code<T>(), local_error([&] { detail::check_comm_view("all_reduce_sum", v); }));
     if (v.size() == 0) return;
     detail::mpi_check(MPI_Allreduce(MPI_IN_PLACE, v.data_handle(), static_cast<int>(v.size()), detail::mpi_type<T>(), MPI_SUM, comm_),
                       "all_reduce_sum");
@@ -86,41 +87,51 @@ class mpi_communicator {
   void all_gather(tensor_view<T, R1> in, tensor_view<U, R2> out) const {
     using E = std::remove_const_t<T>;
     static_assert(std::is_same_v<E, U>, "all_gather: input and output element types differ");
-    detail::check_comm_view("all_gather input", in);
-    detail::check_comm_view("all_gather output", out);
-    agree("all_gather", in.size(), detail::comm_type_code<E>());
-    detail::require(out.size() == in.size() * size_, [&] {
-      return "all_gather: output must hold " + std::to_string(size_) + " * " + std::to_string(in.size()) + " elements, got " +
-             std::to_string(out.size());
-    });
+    agree("all_gather", in.size(), detail::comm_type_code<E>(), local_error([&] {
+            detail::check_comm_view("all_gather input", in);
+            detail::check_comm_view("all_gather output", out);
+            detail::require(out.size() == in.size() * size_, [&] {
+              return "all_gather: output must hold " + std::to_string(size_) + " * " + std::to_string(in.size()) + " elements, got " +
+                     std::to_string(out.size());
+            });
+          }));
     if (in.size() == 0) return;
     detail::mpi_check(MPI_Allgather(in.data_handle(), static_cast<int>(in.size()), detail::mpi_type<E>(), out.data_handle(),
                                     static_cast<int>(in.size()), detail::mpi_type<E>(), comm_),
                       "all_gather");
   }
 
-  // Sends a header (element count, type code) and then the payload.
+  // Sends a header (element count, type code) and then the payload. A buffer this rank's
+  // checks reject still sends a header (count -1), so the receiver throws instead of waiting.
   template <class T, std::size_t R>
   void send(tensor_view<T, R> v, int peer, int tag) const {
     using E = std::remove_const_t<T>;
-    detail::check_comm_view("send", v);
     check_peer("send", peer);
+    if (auto bad = local_error([&] { detail::check_comm_view("send", v); })) {
+      std::int64_t header[2] = {-1, detail::comm_type_code<E>()};
+      detail::mpi_check(MPI_Send(header, 2, MPI_INT64_T, peer, header_tag(tag), comm_), "send header");
+      std::rethrow_exception(bad);
+    }
     std::int64_t header[2] = {v.size(), detail::comm_type_code<E>()};
     detail::mpi_check(MPI_Send(header, 2, MPI_INT64_T, peer, header_tag(tag), comm_), "send header");
     if (v.size() > 0)
       detail::mpi_check(MPI_Send(v.data_handle(), static_cast<int>(v.size()), detail::mpi_type<E>(), peer, tag, comm_), "send");
   }
 
-  // Receives into v; throws if the peer sent a different count or type. The payload of a
-  // mismatched message is drained so the channel stays usable.
+  // Receives into v; throws if the peer sent a different count or type, or if this rank's
+  // checks reject v. The payload of a mismatched or rejected message is drained so the
+  // channel stays usable.
   template <class T, std::size_t R>
   void recv(tensor_view<T, R> v, int peer, int tag) const {
     static_assert(!std::is_const_v<T>, "recv writes its buffer");
-    detail::check_comm_view("recv", v);
     check_peer("recv", peer);
+    auto const bad = local_error([&] { detail::check_comm_view("recv", v); });
     std::int64_t header[2] = {0, 0};
     detail::mpi_check(MPI_Recv(header, 2, MPI_INT64_T, peer, header_tag(tag), comm_, MPI_STATUS_IGNORE), "recv header");
-    if (header[0] != v.size() || header[1] != detail::comm_type_code<T>()) {
+    if (header[0] < 0)
+      throw k3::error("recv from rank " + std::to_string(peer) + ": the sender rejected its buffer (see the error on rank " +
+                      std::to_string(peer) + ")");
+    if (bad || header[0] != v.size() || header[1] != detail::comm_type_code<T>()) {
       if (header[0] > 0) {
         MPI_Status st;
         MPI_Probe(peer, tag, comm_, &st);
@@ -129,6 +140,7 @@ class mpi_communicator {
         std::string sink(static_cast<std::size_t>(bytes), '\0');
         MPI_Recv(sink.data(), bytes, MPI_BYTE, peer, tag, comm_, MPI_STATUS_IGNORE);
       }
+      if (bad) std::rethrow_exception(bad);
       throw k3::error("recv from rank " + std::to_string(peer) + ": expected " + std::to_string(v.size()) +
                       " elements of type code " + std::to_string(detail::comm_type_code<T>()) + ", peer sent " +
                       std::to_string(header[0]) + " of type code " + std::to_string(header[1]));
@@ -148,10 +160,25 @@ class mpi_communicator {
              std::to_string(size_) + ", this rank " + std::to_string(rank_) + ")";
     });
   }
-  // All ranks agree on (count, type) or all throw.
-  void agree(char const* what, std::int64_t count, std::int64_t type) const {
-    std::int64_t mine[4] = {count, -count, type, -type}, all[4];
-    detail::mpi_check(MPI_Allreduce(mine, all, 4, MPI_INT64_T, MPI_MAX, comm_), what);
+  // The exception f throws, if any (this rank's own argument checks).
+  template <class F>
+  static std::exception_ptr local_error(F&& f) {
+    try {
+      f();
+    } catch (...) {
+      return std::current_exception();
+    }
+    return nullptr;
+  }
+  // All ranks agree on (count, type) or all throw; a rank whose own checks failed (`bad`)
+  // still takes part, then throws its error while the others throw one naming the failure.
+  void agree(char const* what, std::int64_t count, std::int64_t type, std::exception_ptr const& bad) const {
+    std::int64_t mine[5] = {count, -count, type, -type, bad ? 1 : 0}, all[5];
+    detail::mpi_check(MPI_Allreduce(mine, all, 5, MPI_INT64_T, MPI_MAX, comm_), what);
+    if (bad) std::rethrow_exception(bad);
+    if (all[4])
+      throw k3::error(std::string(what) + ": another rank's buffer failed its checks (see the error there); this is rank " +
+                      std::to_string(rank_));
     if (all[0] != -all[1] || all[2] != -all[3])
       throw k3::error(std::string(what) + ": ranks passed different element counts or types (this rank " + std::to_string(rank_) +
                       ": " + std::to_string(count) + " elements, type code " + std::to_string(type) + "; counts range " +

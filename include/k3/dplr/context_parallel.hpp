@@ -12,11 +12,16 @@
 // computes G_r (the state gradient its own outputs send back), the gradients at each block's
 // end come from folding (M^T, G) from the last rank down, then the ordinary chunked backward.
 // Communication: B*H*K*(K+V) (forward) or B*H*K*(K+2V) (backward) state-type elements per
-// rank, independent of T. A shape header is exchanged first, so a rank whose B, H, K, V,
-// element type or h0/dht presence differs makes every rank throw k3::error naming it. With
-// one rank both calls are the ordinary chunked ones.
+// rank, independent of T. A header is exchanged first, so a rank whose B, H, K, V, element
+// type, scale or h0/dht presence differs makes every rank throw k3::error naming it; so does
+// a rank whose own arguments fail their checks (it throws its own error, the others name it),
+// instead of leaving the others waiting in a collective. With one rank both calls are the
+// ordinary chunked ones.
 #pragma once
+#include <bit>
+#include <exception>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "k3/comm/communicator.hpp"
@@ -25,24 +30,43 @@
 namespace k3 {
 namespace detail::dplr {
 
+// Every rank's local checks ran before this (a rank whose own arguments are wrong must still
+// take part, or the others would wait in the collective forever, or pair it with a later
+// call's): status and header are exchanged together; any failure makes every rank throw (the
+// failing rank its own error, the others an error naming it), then any disagreement does.
 template <class C>
-void cp_agree(C const& comm, char const* what, std::vector<std::int64_t> mine, std::vector<char const*> const& names) {
-  index_t const P = comm.size(), n = static_cast<index_t>(mine.size());
+void cp_agree(C const& comm, char const* what, std::exception_ptr const& failed, std::vector<std::int64_t> header,
+              std::vector<char const*> const& names) {
+  index_t const P = comm.size(), n = static_cast<index_t>(names.size()) + 1;
+  header.resize(names.size(), 0);
+  std::vector<std::int64_t> mine = {failed ? 1 : 0};
+  mine.insert(mine.end(), header.begin(), header.end());
   std::vector<std::int64_t> all(static_cast<std::size_t>(P * n));
   comm.all_gather(const_view<std::int64_t, 1>(mine.data(), {n}), tensor_view<std::int64_t, 1>(all.data(), {P * n}));
+  if (failed) std::rethrow_exception(failed);
+  std::string bad;
+  for (index_t r = 0; r < P; ++r)
+    if (all[r * n]) bad += (bad.empty() ? "" : ", ") + std::to_string(r);
+  if (!bad.empty())
+    throw k3::error(std::string(what) + ": rank " + bad + " rejected its arguments (see the error there); this is rank " +
+                    std::to_string(comm.rank()));
+  auto show = [&](index_t i, std::int64_t x) {
+    return std::string_view(names[i]) == "scale" ? std::to_string(std::bit_cast<double>(x)) : std::to_string(x);
+  };
   for (index_t r = 1; r < P; ++r)
-    for (index_t i = 0; i < n; ++i)
-      if (all[r * n + i] != all[i])
-        throw k3::error(std::string(what) + ": ranks disagree on " + names[i] + ": rank 0 has " + std::to_string(all[i]) + ", rank " +
-                        std::to_string(r) + " has " + std::to_string(all[r * n + i]) + " (this is rank " + std::to_string(comm.rank()) +
-                        ")");
+    for (index_t i = 0; i + 1 < n; ++i)
+      if (all[r * n + 1 + i] != all[1 + i])
+        throw k3::error(std::string(what) + ": ranks disagree on " + names[i] + ": rank 0 has " + show(i, all[1 + i]) + ", rank " +
+                        std::to_string(r) + " has " + show(i, all[r * n + 1 + i]) + " (this is rank " + std::to_string(comm.rank()) + ")");
 }
 
 template <class T>
 std::vector<std::int64_t> cp_header(problem const& p, bool has_h0, bool has_dht) {
-  return {p.B, p.H, p.K, p.V, std::is_same_v<T, double> ? 2 : 1, has_h0 ? 1 : 0, has_dht ? 1 : 0};
+  return {p.B, p.H, p.K, p.V, std::is_same_v<T, double> ? 2 : 1, has_h0 ? 1 : 0, has_dht ? 1 : 0, std::bit_cast<std::int64_t>(p.scale)};
 }
-inline std::vector<char const*> cp_header_names() { return {"B", "H", "K", "V", "element type (1 float, 2 double)", "h0 given", "dht given"}; }
+inline std::vector<char const*> cp_header_names() {
+  return {"B", "H", "K", "V", "element type (1 float, 2 double)", "h0 given", "dht given", "scale"};
+}
 
 // Local (b, h) maps of this rank's block: [M | N | G?] per (b, h), K x W each.
 template <class T, class R, class Par>
@@ -74,14 +98,20 @@ template <class T, Communicator C, class Bk = cpu::serial>
 void dplr_cp_forward(C const& comm, dplr_inputs<T> const& in, dplr_outputs<T> const& out, dplr_options const& opt = {}, Bk const& bk = {}) {
   using R = dplr_state_t<T>;
   namespace d = detail::dplr;
-  detail::require(!d::has_varlen(opt), "dplr_cp_forward: cu_seqlens is not supported; split every sequence across ranks instead");
   auto h0 = in.h0;
   auto local_in = in;
   local_in.h0 = {};
-  auto p = d::make_problem(local_in, opt);
-  if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
-  d::check_outputs(p, in, out);  // with h0: o and ht must not overlap it either
-  d::cp_agree(comm, "dplr_cp_forward", d::cp_header<T>(p, !d::absent(h0), false), d::cp_header_names());
+  d::problem p;
+  std::exception_ptr failed;
+  try {
+    detail::require(!d::has_varlen(opt), "dplr_cp_forward: cu_seqlens is not supported; split every sequence across ranks instead");
+    p = d::make_problem(local_in, opt);
+    if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
+    d::check_outputs(p, in, out);  // with h0: o and ht must not overlap it either
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  d::cp_agree(comm, "dplr_cp_forward", failed, d::cp_header<T>(p, !d::absent(h0), false), d::cp_header_names());
   if (comm.size() == 1) {  // nothing to fold: the ordinary forward
     dplr_chunked_forward(bk, in, out, opt);
     return;
@@ -118,20 +148,26 @@ void dplr_cp_backward(C const& comm, dplr_inputs<T> const& in, dplr_grad_inputs<
                       dplr_options const& opt = {}, Bk const& bk = {}) {
   using R = dplr_state_t<T>;
   namespace d = detail::dplr;
-  detail::require(!d::has_varlen(opt), "dplr_cp_backward: cu_seqlens is not supported; split every sequence across ranks instead");
   auto h0 = in.h0;
   auto local_in = in;
   local_in.h0 = {};
-  auto p = d::make_problem(local_in, opt);
-  if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
   auto lgin = gin;
   lgin.dht = {};
   auto lg = g;
   lg.dh0 = {};
-  d::check_grads(p, in, gin, g);  // h0, dht and dh0 against everything else too
-  if (!d::absent(gin.dht)) detail::check_shape("dht", gin.dht, {p.B, p.H, p.K, p.V});
-  if (!d::absent(g.dh0)) detail::check_shape("dh0", g.dh0, {p.B, p.H, p.K, p.V});
-  d::cp_agree(comm, "dplr_cp_backward", d::cp_header<T>(p, !d::absent(h0), !d::absent(gin.dht)), d::cp_header_names());
+  d::problem p;
+  std::exception_ptr failed;
+  try {
+    detail::require(!d::has_varlen(opt), "dplr_cp_backward: cu_seqlens is not supported; split every sequence across ranks instead");
+    p = d::make_problem(local_in, opt);
+    if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
+    d::check_grads(p, in, gin, g);  // h0, dht and dh0 against everything else too
+    if (!d::absent(gin.dht)) detail::check_shape("dht", gin.dht, {p.B, p.H, p.K, p.V});
+    if (!d::absent(g.dh0)) detail::check_shape("dh0", g.dh0, {p.B, p.H, p.K, p.V});
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  d::cp_agree(comm, "dplr_cp_backward", failed, d::cp_header<T>(p, !d::absent(h0), !d::absent(gin.dht)), d::cp_header_names());
   if (comm.size() == 1) {
     dplr_chunked_backward(bk, in, gin, g, opt);
     return;
