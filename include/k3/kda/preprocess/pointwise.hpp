@@ -123,7 +123,14 @@ void l2norm_backward(Bk const& b, X const& x, DY const& dy, DX const& dx) {
       gx += load_as<T>(gp[d * sg]) * v;
     }
     T const rstd = detail::l2norm_rstd(ss, D, [&](index_t d) { return load_as<T>(xp[d * sx]); });
-    T const c = gx * rstd * rstd;  // (dy . y) / |x|_eps, folded so y is never formed (left to right: no rstd^2 underflow)
+    T c = gx * rstd * rstd;  // (dy . y) / |x|_eps, folded so y is never formed (left to right: no rstd^2 underflow)
+    if (!(std::fabs(gx) <= std::numeric_limits<T>::max())) {
+      // dy . x overflowed (huge rows: |x| |dy| beyond the type's range) although dy . y is
+      // finite: sum dy * (x rstd) instead. Rows whose dy . x is finite keep the formula above.
+      T gy = 0;
+      for (index_t d = 0; d < D; ++d) gy += load_as<T>(gp[d * sg]) * (load_as<T>(xp[d * sx]) * rstd);
+      c = gy * rstd;
+    }
     for (index_t d = 0; d < D; ++d)
       dp[d * sd] = store_as<detail::pp_elem_t<DX>>(rstd * (load_as<T>(gp[d * sg]) - c * load_as<T>(xp[d * sx])));
   });
@@ -314,7 +321,8 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
         T const z = a * u;
         T const dz = gy * T(lb) * ::k3::detail::sigmoid(z) * ::k3::detail::sigmoid(-z);
         du = dz * a;
-        da += dz * z;
+        // Saturated (z = +-inf in T, e.g. |x| ~ 1e38 in float): s (1 - s) z -> 0, not 0 * inf.
+        da += (dz == T(0) && std::isinf(z)) ? T(0) : dz * z;
       }
       dx(bb, t, h, k) = store_as<pp_elem_t<DX>>(du);
       if (acc) acc[h * K + k] += static_cast<double>(du);
