@@ -31,6 +31,15 @@ inline T pp_silu_grad(T z) noexcept {
   return ::k3::detail::sigmoid(z) * (T(1) + z * ::k3::detail::sigmoid(-z));
 }
 
+// One tap of the convolution, acc + w * v, as an explicit fused multiply-add. Prefill, the
+// backward's recompute and decode all go through it, so they round identically whatever the
+// compiler contracts on its own (under -ffp-contract=fast g++ fused every prefill tap but
+// only some decode taps: decode after a prefill drifted from the full convolution by an ulp).
+template <class T>
+inline T pp_tap(T acc, T w, T v) noexcept {
+  return std::fma(w, v, acc);
+}
+
 // Shape checks shared by the prefill forward and backward. Returns the sequence table.
 template <class X, class Wt, class Bias, class Cu, class S0>
 std::vector<pp_sequence> pp_check_conv(X const& x, Wt const& weight, Bias const& bias, Cu const& cu_seqlens, S0 const& init) {
@@ -141,7 +150,7 @@ void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y c
     for (index_t c = 0; c < C; ++c) {
       T acc = detail::pp_bias<T>(bias, c);
       for (index_t j = 0; j < W; ++j)
-        acc += load_as<T>(weight(c, j)) * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c);
+        acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
       y(bb, t, c) = store_as<detail::pp_elem_t<Y>>(silu ? ::k3::detail::silu(acc) : acc);
     }
   });
@@ -233,7 +242,7 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
       }
       T acc = detail::pp_bias<T>(bias, c);
       for (index_t j = 0; j < W; ++j)
-        acc += load_as<T>(weight(c, j)) * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c);
+        acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
       d[c] = g * detail::pp_silu_grad(acc);
     }
   });
@@ -372,10 +381,10 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
     index_t const s = slot[static_cast<std::size_t>(n)];
     for (index_t c = 0; c < C; ++c) {
       T const xv = load_as<T>(x(n, c));
-      // Same summation order as the prefill, so decode continues it exactly.
+      // The same taps (pp_tap) in the same order as the prefill: decode continues it exactly.
       T acc = detail::pp_bias<T>(bias, c);
-      for (index_t j = 0; j + 1 < W; ++j) acc += load_as<T>(weight(c, j)) * load_as<T>(conv_state(s, c, j));
-      acc += load_as<T>(weight(c, W - 1)) * xv;
+      for (index_t j = 0; j + 1 < W; ++j) acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), load_as<T>(conv_state(s, c, j)));
+      acc = detail::pp_tap(acc, load_as<T>(weight(c, W - 1)), xv);
       y(n, c) = store_as<detail::pp_elem_t<Y>>(silu ? ::k3::detail::silu(acc) : acc);
       for (index_t j = 0; j + 2 < W; ++j) conv_state(s, c, j) = conv_state(s, c, j + 1);
       if (W > 1) conv_state(s, c, W - 2) = store_as<SS>(xv);

@@ -42,6 +42,10 @@ inline constexpr double l2norm_eps = 1e-6;
 
 namespace detail {
 
+// The row sums below are written as explicit fused multiply-adds: left to the compiler, g++
+// fused them in the strided loop but not in the vectorised unit-stride one, so the same rows
+// gave different last bits through a transposed view than through a contiguous one.
+
 // 1 / sqrt(ss + eps) for a row whose sum of squares ss was accumulated in T. When ss overflowed
 // (|x| beyond ~1e19 in float, ~1e154 in double) while every element is finite, the row is
 // summed again scaled by a power of two (exact), so huge rows still normalise to unit length
@@ -58,7 +62,7 @@ T l2norm_rstd(T ss, index_t D, Load const& load) {
   T s2 = 0;
   for (index_t d = 0; d < D; ++d) {
     T const v = load(d) * sc;
-    s2 += v * v;
+    s2 = std::fma(v, v, s2);
   }
   return sc / std::sqrt(s2 + T(l2norm_eps) * sc * sc);
 }
@@ -84,7 +88,7 @@ void l2norm(Bk const& b, X const& x, Y const& y) {
     T ss = 0;
     for (index_t d = 0; d < D; ++d) {
       T const v = load_as<T>(xp[d * sx]);
-      ss += v * v;
+      ss = std::fma(v, v, ss);
     }
     T const rstd = detail::l2norm_rstd(ss, D, [&](index_t d) { return load_as<T>(xp[d * sx]); });
     for (index_t d = 0; d < D; ++d) yp[d * sy] = store_as<detail::pp_elem_t<Y>>(load_as<T>(xp[d * sx]) * rstd);
@@ -119,11 +123,18 @@ void l2norm_backward(Bk const& b, X const& x, DY const& dy, DX const& dx) {
     T ss = 0, gx = 0;
     for (index_t d = 0; d < D; ++d) {
       T const v = load_as<T>(xp[d * sx]);
-      ss += v * v;
-      gx += load_as<T>(gp[d * sg]) * v;
+      ss = std::fma(v, v, ss);
+      gx = std::fma(load_as<T>(gp[d * sg]), v, gx);
     }
     T const rstd = detail::l2norm_rstd(ss, D, [&](index_t d) { return load_as<T>(xp[d * sx]); });
-    T const c = gx * rstd * rstd;  // (dy . y) / |x|_eps, folded so y is never formed (left to right: no rstd^2 underflow)
+    T c = gx * rstd * rstd;  // (dy . y) / |x|_eps, folded so y is never formed (left to right: no rstd^2 underflow)
+    if (!(std::fabs(gx) <= std::numeric_limits<T>::max())) {
+      // dy . x overflowed (huge rows: |x| |dy| beyond the type's range) although dy . y is
+      // finite: sum dy * (x rstd) instead. Rows whose dy . x is finite keep the formula above.
+      T gy = 0;
+      for (index_t d = 0; d < D; ++d) gy = std::fma(load_as<T>(gp[d * sg]), load_as<T>(xp[d * sx]) * rstd, gy);
+      c = gy * rstd;
+    }
     for (index_t d = 0; d < D; ++d)
       dp[d * sd] = store_as<detail::pp_elem_t<DX>>(rstd * (load_as<T>(gp[d * sg]) - c * load_as<T>(xp[d * sx])));
   });
@@ -314,7 +325,8 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
         T const z = a * u;
         T const dz = gy * T(lb) * ::k3::detail::sigmoid(z) * ::k3::detail::sigmoid(-z);
         du = dz * a;
-        da += dz * z;
+        // Saturated (z = +-inf in T, e.g. |x| ~ 1e38 in float): s (1 - s) z -> 0, not 0 * inf.
+        da += (dz == T(0) && std::isinf(z)) ? T(0) : dz * z;
       }
       dx(bb, t, h, k) = store_as<pp_elem_t<DX>>(du);
       if (acc) acc[h * K + k] += static_cast<double>(du);
