@@ -9,21 +9,13 @@
 #include <vector>
 
 #include "k3/comm/mpi.hpp"
+#include "error_of.hpp"
 #include "mpi_check.hpp"
 
 using k3::index_t;
+using k3::test::error_of;
 
 namespace {
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (k3::error const& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // A good collective right after: every rank gets the right sum (a collective left pending by
 // an earlier call would pair with this one and give wrong numbers, an error or a hang).
