@@ -19,6 +19,10 @@
 // tiles) that produce the same bytes. Inputs are float or bfloat16 views of rank 2 with any
 // strides (the vector path needs unit-stride rows and otherwise uses the reference); a tensor
 // of higher rank is quantised as its [rows, last] matrix. Layouts: see k3/quant/common.hpp.
+// Memory tuning (never the bytes): on Intel CPUs the bf16 row kernels prefetch their input and
+// write outputs of 16 MiB of codes or more with non-temporal stores, which leaves the codes in
+// DRAM, not in cache (simd_impl::row_tuning; simd_impl::fp8_quantize / mx_quantize take a
+// store_mode to force either way).
 //
 // Special inputs (documented results, tested):
 //   * DeepSeek: amax is clamped up to 1e-4 (an all-zero tile gets s = 1e-4/448 and zero codes).

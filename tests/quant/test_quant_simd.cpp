@@ -79,6 +79,35 @@ bool same_bits(std::vector<float> const& a, std::vector<float> const& b) {
 
 }  // namespace
 
+// Every way the row kernels can run, whatever the host's own tuning: both store modes forced,
+// `automatic` resolved each way by its threshold, and the input prefetch on and off (it changes
+// no result; the wrap into the next row is exercised by the strided rows).
+struct store_config {
+  simd_impl::store_mode mode;
+  simd_impl::row_tuning tune;
+  bool streams;  // what the kernel should end up doing
+};
+std::vector<store_config> store_configs() {
+  using simd_impl::store_mode;
+  return {{store_mode::streaming, {false, ~std::size_t{0}}, true},
+          {store_mode::cached, {true, 0}, false},
+          {store_mode::automatic, {true, 0}, true},
+          {store_mode::automatic, {false, ~std::size_t{0}}, false}};
+}
+
+TEST_CASE("row_tuning: the automatic store mode streams from the threshold on; forced modes win") {
+  using simd_impl::store_mode;
+  simd_impl::row_tuning const t{true, 1000};
+  CHECK_FALSE(t.stream(store_mode::automatic, 999));
+  CHECK(t.stream(store_mode::automatic, 1000));
+  CHECK_FALSE(t.stream(store_mode::cached, 1 << 30));
+  CHECK(t.stream(store_mode::streaming, 1));
+  CHECK_FALSE(simd_impl::row_tuning{}.stream(store_mode::automatic, ~std::size_t{0} - 1));
+  // the host's own tuning is one of the two measured ones
+  simd_impl::row_tuning const h = simd_impl::row_tuning::host();
+  CHECK((h.prefetch ? h.stream_min_bytes == (std::size_t{16} << 20) : h.stream_min_bytes == ~std::size_t{0}));
+}
+
 TEST_CASE("simd stores: 1x128 E4M3 of bf16, streaming and cached, every alignment against the reference") {
   cpu::serial ser;
   cpu::simd<> sim;
@@ -98,16 +127,18 @@ TEST_CASE("simd stores: 1x128 E4M3 of bf16, streaming and cached, every alignmen
         fp8_quantize(ser, xv, host_view(want.data(), m, k), host_view(want_s.data(), m, sc), tile_1x128, fmt);
         for (index_t off : offs)
           for (index_t ld : {k, k + 5})
-            for (simd_impl::store_mode mode : {simd_impl::store_mode::streaming, simd_impl::store_mode::cached}) {
+            for (store_config const& cfg : store_configs()) {
               for (int which = 0; which < 2; ++which) {
                 outbuf q(m, k, ld, off);
                 std::vector<float> s(static_cast<std::size_t>(m * sc), -1.0f);
                 if (which == 0)
-                  simd_impl::fp8_quantize<arch>(thr, const_view<bfloat16, 2>(xv), q.view(), host_view(s.data(), m, sc), tile_1x128, fmt, mode);
+                  simd_impl::fp8_quantize<arch>(thr, const_view<bfloat16, 2>(xv), q.view(), host_view(s.data(), m, sc), tile_1x128, fmt, cfg.mode,
+                                                cfg.tune);
                 else
-                  simd_impl::fp8_quantize<arch>(sim, const_view<bfloat16, 2>(xv), q.view(), host_view(s.data(), m, sc), tile_1x128, fmt, mode);
-                INFO("k=" << k << " m=" << m << " off=" << off << " ld=" << ld << " streaming=" << (mode == simd_impl::store_mode::streaming)
-                           << " threads=" << (which == 0));
+                  simd_impl::fp8_quantize<arch>(sim, const_view<bfloat16, 2>(xv), q.view(), host_view(s.data(), m, sc), tile_1x128, fmt, cfg.mode,
+                                                cfg.tune);
+                INFO("k=" << k << " m=" << m << " off=" << off << " ld=" << ld << " streaming=" << cfg.streams
+                           << " prefetch=" << cfg.tune.prefetch << " threads=" << (which == 0));
                 CHECK(q.codes() == want);
                 CHECK(same_bits(s, want_s));
                 CHECK(q.touched_outside() == 0);
@@ -116,7 +147,7 @@ TEST_CASE("simd stores: 1x128 E4M3 of bf16, streaming and cached, every alignmen
             }
       }
     }
-  CHECK(cases == 13 * 5 * 2 * 6 * 2 * 2 * 2);
+  CHECK(cases == 13 * 5 * 2 * 6 * 2 * 4 * 2);
 }
 
 TEST_CASE("simd stores: MXFP8 (E4M3) of bf16, streaming and cached, every alignment against the reference") {
@@ -135,15 +166,47 @@ TEST_CASE("simd stores: MXFP8 (E4M3) of bf16, streaming and cached, every alignm
         mx_quantize(ser, xv, host_view(want.data(), m, k), host_view(want_s.data(), m, sc), mx_element::e4m3, rule);
         for (index_t off : offs)
           for (index_t ld : {k, k + 3})
-            for (simd_impl::store_mode mode : {simd_impl::store_mode::streaming, simd_impl::store_mode::cached}) {
+            for (store_config const& cfg : store_configs()) {
               outbuf q(m, k, ld, off);
               std::vector<std::uint8_t> s(static_cast<std::size_t>(m * sc), 0);
-              simd_impl::mx_quantize<arch, e4m3_format>(thr, const_view<bfloat16, 2>(xv), q.view(), host_view(s.data(), m, sc), rule, mode);
-              INFO("k=" << k << " m=" << m << " off=" << off << " ld=" << ld << " streaming=" << (mode == simd_impl::store_mode::streaming));
+              simd_impl::mx_quantize<arch, e4m3_format>(thr, const_view<bfloat16, 2>(xv), q.view(), host_view(s.data(), m, sc), rule, cfg.mode,
+                                                        cfg.tune);
+              INFO("k=" << k << " m=" << m << " off=" << off << " ld=" << ld << " streaming=" << cfg.streams << " prefetch=" << cfg.tune.prefetch);
               CHECK(q.codes() == want);
               CHECK(s == want_s);
               CHECK(q.touched_outside() == 0);
             }
       }
     }
+}
+
+TEST_CASE("simd row kernels: MXFP4 (E2M1) of bf16 with and without the input prefetch, rows strided both sides") {
+  cpu::serial ser;
+  cpu::threads<> thr(3);
+  for (index_t k : {32, 64, 2048, 2080, 7168})
+    for (index_t m : {1, 2, 5, 19})
+      for (index_t xld : {k, k + 7}) {
+        // x's rows xld apart: the prefetch wraps from one row into the next by the stride
+        std::vector<bfloat16> const dense = special_input(m, k, static_cast<std::uint32_t>(k * 13 + m), 32);
+        std::vector<bfloat16> xs(static_cast<std::size_t>(m * xld), bfloat16(1.0f));
+        for (index_t i = 0; i < m; ++i)
+          std::copy_n(dense.begin() + i * k, k, xs.begin() + i * xld);
+        const_view<bfloat16, 2> const xv(xs.data(), {m, k}, {xld, 1});
+        index_t const sc = k / 32;
+        for (mx_rule rule : {mx_rule::floor, mx_rule::rceil}) {
+          std::vector<std::uint8_t> want(static_cast<std::size_t>(m * k / 2)), want_s(static_cast<std::size_t>(m * sc));
+          mx_quantize(ser, host_view(dense.data(), m, k), host_view(want.data(), m, k / 2), host_view(want_s.data(), m, sc), mx_element::e2m1,
+                      rule);
+          for (bool prefetch : {false, true}) {
+            outbuf q(m, k / 2, k / 2 + 3, 5);
+            std::vector<std::uint8_t> s(static_cast<std::size_t>(m * sc), 0);
+            simd_impl::mx_quantize<arch, e2m1_format>(thr, xv, q.view(), host_view(s.data(), m, sc), rule, simd_impl::store_mode::automatic,
+                                                      simd_impl::row_tuning{prefetch, ~std::size_t{0}});
+            INFO("k=" << k << " m=" << m << " xld=" << xld << " prefetch=" << prefetch);
+            CHECK(q.codes() == want);
+            CHECK(s == want_s);
+            CHECK(q.touched_outside() == 0);
+          }
+        }
+      }
 }

@@ -3,6 +3,7 @@
 // of the socket's bandwidth unless more lines are in flight).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 namespace k3::detail {
 
@@ -21,12 +22,12 @@ inline void prefetch_l2(void const* p) noexcept {
 #endif
 }
 
-// Every line of [p, p + bytes), including the last one of a span not aligned to a line.
+// Every line that [p, p + bytes) touches, once each.
 inline void prefetch_span_l2(void const* p, std::size_t bytes) noexcept {
   if (bytes == 0) return;
-  char const* c = static_cast<char const*>(p);
-  for (std::size_t b = 0; b < bytes; b += 64) prefetch_l2(c + b);
-  prefetch_l2(c + bytes - 1);
+  std::uintptr_t const a = reinterpret_cast<std::uintptr_t>(p);
+  std::uintptr_t const last = (a + bytes - 1) & ~std::uintptr_t{63};
+  for (std::uintptr_t line = a & ~std::uintptr_t{63}; line <= last; line += 64) prefetch_l2(reinterpret_cast<void const*>(line));
 }
 
 }  // namespace k3::detail

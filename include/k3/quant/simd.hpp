@@ -11,7 +11,9 @@
 #include <xsimd/xsimd.hpp>
 
 #include "k3/backend/cpu/simd.hpp"
+#include "k3/core/cpu_info.hpp"
 #include "k3/core/host_memory.hpp"
+#include "k3/core/prefetch.hpp"
 #include "k3/quant/common.hpp"
 #include "k3/quant/reference.hpp"
 
@@ -218,11 +220,47 @@ struct kernels {
 
 // How the AVX-512 row kernels write codes. A code buffer separate from the input costs a
 // read-for-ownership per written cache line (4 bytes of DRAM traffic per bf16 element instead of
-// 3); streaming writes every whole cache line of a row with a non-temporal store instead. It is
-// opt-in: on the machine these kernels were tuned on (2-core AMD EPYC VM, AVX-512), streaming
-// measured 3-7% slower per CPU-second than cached stores for the [16384, 7168] benchmark
-// (benchmarks/quant.md), and cached stores leave small outputs in cache for their consumer.
-enum class store_mode { cached, streaming };
+// 3); streaming writes every whole cache line of a row with a non-temporal store instead, which
+// also takes the codes out of the cache their consumer might have read them from.
+// `automatic` (the default) decides per call with row_tuning below; the other two force a mode.
+enum class store_mode { automatic, cached, streaming };
+
+// Memory tuning of the row kernels, by the machines they were measured on (benchmarks/quant.md):
+//  * Xeon (2-vCPU VM, 2 MB L2 per core): one core keeps too few lines in flight to stream from
+//    DRAM alone; prefetching the input one group (4 KB) ahead into L2 gave +20% (cached) to
+//    +25% (streaming) for [16384, 7168] on 2 threads, and streaming stores +12-25% once the
+//    codes outgrow the L2s (+28% at 29 MB of codes, a 2% loss at 0.5 MB).
+//  * AMD EPYC Zen 4 VM: streaming stores lost 3-7% even at 117 MB of codes, and the software
+//    prefetches tried there (whole groups ahead, before the lane pass) were slower too.
+// Unknown vendors get the AMD settings (the plain code).
+struct row_tuning {
+  bool prefetch = false;
+  std::size_t stream_min_bytes = ~std::size_t{0};  // streaming from this many code bytes on
+
+  static row_tuning host() noexcept {
+    if (k3::detail::host_cpu_vendor() == k3::detail::cpu_vendor::intel) return {true, std::size_t{16} << 20};
+    return {};
+  }
+  bool stream(store_mode mode, std::size_t code_bytes) const noexcept {
+    return mode == store_mode::streaming || (mode == store_mode::automatic && code_bytes >= stream_min_bytes);
+  }
+};
+
+// Input elements the row kernels prefetch ahead (4 KB of bf16: one 16-tile group of 1x128).
+inline constexpr index_t prefetch_ahead_elems = 2048;
+
+// Prefetch into L2 the lines of n bf16 values prefetch_ahead_elems past x(i, j) in row-major
+// order (wrapping into row i + 1, not past row i_end - 1), so it works on strided rows too.
+K3_INLINE void prefetch_ahead(const_view<bfloat16, 2> x, index_t i, index_t j, index_t n, index_t i_end) noexcept {
+  index_t const k = x.extent(1);
+  index_t jp = j + prefetch_ahead_elems;
+  if (jp >= k) {
+    jp -= k;
+    ++i;
+  }
+  if (i >= i_end || jp >= k) return;
+  k3::detail::prefetch_span_l2(&x(i, jp), static_cast<std::size_t>(std::min(n, k - jp)) * sizeof(bfloat16));
+}
 
 // Rows per task: long contiguous ranges (about 16 per worker, for balance; at least `base`):
 // fewer partial cache lines at range ends when streaming, longer runs for the prefetchers.
@@ -557,7 +595,7 @@ K3_INLINE __m512i encode64_mx(std::uint16_t const* p, __m512 vinv88a, __m512 vin
 // Rows [i0, i1) of an MXFP8 (E4M3) quantisation of bf16 (k a multiple of 64 here).
 template <class Arch>
 void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1,
-                  bool stream) {
+                  bool stream, bool prefetch) {
   using K = kernels<Arch>;
   index_t const k = x.extent(1), nb = k / mx_block;
   alignas(64) std::uint16_t am[16], nz[16];
@@ -595,6 +633,7 @@ void mx_e4m3_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
       _mm512_store_ps(iv, _mm512_mul_ps(inv, _mm512_set1_ps(0x1p-88f)));
       for (int t = 0; t < n; t += 2) {
         index_t const j = (g + t) * mx_block;
+        if (prefetch) prefetch_ahead(x, i, j, 2 * mx_block, i1);
         if (((fast >> t) & 3u) == 3u) {
           s(i, g + t) = static_cast<std::uint8_t>(code[t]);
           s(i, g + t + 1) = static_cast<std::uint8_t>(code[t + 1]);
@@ -648,7 +687,8 @@ K3_INLINE __m128i e2m1_block(__m512i raw, int se) noexcept {
 
 // Rows [i0, i1) of an MXFP4 (E2M1) quantisation of bf16 (k a multiple of 32).
 template <class Arch>
-void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1) {
+void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule, index_t i0, index_t i1,
+                  bool prefetch) {
   using K = kernels<Arch>;
   index_t const k = x.extent(1), nb = k / mx_block;
   alignas(64) std::uint16_t am[16];
@@ -670,6 +710,7 @@ void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
       _mm512_store_si512(code, c);
       for (int t = 0; t < n; ++t) {
         index_t const j = (g + t) * mx_block;
+        if (prefetch) prefetch_ahead(x, i, j, mx_block, i1);
         if ((fast >> t) & 1u) {
           s(i, g + t) = static_cast<std::uint8_t>(code[t]);
           _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + j / 2), e2m1_block(_mm512_loadu_si512(xr + j), static_cast<int>(code[t]) - 127));
@@ -685,11 +726,13 @@ void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
 
 // Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
 // Per group of 16 tiles: the lane pass (the loads that miss), one transposing reduction per
-// quantity, 16 scales in one vector, then the codes from L1. (Interleaving the next group's lane
-// pass with this group's encoding, software prefetch and larger groups were all slower with the
-// tensor in DRAM: benchmarks/quant.md.)
+// quantity, 16 scales in one vector, then the codes from L1. (On the AMD VM, interleaving the next
+// group's lane pass with this group's encoding, prefetching whole groups and larger groups were
+// all slower with the tensor in DRAM; on the Xeon, prefetching each tile of the next group while
+// encoding the same tile of this one pays: row_tuning, benchmarks/quant.md.)
 template <class Arch, bool Stream>
-void rows_impl(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1) {
+void rows_impl(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1,
+               bool prefetch) {
   using K = kernels<Arch>;
   index_t const k = x.extent(1), full = k / 128;
   if (i0 >= i1) return;
@@ -725,6 +768,7 @@ void rows_impl(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor
       }
       for (int t = 0; t < n; ++t) {
         index_t const j = (g + t) * 128;
+        if (prefetch) prefetch_ahead(x, i, j, 128, i1);  // the same tile of the next group
         s(i, g + t) = sv[t];
         if ((c.nan >> t) & 1u) {
           emit(j, _mm512_set1_epi8(static_cast<char>(e4m3_format::nan_code)));
@@ -769,11 +813,11 @@ void rows_impl(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor
 
 template <class Arch>
 void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1,
-          bool stream) {
+          bool stream, bool prefetch) {
   if (stream)
-    rows_impl<Arch, true>(x, q, s, fmt, i0, i1);
+    rows_impl<Arch, true>(x, q, s, fmt, i0, i1, prefetch);
   else
-    rows_impl<Arch, false>(x, q, s, fmt, i0, i1);
+    rows_impl<Arch, false>(x, q, s, fmt, i0, i1, prefetch);
 }
 }  // namespace avx512_1x128
 #endif
@@ -781,17 +825,18 @@ void rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view
 // ---- DeepSeek tiles, rows unit-stride -----------------------------------------------------
 template <class Arch, class B, class T>
 void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, tile t, scale_format fmt,
-                  store_mode mode = store_mode::cached) {
+                  store_mode mode = store_mode::automatic, row_tuning const tune = row_tuning::host()) {
   using K = kernels<Arch>;
   index_t const m = x.extent(0), k = x.extent(1);
   (void)mode;
+  (void)tune;
 #if defined(__AVX512BW__)
   if constexpr (K::avx512 && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
     if (t.rows == 1 && t.cols == 128) {
-      bool const stream = mode == store_mode::streaming;
+      bool const stream = tune.stream(mode, static_cast<std::size_t>(m * k));
       index_t const rpt = task_rows(b, m, 16);
       run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
-        avx512_1x128::rows<Arch>(x, q, s, fmt, task * rpt, std::min(m, (task + 1) * rpt), stream);
+        avx512_1x128::rows<Arch>(x, q, s, fmt, task * rpt, std::min(m, (task + 1) * rpt), stream, tune.prefetch);
       });
       return;
     }
@@ -821,8 +866,9 @@ void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q
 // ---- OCP MX, rows unit-stride ----------------------------------------------------------------
 template <class Arch, class F, class B, class T>
 void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, mx_rule rule,
-                 store_mode mode = store_mode::cached) {
+                 store_mode mode = store_mode::automatic, row_tuning const tune = row_tuning::host()) {
   (void)mode;
+  (void)tune;
   using K = kernels<Arch>;
   constexpr bool packed = F::bits == 4;
   index_t const m = x.extent(0), k = x.extent(1);
@@ -830,10 +876,10 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
 #if defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512DQ__)
   if constexpr (K::avx512 && std::is_same_v<F, e4m3_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
     if (k % (2 * mx_block) == 0) {
-      bool const stream = mode == store_mode::streaming;
+      bool const stream = tune.stream(mode, static_cast<std::size_t>(m * k));
       index_t const rpt = task_rows(b, m, 8);
       run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
-        avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rpt, std::min(m, (task + 1) * rpt), stream);
+        avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rpt, std::min(m, (task + 1) * rpt), stream, tune.prefetch);
       });
       return;
     }
@@ -842,7 +888,7 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
 #if defined(__AVX512BW__)
   if constexpr (K::avx512 && std::is_same_v<F, e2m1_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
     run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
-      avx512_1x128::mx_e2m1_rows<Arch>(x, q, s, rule, task * rows_per_task, std::min(m, (task + 1) * rows_per_task));
+      avx512_1x128::mx_e2m1_rows<Arch>(x, q, s, rule, task * rows_per_task, std::min(m, (task + 1) * rows_per_task), tune.prefetch);
     });
     return;
   }
