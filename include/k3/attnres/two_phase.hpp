@@ -458,9 +458,16 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
 #if K3_ATTNRES_AVX512
     if constexpr (fast) {
       detail::eo_permute_query(uc.data(), d, buf.data());
-      for (index_t t = lo; t < hi; ++t)
+      for (index_t t = lo; t < hi; ++t) {
+        bool const more = t + 1 < hi;
+        detail::row_prefetch<3> pf;
+        pf.d = d;
+        pf.set(0, &prefix(t, 0), more ? &prefix(t + 1, 0) : nullptr);
+        pf.set(1, &delta(t, 0), more ? &delta(t + 1, 0) : nullptr);
+        pf.set(2, &o(t, 0), more ? &o(t + 1, 0) : nullptr);
         detail::p2_add_token_bf16<typename detail::simd_arch<B>::type>(&prefix(t, 0), &delta(t, 0), &o(t, 0), buf.data(), C(lse(t)), d, eps,
-                                                                        &h(t, 0), stream);
+                                                                        &h(t, 0), stream, pf);
+      }
       if (stream) detail::stream_fence();
       return;
     }
