@@ -8,6 +8,7 @@
 #include <exception>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "k3/comm/communicator.hpp"
 
@@ -163,12 +164,7 @@ class mpi_communicator {
   // The exception f throws, if any (this rank's own argument checks).
   template <class F>
   static std::exception_ptr local_error(F&& f) {
-    try {
-      f();
-    } catch (...) {
-      return std::current_exception();
-    }
-    return nullptr;
+    return detail::capture_error(std::forward<F>(f));
   }
   // All ranks agree on (count, type) or all throw; a rank whose own checks failed (`bad`)
   // still takes part, then throws its error while the others throw one naming the failure.

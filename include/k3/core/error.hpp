@@ -3,6 +3,7 @@
 #pragma once
 #include <charconv>
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
 #include <sstream>
 #include <stdexcept>
@@ -19,6 +20,19 @@ class error : public std::invalid_argument {
 };
 
 namespace detail {
+
+// The exception f() throws, or null: for argument checks whose failure one process of a
+// collective must report to the others before throwing it (every rank then throws instead of
+// some of them waiting in the collective).
+template <class F>
+std::exception_ptr capture_error(F&& f) {
+  try {
+    f();
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
 
 template <class Range>
 std::string format_shape(Range const& r) {

@@ -102,15 +102,12 @@ void dplr_cp_forward(C const& comm, dplr_inputs<T> const& in, dplr_outputs<T> co
   auto local_in = in;
   local_in.h0 = {};
   d::problem p;
-  std::exception_ptr failed;
-  try {
+  std::exception_ptr const failed = detail::capture_error([&] {
     detail::require(!d::has_varlen(opt), "dplr_cp_forward: cu_seqlens is not supported; split every sequence across ranks instead");
     p = d::make_problem(local_in, opt);
     if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
     d::check_outputs(p, in, out);  // with h0: o and ht must not overlap it either
-  } catch (...) {
-    failed = std::current_exception();
-  }
+  });
   d::cp_agree(comm, "dplr_cp_forward", failed, d::cp_header<T>(p, !d::absent(h0), false), d::cp_header_names());
   if (comm.size() == 1) {  // nothing to fold: the ordinary forward
     dplr_chunked_forward(bk, in, out, opt);
@@ -156,17 +153,14 @@ void dplr_cp_backward(C const& comm, dplr_inputs<T> const& in, dplr_grad_inputs<
   auto lg = g;
   lg.dh0 = {};
   d::problem p;
-  std::exception_ptr failed;
-  try {
+  std::exception_ptr const failed = detail::capture_error([&] {
     detail::require(!d::has_varlen(opt), "dplr_cp_backward: cu_seqlens is not supported; split every sequence across ranks instead");
     p = d::make_problem(local_in, opt);
     if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
     d::check_grads(p, in, gin, g);  // h0, dht and dh0 against everything else too
     if (!d::absent(gin.dht)) detail::check_shape("dht", gin.dht, {p.B, p.H, p.K, p.V});
     if (!d::absent(g.dh0)) detail::check_shape("dh0", g.dh0, {p.B, p.H, p.K, p.V});
-  } catch (...) {
-    failed = std::current_exception();
-  }
+  });
   d::cp_agree(comm, "dplr_cp_backward", failed, d::cp_header<T>(p, !d::absent(h0), !d::absent(gin.dht)), d::cp_header_names());
   if (comm.size() == 1) {
     dplr_chunked_backward(bk, in, gin, g, opt);
