@@ -413,13 +413,7 @@ struct row_prefetch {
   char const* next[Streams] = {};  // null: no next row
   std::size_t esize[Streams] = {};
   index_t d = 0, ahead = 2048;
-  K3_INLINE void at(int s, index_t k) const noexcept {
-    index_t const a = k + ahead;
-    if (a < d)
-      k3::detail::prefetch_l2(cur[s] + static_cast<std::size_t>(a) * esize[s]);
-    else if (next[s] != nullptr && a - d < d)
-      k3::detail::prefetch_l2(next[s] + static_cast<std::size_t>(a - d) * esize[s]);
-  }
+  K3_INLINE void at(int s, index_t k) const noexcept { k3::detail::prefetch_row_ahead(cur[s], next[s], esize[s], d, k + ahead, 1); }
   template <class T>
   void set(int s, T const* row, T const* next_row) noexcept {
     cur[s] = reinterpret_cast<char const*>(row);

@@ -582,8 +582,10 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     std::vector<ranked> best(static_cast<std::size_t>(kk)), z;
     select_state st;
 #if defined(K3_MOE_SELECT512)
-    constexpr bool use512 = xsimd::batch<float, Arch>::size == 16;
+    bool const select512 = fast && xsimd::batch<float, Arch>::size == 16 && kk <= 49;  // the AVX-512 selection
     auto st512 = std::make_unique<select_state512>();
+#else
+    bool const select512 = false;
 #endif
     std::vector<float> srow(static_cast<std::size_t>(n));
     bool const contiguous = out.indices.stride(1) == 1 && out.weights.stride(1) == 1;
@@ -599,18 +601,14 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
         // prefetchers alone left routing at ~0.85 ns/score from DRAM vs ~0.3 from cache. The
         // AVX-512 selection spreads these prefetches over its pass; the other paths issue them here.
         float const* const next_row = i + 1 < m ? &scores(i + 1, 0) : nullptr;
-        bool spread = false;
-#if defined(K3_MOE_SELECT512)
-        spread = fast && xsimd::batch<float, Arch>::size == 16 && kk <= 49;
-#endif
-        if (next_row && !spread) k3::detail::prefetch_span_l2(next_row, static_cast<std::size_t>(n) * sizeof(float));
+        if (next_row && !select512) k3::detail::prefetch_span_l2(next_row, static_cast<std::size_t>(n) * sizeof(float));
 #if defined(K3_MOE_SELECT512)
         float const* rz = nullptr;  // the AVX-512 path's ranked k+1 best (else `best`)
         std::int32_t const* rj = nullptr;
 #endif
         if (fast) {
 #if defined(K3_MOE_SELECT512)
-          if (use512 && kk <= 49) {
+          if (select512) {
             if (!select_token512(s, bvec.data(), n, kk, *st512, next_row)) {
               if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
                 bad_token[p] = i;

@@ -252,14 +252,7 @@ inline constexpr index_t prefetch_ahead_elems = 2048;
 // Prefetch into L2 the lines of n bf16 values prefetch_ahead_elems past x(i, j) in row-major
 // order (wrapping into row i + 1, not past row i_end - 1), so it works on strided rows too.
 K3_INLINE void prefetch_ahead(const_view<bfloat16, 2> x, index_t i, index_t j, index_t n, index_t i_end) noexcept {
-  index_t const k = x.extent(1);
-  index_t jp = j + prefetch_ahead_elems;
-  if (jp >= k) {
-    jp -= k;
-    ++i;
-  }
-  if (i >= i_end || jp >= k) return;
-  k3::detail::prefetch_span_l2(&x(i, jp), static_cast<std::size_t>(std::min(n, k - jp)) * sizeof(bfloat16));
+  k3::detail::prefetch_row_ahead(&x(i, 0), i + 1 < i_end ? &x(i + 1, 0) : nullptr, sizeof(bfloat16), x.extent(1), j + prefetch_ahead_elems, n);
 }
 
 // Rows per task: long contiguous ranges (about 16 per worker, for balance; at least `base`):
