@@ -513,11 +513,11 @@ TEST_CASE("threads router: non-finite scores in the candidate pass's tail chunk 
   }
 }
 
-TEST_CASE("threads router: 16-bit per-thread counts spill exactly past 65535 tokens per thread") {
-  // One thread sees all 140001 tokens (two spills; two threads: ~70000 each, one spill). Scores
-  // in (0.45, 0.55) put every margin into the middle one of 3 bins, so each 65535-token window
-  // fills that bin's 16-bit count exactly: tokens still pending in the block buffer at a spill
-  // would overflow it. n = 19: a 16-expert vector plus a tail, on the mask-pass path.
+TEST_CASE("threads router: 8-bit per-thread counts carry exactly (a bin past 255, 256 * 256 and 65535 counts)") {
+  // Scores in (0.45, 0.55) put every margin into the middle one of 3 bins, so that bin's 8-bit
+  // per-thread count wraps every 256 tokens: m = 140001 on one thread wraps it 546 times (and
+  // passes 65535, where the old 16-bit counts spilled). n = 19: a 16-expert vector plus a tail,
+  // on the mask-pass path.
   index_t const m = 140001, n = 19, k = 2;
   auto s = skewed_scores(m, n, 1.0, 77);
   for (auto& x : s) x = 0.45f + 0.1f * x;
@@ -531,13 +531,78 @@ TEST_CASE("threads router: 16-bit per-thread counts spill exactly past 65535 tok
   for (index_t j = 0; j < n; ++j)
     for (index_t x = 0; x < 3; ++x) maxc = std::max(maxc, h1(j, x));
   CHECK(maxc > 65535);
-  for (int nt : {1, 2, 3, 5}) {  // threads take 64-token chunks: uneven shares, spills at different tokens
+  for (int nt : {1, 2, 3, 5}) {  // threads take 64-token chunks: uneven shares, wraps at different tokens
     routed r2(m, k, n);
     auto h2 = moe::qb_histogram::for_bias(cview(b), 3);
     moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
     CHECK(h1 == h2);
     CHECK(r1.idx == r2.idx);
   }
+  // Token counts just around one and two wraps, on one thread, of identical tokens (every
+  // count of an expert lands in one bin), for the blocked scatter (3 bins) and the per-token
+  // one (70000 bins, more than the 16-bit bin buffer holds); added onto existing counts too.
+  std::vector<float> same(static_cast<std::size_t>(513 * n));
+  for (std::size_t x = 0; x < same.size(); ++x) same[x] = s[x % static_cast<std::size_t>(n)];
+  for (index_t bins : {3, 70000}) {
+    for (index_t mm : {255, 256, 257, 511, 512, 513}) {
+      CAPTURE(bins);
+      CAPTURE(mm);
+      k3::const_view<float, 2> sv(same.data(), {mm, n});
+      auto ref = moe::qb_histogram::for_bias(cview(b), bins);
+      auto got = moe::qb_histogram::for_bias(cview(b), bins);
+      routed ra(mm, k, n), rb(mm, k, n);
+      for (int call = 0; call < 2; ++call) {
+        moe::route(k3::cpu::serial{}, sv, cview(b), ra.out(), opt, {}, &ref);
+        moe::route(k3::cpu::threads<>(1), sv, cview(b), rb.out(), opt, {}, &got);
+        CHECK(got == ref);
+      }
+      std::int64_t top = 0;
+      for (index_t x = 0; x < bins; ++x) top = std::max(top, ref(0, x));
+      CHECK(top == 2 * mm);  // expert 0's margins did pile into one bin
+    }
+  }
+}
+
+TEST_CASE("qb_histogram::known_zero tracks every way the counts can change") {
+  std::vector<float> b{-0.1f, 0.f, 0.2f};
+  auto h = moe::qb_histogram::for_bias(cview(b), 10);
+  CHECK(h.known_zero());
+  (void)h.data();
+  CHECK_FALSE(h.known_zero());
+  h.clear();
+  CHECK(h.known_zero());
+  h(1, 2) = 5;
+  CHECK_FALSE(h.known_zero());
+  h.reset_for_bias(cview(b));
+  CHECK(h.known_zero());
+  (void)h.counts();
+  CHECK_FALSE(h.known_zero());
+  h.clear();
+  auto const& ch = h;
+  (void)ch.data();
+  (void)ch.counts();
+  (void)ch(0, 0);
+  CHECK(ch.known_zero());  // const access changes nothing
+  auto other = moe::qb_histogram::for_bias(cview(b), 10);
+  other(0, 0) = 1;
+  h.merge(other);
+  CHECK_FALSE(h.known_zero());
+  CHECK(h(0, 0) == 1);
+  // Routing into a fresh histogram writes the counts without reading them: a copy made after
+  // a mutable access that left the counts zero is not "known zero", and both paths agree.
+  index_t const m = 300, n = 3;
+  auto s = uniform(m * n, 0.0, 1.0, 5);
+  moe::router_options opt;
+  opt.k = 1;
+  auto fresh = moe::qb_histogram::for_bias(cview(b), 10);
+  auto touched = moe::qb_histogram::for_bias(cview(b), 10);
+  (void)touched.data();
+  routed r(m, 1, n);
+  moe::route(k3::cpu::threads<>(2), cview(s, m, n), cview(b), r.out(), opt, {}, &fresh);
+  moe::route(k3::cpu::threads<>(2), cview(s, m, n), cview(b), r.out(), opt, {}, &touched);
+  CHECK_FALSE(fresh.known_zero());
+  CHECK(fresh == touched);
+  CHECK(fresh.tokens() == m);
 }
 
 TEST_CASE("threads router: tokens handed out in chunks from a shared counter, any thread count and token count") {

@@ -65,6 +65,7 @@ class qb_histogram {
              "] give a bin width whose inverse is not a finite positive float";
     });
     counts_.assign(static_cast<std::size_t>(experts * bins), 0);
+    zero_ = true;
   }
 
   // The histogram for routing with `bias`: bounds [min(b) - 1, max(b) + 1], which contain
@@ -90,11 +91,12 @@ class qb_histogram {
     hi_ = fresh.hi_;
     inv_w_ = fresh.inv_w_;
     counts_.assign(static_cast<std::size_t>(n_ * bins_), 0);
+    zero_ = true;
   }
 
   // Per-thread scratch of the fused CPU scatter (k3/moe/threads.hpp), kept across calls so
   // the large private histograms are not re-faulted every batch. Not part of the value.
-  std::vector<std::uint16_t>& scratch(std::size_t thread) const {
+  std::vector<std::uint8_t>& scratch(std::size_t thread) const {
     if (scratch_.size() <= thread) scratch_.resize(thread + 1);
     return scratch_[thread];
   }
@@ -106,11 +108,18 @@ class qb_histogram {
   float inv_width() const noexcept { return inv_w_; }
   double width() const noexcept { return (double(hi_) - double(lo_)) / double(bins_); }
 
-  std::int64_t* data() noexcept { return counts_.data(); }
+  // Mutable access may change the counts: the histogram is no longer known to be zero.
+  std::int64_t* data() noexcept {
+    zero_ = false;
+    return counts_.data();
+  }
   std::int64_t const* data() const noexcept { return counts_.data(); }
-  tensor_view<std::int64_t, 2> counts() noexcept { return {counts_.data(), {n_, bins_}}; }
+  tensor_view<std::int64_t, 2> counts() noexcept { return {data(), {n_, bins_}}; }
   const_view<std::int64_t, 2> counts() const noexcept { return {counts_.data(), {n_, bins_}}; }
-  std::int64_t& operator()(index_t j, index_t l) noexcept { return counts_[static_cast<std::size_t>(j * bins_ + l)]; }
+  std::int64_t& operator()(index_t j, index_t l) noexcept {
+    zero_ = false;
+    return counts_[static_cast<std::size_t>(j * bins_ + l)];
+  }
   std::int64_t operator()(index_t j, index_t l) const noexcept { return counts_[static_cast<std::size_t>(j * bins_ + l)]; }
 
   // Tokens counted: every token adds one count to each row, so row 0's total.
@@ -119,7 +128,14 @@ class qb_histogram {
     for (index_t l = 0; l < bins_; ++l) t += counts_[static_cast<std::size_t>(l)];
     return t;
   }
-  void clear() noexcept { std::fill(counts_.begin(), counts_.end(), 0); }
+  void clear() noexcept {
+    std::fill(counts_.begin(), counts_.end(), 0);
+    zero_ = true;
+  }
+  // True only while every count is known to be 0: after construction, clear() or
+  // reset_for_bias(), before any mutable access. The CPU scatter then writes its sum without
+  // reading the old counts (7 MB for K3 that need not be read).
+  bool known_zero() const noexcept { return zero_; }
   bool same_geometry(qb_histogram const& o) const noexcept {
     return n_ == o.n_ && bins_ == o.bins_ && lo_ == o.lo_ && hi_ == o.hi_;
   }
@@ -130,12 +146,13 @@ class qb_histogram {
              std::to_string(bins_) + " vs " + std::to_string(o.bins_) + ", bounds must be identical)";
     });
     for (std::size_t i = 0; i < counts_.size(); ++i) counts_[i] += o.counts_[i];
+    zero_ = zero_ && o.zero_;
   }
   // Sums the counts of every rank holding different tokens (data-parallel population).
   // Integer counts make the pooled histogram, and so the bias, independent of the sharding.
   template <Communicator C>
   void all_reduce(C const& comm) {
-    comm.all_reduce_sum(tensor_view<std::int64_t, 1>(counts_.data(), {static_cast<index_t>(counts_.size())}));
+    comm.all_reduce_sum(tensor_view<std::int64_t, 1>(data(), {static_cast<index_t>(counts_.size())}));
   }
   friend bool operator==(qb_histogram const& a, qb_histogram const& b) noexcept {
     return a.same_geometry(b) && a.counts_ == b.counts_;
@@ -145,7 +162,8 @@ class qb_histogram {
   index_t n_ = 0, bins_ = 0;
   float lo_ = 0.f, hi_ = 1.f, inv_w_ = 0.f;
   std::vector<std::int64_t> counts_;
-  mutable std::vector<std::vector<std::uint16_t>> scratch_;
+  bool zero_ = true;
+  mutable std::vector<std::vector<std::uint8_t>> scratch_;
 };
 
 namespace detail {

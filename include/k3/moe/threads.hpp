@@ -441,30 +441,51 @@ K3_INLINE xsimd::batch<std::int32_t, Arch> qb_bin_batch(float const* s, xsimd::b
   return xsimd::batch_cast<std::int32_t>(xsimd::min(xsimd::max(t, batch(0.f)), vmax));
 }
 
-// Adds one token's margins alpha - s_j to a private 16-bit histogram [n][B] (half the cache
-// footprint of int32; the caller spills it before any count can reach 65535).
+// The private per-thread counts are 8-bit (an expert's row of 1000 bins is 16 cache lines, the
+// K3 histogram 0.9 MB: it stays in L2 next to the streamed scores, and each block's visit of a
+// row moves half the lines of 16-bit counts). A count that wraps to 0 has gained 256: its index
+// is appended to the thread's carry list, added back in the merge. Wraps are rare (one per 256
+// increments of one bin) and the branch is not taken otherwise.
+struct count_carries {
+  std::vector<std::size_t> at;
+  std::size_t used = 0;
+  // Room for `more` further carries; the scatter loops write through a plain pointer (a call
+  // inside them would make the compiler keep their state on the stack).
+  std::size_t* reserve(std::size_t more) {
+    if (at.size() - used < more) at.resize(std::max(2 * at.size(), used + more));
+    return at.data() + used;
+  }
+};
+
+K3_INLINE void bump(std::uint8_t* K3_RESTRICT row, std::size_t row_at, std::size_t bin, std::size_t*& carry) {
+  if (++row[bin] == 0) [[unlikely]]
+    *carry++ = row_at + bin;
+}
+
+// Adds one token's margins alpha - s_j to the private 8-bit histogram [n][B] (the path for
+// B > 65536, whose bins do not fit the 16-bit block buffer).
 template <class Arch>
 void scatter_token_simd(float const* K3_RESTRICT s, float alpha, index_t n, float lo, float inv_w, std::int32_t B,
-                        std::uint16_t* K3_RESTRICT h) {
+                        std::uint8_t* K3_RESTRICT h, count_carries& carries) {
   using batch = xsimd::batch<float, Arch>;
-  using ibatch = xsimd::batch<std::int32_t, Arch>;
   constexpr index_t W = static_cast<index_t>(batch::size);
   index_t j = 0;
-  if (n >= W) {
-    alignas(64) std::int32_t off0[W];
-    for (index_t l = 0; l < W; ++l) off0[l] = static_cast<std::int32_t>(l) * B;
-    ibatch off = ibatch::load_aligned(off0);
-    ibatch const step(static_cast<std::int32_t>(W) * B);
-    batch const va(alpha), vlo(lo), vinv(inv_w), vmax(float(B - 1));
-    alignas(64) std::int32_t idx[W];
-    for (; j + W <= n; j += W) {
-      ibatch bin = qb_bin_batch<Arch>(s + j, va, vlo, vinv, vmax) + off;
-      bin.store_aligned(idx);
-      for (index_t l = 0; l < W; ++l) ++h[idx[l]];
-      off += step;
+  batch const va(alpha), vlo(lo), vinv(inv_w), vmax(float(B - 1));
+  alignas(64) std::int32_t idx[W];
+  std::size_t* const c0 = carries.reserve(static_cast<std::size_t>(n));
+  std::size_t* c = c0;
+  for (; j + W <= n; j += W) {
+    qb_bin_batch<Arch>(s + j, va, vlo, vinv, vmax).store_aligned(idx);
+    for (index_t l = 0; l < W; ++l) {
+      std::size_t const at = static_cast<std::size_t>(j + l) * static_cast<std::size_t>(B);
+      bump(h + at, at, static_cast<std::size_t>(idx[l]), c);
     }
   }
-  for (; j < n; ++j) ++h[j * B + qb_bin(alpha - s[j], lo, inv_w, B)];
+  for (; j < n; ++j) {
+    std::size_t const at = static_cast<std::size_t>(j) * static_cast<std::size_t>(B);
+    bump(h + at, at, static_cast<std::size_t>(qb_bin(alpha - s[j], lo, inv_w, B)), c);
+  }
+  carries.used += static_cast<std::size_t>(c - c0);
 }
 
 // Bins of one token's margins (row-major block buffer, B <= 65536). Scattering a block of
@@ -492,31 +513,73 @@ void bin_token_simd(float const* K3_RESTRICT s, float alpha, index_t n, float lo
   for (; j < n; ++j) out[j] = static_cast<std::uint16_t>(qb_bin(alpha - s[j], lo, inv_w, B));
 }
 
-// Bins of `tokens` tokens (row t at bins + t * ld) land expert by expert, four experts per
-// pass: one 8-byte load feeds four increments (into four different rows), half the loads of
-// one expert at a time.
-inline void scatter_block(std::uint16_t const* K3_RESTRICT bins, index_t tokens, index_t n, index_t ld, std::int32_t B,
-                          std::uint16_t* K3_RESTRICT h) {
-  index_t j = 0;
-  if constexpr (std::endian::native == std::endian::little) {
-    for (; j + 4 <= n; j += 4) {
-      std::uint16_t* K3_RESTRICT r0 = h + j * B;
-      std::uint16_t* K3_RESTRICT r1 = r0 + B;
-      std::uint16_t* K3_RESTRICT r2 = r1 + B;
-      std::uint16_t* K3_RESTRICT r3 = r2 + B;
-      for (index_t t = 0; t < tokens; ++t) {
-        std::uint64_t w;
-        std::memcpy(&w, bins + t * ld + j, sizeof w);
-        ++r0[w & 0xffffu];
-        ++r1[(w >> 16) & 0xffffu];
-        ++r2[(w >> 32) & 0xffffu];
-        ++r3[w >> 48];
+// The score rows of the chunk a thread routes next, prefetched into L2 a few lines per step of
+// the current chunk's scatter: the scatter is compute-bound and the routing that follows it
+// then reads from L2 instead of waiting on DRAM (on a Xeon core the two otherwise add up).
+class rows_ahead {
+ public:
+  rows_ahead() = default;
+  rows_ahead(void const* first, std::ptrdiff_t stride_bytes, std::size_t row_bytes, index_t rows, index_t steps) noexcept
+      : row_(static_cast<char const*>(first)), stride_(stride_bytes), row_bytes_(row_bytes), rows_(row_bytes ? rows : 0) {
+    if (rows_ > 0) start_row();
+    std::size_t const lines = (row_bytes + 127) / 64 * static_cast<std::size_t>(rows_);
+    per_step_ = steps > 0 ? (lines + static_cast<std::size_t>(steps) - 1) / static_cast<std::size_t>(steps) : lines;
+  }
+  K3_INLINE void step() noexcept {
+    for (std::size_t k = 0; k < per_step_ && rows_ > 0; ++k) {
+      k3::detail::prefetch_l2(reinterpret_cast<void const*>(line_));
+      line_ += 64;
+      if (line_ > last_ && --rows_ > 0) {
+        row_ += stride_;
+        start_row();
       }
     }
   }
+
+ private:
+  void start_row() noexcept {
+    std::uintptr_t const a = reinterpret_cast<std::uintptr_t>(row_);
+    line_ = a & ~std::uintptr_t{63};
+    last_ = (a + row_bytes_ - 1) & ~std::uintptr_t{63};
+  }
+  char const* row_ = nullptr;
+  std::ptrdiff_t stride_ = 0;
+  std::size_t row_bytes_ = 0;
+  index_t rows_ = 0;
+  std::uintptr_t line_ = 0, last_ = 0;
+  std::size_t per_step_ = 0;
+};
+
+// Bins of `tokens` tokens (row t at bins + t * ld) land expert by expert, four experts per
+// pass (four rows in flight; one 16-bit load per increment, no shifts).
+inline void scatter_block(std::uint16_t const* K3_RESTRICT bins, index_t tokens, index_t n, index_t ld, std::int32_t B,
+                          std::uint8_t* K3_RESTRICT h, count_carries& carries, rows_ahead& ahead) {
+  std::size_t const row = static_cast<std::size_t>(B);
+  index_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    ahead.step();
+    std::size_t const at = static_cast<std::size_t>(j) * row;
+    std::uint8_t* K3_RESTRICT r0 = h + at;
+    std::uint8_t* K3_RESTRICT r1 = r0 + row;
+    std::uint8_t* K3_RESTRICT r2 = r1 + row;
+    std::uint8_t* K3_RESTRICT r3 = r2 + row;
+    std::size_t* const c0 = carries.reserve(4 * static_cast<std::size_t>(tokens));
+    std::size_t* c = c0;
+    for (index_t t = 0; t < tokens; ++t) {
+      std::uint16_t const* b = bins + t * ld + j;
+      bump(r0, at, b[0], c);
+      bump(r1, at + row, b[1], c);
+      bump(r2, at + 2 * row, b[2], c);
+      bump(r3, at + 3 * row, b[3], c);
+    }
+    carries.used += static_cast<std::size_t>(c - c0);
+  }
   for (; j < n; ++j) {
-    std::uint16_t* K3_RESTRICT row = h + j * B;
-    for (index_t t = 0; t < tokens; ++t) ++row[bins[t * ld + j]];
+    std::size_t const at = static_cast<std::size_t>(j) * row;
+    std::size_t* const c0 = carries.reserve(static_cast<std::size_t>(tokens));
+    std::size_t* c = c0;
+    for (index_t t = 0; t < tokens; ++t) bump(h + at, at, bins[t * ld + j], c);
+    carries.used += static_cast<std::size_t>(c - c0);
   }
 }
 
@@ -538,13 +601,13 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
   for (index_t j = 0; j < n; ++j) bvec[j] = bias(j);
   std::int64_t const parts = std::min<std::int64_t>(m, backend.concurrency());
   std::int32_t const B = hist ? static_cast<std::int32_t>(hist->bins()) : 0;
-  // Private per-thread counts: uint16 (hot), spilled into int32 every 65535 tokens.
-  std::vector<std::vector<std::uint16_t>*> local_h(static_cast<std::size_t>(hist ? parts : 0));
+  // Private per-thread counts: 8-bit, with a list of carries (see count_carries).
+  std::vector<std::vector<std::uint8_t>*> local_h(static_cast<std::size_t>(hist ? parts : 0));
   if (hist) {
     hist->scratch(static_cast<std::size_t>(parts - 1));  // grow once: later calls must not reallocate
     for (std::int64_t p = 0; p < parts; ++p) local_h[p] = &hist->scratch(static_cast<std::size_t>(p));
   }
-  std::vector<std::vector<std::int32_t>> spill(static_cast<std::size_t>(hist ? parts : 0));
+  std::vector<count_carries> carries(static_cast<std::size_t>(hist ? parts : 0));
   std::vector<std::vector<std::int64_t>> local_load(static_cast<std::size_t>(out.load.empty() ? 0 : parts));
   std::vector<index_t> bad_token(static_cast<std::size_t>(parts), -1);
   // Tokens go to the threads in chunks of up to 64, taken in increasing order from a shared
@@ -556,20 +619,14 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
   std::atomic<index_t> next_chunk{0};
   std::atomic<bool> failed{false};
   backend.for_each_task(parts, [&](std::int64_t p) {
-    std::uint16_t* h = nullptr;
-    std::int64_t since_spill = 0;
-    // 128 tokens per block: each expert's row gets ~128 increments per visit (16: ~1 per
-    // cache line), while the block's lines that one group of 32 experts reads stay in L1.
-    // Fewer for a handful of tokens (no 237 KB buffer for them).
-    index_t const block = std::min<index_t>(128, m);
+    std::uint8_t* h = nullptr;
+    // A chunk's bins are scattered together: each expert's row (16 lines of 8-bit counts) gets
+    // up to 64 increments per visit, while the lines of the bin buffer that one group of 32
+    // experts reads stay in L1.
     bool const blocked = B <= 65536;
     index_t const bin_ld = block_stride(n);
-    std::vector<std::uint16_t> bins(static_cast<std::size_t>(blocked && hist ? block * bin_ld : 0));
+    std::vector<std::uint16_t> bins(static_cast<std::size_t>(blocked && hist ? chunk * bin_ld : 0));
     index_t in_block = 0;
-    auto flush = [&] {
-      if (in_block > 0) scatter_block(bins.data(), in_block, n, bin_ld, B, h);
-      in_block = 0;
-    };
     if (hist) {
       local_h[p]->assign(static_cast<std::size_t>(n * B), 0);  // keeps capacity: no page faults after the first call
       h = local_h[p]->data();
@@ -593,7 +650,13 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     // A non-finite score stops this thread (and, at their next chunk, the others); chunks are
     // handed out in order and a chunk once taken is finished, so the smallest token recorded
     // is the first bad token overall, whatever the thread count.
-    for (index_t c; !failed.load(std::memory_order_relaxed) && (c = next_chunk.fetch_add(1, std::memory_order_relaxed)) * chunk < m;) {
+    // With a histogram, each chunk's tokens are binned as they are routed and scattered at the
+    // chunk's end, and the next chunk is claimed one chunk early so that its rows can be
+    // prefetched during that scatter. A claimed chunk is routed even after another thread
+    // failed (only this thread's own bad token stops it, and that one precedes its claim).
+    auto claim = [&] { return failed.load(std::memory_order_relaxed) ? m : next_chunk.fetch_add(1, std::memory_order_relaxed); };
+    for (index_t c = claim(), c_next; c * chunk < m; c = c_next) {
+      c_next = claim();
       index_t const c1 = std::min(m, (c + 1) * chunk);
       for (index_t i = c * chunk; i < c1; ++i) {
         float const* s = &scores(i, 0);
@@ -662,25 +725,22 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
           alpha = best[opt.k].z;
         }
         if (h) {
-          if (since_spill == 65535) {
-            flush();
-            auto& sp = spill[p];
-            if (sp.empty()) sp.assign(local_h[p]->size(), 0);
-            for (std::size_t x = 0; x < sp.size(); ++x) sp[x] += h[x];
-            std::fill(local_h[p]->begin(), local_h[p]->end(), std::uint16_t(0));
-            since_spill = 0;
-          }
           if (blocked) {
             bin_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, bins.data() + in_block * bin_ld);
-            if (++in_block == block) flush();
+            ++in_block;
           } else {
-            scatter_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, h);
+            scatter_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, h, carries[p]);
           }
-          ++since_spill;
         }
       }
+      if (in_block > 0) {
+        index_t const next0 = std::min(m, c_next * chunk), next1 = std::min(m, (c_next + 1) * chunk);
+        rows_ahead ahead(&scores(std::min(next0, m - 1), 0), scores.stride(0) * static_cast<std::ptrdiff_t>(sizeof(float)),
+                         static_cast<std::size_t>(n) * sizeof(float), next1 - next0, n / 4);
+        scatter_block(bins.data(), in_block, n, bin_ld, B, h, carries[p], ahead);
+        in_block = 0;
+      }
     }
-    if (h) flush();
   });
   if (failed.load()) {
     index_t i = m;
@@ -696,6 +756,9 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
       out.load(j) = c;
     }
   if (hist) {
+    // Just cleared (the usual first call of a step): the sum is written without reading the
+    // old counts, with non-temporal stores (no read for ownership either).
+    bool const fresh = hist->known_zero();
     std::int64_t* H = hist->data();
     std::int64_t const total = n * B;
     std::int64_t const chunks = std::min<std::int64_t>(total, 4 * backend.concurrency());
@@ -706,18 +769,25 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
       alignas(64) std::int64_t acc[tile];
       for (std::int64_t x0 = a; x0 < e; x0 += tile) {
         std::int64_t const len = std::min(tile, e - x0);
-        for (std::int64_t x = 0; x < len; ++x) acc[x] = H[x0 + x];
+        for (std::int64_t x = 0; x < len; ++x) acc[x] = fresh ? 0 : H[x0 + x];
         for (std::int64_t p = 0; p < parts; ++p) {
-          std::uint16_t const* K3_RESTRICT src = local_h[p]->data() + x0;
+          std::uint8_t const* K3_RESTRICT src = local_h[p]->data() + x0;
           for (std::int64_t x = 0; x < len; ++x) acc[x] += src[x];
-          if (!spill[p].empty()) {
-            std::int32_t const* K3_RESTRICT sp = spill[p].data() + x0;
-            for (std::int64_t x = 0; x < len; ++x) acc[x] += sp[x];
-          }
         }
+#if defined(__SSE2__) && defined(__x86_64__)
+        if (fresh) {
+          for (std::int64_t x = 0; x < len; ++x) _mm_stream_si64(reinterpret_cast<long long*>(H + x0 + x), acc[x]);
+          continue;
+        }
+#endif
         for (std::int64_t x = 0; x < len; ++x) H[x0 + x] = acc[x];
       }
+#if defined(__SSE2__) && defined(__x86_64__)
+      if (fresh) _mm_sfence();  // the streamed counts before the task's end is published
+#endif
     });
+    for (auto const& c : carries)
+      for (std::size_t x = 0; x < c.used; ++x) H[c.at[x]] += 256;
   }
 }
 
