@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 
 #include "moe/moe_test_util.hpp"
@@ -559,6 +560,56 @@ TEST_CASE("threads router: 8-bit per-thread counts carry exactly (a bin past 255
       std::int64_t top = 0;
       for (index_t x = 0; x < bins; ++x) top = std::max(top, ref(0, x));
       CHECK(top == 2 * mm);  // expert 0's margins did pile into one bin
+    }
+  }
+}
+
+TEST_CASE("threads router + fused histogram: random shapes, bins, masks, strides and thread counts, bit-identical to serial") {
+  // 60 random configurations: odd and tiny n, k up to n - 1, bin counts on both sides of the
+  // 16-bit bin buffer's limit (65536), rows with a padded stride, padding masks, a fresh or an
+  // already-touched histogram, 1-4 threads; two calls into the same histogram.
+  std::mt19937_64 g(20261130);
+  auto pick = [&](index_t lo, index_t hi) { return std::uniform_int_distribution<index_t>(lo, hi)(g); };
+  index_t const bin_choices[] = {1, 2, 7, 255, 1000, 65536, 65537};
+  for (int c = 0; c < 60; ++c) {
+    index_t const n = c % 7 == 0 ? 896 : c % 10 == 3 ? pick(2, 40) : pick(2, 200);
+    index_t const k = pick(1, std::min<index_t>(n - 1, 20));
+    index_t const m = c % 5 == 0 ? pick(1, 8) : pick(1, 700);
+    // n x bins int64 counts: keep them small; every 10th configuration on the per-token path
+    index_t const bins = c % 10 == 3 ? 65537 : bin_choices[pick(0, n <= 40 ? 6 : 4)];
+    index_t const ld = n + pick(0, 3);
+    int const nt = static_cast<int>(pick(1, 4));
+    bool const masked = pick(0, 1) == 1, touched = pick(0, 1) == 1;
+    CAPTURE(c);
+    CAPTURE(n);
+    CAPTURE(k);
+    CAPTURE(m);
+    CAPTURE(bins);
+    CAPTURE(ld);
+    CAPTURE(nt);
+    auto dense = skewed_scores(m, n, double(pick(0, 3)), std::uint64_t(1000 + c));
+    std::vector<float> s(static_cast<std::size_t>(m * ld), 7.f);  // padding never read
+    for (index_t i = 0; i < m; ++i)
+      for (index_t j = 0; j < n; ++j) s[i * ld + j] = dense[i * n + j];
+    k3::const_view<float, 2> sv(s.data(), {m, n}, {ld, 1});
+    auto b = uniform(n, -0.1, 0.1, std::uint64_t(2000 + c));
+    std::vector<std::uint8_t> mask(static_cast<std::size_t>(m), 1);
+    for (auto& x : mask) x = pick(0, 3) != 0;
+    k3::const_view<std::uint8_t, 1> mv = masked ? k3::const_view<std::uint8_t, 1>(mask.data(), {m}) : k3::const_view<std::uint8_t, 1>{};
+    moe::router_options opt;
+    opt.k = k;
+    routed r1(m, k, n), r2(m, k, n);
+    auto h1 = moe::qb_histogram::for_bias(cview(b), bins);
+    auto h2 = moe::qb_histogram::for_bias(cview(b), bins);
+    if (touched) (void)h2.data();
+    for (int call = 0; call < 2; ++call) {
+      moe::route(k3::cpu::serial{}, sv, cview(b), r1.out(), opt, mv, &h1);
+      moe::route(k3::cpu::threads<>(nt), sv, cview(b), r2.out(), opt, mv, &h2);
+      CHECK(r2.idx == r1.idx);
+      CHECK(std::memcmp(r2.w.data(), r1.w.data(), r1.w.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(r2.cut.data(), r1.cut.data(), r1.cut.size() * sizeof(float)) == 0);
+      CHECK(r2.load == r1.load);
+      CHECK(h2 == h1);
     }
   }
 }
