@@ -14,7 +14,6 @@
 #include <cmath>
 #include <type_traits>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
