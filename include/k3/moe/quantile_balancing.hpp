@@ -134,7 +134,10 @@ class qb_histogram {
   }
   // True only while every count is known to be 0: after construction, clear() or
   // reset_for_bias(), before any mutable access. The CPU scatter then writes its sum without
-  // reading the old counts (7 MB for K3 that need not be read).
+  // reading the old counts (7 MB for K3 that need not be read). As with std::vector::clear,
+  // clear() and reset_for_bias() end the use of pointers and views obtained before them for
+  // writing: take data(), counts() or (j, l) again (a write through an older one would not be
+  // seen by this flag, and the next CPU routing call would overwrite it).
   bool known_zero() const noexcept { return zero_; }
   bool same_geometry(qb_histogram const& o) const noexcept {
     return n_ == o.n_ && bins_ == o.bins_ && lo_ == o.lo_ && hi_ == o.hi_;
