@@ -583,8 +583,8 @@ inline void scatter_block(std::uint16_t const* K3_RESTRICT bins, index_t tokens,
 }
 
 // Row stride (uint16 elements) of the block buffer: a whole number of cache lines, odd, so that
-// the `block` lines one expert's loads touch spread over every L1 set (with n = 896 the plain
-// stride of 28 lines maps 128 tokens onto 16 sets and thrashes).
+// the lines that one expert's loads touch in a chunk spread over every L1 set (with n = 896 the plain
+// stride of 28 lines maps a chunk's 64 tokens onto 16 sets and thrashes).
 inline index_t block_stride(index_t n) {
   index_t lines = (n + 31) / 32;
   return 32 * (lines | 1);
