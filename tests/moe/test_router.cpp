@@ -71,6 +71,15 @@ void check_against_brute(B const& backend, index_t m, index_t n, index_t k, std:
   CHECK(r.load == load);
 }
 
+// Every output of two routing runs, bit for bit: indices, weights, cut-offs, loads, histogram.
+void check_bit_identical(routed const& got, moe::qb_histogram const& hgot, routed const& want, moe::qb_histogram const& hwant) {
+  CHECK(got.idx == want.idx);
+  CHECK(std::memcmp(got.w.data(), want.w.data(), want.w.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(got.cut.data(), want.cut.data(), want.cut.size() * sizeof(float)) == 0);
+  CHECK(got.load == want.load);
+  CHECK(hgot == hwant);
+}
+
 }  // namespace
 
 TEST_CASE("serial router matches a brute-force top-k with the documented tie-breaking") {
@@ -605,11 +614,7 @@ TEST_CASE("threads router + fused histogram: random shapes, bins, masks, strides
     for (int call = 0; call < 2; ++call) {
       moe::route(k3::cpu::serial{}, sv, cview(b), r1.out(), opt, mv, &h1);
       moe::route(k3::cpu::threads<>(nt), sv, cview(b), r2.out(), opt, mv, &h2);
-      CHECK(r2.idx == r1.idx);
-      CHECK(std::memcmp(r2.w.data(), r1.w.data(), r1.w.size() * sizeof(float)) == 0);
-      CHECK(std::memcmp(r2.cut.data(), r1.cut.data(), r1.cut.size() * sizeof(float)) == 0);
-      CHECK(r2.load == r1.load);
-      CHECK(h2 == h1);
+      check_bit_identical(r2, h2, r1, h1);
     }
   }
 }
@@ -686,11 +691,7 @@ TEST_CASE("threads router: tokens handed out in chunks from a shared counter, an
           auto h2 = moe::qb_histogram::for_bias(cview(b), 50);
           moe::route(thr, cview(s, m, n), cview(b), r2.out(), opt, mv, &h2);
           moe::route(thr, cview(s, m, n), cview(b), r2.out(), opt, mv, &h2);
-          CHECK(r2.idx == r1.idx);
-          CHECK(std::memcmp(r2.w.data(), r1.w.data(), r1.w.size() * sizeof(float)) == 0);
-          CHECK(std::memcmp(r2.cut.data(), r1.cut.data(), r1.cut.size() * sizeof(float)) == 0);
-          CHECK(r2.load == r1.load);
-          CHECK(h2 == h1);
+          check_bit_identical(r2, h2, r1, h1);
         }
       }
     }
