@@ -45,4 +45,42 @@ inline void prefetch_row_ahead(void const* row, void const* next_row, std::size_
   prefetch_span_l2(static_cast<char const*>(row) + static_cast<std::size_t>(c) * esize, static_cast<std::size_t>(n < d - c ? n : d - c) * esize);
 }
 
+// A stream of `rows` rows of row_bytes bytes, stride_bytes apart, prefetched into L2 a few
+// lines per step() over `steps` steps: for a loop that computes on one batch of rows while the
+// next one comes in (the MoE router prefetches its next chunk of scores during the histogram
+// scatter). Each line of each row once; steps past the end do nothing.
+class rows_ahead {
+ public:
+  rows_ahead() = default;
+  rows_ahead(void const* first, std::ptrdiff_t stride_bytes, std::size_t row_bytes, std::int64_t rows, std::int64_t steps) noexcept
+      : row_(static_cast<char const*>(first)), stride_(stride_bytes), row_bytes_(row_bytes), rows_(row_bytes ? rows : 0) {
+    if (rows_ > 0) start_row();
+    std::size_t const lines = (row_bytes + 127) / 64 * static_cast<std::size_t>(rows_);
+    per_step_ = steps > 0 ? (lines + static_cast<std::size_t>(steps) - 1) / static_cast<std::size_t>(steps) : lines;
+  }
+  void step() noexcept {
+    for (std::size_t k = 0; k < per_step_ && rows_ > 0; ++k) {
+      prefetch_l2(reinterpret_cast<void const*>(line_));
+      line_ += 64;
+      if (line_ > last_ && --rows_ > 0) {
+        row_ += stride_;
+        start_row();
+      }
+    }
+  }
+
+ private:
+  void start_row() noexcept {
+    std::uintptr_t const a = reinterpret_cast<std::uintptr_t>(row_);
+    line_ = a & ~std::uintptr_t{63};
+    last_ = (a + row_bytes_ - 1) & ~std::uintptr_t{63};
+  }
+  char const* row_ = nullptr;
+  std::ptrdiff_t stride_ = 0;
+  std::size_t row_bytes_ = 0;
+  std::int64_t rows_ = 0;
+  std::uintptr_t line_ = 0, last_ = 0;
+  std::size_t per_step_ = 0;
+};
+
 }  // namespace k3::detail

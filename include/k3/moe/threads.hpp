@@ -512,47 +512,10 @@ void bin_token_simd(float const* K3_RESTRICT s, float alpha, index_t n, float lo
   for (; j < n; ++j) out[j] = static_cast<std::uint16_t>(qb_bin(alpha - s[j], lo, inv_w, B));
 }
 
-// The score rows of the chunk a thread routes next, prefetched into L2 a few lines per step of
-// the current chunk's scatter: the scatter is compute-bound and the routing that follows it
-// then reads from L2 instead of waiting on DRAM (on a Xeon core the two otherwise add up).
-class rows_ahead {
- public:
-  rows_ahead() = default;
-  rows_ahead(void const* first, std::ptrdiff_t stride_bytes, std::size_t row_bytes, index_t rows, index_t steps) noexcept
-      : row_(static_cast<char const*>(first)), stride_(stride_bytes), row_bytes_(row_bytes), rows_(row_bytes ? rows : 0) {
-    if (rows_ > 0) start_row();
-    std::size_t const lines = (row_bytes + 127) / 64 * static_cast<std::size_t>(rows_);
-    per_step_ = steps > 0 ? (lines + static_cast<std::size_t>(steps) - 1) / static_cast<std::size_t>(steps) : lines;
-  }
-  K3_INLINE void step() noexcept {
-    for (std::size_t k = 0; k < per_step_ && rows_ > 0; ++k) {
-      k3::detail::prefetch_l2(reinterpret_cast<void const*>(line_));
-      line_ += 64;
-      if (line_ > last_ && --rows_ > 0) {
-        row_ += stride_;
-        start_row();
-      }
-    }
-  }
-
- private:
-  void start_row() noexcept {
-    std::uintptr_t const a = reinterpret_cast<std::uintptr_t>(row_);
-    line_ = a & ~std::uintptr_t{63};
-    last_ = (a + row_bytes_ - 1) & ~std::uintptr_t{63};
-  }
-  char const* row_ = nullptr;
-  std::ptrdiff_t stride_ = 0;
-  std::size_t row_bytes_ = 0;
-  index_t rows_ = 0;
-  std::uintptr_t line_ = 0, last_ = 0;
-  std::size_t per_step_ = 0;
-};
-
 // Bins of `tokens` tokens (row t at bins + t * ld) land expert by expert, four experts per
 // pass (four rows in flight; one 16-bit load per increment, no shifts).
 inline void scatter_block(std::uint16_t const* K3_RESTRICT bins, index_t tokens, index_t n, index_t ld, std::int32_t B,
-                          std::uint8_t* K3_RESTRICT h, count_carries& carries, rows_ahead& ahead) {
+                          std::uint8_t* K3_RESTRICT h, count_carries& carries, k3::detail::rows_ahead& ahead) {
   std::size_t const row = static_cast<std::size_t>(B);
   index_t j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -734,7 +697,7 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
       }
       if (in_block > 0) {
         index_t const next0 = std::min(m, c_next * chunk), next1 = std::min(m, (c_next + 1) * chunk);
-        rows_ahead ahead(&scores(std::min(next0, m - 1), 0), scores.stride(0) * static_cast<std::ptrdiff_t>(sizeof(float)),
+        k3::detail::rows_ahead ahead(&scores(std::min(next0, m - 1), 0), scores.stride(0) * static_cast<std::ptrdiff_t>(sizeof(float)),
                          static_cast<std::size_t>(n) * sizeof(float), next1 - next0, n / 4);
         scatter_block(bins.data(), in_block, n, bin_ld, B, h, carries[p], ahead);
         in_block = 0;
