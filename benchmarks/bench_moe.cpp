@@ -73,6 +73,12 @@ int main() {
   moe::route(backend, sv, bv, out, opt);
   full_sort();
   for (int rep = 0; rep < 9; ++rep) {
+    // The pass follows the full-sort baseline, ~0.3 s of compute with little memory traffic.
+    // The first memory-bound pass after such a stretch (or after 0.3 s asleep) ran at 12-16
+    // GB/s on the Xeon VM of 2026-11-30, the one right after it at 33-35: the memory side
+    // clocks down when idle and takes a pass's time to come back. Timed cold, the yardstick
+    // read low and flattered every ratio; one untimed pass first.
+    pass.gbps();
     p.push_back(pass.gbps());
     double c0 = cpu_now();
     double wr = seconds([&] { moe::route(backend, sv, bv, out, opt); });
