@@ -58,8 +58,10 @@ class rows_ahead {
     std::size_t const lines = (row_bytes + 127) / 64 * static_cast<std::size_t>(rows_);
     per_step_ = steps > 0 ? (lines + static_cast<std::size_t>(steps) - 1) / static_cast<std::size_t>(steps) : lines;
   }
-  void step() noexcept {
-    for (std::size_t k = 0; k < per_step_ && rows_ > 0; ++k) {
+  void step() noexcept { step(per_step_); }
+  // Up to `lines` more lines (all that are left: std::size_t(-1)).
+  void step(std::size_t lines) noexcept {
+    for (std::size_t k = 0; k < lines && rows_ > 0; ++k) {
       prefetch_l2(reinterpret_cast<void const*>(line_));
       line_ += 64;
       if (line_ > last_ && --rows_ > 0) {
