@@ -47,15 +47,24 @@ inline void prefetch_row_ahead(void const* row, void const* next_row, std::size_
 
 // A stream of `rows` rows of row_bytes bytes, stride_bytes apart, prefetched into L2 a few
 // lines per step() over `steps` steps: for a loop that computes on one batch of rows while the
-// next one comes in (the MoE router prefetches its next chunk of scores during the histogram
-// scatter). Each line of each row once; steps past the end do nothing.
+// next one comes in (the MoE router prefetches its next chunk of scores during its work on the
+// current one). Each line of each row once; steps past the end do nothing. step(lines) issues
+// a given number instead, and spread_over(steps) shares what is left over that many step()s.
 class rows_ahead {
  public:
   rows_ahead() = default;
   rows_ahead(void const* first, std::ptrdiff_t stride_bytes, std::size_t row_bytes, std::int64_t rows, std::int64_t steps) noexcept
       : row_(static_cast<char const*>(first)), stride_(stride_bytes), row_bytes_(row_bytes), rows_(row_bytes ? rows : 0) {
     if (rows_ > 0) start_row();
-    std::size_t const lines = (row_bytes + 127) / 64 * static_cast<std::size_t>(rows_);
+    spread_over(steps);
+  }
+  // Lines still to go (rows after the current one counted at the most a row can span).
+  std::size_t lines_left() const noexcept {
+    if (rows_ <= 0) return 0;
+    return static_cast<std::size_t>(rows_ - 1) * ((row_bytes_ + 127) / 64) + static_cast<std::size_t>((last_ - line_) / 64 + 1);
+  }
+  void spread_over(std::int64_t steps) noexcept {
+    std::size_t const lines = lines_left();
     per_step_ = steps > 0 ? (lines + static_cast<std::size_t>(steps) - 1) / static_cast<std::size_t>(steps) : lines;
   }
   void step() noexcept { step(per_step_); }

@@ -256,21 +256,32 @@ inline index_t mask_summary512(std::uint16_t const* masks, std::uint64_t& nz) {
 #endif
 }
 
+// Where a token's selection issues the lines of a prefetch stream (stream may be null):
+// `pass` lines per 64 scores of the candidate pass, `rank` per ranked candidate.
+struct select_prefetch {
+  k3::detail::rows_ahead* stream = nullptr;
+  std::size_t pass = 0, rank = 0;
+  K3_INLINE void in_pass() const noexcept {
+    if (stream) stream->step(pass);
+  }
+  K3_INLINE void in_rank() const noexcept {
+    if (stream) stream->step(rank);
+  }
+};
+
 // The candidate pass: the masks of z >= lo and z >= hi (lo <= hi), nothing else stored.
-// `ahead` (may be null): the next row's prefetch stream, three lines per 64 scores read; the
-// caller's ranking and the end of the token take the rest (see select_token512).
 // Finiteness rides along as an FMA accumulator z * 0 + acc (NaN iff some z is inf or NaN; a
 // finite s whose s + b overflows also lands there, and the general path then tells the two
 // apart), one per unrolled vector so that its latency chain stays short.
 inline bool mask_pass512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, float lo, float hi,
-                         std::uint16_t* K3_RESTRICT mlo, std::uint16_t* K3_RESTRICT mhi, k3::detail::rows_ahead* ahead = nullptr) {
+                         std::uint16_t* K3_RESTRICT mlo, std::uint16_t* K3_RESTRICT mhi, select_prefetch const& ahead = {}) {
   __m512 const vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi), zero = _mm512_setzero_ps();
   __m512 f0 = zero, f1 = zero, f2 = zero, f3 = zero;
   index_t const nw = n / 64;
   for (index_t q = 0; q < nw; ++q) {
     float const* K3_RESTRICT sq = s + 64 * q;
     float const* K3_RESTRICT bq = b + 64 * q;
-    if (ahead) ahead->step(3);
+    ahead.in_pass();
     __m512 const z0 = _mm512_add_ps(_mm512_loadu_ps(sq), _mm512_loadu_ps(bq));
     __m512 const z1 = _mm512_add_ps(_mm512_loadu_ps(sq + 16), _mm512_loadu_ps(bq + 16));
     __m512 const z2 = _mm512_add_ps(_mm512_loadu_ps(sq + 32), _mm512_loadu_ps(bq + 32));
@@ -289,7 +300,7 @@ inline bool mask_pass512(float const* K3_RESTRICT s, float const* K3_RESTRICT b,
     mhi[4 * q + 3] = _mm512_cmp_ps_mask(z3, vhi, _CMP_GE_OQ);
   }
   for (index_t j = 64 * nw; j < n; j += 16) {
-    if (ahead) ahead->step(1);
+    ahead.in_pass();
     __mmask16 const valid = static_cast<__mmask16>(_bzhi_u32(0xffffu, static_cast<unsigned>(std::min<index_t>(n - j, 16))));
     __m512 const z = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, s + j), _mm512_maskz_loadu_ps(valid, b + j));
     f0 = _mm512_fmadd_ps(z, zero, f0);
@@ -323,11 +334,10 @@ inline index_t extract512(float const* K3_RESTRICT s, float const* K3_RESTRICT b
 }
 
 // Ranks the c candidates (index order; lanes from c up to 16 NV hold -inf, which never
-// counts) into tz/tj in ranking order, one line of `ahead` (may be null) per candidate.
-// Returns false on a tie (two candidates with one rank).
+// counts) into tz/tj in ranking order. Returns false on a tie (two candidates with one rank).
 template <int NV>
 inline bool rank_candidates512(float const* K3_RESTRICT cz, std::int32_t const* K3_RESTRICT cj, index_t c, float* K3_RESTRICT tz,
-                               std::int32_t* K3_RESTRICT tj, k3::detail::rows_ahead* ahead) {
+                               std::int32_t* K3_RESTRICT tj, select_prefetch const& ahead) {
   __m512 zv[NV];
   for (int v = 0; v < NV; ++v) zv[v] = _mm512_load_ps(cz + 16 * v);
   std::uint64_t used = 0;
@@ -346,21 +356,17 @@ inline bool rank_candidates512(float const* K3_RESTRICT cz, std::int32_t const* 
     tz[r] = cz[a];
     tj[r] = cj[a];
     used |= std::uint64_t(1) << r;
-    if (ahead) ahead->step(1);
+    ahead.in_rank();
   }
   return used == _bzhi_u64(~std::uint64_t(0), static_cast<unsigned>(c));
 }
 
 // Returns false when the caller must use the general path (exact for any input, and the one
 // that reports non-finite scores). On success st.tz / st.tj hold the kk best in ranking order.
-// `ahead` (may be null) is the next row's prefetch stream: three quarters of its lines go out
-// during the candidate pass, one per candidate during the ranking, and the caller issues what
-// is left once the token is done. On the Xeon VM this routed 14-15 GB/s of scores from DRAM
-// against 11-13.5 with all four lines per 64 scores in the pass (same session, same pass
-// rate): prefetches issued faster than a core's memory stream drains them stall the pass that
-// issues them.
+// `ahead` spreads a prefetch stream over the pass and the ranking (the caller chooses how much
+// of it goes where; see route_threads_impl).
 inline bool select_token512(float const* K3_RESTRICT s, float const* K3_RESTRICT b, index_t n, index_t kk, select_state512& st,
-                            k3::detail::rows_ahead* ahead = nullptr) {
+                            select_prefetch const& ahead = {}) {
   if (!st.primed || n > 1024 || kk > 49) return false;
   float const g_lo = st.mean - 2.5f * st.dev - 1e-30f, g_hi = st.mean - 0.6f * st.dev;
   if (!mask_pass512(s, b, n, g_lo, g_hi, st.mlo, st.mhi, ahead)) return false;  // non-finite: the general path reports it
@@ -618,19 +624,35 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     // is the first bad token overall, whatever the thread count.
     // With a histogram, each chunk's tokens are binned as they are routed and scattered at the
     // chunk's end, and the next chunk is claimed one chunk early so that its rows can be
-    // prefetched during that scatter. A claimed chunk is routed even after another thread
-    // failed (only this thread's own bad token stops it, and that one precedes its claim).
+    // prefetched while this one is worked on. A claimed chunk is routed even after another
+    // thread failed (only this thread's own bad token stops it, and that one precedes its claim).
     auto claim = [&] { return failed.load(std::memory_order_relaxed) ? m : next_chunk.fetch_add(1, std::memory_order_relaxed); };
     for (index_t c = claim(), c_next; c * chunk < m; c = c_next) {
       c_next = claim();
       index_t const c1 = std::min(m, (c + 1) * chunk);
+      // The next chunk's rows (blocked histogram only). With the AVX-512 selection, a quarter
+      // of a row's worth of its lines goes out during each token's candidate pass (one line per
+      // 64 scores) and a seventh after its binning; the scatter spreads the rest over its expert
+      // groups. Measured on the Xeon VM against the whole stream in the scatter (which then
+      // stalled on its own L2 traffic): 6.25-6.60 vs 5.91-5.97 GB/s of scores; two lines per
+      // 64 scores, a line per ranked candidate as well, or 4, 16 or 24 lines after the binning
+      // were slower.
+      bool const chunk_stream = h != nullptr && blocked;
+      index_t const next0 = std::min(m, c_next * chunk), next1 = std::min(m, (c_next + 1) * chunk);
+      k3::detail::rows_ahead chunk_ahead(&scores(std::min(next0, m - 1), 0), scores.stride(0) * static_cast<std::ptrdiff_t>(sizeof(float)),
+                                         static_cast<std::size_t>(n) * sizeof(float), chunk_stream ? next1 - next0 : 0, 0);
+      std::size_t const row_lines = (static_cast<std::size_t>(n) * sizeof(float) + 63) / 64;
       for (index_t i = c * chunk; i < c1; ++i) {
         float const* s = &scores(i, 0);
-        // The next token's row into L2 while this one is ranked: on a Xeon core the hardware
-        // prefetchers alone left routing at ~0.85 ns/score from DRAM vs ~0.3 from cache. The
-        // AVX-512 selection spreads these prefetches over its work (select_token512); the other
-        // paths issue them here. After a chunk's last token, the next row this thread routes is
-        // the first of the chunk it has already claimed.
+        // Without the chunk stream, the next token's row into L2 while this one is ranked: on a
+        // Xeon core the hardware prefetchers alone left routing at ~0.85 ns/score from DRAM vs
+        // ~0.3 from cache. The AVX-512 selection spreads these prefetches over its work: three
+        // lines per 64 scores in the candidate pass, one per ranked candidate, the rest once
+        // the token is done. That routed 14-15 GB/s of scores from DRAM against 11-13.5 with
+        // all four lines per 64 scores in the pass (same runs): a prefetch issued faster than
+        // the core's memory stream drains them waits for a fill buffer, and the instructions
+        // behind it cannot retire. The other paths issue the row here. After a chunk's last
+        // token, the next row this thread routes is the first of the chunk it has claimed.
         index_t const i_next = i + 1 < c1 ? i + 1 : c_next * chunk;
         float const* const next_row = i_next < m ? &scores(i_next, 0) : nullptr;
         if (next_row && !select512) k3::detail::prefetch_span_l2(next_row, static_cast<std::size_t>(n) * sizeof(float));
@@ -641,9 +663,14 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
         if (fast) {
 #if defined(K3_MOE_SELECT512)
           if (select512) {
-            k3::detail::rows_ahead row_ahead(next_row, 0, next_row ? static_cast<std::size_t>(n) * sizeof(float) : 0, 1, 0);
-            bool const ranked = select_token512(s, bvec.data(), n, kk, *st512, &row_ahead);
-            row_ahead.step(std::size_t(-1));  // what the pass and the ranking left
+            bool ranked;
+            if (chunk_stream) {
+              ranked = select_token512(s, bvec.data(), n, kk, *st512, {&chunk_ahead, 1, 0});
+            } else {
+              k3::detail::rows_ahead row_ahead(next_row, 0, next_row ? static_cast<std::size_t>(n) * sizeof(float) : 0, 1, 0);
+              ranked = select_token512(s, bvec.data(), n, kk, *st512, {&row_ahead, 3, 1});
+              row_ahead.step(std::size_t(-1));  // what the pass and the ranking left
+            }
             if (!ranked) {
               if (!select_token_simd<Arch>(s, bvec.data(), n, kk, best.data(), st)) {
                 bad_token[p] = i;
@@ -700,16 +727,15 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
           if (blocked) {
             bin_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, bins.data() + in_block * bin_ld);
             ++in_block;
+            if (select512) chunk_ahead.step((row_lines + 6) / 7);
           } else {
             scatter_token_simd<Arch>(s, alpha, n, hist->lo(), hist->inv_width(), B, h, carries[p]);
           }
         }
       }
       if (in_block > 0) {
-        index_t const next0 = std::min(m, c_next * chunk), next1 = std::min(m, (c_next + 1) * chunk);
-        k3::detail::rows_ahead ahead(&scores(std::min(next0, m - 1), 0), scores.stride(0) * static_cast<std::ptrdiff_t>(sizeof(float)),
-                         static_cast<std::size_t>(n) * sizeof(float), next1 - next0, n / 4);
-        scatter_block(bins.data(), in_block, n, bin_ld, B, h, carries[p], ahead);
+        chunk_ahead.spread_over(n / 4);
+        scatter_block(bins.data(), in_block, n, bin_ld, B, h, carries[p], chunk_ahead);
         in_block = 0;
       }
     }
