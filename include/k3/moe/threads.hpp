@@ -655,7 +655,7 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
         // token, the next row this thread routes is the first of the chunk it has claimed.
         index_t const i_next = i + 1 < c1 ? i + 1 : c_next * chunk;
         float const* const next_row = i_next < m ? &scores(i_next, 0) : nullptr;
-        if (next_row && !select512) k3::detail::prefetch_span_l2(next_row, static_cast<std::size_t>(n) * sizeof(float));
+        if (next_row && !select512 && !chunk_stream) k3::detail::prefetch_span_l2(next_row, static_cast<std::size_t>(n) * sizeof(float));
 #if defined(K3_MOE_SELECT512)
         float const* rz = nullptr;  // the AVX-512 path's ranked k+1 best (else `best`)
         std::int32_t const* rj = nullptr;
