@@ -395,6 +395,25 @@ TEST_CASE("threads router: one token, and margins exactly on histogram bin edges
   check_threads_vs_serial(s, b, m, n, k, bins);
 }
 
+TEST_CASE("threads router: margins far outside the histogram bounds clamp to the end bins like qb_bin") {
+  // Finite scores outside (0, 1) put margins below lo and above hi, some so large that the
+  // scaled margin overflows to +-inf or past INT_MIN: the SIMD binning (upper clamp in float,
+  // floor in the conversion, lower clamp by saturation) must give qb_bin's end bins. Widths
+  // with and without a whole 32 experts (the paired layout) and a partial tail.
+  for (index_t n : {5, 32, 33, 37, 64, 96, 127, 896}) {
+    for (index_t bins : {1, 7, 1000, 65536}) {
+      CAPTURE(n);
+      CAPTURE(bins);
+      index_t const m = 40, k = std::min<index_t>(3, n - 1);
+      auto s = uniform(m * n, -5, 6, std::uint64_t(n * 7 + bins));
+      float const wild[] = {1e30f, -1e30f, 3e38f, -3e38f, 1e-45f, -1e-45f, 2.5e9f, -2.5e9f, 0.f, 1.f};
+      for (index_t x = 0; x < m * n; x += 3) s[x] = wild[(x / 3) % 10];
+      auto b = uniform(n, -0.1, 0.1, std::uint64_t(n + bins));
+      check_threads_vs_serial(s, b, m, n, k, bins);
+    }
+  }
+}
+
 namespace {
 
 // The one-thread router's error for skewed scores (m x n, seeds s_seed / b_seed) with v at
