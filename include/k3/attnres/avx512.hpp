@@ -32,6 +32,7 @@
 
 #include "k3/attnres/simd_ops.hpp"
 #include "k3/backend/cpu/simd.hpp"
+#include "k3/core/cpu_info.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/prefetch.hpp"
 #include "k3/core/tensor_view.hpp"
@@ -55,14 +56,16 @@ inline constexpr bool avx512_kernels =
     false;
 #endif
 
-// Outputs from this size on are written with streaming stores. Once an output is well past
-// the cores' private caches, a cached store to a line that is not present first reads it (read
-// for ownership), a read of every line of a write-only array; a streaming store skips it. A
-// large last-level cache could still hand such an array to its next reader, but the saved read
-// was worth more where we measured: on the Xeon VM (2 MB L2 per core) phase 2's h of 58.7 MB
-// (K3, T = 4096) took phase 2 from 0.208-0.215 s to 0.174-0.187 s when streamed (the old
-// threshold, 64 MiB, kept it cached). (A variable so that tests can force either path.)
-inline std::size_t stream_threshold_bytes = std::size_t(16) << 20;
+// Outputs from this size on are written with streaming stores. A cached store to a line that is
+// not present first reads it (read for ownership): a read of every line of a write-only array,
+// which a streaming store skips, at the price of the cache a next reader might have found it
+// in. Where to switch was measured per vendor (as for the quant kernels, core/cpu_info.hpp):
+//  * Xeon VM (2 MB L2 per core): 16 MiB. Phase 2's h of 58.7 MB (K3, T = 4096) took phase 2
+//    from 0.208-0.215 s to 0.174-0.187 s when streamed.
+//  * AMD Zen 4 VM (32 MB L3) and others: 64 MiB, far past the last-level cache.
+// (A variable so that tests can force either path.)
+inline std::size_t stream_threshold_bytes =
+    k3::detail::host_cpu_vendor() == k3::detail::cpu_vendor::intel ? std::size_t(16) << 20 : std::size_t(64) << 20;
 
 #if K3_ATTNRES_AVX512
 
