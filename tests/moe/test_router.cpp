@@ -638,6 +638,27 @@ TEST_CASE("threads router + fused histogram: random shapes, bins, masks, strides
   }
 }
 
+TEST_CASE("threads router + fused histogram: more private histograms than the merge's 16-bit sums hold (300 threads)") {
+  // The merge adds the threads' 8-bit counts in 16-bit lanes when at most 257 of them are
+  // summed; with more it takes the scalar path. Every count is exact either way, onto a fresh
+  // histogram and onto one that already holds counts. One bin and about 255 tokens per thread,
+  // so that the private 8-bit counts wrap and carry as well.
+  index_t const m = 300 * 255, n = 2, k = 1, bins = 1;
+  auto s = skewed_scores(m, n, 1.0, 77);
+  auto b = uniform(n, -0.1, 0.1, 78);
+  moe::router_options opt;
+  opt.k = k;
+  routed r1(m, k, n), r2(m, k, n);
+  auto h1 = moe::qb_histogram::for_bias(cview(b), bins), h2 = h1;
+  k3::cpu::threads<> many(300);
+  REQUIRE(many.concurrency() == 300);  // 300 private histograms (m >= 300 tokens)
+  for (int call = 0; call < 2; ++call) {
+    moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, {}, &h1);
+    moe::route(many, cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
+    check_bit_identical(r2, h2, r1, h1);
+  }
+}
+
 TEST_CASE("qb_histogram::known_zero tracks every way the counts can change") {
   std::vector<float> b{-0.1f, 0.f, 0.2f};
   auto h = moe::qb_histogram::for_bias(cview(b), 10);
