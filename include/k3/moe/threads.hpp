@@ -470,9 +470,22 @@ struct alignas(64) count_carries {
   }
 };
 
+// On x86-64 the increment is one indexed `incb` and the branch on its zero flag; the carry's
+// index is formed only on the (rare) wrap path. From the plain C++ g++ 12 emits a `lea` of the
+// address before each `incb` (it keeps the address for the carry path): one more micro-op per
+// increment, in the loop that bounds routing + histogram. Measured on the Xeon VM: 0.36-0.37
+// -> 0.32-0.33 ns per increment in isolation; routing + histogram 8.72-8.93 -> 9.01-9.47 GB/s
+// (in-process, alternated).
 K3_INLINE void bump(std::uint8_t* K3_RESTRICT row, std::size_t row_at, std::size_t bin, std::size_t*& carry) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  asm goto("incb (%0,%1)\n\tje %l[wrapped]" : : "r"(row), "r"(bin) : "memory", "cc" : wrapped);
+  return;
+wrapped:
+  *carry++ = row_at + bin;
+#else
   if (++row[bin] == 0) [[unlikely]]
     *carry++ = row_at + bin;
+#endif
 }
 
 // Adds one token's margins alpha - s_j to the private 8-bit histogram [n][B] (the path for
