@@ -852,8 +852,8 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
       out.load(j) = c;
     }
   if (hist) {
-    // Just cleared (the usual first call of a step): the sum is written without reading the
-    // old counts, with non-temporal stores (no read for ownership either).
+    // Just cleared (the usual first call of a step): merge_counts writes the sum without
+    // reading the old counts.
     bool const fresh = hist->known_zero();
     std::int64_t* H = hist->data();
     std::int64_t const total = n * B;
