@@ -16,7 +16,6 @@ target_link_libraries(k3_cuda INTERFACE k3 CUDA::cudart)
 target_compile_definitions(k3_cuda INTERFACE K3_HAS_CUDA_BACKEND=1)
 # CMake 3.25.1 does not know cuda_std_20 for nvcc: pass the flag by hand.
 target_compile_options(k3_cuda INTERFACE "$<$<COMPILE_LANG_AND_ID:CUDA,NVIDIA>:-std=c++20;--extended-lambda>")
-target_sources(k3_cuda INTERFACE FILE_SET HEADERS BASE_DIRS include FILES ${K3_CUDA_HEADERS})
 
 # k3::nccl (the NCCL communicator, k3/comm/nccl.cuh): only when NCCL's header and library
 # are found (the CUDA 13 toolkit image here ships both under the toolkit root).

@@ -21,18 +21,35 @@ endfunction()
 # doctest_discover_tests flattens list-valued PROPERTIES ("cpu;compile" would become LABELS
 # cpu plus a bogus property), so labels are set by a script run after discovery.
 function(k3_discover_labelled_tests name labels timeout)
-  doctest_discover_tests(${name} TEST_LIST ${name}_TESTS PROPERTIES TIMEOUT ${timeout})
+  set(env "${ARGN}")  # optional: one VAR=value for every test
+  if(env)
+    doctest_discover_tests(${name} TEST_LIST ${name}_TESTS PROPERTIES TIMEOUT ${timeout} ENVIRONMENT "${env}")
+  else()
+    doctest_discover_tests(${name} TEST_LIST ${name}_TESTS PROPERTIES TIMEOUT ${timeout})
+  endif()
   set(labels_script ${CMAKE_CURRENT_BINARY_DIR}/${name}_labels.cmake)
   file(WRITE ${labels_script}
        "if(${name}_TESTS)\n  set_tests_properties(\${${name}_TESTS} PROPERTIES LABELS \"${labels}\")\nendif()\n")
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${labels_script})
 endfunction()
 
-# k3_add_gpu_test(<name> <source.cu>): builds everywhere nvcc exists; exits 77 (skipped)
-# when no GPU is present.
+# k3_add_gpu_test(<name> <source.cu> [SOURCES extra...] [LINK libs...]): one CUDA test source,
+# compiled two ways. Everywhere: by the host compiler against k3's SIMT host runtime, as
+# <name>_emulated (ctest label cuda-emulated; each TEST_CASE its own ctest test). Where nvcc is
+# (K3_ENABLE_CUDA): by nvcc as <name> (labels gpu and cuda), which exits 77 (skipped) without a GPU.
 function(k3_add_gpu_test name source)
-  cmake_parse_arguments(arg "" "" "LINK" ${ARGN})
-  add_executable(${name} ${source})
+  cmake_parse_arguments(arg "" "" "LINK;SOURCES" ${ARGN})
+  get_filename_component(abs_source ${source} ABSOLUTE)
+  set(wrapper ${CMAKE_CURRENT_BINARY_DIR}/${name}_emulated.cpp)
+  file(GENERATE OUTPUT ${wrapper} CONTENT "#include \"${abs_source}\"\n")
+  add_executable(${name}_emulated ${wrapper} ${arg_SOURCES})
+  target_link_libraries(${name}_emulated PRIVATE k3::simt k3_emulated_test_main k3_project_options ${arg_LINK})
+  target_include_directories(${name}_emulated PRIVATE ${PROJECT_SOURCE_DIR}/tests ${CMAKE_CURRENT_SOURCE_DIR})
+  k3_discover_labelled_tests(${name}_emulated "cuda-emulated" 900 K3_SIMT_LAUNCH_LOG=${PROJECT_BINARY_DIR}/simt_launches.txt)
+  if(NOT K3_ENABLE_CUDA)
+    return()
+  endif()
+  add_executable(${name} ${source} ${arg_SOURCES})
   target_link_libraries(${name} PRIVATE k3::cuda k3_gpu_test_main ${arg_LINK})
   if(K3_WARNINGS_AS_ERRORS)
     target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--Werror=all-warnings>)

@@ -1,12 +1,9 @@
 // GPU tests of the KDA CUDA kernels (k3/kda/cuda/*.cuh) against a float64 serial reference
 // written here: chunked forward and backward on random shapes (T not a multiple of 64,
 // T = 1, GVA, varlen with empty and short sequences, hard resets), bfloat16 storage, the
-// decode step on a slot-addressed pool, decode after a chunked prefill, bad input.
-// Exits 77 (skipped) without a GPU.
-//
-// Included by a generated .cpp with K3_KDA_REF_SELFTEST defined (see preprocess.cmake), it
-// builds as plain C++ and checks only the float64 reference's backward against finite
-// differences: the oracle itself is tested on every build, GPU or not.
+// decode step on a slot-addressed pool, decode after a chunked prefill, bad input. Runs on a
+// GPU (nvcc) and on the SIMT host runtime (every build); the float64 oracle itself is checked
+// against finite differences.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -19,11 +16,9 @@
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/kda/cuda/validate.hpp"
 
-#ifndef K3_KDA_REF_SELFTEST
 #include "k3/kda/cuda/kda.cuh"
 K3_KDA_CUDA_INSTANTIATE(float)
 K3_KDA_CUDA_INSTANTIATE(k3::bfloat16)
-#endif
 
 namespace {
 
@@ -325,8 +320,6 @@ TEST_CASE("launcher checks reject an output over an input or another output, nam
   CHECK(names(err(d2), "state", "q"));
 }
 
-#ifndef K3_KDA_REF_SELFTEST
-
 namespace {
 
 namespace kc = k3::kda::cuda;
@@ -587,5 +580,3 @@ TEST_CASE("bad input gets a k3::error naming the argument") {
   d.P = 1;
   CHECK_THROWS_WITH_AS(kc::decode(d, nullptr), doctest::Contains("'state'"), k3::error);
 }
-
-#endif  // K3_KDA_REF_SELFTEST

@@ -34,15 +34,15 @@ __device__ __forceinline__ void st(k3::bfloat16& o, float v) {
 template <int NV>
 __device__ __forceinline__ void block_sum(float (&v)[NV], float* red) {
   int const lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
+K3_UNROLL
   for (int i = 0; i < NV; ++i)
     for (int o = 16; o > 0; o >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
   __syncthreads();
   if (lane == 0)
-#pragma unroll
+K3_UNROLL
     for (int i = 0; i < NV; ++i) red[i * 32 + warp] = v[i];
   __syncthreads();
-#pragma unroll
+K3_UNROLL
   for (int i = 0; i < NV; ++i) {
     float s = 0;
     for (int w = 0; w < warps; ++w) s += red[i * 32 + w];
@@ -180,12 +180,12 @@ K3_KERNEL void phase1_kernel(S const* bank, float const* rinv, index_t n, index_
   index_t const t = blockIdx.x;
   for (index_t l = 0; l < nq; ++l) {
     float acc[max_sources];
-#pragma unroll
+K3_UNROLL
     for (int j = 0; j < int(max_sources); ++j) acc[j] = 0.f;
     float const* ul = u + l * d;
     for (index_t k = threadIdx.x; k < d; k += blockDim.x) {
       float const uk = ul[k];
-#pragma unroll
+K3_UNROLL
       for (int j = 0; j < int(max_sources); ++j)
         if (j < n) acc[j] += uk * ld(bank[(j * T + t) * d + k]);
     }
@@ -268,7 +268,7 @@ void mix_forward(S const* bank, index_t n, S const* partial, index_t T, index_t 
                                     f("u", detail::flat(u, d));
                                   });
   if (T == 0) return;
-  detail::mix_forward_kernel<S><<<unsigned(T), detail::threads, 0, stream>>>(bank, n, partial, T, d, u, eps, h);
+  ::k3::cuda::launch_kernel(detail::mix_forward_kernel<S>, {unsigned(T), detail::threads, 0, stream}, bank, n, partial, T, d, u, eps, h);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -295,10 +295,10 @@ void mix_backward(S const* bank, index_t n, S const* partial, index_t T, index_t
       });
   // u = g * w lives in dgain's buffer until the last kernel overwrites it with the gradient.
   unsigned const blocks_d = unsigned((d + 255) / 256);
-  detail::fold_query_kernel<><<<blocks_d, 256, 0, stream>>>(w, gain, d, dgain);
+  ::k3::cuda::launch_kernel(detail::fold_query_kernel<>, {blocks_d, 256, 0, stream}, w, gain, d, dgain);
   K3_CUDA_CHECK(cudaMemsetAsync(du_workspace, 0, std::size_t(d) * sizeof(float), stream));
-  if (T > 0) detail::mix_backward_kernel<S><<<unsigned(T), detail::threads, 0, stream>>>(bank, n, partial, T, d, dgain, eps, dh, dbank, dpartial, du_workspace);
-  detail::fold_grads_kernel<><<<blocks_d, 256, 0, stream>>>(du_workspace, w, gain, d, dw, dgain);
+  if (T > 0) ::k3::cuda::launch_kernel(detail::mix_backward_kernel<S>, {unsigned(T), detail::threads, 0, stream}, bank, n, partial, T, d, dgain, eps, dh, dbank, dpartial, du_workspace);
+  ::k3::cuda::launch_kernel(detail::fold_grads_kernel<>, {blocks_d, 256, 0, stream}, du_workspace, w, gain, d, dw, dgain);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -307,7 +307,7 @@ void block_rinv(S const* block, index_t T, index_t d, float eps, float* rinv, st
   detail::check_sizes("attnres::block_rinv", 1, T, d);
   k3::detail::check_outputs_apart([&](auto&& f) { f("rinv", detail::flat(rinv, T)); }, [&](auto&& f) { f("block", detail::flat(block, T * d)); });
   if (T == 0) return;
-  detail::block_rinv_kernel<S><<<unsigned(T), detail::threads, 0, stream>>>(block, d, eps, rinv);
+  ::k3::cuda::launch_kernel(detail::block_rinv_kernel<S>, {unsigned(T), detail::threads, 0, stream}, block, d, eps, rinv);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -327,7 +327,7 @@ void phase1(S const* bank, float const* rinv, index_t n, index_t T, index_t d, f
         f("u", detail::flat(u, nq * d));
       });
   if (T == 0 || nq == 0) return;
-  detail::phase1_kernel<S><<<unsigned(T), detail::threads, 0, stream>>>(bank, rinv, n, T, d, u, nq, o, lse);
+  ::k3::cuda::launch_kernel(detail::phase1_kernel<S>, {unsigned(T), detail::threads, 0, stream}, bank, rinv, n, T, d, u, nq, o, lse);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -347,7 +347,7 @@ void phase2_add(S const* o, float const* lse, S* prefix, S const* delta, float c
         f("u", detail::flat(u, d));
       });
   if (T == 0) return;
-  detail::phase2_add_kernel<S><<<unsigned(T), detail::threads, 0, stream>>>(o, lse, prefix, delta, u, d, eps, h);
+  ::k3::cuda::launch_kernel(detail::phase2_add_kernel<S>, {unsigned(T), detail::threads, 0, stream}, o, lse, prefix, delta, u, d, eps, h);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -23,6 +23,18 @@
 #define K3_DEVICE
 #define K3_HOST
 #define K3_INLINE inline
+#if defined(K3_SIMT_RUNTIME)
+// A kernel compiled by a host compiler for k3's SIMT runtime (k3/backend/simt/) is a plain
+// function; inline, as kernels are defined in headers.
+#define K3_KERNEL inline
+#endif
+#endif
+
+// Unrolling hints for kernel loops: nvcc's pragma, nothing for host compilers.
+#if defined(K3_CUDA_COMPILER)
+#define K3_UNROLL _Pragma("unroll")
+#else
+#define K3_UNROLL
 #endif
 
 // Namespace-scope constants (CPO objects, tables) usable from kernels.

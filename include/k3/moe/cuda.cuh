@@ -30,7 +30,7 @@ __device__ __forceinline__ void keep_better(float& v, int& i, float w, int j) {
 // A template so that the header can be included by several TUs of one program.
 template <class Score>
 K3_KERNEL void route_kernel(route_args a) {
-  extern __shared__ unsigned char smem_raw[];
+  K3_DYNAMIC_SHARED(unsigned char, smem_raw);
   int const n = static_cast<int>(a.n), k = static_cast<int>(a.k);
   float* z = reinterpret_cast<float*>(smem_raw);          // [n]
   float* top_z = z + n;                                     // [k + 1]
@@ -132,7 +132,7 @@ void route_launch(route_args const& a, CUstream_st* stream) {
   if (smem > 48 * 1024)
     K3_CUDA_CHECK(cudaFuncSetAttribute(detail::route_kernel<Score>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   unsigned const grid = static_cast<unsigned>(a.m < 65535 * 8 ? a.m : 65535 * 8);
-  detail::route_kernel<Score><<<grid, detail::route_threads, smem, stream>>>(a);
+  ::k3::cuda::launch_kernel(detail::route_kernel<Score>, {grid, detail::route_threads, smem, stream}, a);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 

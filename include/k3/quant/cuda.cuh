@@ -189,7 +189,7 @@ void fp8_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<float, 2>
   detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
   dim3 grid(static_cast<unsigned>(s.extent(1)), static_cast<unsigned>(s.extent(0)));
-  kernels::fp8_quantize<T><<<grid, 256, 0, stream>>>(x, q, s, t, fmt);
+  ::k3::cuda::launch_kernel(kernels::fp8_quantize<T>, {grid, 256, 0, stream}, x, q, s, t, fmt);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -202,7 +202,7 @@ inline void fp8_dequantize(dview<std::uint8_t const, 2> q, dview<float const, 2>
   detail::check_2d("y", y);
   detail::check_dequantize_output(y, q, s);
   if (y.size() == 0) return;
-  kernels::fp8_dequantize<><<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, y, t);
+  ::k3::cuda::launch_kernel(kernels::fp8_dequantize<>, {launch_detail::grid_for(y.size(), 256), 256, 0, stream}, q, s, y, t);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -219,7 +219,7 @@ void mx_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::uint8
   if (x.size() == 0) return;
   index_t const threads = m * k;  // one lane per element
   visit(e, [&]<class F>(F) {
-    kernels::mx_quantize<F, T><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(x, q, s, rule);
+    ::k3::cuda::launch_kernel(kernels::mx_quantize<F, T>, {static_cast<unsigned>((threads + 255) / 256), 256, 0, stream}, x, q, s, rule);
   });
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -235,7 +235,7 @@ inline void mx_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t con
   detail::check_2d("y", y);
   detail::check_dequantize_output(y, q, s);
   if (y.size() == 0) return;
-  visit(e, [&]<class F>(F) { kernels::mx_dequantize<F><<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, y); });
+  visit(e, [&]<class F>(F) { ::k3::cuda::launch_kernel(kernels::mx_dequantize<F>, {launch_detail::grid_for(y.size(), 256), 256, 0, stream}, q, s, y); });
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -251,7 +251,7 @@ void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::ui
   detail::check_2d("s", s);
   detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
-  kernels::nvfp4_quantize<T><<<static_cast<unsigned>((m * k + 255) / 256), 256, 0, stream>>>(x, q, s, g);
+  ::k3::cuda::launch_kernel(kernels::nvfp4_quantize<T>, {static_cast<unsigned>((m * k + 255) / 256), 256, 0, stream}, x, q, s, g);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -267,7 +267,7 @@ inline void nvfp4_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t 
   detail::check_2d("y", y);
   detail::check_dequantize_output(y, q, s);
   if (y.size() == 0) return;
-  kernels::nvfp4_dequantize<><<<launch_detail::grid_for(y.size(), 256), 256, 0, stream>>>(q, s, g, y);
+  ::k3::cuda::launch_kernel(kernels::nvfp4_dequantize<>, {launch_detail::grid_for(y.size(), 256), 256, 0, stream}, q, s, g, y);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -278,7 +278,7 @@ float nvfp4_tensor_scale(dview<T const, 2> x, CUstream_st* stream) {
   std::uint32_t* d = nullptr;
   K3_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&d), sizeof(std::uint32_t), stream));
   K3_CUDA_CHECK(cudaMemsetAsync(d, 0, sizeof(std::uint32_t), stream));
-  kernels::finite_amax<T><<<launch_detail::grid_for(x.size(), 256), 256, 0, stream>>>(x, d);
+  ::k3::cuda::launch_kernel(kernels::finite_amax<T>, {launch_detail::grid_for(x.size(), 256), 256, 0, stream}, x, d);
   K3_CUDA_CHECK(cudaGetLastError());
   std::uint32_t h = 0;
   K3_CUDA_CHECK(cudaMemcpyAsync(&h, d, sizeof(h), cudaMemcpyDeviceToHost, stream));
@@ -303,7 +303,7 @@ inline void fp8_block_gemm(dview<std::uint8_t const, 2> qa, dview<float const, 2
   detail::check_gemm_output(c, qa, sa, qb, sb);
   if (c.size() == 0) return;
   dim3 grid(static_cast<unsigned>(detail::ceil_div(n, kernels::gemm_tile)), static_cast<unsigned>(detail::ceil_div(m, kernels::gemm_tile)));
-  kernels::fp8_block_gemm<><<<grid, dim3(kernels::gemm_tile, kernels::gemm_tile), 0, stream>>>(qa, sa, qb, sb, c);
+  ::k3::cuda::launch_kernel(kernels::fp8_block_gemm<>, {grid, dim3(kernels::gemm_tile, kernels::gemm_tile), 0, stream}, qa, sa, qb, sb, c);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -64,7 +64,7 @@ struct axpby_fn {
 // Each block sums its grid-stride share into partial[blockIdx.x] through shared memory.
 // (Outside the anonymous namespace: hidden visibility needs external linkage.)
 K3_KERNEL void block_sum_kernel(tensor_view<float const, 1, cuda_device_space> x, float* partial) {
-  extern __shared__ float smem[];
+  K3_DYNAMIC_SHARED(float, smem);
   float s = 0.f;
   for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < x.extent(0);
        i += static_cast<index_t>(gridDim.x) * blockDim.x)

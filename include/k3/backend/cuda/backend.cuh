@@ -63,14 +63,18 @@ class device_guard {
 
 // Instantiated with functors from anonymous namespaces too, where hidden visibility is
 // meaningless (nvcc warns 1407); the kernel stays hidden whenever its functor is external.
+#if defined(__CUDACC__)
 #pragma nv_diag_push
 #pragma nv_diag_suppress 1407
+#endif
 template <class F>
 K3_KERNEL void for_each_kernel(std::int64_t begin, std::int64_t n, F f) {
   std::int64_t const step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) f(begin + i);
 }
+#if defined(__CUDACC__)
 #pragma nv_diag_pop
+#endif
 
 // Row-major unravel of a flat index over `ext`.
 template <std::size_t Rank>
@@ -204,7 +208,7 @@ class stream_backend {
     std::int64_t blocks = (n + block_size - 1) / block_size;
     if (blocks > max_blocks) blocks = max_blocks;  // grid-stride loop covers the rest
     detail::device_guard g(device_);
-    detail::for_each_kernel<Fn><<<static_cast<unsigned>(blocks), block_size, 0, stream_>>>(begin, n, Fn(std::forward<F>(f)));
+    ::k3::cuda::launch_kernel(detail::for_each_kernel<Fn>, {static_cast<unsigned>(blocks), block_size, 0, stream_}, begin, n, Fn(std::forward<F>(f)));
     K3_CUDA_CHECK(cudaGetLastError());
   }
 
@@ -214,7 +218,7 @@ class stream_backend {
     K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
-  // kernel<<<grid, block, shared_bytes, stream()>>>(args...), with the launch error checked.
+  // kernel<<<grid, block, shared_bytes, stream()>>>(args...) (through launch_kernel), with the launch error checked.
   template <class... Params, class... Args>
   void launch(dim3 grid, dim3 block, std::size_t shared_bytes, void (*kernel)(Params...), Args&&... args) const {
     static_assert(sizeof...(Params) == sizeof...(Args), "launch: argument count does not match the kernel");
@@ -225,7 +229,7 @@ class stream_backend {
              std::to_string(block.y) + ", " + std::to_string(block.z) + "]";
     });
     detail::device_guard g(device_);
-    kernel<<<grid, block, shared_bytes, stream_>>>(static_cast<Params>(std::forward<Args>(args))...);
+    ::k3::cuda::launch_kernel(kernel, {grid, block, shared_bytes, stream_}, std::forward<Args>(args)...);
     K3_CUDA_CHECK(cudaGetLastError());
   }
   template <class... Params, class... Args>

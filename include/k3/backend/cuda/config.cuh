@@ -1,12 +1,21 @@
-// k3/backend/cuda/config.cuh — the CUDA side's common ground. Needs nvcc: .cuh files are
-// reachable only through the k3::cuda target and refuse host compilers.
+// k3/backend/cuda/config.cuh — the CUDA side's common ground: the runtime (CUDA's under nvcc,
+// k3's SIMT host runtime under a host compiler with K3_SIMT_RUNTIME, see
+// k3/backend/simt/cuda_api.hpp), errors, and the one way k3 launches a kernel.
 #pragma once
-#if !defined(__CUDACC__)
-#error "k3/backend/cuda/*.cuh needs a CUDA compiler; link k3::cuda and compile this file as CUDA"
-#endif
+#if defined(K3_SIMT_RUNTIME) && !defined(__CUDACC__)
+#include "k3/backend/simt/cuda_api.hpp"
+#elif defined(__CUDACC__)
 #include <cuda_runtime.h>
+#else
+#error "k3/backend/cuda/*.cuh needs a CUDA compiler (link k3::cuda, compile as CUDA) or k3's SIMT host runtime (link k3::simt)"
+#endif
 
+#include <cstddef>
 #include <string>
+#include <utility>
+#if defined(K3_SIMT_RUNTIME)
+#include <source_location>
+#endif
 
 #include "k3/core/config.hpp"
 #include "k3/core/error.hpp"
@@ -29,6 +38,37 @@ inline void check(cudaError_t e, char const* what) {
   if (e != cudaSuccess) throw cuda_error(e, what);
 }
 
+// Where and how a kernel runs: kernel<<<grid, block, shared_bytes, stream>>>.
+struct kernel_launch {
+  dim3 grid;
+  dim3 block;
+  std::size_t shared_bytes = 0;
+  cudaStream_t stream = nullptr;
+#if defined(K3_SIMT_RUNTIME)
+  std::source_location site = std::source_location::current();  // names the kernel in the runtime's reports
+#endif
+};
+
+// The one launch statement of k3's kernels, so that the same source compiles under nvcc and
+// under the SIMT host runtime. Errors are reported as for <<<...>>>: by cudaGetLastError().
+template <class... P, class... A>
+void launch_kernel(void (*kernel)(P...), kernel_launch const& at, A&&... args) {
+  static_assert(sizeof...(P) == sizeof...(A), "launch_kernel: argument count does not match the kernel");
+#if defined(K3_SIMT_RUNTIME)
+  ::k3::simt::launch_kernel(kernel, at.grid, at.block, at.shared_bytes, at.stream,
+                            ::k3::simt::cuda_face::site_name(at.site.function_name(), at.site.line()), std::forward<A>(args)...);
+#else
+  kernel<<<at.grid, at.block, at.shared_bytes, at.stream>>>(static_cast<P>(std::forward<A>(args))...);
+#endif
+}
+
 }  // namespace k3::cuda
+
+#if !defined(K3_SIMT_RUNTIME)
+// Dynamic shared memory: `K3_DYNAMIC_SHARED(float, smem);` declares `float* smem`.
+#define K3_DYNAMIC_SHARED(T, name)                \
+  extern __shared__ __align__(16) T name##_raw_[]; \
+  T* const name = name##_raw_
+#endif
 
 #define K3_CUDA_CHECK(expr) ::k3::cuda::check((expr), #expr)

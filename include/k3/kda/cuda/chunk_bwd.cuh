@@ -146,7 +146,7 @@ void chunk_bwd(bwd_args<S> const& a, CUstream_st* stream) {
       static_cast<std::size_t>(blocks) * static_cast<std::size_t>(maxc + detail::chunk) * static_cast<std::size_t>(a.K) * detail::tile_v * sizeof(float);
   void* scratch = nullptr;
   K3_CUDA_CHECK(cudaMallocAsync(&scratch, bytes, s));
-  detail::chunk_bwd_kernel<S><<<detail::grid3(blocks, 1, 1), 32, 0, s>>>(a, l.scale, nvt, maxc, static_cast<float*>(scratch));
+  ::k3::cuda::launch_kernel(detail::chunk_bwd_kernel<S>, {detail::grid3(blocks, 1, 1), 32, 0, s}, a, l.scale, nvt, maxc, static_cast<float*>(scratch));
   cudaError_t const launch = cudaGetLastError();
   K3_CUDA_CHECK(cudaFreeAsync(scratch, s));
   K3_CUDA_CHECK(launch);

@@ -34,7 +34,7 @@ inline std::size_t fwd_smem_bytes(index_t K) {
 
 template <class S>
 K3_KERNEL void __launch_bounds__(fwd_threads) chunk_fwd_kernel(fwd_args<S> a, float scale, index_t nvt) {
-  extern __shared__ float smem[];
+  K3_DYNAMIC_SHARED(float, smem);
   constexpr int C = chunk, BV = tile_v;
   int const K = static_cast<int>(a.K);
   float* sK = smem;
@@ -177,7 +177,7 @@ void chunk_fwd(fwd_args<S> const& a, CUstream_st* stream) {
   index_t const nvt = (a.V + detail::tile_v - 1) / detail::tile_v;
   std::size_t const smem = detail::fwd_smem_bytes(a.K);
   detail::set_smem(reinterpret_cast<void const*>(&detail::chunk_fwd_kernel<S>), smem);
-  detail::chunk_fwd_kernel<S><<<detail::grid3(l.N * a.HV * nvt, 1, 1), detail::fwd_threads, smem, stream>>>(a, l.scale, nvt);
+  ::k3::cuda::launch_kernel(detail::chunk_fwd_kernel<S>, {detail::grid3(l.N * a.HV * nvt, 1, 1), detail::fwd_threads, smem, stream}, a, l.scale, nvt);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 

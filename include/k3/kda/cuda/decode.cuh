@@ -47,7 +47,7 @@ void decode(decode_args<S> const& a, CUstream_st* stream) {
   float const scale = detail::check(a);
   if (a.N == 0) return;
   int const threads = a.V >= 128 ? 128 : (a.V >= 64 ? 64 : 32);
-  detail::decode_kernel<S><<<detail::grid3(a.N * a.HV, 1, 1), threads, 0, stream>>>(a, scale);
+  ::k3::cuda::launch_kernel(detail::decode_kernel<S>, {detail::grid3(a.N * a.HV, 1, 1), threads, 0, stream}, a, scale);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 

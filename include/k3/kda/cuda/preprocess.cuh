@@ -270,7 +270,7 @@ void l2norm_fwd(S const* x, S* y, index_t rows, index_t D, CUstream_st* stream) 
   detail::require_ptr(x, "x", D > 0);
   detail::require_ptr(y, "y", D > 0);
   ::k3::detail::check_outputs_apart([&](auto&& f) { f("y", detail::span(y, rows * D)); }, [&](auto&& f) { f("x", detail::span(x, rows * D)); });
-  detail::l2norm_fwd_kernel<S><<<detail::blocks_for(rows * 32, detail::pp_threads), detail::pp_threads, 0, stream>>>(x, y, rows, D);
+  ::k3::cuda::launch_kernel(detail::l2norm_fwd_kernel<S>, {detail::blocks_for(rows * 32, detail::pp_threads), detail::pp_threads, 0, stream}, x, y, rows, D);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -286,7 +286,7 @@ void l2norm_bwd(S const* x, S const* dy, S* dx, index_t rows, index_t D, CUstrea
                                       f("x", detail::span(x, rows * D));
                                       f("dy", detail::span(dy, rows * D));
                                     });
-  detail::l2norm_bwd_kernel<S><<<detail::blocks_for(rows * 32, detail::pp_threads), detail::pp_threads, 0, stream>>>(x, dy, dx, rows, D);
+  ::k3::cuda::launch_kernel(detail::l2norm_bwd_kernel<S>, {detail::blocks_for(rows * 32, detail::pp_threads), detail::pp_threads, 0, stream}, x, dy, dx, rows, D);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -297,7 +297,7 @@ void beta_sigmoid_fwd(S const* x, S* beta, index_t n, bool allow_neg_eigval, CUs
   detail::require_ptr(x, "x", true);
   detail::require_ptr(beta, "beta", true);
   ::k3::detail::check_outputs_apart([&](auto&& f) { f("beta", detail::span(beta, n)); }, [&](auto&& f) { f("x", detail::span(x, n)); });
-  detail::beta_fwd_kernel<S><<<detail::grid_for(n), detail::pp_threads, 0, stream>>>(x, beta, n, allow_neg_eigval ? 2.f : 1.f);
+  ::k3::cuda::launch_kernel(detail::beta_fwd_kernel<S>, {detail::grid_for(n), detail::pp_threads, 0, stream}, x, beta, n, allow_neg_eigval ? 2.f : 1.f);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -313,7 +313,7 @@ void beta_sigmoid_bwd(S const* x, S const* dbeta, S* dx, index_t n, bool allow_n
                                       f("x", detail::span(x, n));
                                       f("dbeta", detail::span(dbeta, n));
                                     });
-  detail::beta_bwd_kernel<S><<<detail::grid_for(n), detail::pp_threads, 0, stream>>>(x, dbeta, dx, n, allow_neg_eigval ? 2.f : 1.f);
+  ::k3::cuda::launch_kernel(detail::beta_bwd_kernel<S>, {detail::grid_for(n), detail::pp_threads, 0, stream}, x, dbeta, dx, n, allow_neg_eigval ? 2.f : 1.f);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -330,7 +330,7 @@ void gate_fwd(gate_params const& p, S const* x, S* g, CUstream_st* stream) {
                                       f("A_log", detail::span(p.A_log, p.HV));
                                       f("dt_bias", detail::span(p.dt_bias, p.HV * p.K));
                                     });
-  detail::gate_fwd_kernel<S><<<detail::grid_for(n), detail::pp_threads, 0, stream>>>(p, x, g);
+  ::k3::cuda::launch_kernel(detail::gate_fwd_kernel<S>, {detail::grid_for(n), detail::pp_threads, 0, stream}, p, x, g);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -358,7 +358,7 @@ void gate_bwd(gate_params const& p, S const* x, S const* dg, S* dx, float* dA_lo
   detail::require_ptr(x, "x", true);
   detail::require_ptr(dg, "dg", true);
   detail::require_ptr(dx, "dx", true);
-  detail::gate_bwd_kernel<S><<<detail::grid_for(n), detail::pp_threads, 0, s>>>(p, x, dg, dx, dA_log, ddt_bias);
+  ::k3::cuda::launch_kernel(detail::gate_bwd_kernel<S>, {detail::grid_for(n), detail::pp_threads, 0, s}, p, x, dg, dx, dA_log, ddt_bias);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -384,11 +384,11 @@ void short_conv_fwd(conv_params const& p, S const* x, S* y, float const* initial
   if (n > 0) {
     detail::require_ptr(x, "x", true);
     detail::require_ptr(y, "y", true);
-    detail::conv_fwd_kernel<S><<<detail::grid_for(n), detail::pp_threads, 0, stream>>>(p, x, y, initial_state);
+    ::k3::cuda::launch_kernel(detail::conv_fwd_kernel<S>, {detail::grid_for(n), detail::pp_threads, 0, stream}, p, x, y, initial_state);
     K3_CUDA_CHECK(cudaGetLastError());
   }
   if (final_state != nullptr && N * (p.W - 1) > 0) {
-    detail::conv_final_state_kernel<S><<<detail::grid_for(N * p.C * (p.W - 1)), detail::pp_threads, 0, stream>>>(p, x, initial_state,
+    ::k3::cuda::launch_kernel(detail::conv_final_state_kernel<S>, {detail::grid_for(N * p.C * (p.W - 1)), detail::pp_threads, 0, stream}, p, x, initial_state,
                                                                                                                   final_state, N);
     K3_CUDA_CHECK(cudaGetLastError());
   }
@@ -424,11 +424,11 @@ void short_conv_bwd(conv_params const& p, S const* x, S const* dy, S* dx, float*
     detail::require_ptr(x, "x", true);
     detail::require_ptr(dy, "dy", true);
     detail::require_ptr(dx, "dx", true);
-    detail::conv_bwd_kernel<S><<<detail::grid_for(n), detail::pp_threads, 0, s>>>(p, x, dy, dx, dweight, dbias, initial_state);
+    ::k3::cuda::launch_kernel(detail::conv_bwd_kernel<S>, {detail::grid_for(n), detail::pp_threads, 0, s}, p, x, dy, dx, dweight, dbias, initial_state);
     K3_CUDA_CHECK(cudaGetLastError());
   }
   if (d_initial_state != nullptr && N * (p.W - 1) > 0) {
-    detail::conv_dinit_kernel<S><<<detail::grid_for(N * p.C * (p.W - 1)), detail::pp_threads, 0, s>>>(p, x, dy, initial_state,
+    ::k3::cuda::launch_kernel(detail::conv_dinit_kernel<S>, {detail::grid_for(N * p.C * (p.W - 1)), detail::pp_threads, 0, s}, p, x, dy, initial_state,
                                                                                                        d_initial_state, N);
     K3_CUDA_CHECK(cudaGetLastError());
   }
@@ -460,7 +460,7 @@ void short_conv_decode(conv_params const& p, S const* x, S* y, index_t N, float*
         f("bias", detail::span(p.bias, p.C));
         f("slots", detail::span(slots, N));
       });
-  detail::conv_decode_kernel<S><<<detail::grid_for(N * p.C), detail::pp_threads, 0, stream>>>(p, x, y, N, conv_state, P, slots);
+  ::k3::cuda::launch_kernel(detail::conv_decode_kernel<S>, {detail::grid_for(N * p.C), detail::pp_threads, 0, stream}, p, x, y, N, conv_state, P, slots);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 
