@@ -178,6 +178,7 @@ void backward(B const& be, backward_args<In, S> const& a, options const& opt = {
 }
 
 // One token per sequence n: state_pool[slot(n)] is read and updated in place; o[n] written.
+// A negative slot marks a padding entry: skipped, its o left untouched (as on CUDA).
 // The vectorised backends hand each thread a few contiguous ranges of (sequence, value head)
 // pairs (see decode_simd_range); the serial backend runs the reference step per pair.
 template <HostBackend B, Storage In, Real S>
@@ -185,19 +186,32 @@ void decode(B const& be, decode_args<In, S> const& a, options const& opt = {}) {
   detail::problem const p = detail::validate(a, opt);
   bool const s32 = present(a.slots32);
   auto slot = [&](index_t n) { return s32 ? index_t(a.slots32(n)) : index_t(a.slots64(n)); };
-  index_t const pairs = p.N * p.HV;
-  if (pairs == 0) return;
-  if constexpr (detail::SimdBackend<B>) {
-    // A few ranges per thread rather than one: a thread slowed by other load on the machine
-    // does not hold up the call, and each range still streams through many states.
-    index_t parts = 1;
-    if constexpr (requires { be.concurrency(); }) parts = std::min<index_t>(pairs, 4 * index_t(be.concurrency()));
-    detail::run_tasks(be, parts, [&](index_t t) {
-      detail::decode_simd_range<typename B::arch_type>(p, a, slot, pairs * t / parts, pairs * (t + 1) / parts);
-    });
-  } else {
-    detail::run_tasks(be, pairs, [&](index_t i) { detail::decode_task<S>(p, a, i / p.HV, slot(i / p.HV), i % p.HV); });
-  }
+  bool padded = false;
+  for (index_t n = 0; n < p.N && !padded; ++n) padded = slot(n) < 0;
+  std::vector<index_t> live;  // the sequences to decode, when some entries are padding
+  if (padded)
+    for (index_t n = 0; n < p.N; ++n)
+      if (slot(n) >= 0) live.push_back(n);
+  index_t const entries = padded ? index_t(live.size()) : p.N;
+  auto run = [&](auto const& seq) {
+    index_t const pairs = entries * p.HV;
+    if (pairs == 0) return;
+    if constexpr (detail::SimdBackend<B>) {
+      // A few ranges per thread rather than one: a thread slowed by other load on the machine
+      // does not hold up the call, and each range still streams through many states.
+      index_t parts = 1;
+      if constexpr (requires { be.concurrency(); }) parts = std::min<index_t>(pairs, 4 * index_t(be.concurrency()));
+      detail::run_tasks(be, parts, [&](index_t t) {
+        detail::decode_simd_range<typename B::arch_type>(p, a, slot, seq, pairs * t / parts, pairs * (t + 1) / parts);
+      });
+    } else {
+      detail::run_tasks(be, pairs, [&](index_t i) { detail::decode_task<S>(p, a, seq(i / p.HV), slot(seq(i / p.HV)), i % p.HV); });
+    }
+  };
+  if (!padded)
+    run([](index_t j) { return j; });
+  else
+    run([&](index_t j) { return live[std::size_t(j)]; });
 }
 
 }  // namespace k3::kda

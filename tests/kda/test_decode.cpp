@@ -21,6 +21,9 @@ using namespace k3::test;
 
 namespace {
 
+// What o holds before a decode step: padding entries keep it.
+constexpr double untouched_o = 7.0;
+
 struct shape {
   index_t N, H, HV, K, V, P;
   index_t Vpad = 0;  // row stride of the pool's states (>= V); 0 means V
@@ -59,10 +62,10 @@ struct problem64 {
   // The step written out from the definition, in float64, on a copy of the pool.
   void reference(std::vector<double>& pool_out, std::vector<double>& o) const {
     pool_out = pool;
-    o.assign(std::size_t(s.N * s.HV * s.V), 0.0);
+    o.assign(std::size_t(s.N * s.HV * s.V), untouched_o);
     index_t const K = s.K, V = s.V, R = rs();
     for (index_t n = 0; n < s.N; ++n)
-      for (index_t hv = 0; hv < s.HV; ++hv) {
+      for (index_t hv = 0; hv < s.HV && slots[std::size_t(n)] >= 0; ++hv) {  // a negative slot: padding, skipped
         index_t const h = hv / (s.HV / s.H);
         double* S = pool_out.data() + (slots[std::size_t(n)] * s.HV + hv) * K * R;
         double const* qn = q.data() + (n * s.H + h) * K;
@@ -107,7 +110,7 @@ void run_decode(problem64 const& pr, Backend const& be, int steps, std::vector<d
                 bool slots32 = false) {
   auto const& s = pr.s;
   std::vector<In> q = cast<In>(pr.q), k = cast<In>(pr.k), v = cast<In>(pr.v), g = cast<In>(pr.g), beta = cast<In>(pr.beta);
-  std::vector<In> o(std::size_t(s.N * s.HV * s.V));
+  std::vector<In> o(std::size_t(s.N * s.HV * s.V), store_as<In>(untouched_o));
   std::vector<S> pool = cast<S>(pr.pool);
   std::vector<std::int32_t> s32(pr.slots.begin(), pr.slots.end());
   kda::decode_args<In, S> a;
@@ -133,7 +136,8 @@ void run_decode(problem64 const& pr, Backend const& be, int steps, std::vector<d
 std::vector<double> untouched(problem64 const& pr, std::vector<double> const& pool) {
   auto const& s = pr.s;
   std::vector<char> used(std::size_t(s.P), 0);
-  for (auto sl : pr.slots) used[std::size_t(sl)] = 1;
+  for (auto sl : pr.slots)
+    if (sl >= 0) used[std::size_t(sl)] = 1;
   std::vector<double> r;
   index_t const per = s.HV * s.K * pr.rs();
   for (index_t p = 0; p < s.P; ++p)
@@ -269,6 +273,34 @@ TEST_CASE("decode: bfloat16 inputs and outputs, fp32 state") {
     rounded.reference(rp, ro);
     CHECK(rel_rms(rp, tp) < 1e-5);
     CHECK(rel_rms(ro, to) < 5e-3);
+  }
+}
+
+TEST_CASE("decode: negative slots are padding on every backend: skipped, o and the pool untouched") {
+  for (shape const& sh : {shape{6, 2, 4, 33, 40, 7}, shape{9, 1, 1, 16, 17, 9}, shape{3, 1, 2, 8, 8, 3}}) {
+    for (unsigned pattern : {0b000001u, 0b100000u, 0b010110u, 0b111111u, 0b101010101u}) {
+      problem64 pr(sh, 17u + pattern);
+      for (index_t n = 0; n < sh.N; ++n)
+        if ((pattern >> n) & 1u) pr.slots[std::size_t(n)] = n % 2 ? -1 : -7;
+      std::vector<double> ref_pool, ref_o;
+      pr.reference(ref_pool, ref_o);
+      auto check = [&](char const* name, std::vector<double> const& pool, std::vector<double> const& o) {
+        INFO("backend " << name << ", N " << sh.N << ", padding pattern " << pattern);
+        CHECK(rel_rms(ref_o, o) < 2e-6);
+        CHECK(rel_rms(ref_pool, pool) < 2e-6);
+        for (index_t n = 0; n < sh.N; ++n)
+          if (pr.slots[std::size_t(n)] < 0)
+            for (index_t i = 0; i < sh.HV * sh.V; ++i) REQUIRE(o[std::size_t(n * sh.HV * sh.V + i)] == untouched_o);
+        CHECK(untouched(pr, pool) == untouched(pr, widen(cast<float>(pr.pool))));
+      };
+      std::vector<double> pool, o;
+      run_decode<float, float>(pr, cpu::serial{}, 1, pool, o);
+      check("serial", pool, o);
+      run_decode<float, float>(pr, cpu::simd<>{}, 1, pool, o, true);
+      check("simd", pool, o);
+      run_decode<float, float>(pr, cpu::threads<>(3), 1, pool, o);
+      check("threads 3", pool, o);
+    }
   }
 }
 

@@ -117,12 +117,12 @@ TEST_CASE("kda decode: slots out of range or repeated name the slot and its inde
   every_backend([&](auto const& be) {
     decode_buf d;
     auto const before = d.mem;
-    std::vector<std::int32_t> s32{0, -1};
+    std::vector<std::int32_t> s32{0, 5};
     auto a = d.args();
     a.slots64 = {};
     a.slots32 = host_view(static_cast<std::int32_t const*>(s32.data()), decode_buf::N);
     std::string e = error_of([&] { kda::decode(be, a); });
-    CHECK(e.find("slot -1 at index 1") != std::string::npos);
+    CHECK(e.find("slot 5 at index 1") != std::string::npos);
     d.slots = {3, 0};  // P = 3
     a = d.args();
     e = error_of([&] { kda::decode(be, a); });

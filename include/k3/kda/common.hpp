@@ -113,7 +113,9 @@ struct decode_args {
   tensor_view<In const, 2> beta;  // [N,HV]
   tensor_view<In, 3> o;           // [N,HV,V]
   tensor_view<S, 4> state_pool;   // [P,HV,K,V], updated in place
-  tensor_view<std::int32_t const, 1> slots32 = {};  // exactly one of slots32 / slots64
+  // Exactly one of slots32 / slots64: the pool slot of each sequence; a negative slot marks
+  // a padding entry, skipped (its o is left untouched), on every backend.
+  tensor_view<std::int32_t const, 1> slots32 = {};
   tensor_view<std::int64_t const, 1> slots64 = {};
 };
 
@@ -428,7 +430,8 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
   std::vector<char> used(std::size_t(P), 0);
   for (index_t n = 0; n < N; ++n) {
     index_t s = has32 ? index_t(a.slots32(n)) : index_t(a.slots64(n));
-    ::k3::detail::require(s >= 0 && s < P, [&] {
+    if (s < 0) continue;  // padding: skipped by decode
+    ::k3::detail::require(s < P, [&] {
       return "argument 'slots': slot " + std::to_string(s) + " at index " + std::to_string(n) + " is out of range for a pool of " +
              std::to_string(P) + " states";
     });

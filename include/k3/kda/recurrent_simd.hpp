@@ -535,10 +535,11 @@ inline void decode_states(Acc* const* S, index_t rs, index_t K, index_t V, decod
     for (int s = 0; s < NS; ++s) decode_column_tail(S[s], rs, K, c0, V, x[s], o[s]);
 }
 
-// Pairs [lo, hi) of the flattened (sequence, value head) index n * HV + hv, in place on the
-// pool; `slot(n)` maps a sequence to its pool slot.
-template <class Arch, class Acc, class In, class SlotOf>
-void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf const& slot, index_t lo, index_t hi) {
+// Pairs [lo, hi) of the flattened index j * HV + hv, in place on the pool; `seq(j)` is the
+// sequence of the j-th decoded entry (padding entries are left out by the caller) and
+// `slot(n)` the pool slot of sequence n.
+template <class Arch, class Acc, class In, class SlotOf, class SeqOf>
+void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf const& slot, SeqOf const& seq, index_t lo, index_t hi) {
   index_t const K = p.K, V = p.V;
   if (lo >= hi) return;
   // per state in flight: qs, k, a, ak (K each), v, o (V each)
@@ -553,12 +554,12 @@ void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf c
   }
   Acc const scale = static_cast<Acc>(p.scale);
   index_t const rs = a.state_pool.stride(2);
-  auto state_of = [&](index_t i) { return &a.state_pool(slot(i / p.HV), i % p.HV, 0, 0); };
+  auto state_of = [&](index_t i) { return &a.state_pool(slot(seq(i / p.HV)), i % p.HV, 0, 0); };
   // Converts pair i's inputs into buffer b (< decode_streams).
   auto stage = [&](index_t i, int b) {
     Acc* qs = buf + std::size_t(b) * need;
     Acc *k = qs + K, *ea = k + K, *ak = ea + K, *v = ak + K;
-    index_t const n = i / p.HV, hv = i % p.HV, h = hv / p.G;
+    index_t const n = seq(i / p.HV), hv = i % p.HV, h = hv / p.G;
     load_row(&a.q(n, h, 0), qs, K);
     for (index_t d = 0; d < K; ++d) qs[d] *= scale;
     load_row(&a.k(n, h, 0), k, K);
@@ -595,7 +596,7 @@ void decode_simd_range(problem const& p, decode_args<In, Acc> const& a, SlotOf c
       pf[b] = prefetcher_for(i0 + NS + b);
     }
     decode_states<Arch, Acc, NS>(S, rs, K, V, x, o, pf);
-    for (int b = 0; b < NS; ++b) store_row(o[b], &a.o((i0 + b) / p.HV, (i0 + b) % p.HV, 0), V);
+    for (int b = 0; b < NS; ++b) store_row(o[b], &a.o(seq((i0 + b) / p.HV), (i0 + b) % p.HV, 0), V);
   };
   index_t i = lo;
   for (; i + decode_streams <= hi; i += decode_streams) group(std::integral_constant<int, decode_streams>{}, i);

@@ -195,7 +195,7 @@ T atomic_replace_if(T* p, T v, Better better) {
 // ---- built-in variables ---------------------------------------------------------------------
 namespace k3::simt::cuda_face {
 inline uint3 thread_idx() {
-  auto const t = detail::running().self().tid;
+  auto const t = detail::running().thread_index();
   return {t.x, t.y, t.z};
 }
 inline uint3 block_idx() {

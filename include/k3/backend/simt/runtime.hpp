@@ -35,12 +35,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__)
-#include "k3/backend/simt/arch/x86_64.hpp"
-#else
-#include "k3/backend/simt/arch/ucontext.hpp"
-#endif
-
 #if defined(__SANITIZE_ADDRESS__)
 #define K3_SIMT_ASAN 1
 #endif
@@ -57,6 +51,22 @@
 #endif
 #if defined(K3_SIMT_ASAN)
 #include <sanitizer/common_interface_defs.h>
+#endif
+
+// The runtime's own bookkeeping (barrier counts, thread states, the exchange buffers) is
+// invisible to ThreadSanitizer: it is ordered by the single-threaded schedule, and only the
+// kernel's memory accesses, ordered by nothing but barriers and atomics, are to be checked.
+// Functions that touch it are not instrumented (and so never inlined into kernel code).
+#if defined(K3_SIMT_TSAN)
+#define K3_SIMT_BOOKKEEPING __attribute__((no_sanitize("thread")))
+#else
+#define K3_SIMT_BOOKKEEPING
+#endif
+
+#if defined(__x86_64__)
+#include "k3/backend/simt/arch/x86_64.hpp"
+#else
+#include "k3/backend/simt/arch/ucontext.hpp"
 #endif
 #if defined(K3_SIMT_TSAN)
 #include <sanitizer/tsan_interface.h>
@@ -172,6 +182,7 @@ class scheduler {
     shared_.assign(r.shared_bytes + 16, std::byte{0});
     shared_bytes_ = r.shared_bytes;
     failure_ = nullptr;
+    failed_ = false;
 #if defined(K3_SIMT_TSAN)
     main_.tsan_fiber = __tsan_get_current_fiber();
 #endif
@@ -185,17 +196,14 @@ class scheduler {
   }
 
   // ---- what the kernel sees ----------------------------------------------------------------
-  fiber& self() {
-    if (current_ == nullptr || current_ == &main_) misuse("a device function was called outside a kernel");
-    return *current_;
-  }
+  K3_SIMT_BOOKKEEPING index3 thread_index() { return self().tid; }
   index3 block_index() const noexcept { return block_idx_; }
   extent3 block_extent() const noexcept { return block_; }
   extent3 grid_extent() const noexcept { return grid_; }
   std::byte* dynamic_shared() noexcept { return shared_.data(); }
   std::size_t dynamic_shared_bytes() const noexcept { return shared_bytes_; }
 
-  void sync_block() {
+  K3_SIMT_BOOKKEEPING void sync_block() {
     fiber& f = self();
     auto const parity = generation_ & 1;
     tsan_release(&block_sync_[parity]);
@@ -208,12 +216,14 @@ class scheduler {
     tsan_acquire(&block_sync_[parity]);
   }
 
-  // A warp barrier; returns the parity of the round (which exchange buffer it used).
-  unsigned sync_warp() {
+  // A warp barrier; returns the parity of the round (which exchange buffer it used). Only
+  // __syncwarp orders memory between the lanes (CUDA's memory model); shuffles and votes
+  // exchange values and wait, but give a race detector no happens-before edge.
+  K3_SIMT_BOOKKEEPING unsigned sync_warp(bool orders_memory = true) {
     fiber& f = self();
-    warp& w = warps_[f.linear / warp_size];
+    warp& w = wrp_[f.linear / warp_size];
     unsigned const parity = static_cast<unsigned>(w.generation & 1);
-    tsan_release(&w.sync[parity]);
+    if (orders_memory) tsan_release(&w.sync[parity]);
     w.arrived_mask |= 1u << (f.linear % warp_size);
     if (++w.arrived == w.alive) {
       release_warp(w);
@@ -221,41 +231,54 @@ class scheduler {
       f.state = fiber_state::warp_barrier;
       suspend(f);
     }
-    tsan_acquire(&w.sync[parity]);
+    if (orders_memory) tsan_acquire(&w.sync[parity]);
     return parity;
   }
 
   // Every lane publishes `bits`; returns lane src's (or `bits` when src < 0, lies outside
   // the warp, or did not take part).
   template <class SourceLane>
-  std::uint64_t exchange(std::uint64_t bits, SourceLane source_of) {
-    fiber& f = self();
-    warp& w = warps_[f.linear / warp_size];
-    unsigned const lane = f.linear % warp_size;
-    w.exchange[w.generation & 1][lane] = bits;
-    unsigned const parity = sync_warp();
-    int const src = source_of(static_cast<int>(lane));
+  K3_SIMT_BOOKKEEPING std::uint64_t exchange(std::uint64_t bits, SourceLane source_of) {
+    unsigned const parity = publish(bits);
+    warp& w = wrp_[self().linear / warp_size];
+    int const src = source_of(static_cast<int>(self().linear % warp_size));
     if (src < 0 || src >= static_cast<int>(warp_size) || !((w.present[parity] >> src) & 1u)) return bits;
     return w.exchange[parity][src];
   }
 
-  // Lanes that took part in the last exchange of this lane's warp, and their values.
-  std::uint32_t present_lanes(unsigned parity) { return warps_[self().linear / warp_size].present[parity]; }
-  std::uint64_t exchanged(unsigned parity, unsigned lane) { return warps_[self().linear / warp_size].exchange[parity][lane]; }
-  std::uint64_t publish(std::uint64_t bits) {
-    fiber& f = self();
-    warp& w = warps_[f.linear / warp_size];
-    w.exchange[w.generation & 1][f.linear % warp_size] = bits;
-    return sync_warp();
+  // Every lane of the warp publishes `bits` and waits for the others; returns the parity of
+  // the round, for present_lanes and exchanged.
+  K3_SIMT_BOOKKEEPING unsigned publish(std::uint64_t bits) {
+    {
+      fiber& f = self();
+      warp& w = wrp_[f.linear / warp_size];
+      w.exchange[w.generation & 1][f.linear % warp_size] = bits;
+    }
+    return sync_warp(false);
+  }
+  // The lanes that took part in this lane's last publish, and what each published.
+  K3_SIMT_BOOKKEEPING std::uint32_t present_lanes(unsigned parity) {
+    return wrp_[self().linear / warp_size].present[parity];
+  }
+  K3_SIMT_BOOKKEEPING std::uint64_t exchanged(unsigned parity, unsigned lane) {
+    return wrp_[self().linear / warp_size].exchange[parity][lane];
   }
 
  private:
   static std::size_t page() noexcept { return 4096; }
 
+  K3_SIMT_BOOKKEEPING fiber& self() {
+    if (current_ == nullptr || current_ == &main_) misuse("a device function was called outside a kernel");
+    return *current_;
+  }
+
   bool reserve(unsigned n) {
     if (fibers_.size() < n) fibers_.resize(n);  // fibers are plain data: their stacks move with them
+    warps_.resize((n + warp_size - 1) / warp_size);
+    fib_ = fibers_.data();
+    wrp_ = warps_.data();
     for (unsigned i = 0; i < n; ++i) {
-      fiber& f = fibers_[i];
+      fiber& f = fib_[i];
       if (f.mapping) continue;
       void* m = mmap(nullptr, stack_bytes + page(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (m == MAP_FAILED) return false;
@@ -267,7 +290,6 @@ class scheduler {
       f.tsan_fiber = __tsan_create_fiber(0);
 #endif
     }
-    warps_.resize((n + warp_size - 1) / warp_size);
     return true;
   }
 
@@ -277,7 +299,7 @@ class scheduler {
     arrived_ = 0;
     generation_ = 0;
     for (unsigned w = 0; w < warps_.size(); ++w) {
-      warp& wp = warps_[w];
+      warp& wp = wrp_[w];
       wp.first = w * warp_size;
       wp.lanes = nthreads_ - wp.first < warp_size ? nthreads_ - wp.first : warp_size;
       wp.alive = wp.lanes;
@@ -287,7 +309,7 @@ class scheduler {
       wp.generation = 0;
     }
     for (unsigned i = 0; i < nthreads_; ++i) {
-      fiber& f = fibers_[i];
+      fiber& f = fib_[i];
       f.state = fiber_state::ready;
       f.linear = i;
       f.tid = {i % block_.x, (i / block_.x) % block_.y, i / (block_.x * block_.y)};
@@ -296,7 +318,7 @@ class scheduler {
     }
     tsan_release(&start_sync_);
     current_ = &main_;
-    switch_to(main_, fibers_[0]);
+    switch_to(main_, fib_[0]);
     current_ = nullptr;
     tsan_acquire(&end_sync_);
     if (failure_) {
@@ -319,7 +341,7 @@ class scheduler {
   std::string describe_deadlock() const {
     unsigned at_block = 0, at_warp = 0, exited = 0;
     for (unsigned i = 0; i < nthreads_; ++i) {
-      fiber_state const s = fibers_[i].state;
+      fiber_state const s = fib_[i].state;
       at_block += s == fiber_state::block_barrier;
       at_warp += s == fiber_state::warp_barrier;
       exited += s == fiber_state::done;
@@ -330,81 +352,93 @@ class scheduler {
            " exited; a barrier was reached by only some threads of its block or warp";
   }
 
-  static void entry(void* arg) {
+  K3_SIMT_BOOKKEEPING static void entry(void* arg) {
     auto& s = *static_cast<scheduler*>(arg);
+    tsan_acquire(&s.start_sync_);
 #if defined(K3_SIMT_ASAN)
     void const* bottom = nullptr;
     std::size_t size = 0;
     __sanitizer_finish_switch_fiber(nullptr, &bottom, &size);
-    if (s.current_ == &s.fibers_[0]) {  // thread 0 starts first, from the launching context
+    if (s.current_ == &s.fib_[0]) {  // thread 0 starts first, from the launching context
       s.main_stack_bottom_ = bottom;
       s.main_stack_size_ = size;
     }
 #endif
-    tsan_acquire(&s.start_sync_);
     try {
       s.body_(s.body_arg_);
     } catch (...) {
-      if (!s.failure_) s.failure_ = std::current_exception();
+      if (!s.failed_) s.failure_ = std::current_exception();
+      s.failed_ = true;
     }
     s.exit_current();
   }
 
-  [[noreturn]] void exit_current() {
-    fiber& f = *current_;
-    f.state = fiber_state::done;
-    --alive_;
-    warp& w = warps_[f.linear / warp_size];
-    --w.alive;
+  [[noreturn]] K3_SIMT_BOOKKEEPING void exit_current() {
     tsan_release(&end_sync_);
-    // A barrier that waited only for this thread completes now.
-    if (w.arrived != 0 && w.arrived == w.alive) release_warp(w);
-    if (arrived_ != 0 && arrived_ == alive_) release_block();
-    fiber* next = failure_ ? nullptr : find_ready(f.linear + 1);
-    switch_to(f, next ? *next : main_);
+    fiber* f;
+    fiber* next;
+    {
+      f = current_;
+      f->state = fiber_state::done;
+      --alive_;
+      warp& w = wrp_[f->linear / warp_size];
+      --w.alive;
+      // A barrier that waited only for this thread completes now.
+      if (w.arrived != 0 && w.arrived == w.alive) release_warp(w);
+      if (arrived_ != 0 && arrived_ == alive_) release_block();
+      next = failed_ ? nullptr : find_ready(f->linear + 1);
+      if (next == nullptr) next = &main_;
+    }
+    switch_to(*f, *next);
     misuse("an exited kernel thread was resumed");
   }
 
-  void release_block() {
+  K3_SIMT_BOOKKEEPING void release_block() {
     arrived_ = 0;
     ++generation_;
     for (unsigned i = 0; i < nthreads_; ++i)
-      if (fibers_[i].state == fiber_state::block_barrier) fibers_[i].state = fiber_state::ready;
+      if (fib_[i].state == fiber_state::block_barrier) fib_[i].state = fiber_state::ready;
   }
 
-  void release_warp(warp& w) {
+  K3_SIMT_BOOKKEEPING void release_warp(warp& w) {
     w.present[w.generation & 1] = w.arrived_mask;
     w.arrived = 0;
     w.arrived_mask = 0;
     ++w.generation;
     for (unsigned i = w.first; i < w.first + w.lanes; ++i)
-      if (fibers_[i].state == fiber_state::warp_barrier) fibers_[i].state = fiber_state::ready;
+      if (fib_[i].state == fiber_state::warp_barrier) fib_[i].state = fiber_state::ready;
   }
 
-  fiber* find_ready(unsigned from) {
+  K3_SIMT_BOOKKEEPING fiber* find_ready(unsigned from) {
     for (unsigned k = 0; k < nthreads_; ++k) {
       unsigned const i = (from + k) % nthreads_;
-      if (fibers_[i].state == fiber_state::ready) return &fibers_[i];
+      if (fib_[i].state == fiber_state::ready) return &fib_[i];
     }
     return nullptr;
   }
 
-  void suspend(fiber& f) {
-    fiber* next = failure_ ? nullptr : find_ready(f.linear + 1);
+  K3_SIMT_BOOKKEEPING void suspend(fiber& f) {
+    fiber* next = failed_ ? nullptr : find_ready(f.linear + 1);
     switch_to(f, next ? *next : main_);
   }
 
-  void switch_to(fiber& from, fiber& to) {
-    current_ = &to;
+  K3_SIMT_BOOKKEEPING void switch_to(fiber& from, fiber& to) {
+    context_switch::handle target;
+    [[maybe_unused]] void* tsan_target = nullptr;
+    {
+      current_ = &to;
+      target = context_switch::resume_handle(to.ctx);
+      tsan_target = to.tsan_fiber;
 #if defined(K3_SIMT_ASAN)
-    bool const to_main = &to == &main_;
-    __sanitizer_start_switch_fiber(from.state == fiber_state::done ? nullptr : &from.asan_fake_stack,
-                                   to_main ? main_stack_bottom_ : to.stack_base, to_main ? main_stack_size_ : to.stack_size);
+      bool const to_main = &to == &main_;
+      __sanitizer_start_switch_fiber(from.state == fiber_state::done ? nullptr : &from.asan_fake_stack,
+                                     to_main ? main_stack_bottom_ : to.stack_base, to_main ? main_stack_size_ : to.stack_size);
 #endif
+    }
 #if defined(K3_SIMT_TSAN)
-    __tsan_switch_to_fiber(to.tsan_fiber, __tsan_switch_to_fiber_no_sync);
+    __tsan_switch_to_fiber(tsan_target, __tsan_switch_to_fiber_no_sync);
 #endif
-    context_switch::jump(from.ctx, to.ctx);
+    context_switch::jump(from.ctx, target);
 #if defined(K3_SIMT_ASAN)
     __sanitizer_finish_switch_fiber(from.asan_fake_stack, nullptr, nullptr);
 #endif
@@ -412,6 +446,8 @@ class scheduler {
 
   std::vector<fiber> fibers_;
   std::vector<warp> warps_;
+  fiber* fib_ = nullptr;  // their elements, for the schedule's uninstrumented code (no
+  warp* wrp_ = nullptr;   // std::vector calls there)
   fiber main_;
   fiber* current_ = nullptr;
   unsigned nthreads_ = 0, alive_ = 0, arrived_ = 0;
@@ -422,7 +458,8 @@ class scheduler {
   void* body_arg_ = nullptr;
   std::vector<std::byte> shared_;
   std::size_t shared_bytes_ = 0;
-  std::exception_ptr failure_;
+  std::exception_ptr failure_;  // the first exception a kernel thread threw
+  bool failed_ = false;          // (what the schedule reads: a plain flag)
   void const* main_stack_bottom_ = nullptr;
   std::size_t main_stack_size_ = 0;
   char block_sync_[2] = {}, start_sync_ = 0, end_sync_ = 0;
@@ -441,7 +478,7 @@ inline runtime_state& state() {
   return s;
 }
 
-inline scheduler& running() {
+K3_SIMT_BOOKKEEPING inline scheduler& running() {
   scheduler* s = state().running;
   if (s == nullptr) misuse("a device function was called outside a kernel");
   return *s;

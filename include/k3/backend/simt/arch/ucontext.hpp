@@ -2,6 +2,9 @@
 // runtime (POSIX ucontext), for targets without a hand-written switch. Slower: swapcontext
 // saves and restores the signal mask with a system call.
 #pragma once
+#ifndef K3_SIMT_BOOKKEEPING
+#define K3_SIMT_BOOKKEEPING
+#endif
 #include <ucontext.h>
 
 #include <cstddef>
@@ -26,7 +29,10 @@ struct ucontext {
     makecontext(&c.uc, reinterpret_cast<void (*)()>(&trampoline), 4, unsigned(e >> 32), unsigned(e), unsigned(a >> 32), unsigned(a));
   }
 
-  static void jump(context& from, context const& to) noexcept { swapcontext(&from.uc, &to.uc); }
+  using handle = ucontext_t const*;
+  K3_SIMT_BOOKKEEPING static handle resume_handle(context const& c) noexcept { return &c.uc; }
+
+  static void jump(context& from, handle to) noexcept { swapcontext(&from.uc, to); }
 
  private:
   static void trampoline(unsigned eh, unsigned el, unsigned ah, unsigned al) {

@@ -3,6 +3,9 @@
 // pointer swapped. No system call (ucontext's swapcontext saves the signal mask with one),
 // so a warp shuffle, which switches through all 32 lanes, costs tens of nanoseconds.
 #pragma once
+#ifndef K3_SIMT_BOOKKEEPING
+#define K3_SIMT_BOOKKEEPING
+#endif
 #include <cstddef>
 #include <cstdint>
 
@@ -75,8 +78,13 @@ struct x86_64 {
     c.sp = slot - 6;
   }
 
-  // Saves the running context in `from` and resumes `to`.
-  static void jump(context& from, context const& to) noexcept { k3_simt_switch_x86_64(&from.sp, to.sp); }
+  // What jump needs of the context to resume (read before a race detector is told of the
+  // switch, so that the read is the switching thread's).
+  using handle = void*;
+  K3_SIMT_BOOKKEEPING static handle resume_handle(context const& c) noexcept { return c.sp; }
+
+  // Saves the running context in `from` and resumes the one `to` was taken from.
+  static void jump(context& from, handle to) noexcept { k3_simt_switch_x86_64(&from.sp, to); }
 };
 
 }  // namespace k3::simt::arch
