@@ -1,4 +1,5 @@
-// Uses the installed k3::cuda component: stream_backend, a device tensor, copies.
+// Uses the installed k3::cuda component (nvcc) or k3::simt (a host compiler, the kernels run
+// on the CPU): stream_backend, a device tensor, a kernel, copies.
 #include <k3/backend/cuda/backend.cuh>
 #include <k3/core/tensor.hpp>
 
@@ -18,6 +19,10 @@ int main() {
   be.copy(d.view(), k3::host_view(h.data(), 1000));
   for (int i = 0; i < 1000; ++i)
     if (h[i] != 2.0f * i) return 1;
+#if defined(K3_SIMT_RUNTIME)
+  std::printf("k3 consumer (CUDA source on the SIMT host runtime): ok\n");
+#else
   std::printf("k3 consumer (CUDA): ok on device %d\n", be.device());
+#endif
   return 0;
 }

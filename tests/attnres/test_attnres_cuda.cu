@@ -55,9 +55,11 @@ double rel(A const& x, B const& y) {
 }  // namespace
 
 TEST_CASE("mix forward and backward on the GPU match the CPU backend") {
-  for (auto [n, T, d] : {std::tuple<i64, i64, i64>{1, 3, 5}, {8, 17, 257}, {20, 5, 7168}}) {
-    CAPTURE(n);
-    CAPTURE(d);
+  for (auto shape : {std::tuple<i64, i64, i64>{1, 3, 5}, {8, 17, 257}, {20, 5, 7168}}) {
+    auto const [n, T, d] = shape;
+    i64 const n_ = n, d_ = d;  // (doctest's CAPTURE is a lambda: no structured bindings in it)
+    CAPTURE(n_);
+    CAPTURE(d_);
     auto bank = randn(static_cast<std::size_t>(n * T * d), 1), part = randn(static_cast<std::size_t>(T * d), 2, 2.f), w = randn(static_cast<std::size_t>(d), 3, 0.05f),
          g = randn(static_cast<std::size_t>(d), 4, 0.2f), dh = randn(static_cast<std::size_t>(T * d), 5);
     for (auto& x : g) x += 1;

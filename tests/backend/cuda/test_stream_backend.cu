@@ -108,7 +108,8 @@ TEST_CASE("device tensors are zero-filled and round-trip exactly") {
 
 TEST_CASE("for_each matches cpu::serial on awkward shapes") {
   stream_backend be;
-  for (auto [rows, cols] : {std::pair<int, int>{1, 1}, {3, 5}, {257, 33}, {1031, 1029}}) {
+  for (auto shape : {std::pair<int, int>{1, 1}, {3, 5}, {257, 33}, {1031, 1029}}) {
+    int const rows = shape.first, cols = shape.second;  // (not a structured binding: doctest's CAPTURE is a lambda)
     CAPTURE(rows);
     CAPTURE(cols);
     std::size_t const n = std::size_t(rows) * cols;

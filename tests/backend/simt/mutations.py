@@ -59,6 +59,8 @@ def commands_for(build, target):
     lines = [l for l in out.splitlines() if l.strip()]
     compile_cmd = next(l for l in reversed(lines) if f"{target}.cpp.o" in l and " -c " in l)
     link_cmd = lines[-1]
+    # ": && c++ ... -o exe && cd ... && cmake (test discovery)": keep the link itself
+    link_cmd = next(part for part in link_cmd.split(" && ") if " -o " in part)
     return compile_cmd, link_cmd
 
 

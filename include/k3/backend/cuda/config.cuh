@@ -13,9 +13,6 @@
 #include <cstddef>
 #include <string>
 #include <utility>
-#if defined(K3_SIMT_RUNTIME)
-#include <source_location>
-#endif
 
 #include "k3/core/config.hpp"
 #include "k3/core/error.hpp"
@@ -45,7 +42,11 @@ struct kernel_launch {
   std::size_t shared_bytes = 0;
   cudaStream_t stream = nullptr;
 #if defined(K3_SIMT_RUNTIME)
-  std::source_location site = std::source_location::current();  // names the kernel in the runtime's reports
+  // The launch site, which names the kernel in the runtime's reports (the builtins give the
+  // place of the aggregate initialisation, on g++ and clang++ alike).
+  char const* site_file = __builtin_FILE();
+  char const* site_function = __builtin_FUNCTION();
+  unsigned site_line = __builtin_LINE();
 #endif
 };
 
@@ -56,7 +57,7 @@ void launch_kernel(void (*kernel)(P...), kernel_launch const& at, A&&... args) {
   static_assert(sizeof...(P) == sizeof...(A), "launch_kernel: argument count does not match the kernel");
 #if defined(K3_SIMT_RUNTIME)
   ::k3::simt::launch_kernel(kernel, at.grid, at.block, at.shared_bytes, at.stream,
-                            ::k3::simt::cuda_face::site_name(at.site.function_name(), at.site.line()), std::forward<A>(args)...);
+                            ::k3::simt::cuda_face::site_name(at.site_file, at.site_function, at.site_line), std::forward<A>(args)...);
 #else
   kernel<<<at.grid, at.block, at.shared_bytes, at.stream>>>(static_cast<P>(std::forward<A>(args))...);
 #endif

@@ -143,14 +143,15 @@ inline bool is_stream(cudaStream_t s) {
   return d.streams.count(s) != 0;
 }
 
-inline std::string site_name(char const* function, unsigned line) {
-  // "void ns::f(args) [with S = float]" -> "ns::f [with S = float]"
-  std::string f(function);
-  std::string with;
-  if (auto w = f.find(" [with "); w != std::string::npos) with = f.substr(w);
-  if (auto paren = f.find('('); paren != std::string::npos) f.resize(paren);
-  if (auto space = f.rfind(' '); space != std::string::npos) f = f.substr(space + 1);
-  return f + with + " (line " + std::to_string(line) + ")";
+// "include/k3/kda/cuda/decode.cuh:50 decode<float>": the file below include/ or tests/.
+inline std::string site_name(char const* file, char const* function, unsigned line) {
+  std::string f(file);
+  for (char const* root : {"/include/", "/tests/"})
+    if (auto at = f.rfind(root); at != std::string::npos) {
+      f = f.substr(at + 1);
+      break;
+    }
+  return f + ":" + std::to_string(line) + " " + function;
 }
 
 inline simt::extent3 extent(dim3 d) { return {d.x, d.y, d.z}; }

@@ -460,8 +460,10 @@ class scheduler {
   std::size_t shared_bytes_ = 0;
   std::exception_ptr failure_;  // the first exception a kernel thread threw
   bool failed_ = false;          // (what the schedule reads: a plain flag)
-  void const* main_stack_bottom_ = nullptr;
+#if defined(K3_SIMT_ASAN)
+  void const* main_stack_bottom_ = nullptr;  // the launching thread's stack, for ASan's switches
   std::size_t main_stack_size_ = 0;
+#endif
   char block_sync_[2] = {}, start_sync_ = 0, end_sync_ = 0;
 };
 
