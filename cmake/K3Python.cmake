@@ -1,0 +1,37 @@
+# The interpreter for k3's Python cross-checks (numpy and ml_dtypes references). The python3
+# first on PATH (a conda or pyenv one, say) may lack those modules while another has them, so
+# unless Python3_EXECUTABLE is given, the first of these that imports both wins, else the
+# first that imports numpy: the build tree's venv (README's first command makes it), python3
+# on PATH, Debian's /usr/bin/python3. Every later find_package(Python3) then finds it.
+if(NOT DEFINED Python3_EXECUTABLE)
+  find_program(k3_python_on_path NAMES python3 NO_CACHE)
+  set(k3_best_python "")
+  set(k3_best_score -1)
+  foreach(py IN ITEMS "${PROJECT_BINARY_DIR}/venv/bin/python" "${k3_python_on_path}" /usr/bin/python3)
+    if(NOT py OR NOT EXISTS "${py}")
+      continue()
+    endif()
+    execute_process(COMMAND "${py}" -c "import numpy" RESULT_VARIABLE has_numpy OUTPUT_QUIET ERROR_QUIET)
+    execute_process(COMMAND "${py}" -c "import ml_dtypes" RESULT_VARIABLE has_ml_dtypes OUTPUT_QUIET ERROR_QUIET)
+    set(score 0)
+    if(has_numpy EQUAL 0)
+      math(EXPR score "${score} + 2")
+    endif()
+    if(has_ml_dtypes EQUAL 0)
+      math(EXPR score "${score} + 1")
+    endif()
+    if(score GREATER k3_best_score)
+      set(k3_best_python "${py}")
+      set(k3_best_score ${score})
+    endif()
+  endforeach()
+  if(k3_best_python)
+    set(Python3_EXECUTABLE "${k3_best_python}" CACHE FILEPATH "Python for k3's cross-checks")
+    if(k3_best_score EQUAL 3)
+      message(STATUS "k3: Python cross-checks use ${k3_best_python} (numpy, ml_dtypes)")
+    else()
+      message(STATUS "k3: Python cross-checks use ${k3_best_python}; no interpreter found with numpy and ml_dtypes: "
+                     "the checks that need them will say so (README's first command installs them in build/venv)")
+    endif()
+  endif()
+endif()
