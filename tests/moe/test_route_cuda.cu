@@ -39,6 +39,8 @@ void run_case(index_t m, index_t n, index_t k, index_t bins, bool ties, std::uin
     x = 1.f / (1.f + std::exp(-nd(g)));
     if (ties) x = std::round(x * 16.f) / 16.f;
   }
+  if (ties)  // on a 1/16 grid too, so that score + bias ties exactly and the lower index must win
+    for (auto& x : b) x = std::round(x * 16.f) / 16.f;
   std::vector<std::uint8_t> mask(static_cast<std::size_t>(m), 1);
   for (index_t i = 1; i < m; i += 5) mask[i] = 0;
   // CPU reference

@@ -46,10 +46,39 @@ MUTATIONS = [
     ("moe/cuda.cuh", 95, "atomicAdd(a.hist + static_cast<std::int64_t>(j) * a.bins + static_cast<int>(f), 1ull)",
      "a.hist[static_cast<std::int64_t>(j) * a.bins + static_cast<int>(f)] += 1ull", "test_route_cuda_emulated", True, "histogram atomic dropped"),
     ("quant/cuda.cuh", 46, "__syncthreads();", "", "test_quant_cuda_emulated", False, "scale read before every warp's amax"),
-    ("quant/cuda.cuh", 22, "off);", "off + 1);", "test_quant_cuda_emulated", False, "warp max reads the wrong lane"),
+    ("quant/cuda.cuh", 21, "off > 0", "off > 1", "test_quant_cuda_emulated", False, "warp max skips its last step"),
     ("quant/cuda.cuh", 45, "atomicMax(&amax_s, a)", "(amax_s = a > amax_s ? a : amax_s)", "test_quant_cuda_emulated", True, "shared amax atomic dropped"),
     ("quant/cuda.cuh", 166, "__syncthreads();", "", "test_quant_cuda_emulated", True, "GEMM panel overwritten while read"),
-    ("backend/cuda/backend.cuh", 73, "i += step", "i += step + 1", "test_stream_backend_emulated", False, "grid-stride loop skips elements"),
+    # (line 0: the one line of the file that holds the text)
+    ("kda/cuda/preprocess.cuh", 0, "float const c = gx * rstd * rstd;", "float const c = gx * rstd;", "test_kda_preprocess_cuda_emulated", False, "l2norm backward: wrong projection"),
+    ("kda/cuda/preprocess.cuh", 0, "y[i] = st<S>(s * dsigmoid(ld(x[i])));", "y[i] = st<S>(dsigmoid(ld(x[i])));", "test_kda_preprocess_cuda_emulated", False, "beta forward drops its scale"),
+    ("kda/cuda/preprocess.cuh", 0, "dsigmoid(v) * dsigmoid(-v)", "dsigmoid(v) * dsigmoid(v)", "test_kda_preprocess_cuda_emulated", False, "beta backward: wrong derivative"),
+    ("kda/cuda/preprocess.cuh", 0, "p.lower_bound * dsigmoid(a * u)", "p.lower_bound * dsigmoid(u)", "test_kda_preprocess_cuda_emulated", False, "lower-bounded gate ignores A"),
+    ("kda/cuda/preprocess.cuh", 0, "y[i] = st<S>(p.silu ? z * dsigmoid(z) : z);", "y[i] = st<S>(z);", "test_kda_preprocess_cuda_emulated", False, "conv forward drops SiLU"),
+    ("kda/cuda/preprocess.cuh", 0, "fin[i] = conv_in(p, x, init, q, q.len - (p.W - 1) + s, c);", "fin[i] = conv_in(p, x, init, q, q.len - p.W + s, c);", "test_kda_preprocess_cuda_emulated", False, "conv final state shifted by one token"),
+    ("kda/cuda/preprocess.cuh", 0, "for (index_t j = 0; j <= s; ++j)", "for (index_t j = 0; j < s; ++j)", "test_kda_preprocess_cuda_emulated", False, "conv initial-state gradient drops a tap"),
+    ("kda/cuda/preprocess.cuh", 0, "if (p.W > 1) sp[p.W - 2] = xv;", "if (p.W > 1) sp[0] = xv;", "test_kda_preprocess_cuda_emulated", False, "conv decode shifts its state wrongly"),
+    ("attnres/cuda.cuh", 0, "for (index_t j = 0; j < m; ++j) acc += a[j] * ld(row(bank, n, partial, T, d, j, t)[k]);",
+     "for (index_t j = 0; j + 1 < m; ++j) acc += a[j] * ld(row(bank, n, partial, T, d, j, t)[k]);", "test_attnres_cuda_emulated", False, "mix forward drops the partial source"),
+    ("attnres/cuda.cuh", 0, "dg[k] = du[k] * w[k];", "dg[k] = du[k] * g[k];", "test_attnres_cuda_emulated", False, "fold_grads: gain gradient from the wrong factor"),
+    ("attnres/cuda.cuh", 0, "if (k < d) u[k] = w[k] * g[k];", "if (k + 1 < d) u[k] = w[k] * g[k];", "test_attnres_cuda_emulated", False, "fold_query leaves the last channel"),
+    ("attnres/cuda.cuh", 0, "rinv[t] = rsqrtf(acc[0] / float(d) + eps);", "rinv[t] = rsqrtf(acc[0] + eps);", "test_attnres_cuda_emulated", False, "block_rinv forgets the mean"),
+    ("attnres/cuda.cuh", 0, "for (index_t j = 0; j < n; ++j) s += a[j] * ld(bank[(j * T + t) * d + k]);",
+     "for (index_t j = 1; j < n; ++j) s += a[j] * ld(bank[(j * T + t) * d + k]);", "test_attnres_cuda_emulated", False, "phase 1 drops the first source"),
+    ("attnres/cuda.cuh", 0, "float const p = 1.f / (1.f + expf(lse[t] - s2));", "float const p = 1.f / (1.f + expf(s2 - lse[t]));", "test_attnres_cuda_emulated", False, "phase 2 merges with the wrong sign"),
+    ("quant/cuda.cuh", 0, "y(i, j) = decode<e4m3_format>(q(i, j)) * s(i / t.rows, j / t.cols);", "y(i, j) = decode<e4m3_format>(q(i, j)) * s(i / t.rows, 0);",
+     "test_quant_cuda_emulated", False, "fp8 dequantize: the first column tile's scale everywhere"),
+    ("quant/cuda.cuh", 0, "mx_block_scale<F>(warp_max(detail::abs_bits(v)), rule)", "mx_block_scale<F>(detail::abs_bits(v), rule)",
+     "test_quant_cuda_emulated", False, "MX scale from each lane's own element"),
+    ("quant/cuda.cuh", 0, "decode<F>(c) * decode<e8m0_format>(s(i, j / mx_block))", "decode<F>(c) * decode<e8m0_format>(s(i, 0))",
+     "test_quant_cuda_emulated", False, "MX dequantize: the first block's scale everywhere"),
+    ("quant/cuda.cuh", 0, "warp_max(detail::abs_bits(v), 16)", "warp_max(detail::abs_bits(v), 8)", "test_quant_cuda_emulated", False,
+     "NVFP4 amax over half its block"),
+    ("quant/cuda.cuh", 0, "(decode<ue4m3_format>(s(i, j / nvfp4_block)) * g)", "(decode<ue4m3_format>(s(i, j / nvfp4_block)))",
+     "test_quant_cuda_emulated", False, "NVFP4 dequantize drops the tensor scale"),
+    ("quant/cuda.cuh", 0, "if (v < detail::nonfinite_bits && v > a) a = v;", "if (v > a) a = v;", "test_quant_cuda_emulated", False,
+     "NVFP4 tensor amax counts non-finite values"),
+    ("backend/cuda/backend.cuh", 73, "i < n;", "i + 1 < n;", "test_stream_backend_emulated", False, "for_each drops the last index"),
 ]
 
 
@@ -109,19 +138,25 @@ def main():
     ap.add_argument("--build", required=True)
     ap.add_argument("--tsan-build")
     ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--only", help="run only the mutations whose description contains this text")
     args = ap.parse_args()
     survived = 0
     print("| kernel file | line | mutation | test | result |")
     print("| --- | --- | --- | --- | --- |")
     for rel, line, old, new, target, tsan, what in MUTATIONS:
+        if args.only and args.only not in what:
+            continue
         build = args.tsan_build if tsan and args.tsan_build else args.build
         work = tempfile.mkdtemp(prefix="k3-mutant-include-")
         inc = os.path.join(work, "include")
         shutil.copytree(os.path.join(ROOT, "include"), inc)
         path = os.path.join(inc, "k3", rel)
         lines = open(path).read().split("\n")
-        if old not in lines[line - 1]:
-            print(f"| {rel} | {line} | {what} | {target} | mutation does not apply: line is `{lines[line - 1].strip()}` |")
+        if line == 0:
+            hits = [i + 1 for i, l in enumerate(lines) if old in l]
+            line = hits[0] if len(hits) == 1 else -1
+        if line < 1 or old not in lines[line - 1]:
+            print(f"| {rel} | {line} | {what} | {target} | mutation does not apply (text not on one line) |")
             survived += 1
             continue
         lines[line - 1] = lines[line - 1].replace(old, new, 1)
