@@ -83,6 +83,13 @@ TEST_CASE_TEMPLATE("l2norm and beta sigmoid on the GPU match the CPU", S, float,
   for (index_t D : {1, 60, 128, 130}) {
     index_t const rows = 37;
     auto x = randv<S>(static_cast<std::size_t>(rows * D), 1 + D, 2.0);
+    // Every third row so large that its fp32 sum of squares overflows (the rescaled path),
+    // by powers of two that differ between rows.
+    for (index_t r = 1; r < rows; r += 3)
+      for (index_t d = 0; d < D; ++d) {
+        auto& e = x[static_cast<std::size_t>(r * D + d)];
+        e = S(std::ldexp(static_cast<float>(e), 64 + static_cast<int>(r % 7)));
+      }
     auto dy = randv<S>(x.size(), 2 + D);
     std::vector<S> y(x.size()), dx(x.size());
     k3::kda::l2norm(cpu, k3::host_view(x.data(), rows, D), k3::host_view(y.data(), rows, D));

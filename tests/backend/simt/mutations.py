@@ -130,6 +130,8 @@ def run_mutant(build, target, include_dir, timeout):
     if "deadlock" in text:
         return "caught (deadlock)", text
     m = re.search(r"test cases:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed", text)
+    if m and m.group(3) == "0":
+        return "UNCLEAR (exit %d, no failing case)" % r.returncode, text
     return ("caught (%s of %s cases fail)" % (m.group(3), m.group(1))) if m else "caught (exit %d)" % r.returncode, text
 
 
@@ -165,7 +167,7 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
         mode = " (tsan)" if build == args.tsan_build and tsan else ""
         print(f"| {rel} | {line} | {what} | {target}{mode} | {result} |", flush=True)
-        if result in ("SURVIVED", "does not compile", "does not link"):
+        if result in ("SURVIVED", "does not compile", "does not link") or result.startswith("UNCLEAR"):
             survived += 1
             sys.stderr.write(text + "\n")
     return 1 if survived else 0
