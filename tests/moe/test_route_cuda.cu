@@ -99,7 +99,13 @@ void run_case(index_t m, index_t n, index_t k, index_t bins, bool ties, std::uin
 TEST_CASE("CUDA router + histogram are bit-identical to the CPU reference") {
   run_case(1, 2, 1, 7, false, 1);
   run_case(333, 37, 5, 97, true, 2);
+#if defined(K3_SIMT_TSAN)
+  // Under ThreadSanitizer (30x slower) fewer tokens: every block runs the same code, and the
+  // races it looks for are within a block.
+  run_case(96, 896, 16, 1000, false, 3);
+#else
   run_case(2048, 896, 16, 1000, false, 3);
+#endif
   run_case(100, 64, 63, 16, true, 4);
 }
 
