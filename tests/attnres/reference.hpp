@@ -71,9 +71,12 @@ inline void backward(std::vector<vec> const& V, vec const& w, vec const& g, doub
 }
 
 inline double rel_err(std::vector<double> const& x, std::vector<double> const& ref) {
+  // A NaN where the other side has none is an infinite error (std::max would drop it).
   double num = 0, den = 0;
   for (std::size_t i = 0; i < x.size(); ++i) {
-    num = std::max(num, std::abs(x[i] - ref[i]));
+    if (std::isnan(x[i]) && std::isnan(ref[i])) continue;
+    double const e = std::abs(x[i] - ref[i]);
+    if (!(e <= num)) num = std::isnan(e) ? INFINITY : e;
     den = std::max(den, std::abs(ref[i]));
   }
   return den == 0 ? num : num / den;
