@@ -13,7 +13,9 @@
 #include <stdexcept>
 #include <vector>
 
-namespace {
+// Kernels have external linkage (nvcc rejects K3_KERNEL's visibility attribute on internal
+// functions): a named namespace, not an anonymous one.
+namespace simt_test {
 
 template <class T>
 struct dbuf {
@@ -121,7 +123,9 @@ K3_KERNEL void dynamic_shared_kernel(unsigned* out, unsigned words) {
   if (bad) atomicAdd(out, bad);
 }
 
-}  // namespace
+}  // namespace simt_test
+
+using namespace simt_test;
 
 TEST_CASE("block barriers: every thread sees its neighbour's write, across 1-D and 3-D blocks and grids") {
   struct shape {
@@ -247,7 +251,7 @@ TEST_CASE("launch configurations outside sm_90's limits are rejected") {
 
 #if defined(K3_SIMT_RUNTIME)
 
-namespace {
+namespace simt_test {
 
 // Half of each warp waits at the block barrier, the other half at the warp barrier: neither
 // can complete (undefined on a GPU, where it may hang).
@@ -268,7 +272,7 @@ K3_KERNEL void read_fresh_shared_kernel(float* out) {
   out[threadIdx.x] = buf[threadIdx.x];
 }
 
-}  // namespace
+}  // namespace simt_test
 
 // (Not under ThreadSanitizer: the threads of a failed launch never reach the end of the
 // kernel, so nothing orders them before the host's next accesses.)
