@@ -50,6 +50,7 @@
 #endif
 #endif
 #if defined(K3_SIMT_ASAN)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -321,6 +322,7 @@ class scheduler {
     switch_to(main_, fib_[0]);
     current_ = nullptr;
     tsan_acquire(&end_sync_);
+    if (failure_ || alive_ != 0) release_abandoned_stacks();
     if (failure_) {
       if (why) {
         try {
@@ -407,6 +409,14 @@ class scheduler {
     ++w.generation;
     for (unsigned i = w.first; i < w.first + w.lanes; ++i)
       if (fib_[i].state == fiber_state::warp_barrier) fib_[i].state = fiber_state::ready;
+  }
+
+  // Threads of a failed block never return: their frames' ASan redzones stay poisoned in
+  // shadow memory and would be reported when the next block reuses the stacks.
+  void release_abandoned_stacks() noexcept {
+#if defined(K3_SIMT_ASAN)
+    for (unsigned i = 0; i < nthreads_; ++i) __asan_unpoison_memory_region(fib_[i].stack_base, fib_[i].stack_size);
+#endif
   }
 
   K3_SIMT_BOOKKEEPING fiber* find_ready(unsigned from) {
