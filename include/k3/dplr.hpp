@@ -21,10 +21,10 @@
 //                                                          of a k3 Communicator (KCP)
 //
 // Subnormals: the chunk forms (chunked, segment maps, CP) run with subnormal floats flushed
-// to zero on every backend (k3/core/float_env.hpp: decays near K3's gate bound cost 3-4x on
-// Intel cores otherwise); results differ from gradual underflow by less than 2^-126 (float
-// state) or 2^-1022 (double) per operation. The recurrent reference keeps IEEE gradual
-// underflow. The caller's floating-point state is left as it was.
+// to zero on every backend (k3/core/float_env.hpp: decays near K3's gate bound are several
+// times slower on Intel cores otherwise); results differ from gradual underflow by less than
+// 2^-126 (float state) or 2^-1022 (double) per operation. The recurrent reference keeps IEEE
+// gradual underflow. The caller's floating-point state is left as it was.
 #pragma once
 #include "k3/dplr/common.hpp"
 #include "k3/dplr/serial.hpp"

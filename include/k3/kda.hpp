@@ -27,7 +27,7 @@
 // become non-finite.
 //
 // Subnormals. The simd and threads backends run their kernels with subnormal floats flushed to
-// zero (operands and results; k3/core/float_env.hpp says why: up to 13x on Intel cores), so
+// zero (operands and results; k3/core/float_env.hpp says why: Intel cores are slow on them), so
 // their results can differ from gradual underflow by less than 2^-126 (float state) or 2^-1022
 // (double) per operation. cpu::serial keeps IEEE gradual underflow. The caller's own
 // floating-point state is left as it was.

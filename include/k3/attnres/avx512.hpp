@@ -59,10 +59,10 @@ inline constexpr bool avx512_kernels =
 // Outputs from this size on are written with streaming stores. A cached store to a line that is
 // not present first reads it (read for ownership): a read of every line of a write-only array,
 // which a streaming store skips, at the price of the cache a next reader might have found it
-// in. Where to switch was measured per vendor (as for the quant kernels, core/cpu_info.hpp):
-//  * Xeon VM (2 MB L2 per core): 16 MiB. Phase 2's h of 58.7 MB (K3, T = 4096) took phase 2
-//    from 0.208-0.215 s to 0.174-0.187 s when streamed.
-//  * AMD Zen 4 VM (32 MB L3) and others: 64 MiB, far past the last-level cache.
+// in. Where to switch depends on the vendor (as for the quant kernels, core/cpu_info.hpp):
+//  * Intel: 16 MiB, well past the private L2s: an output that large (phase 2's h at K3 shape)
+//    is out of cache before its next reader anyway, so skipping the read for ownership pays.
+//  * AMD and others: 64 MiB, far past the last-level cache (benchmarks/attnres.md).
 // (A variable so that tests can force either path.)
 inline std::size_t stream_threshold_bytes =
     k3::detail::host_cpu_vendor() == k3::detail::cpu_vendor::intel ? std::size_t(16) << 20 : std::size_t(64) << 20;
@@ -239,8 +239,8 @@ inline void p1_mix_group(bfloat16 const* const* xg, float const* a, index_t n, i
                          O* const* out, float* tile, bool stream, __mmask16& sub_out) {
   // The subnormal lanes are collected in a local mask and reported once: through the caller's
   // reference, which the output stores may alias as far as the compiler knows, every site's
-  // store went through memory (load, or, store), a serial chain that held the mix to 67
-  // GFLOP/s on one Xeon core against 123 with the local (K3 shape, data in cache).
+  // store went through memory (load, or, store), a serial chain through every site that
+  // bounds the mix's arithmetic; the local stays in a mask register.
   __mmask16 sub = 0;
   __m512 b0[NJ], b1[NJ];
   if (kn == 32) {
@@ -416,10 +416,10 @@ inline void eo_permute_query(float const* u, index_t d, float* out) noexcept {
 }
 
 // Software prefetch over token rows: at column k of the current rows, one line `ahead` columns
-// further on, in the same row or (past its end) in the next token's row. One Xeon core keeps
-// too few lines in flight for phase 2's three read streams on its own: with 2048 columns ahead
-// (4 KB of bf16) phase 2 went from 0.22 to 0.17-0.18 s (2 threads, K3 shape); 1024 and 4096
-// gave the same, and the same prefetch of the next token's sources in phase 1 was slower.
+// further on, in the same row or (past its end) in the next token's row. A single server core
+// keeps too few lines in flight for phase 2's three read streams on its own; the distance
+// (2048 columns, 4 KB of bf16) is not critical. Phase 1 does not use it: the same prefetch of
+// the next token's sources there did not pay (benchmarks/attnres.md).
 template <int Streams>
 struct row_prefetch {
   char const* cur[Streams] = {};

@@ -1,7 +1,7 @@
-// k3/core/cpu_info.hpp — who made the host CPU, for the few memory-tuning choices that measured
-// opposite ways on the machines k3 was tuned on (software prefetch and non-temporal stores in
-// the streaming kernels: a win on a server Xeon, whose single core keeps too few cache lines in
-// flight on its own, a loss on AMD Zen 4). Results never depend on it, only speed.
+// k3/core/cpu_info.hpp — who made the host CPU, for the few memory-tuning choices that go
+// opposite ways by vendor (software prefetch and non-temporal stores in the streaming kernels
+// help a server Xeon, whose single core keeps too few cache lines in flight on its own, and
+// cost on AMD Zen 4; benchmarks/quant.md). Results never depend on it, only speed.
 #pragma once
 
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))

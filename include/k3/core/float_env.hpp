@@ -4,9 +4,9 @@
 // Why: the chunked KDA / DPLR forms multiply by decays exp(sum of gates) that pass through the
 // subnormal range (below 2^-126 ~ 1.2e-38 in float) for a stretch of every chunk when gates
 // sit near K3's lower bound. Intel cores take a microcode assist on each subnormal operand or
-// result: the KDA chunked forward ran 13x slower (DPLR 3-4x) on a Xeon with gates in (-5, 0),
-// while AMD Zen 4 pays almost nothing. Flushing changes results by less than 2^-126 per
-// rounding, far below float's own rounding of the normal values around it.
+// result, which makes the chunked forwards many times slower there, while AMD Zen 4 pays almost
+// nothing (benchmarks/kda.md, benchmarks/dplr.md). Flushing changes results by less than 2^-126
+// per rounding, far below float's own rounding of the normal values around it.
 //
 // thread_pool::run hands the caller's state to its workers (as oneTBB does), so a scope opened
 // on the calling thread covers every task of the call.

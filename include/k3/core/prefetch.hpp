@@ -32,9 +32,9 @@ inline void prefetch_span_l2(void const* p, std::size_t bytes) noexcept {
 
 // For kernels that walk rows of d elements of `esize` bytes, column by column: the lines of
 // columns [c, c + n) of the current row, or, for c >= d, of columns [c - d, c - d + n) of the
-// next one (null: none). Clipped to the row; nothing past the next row. A Xeon core streams
-// from DRAM far faster with such prefetches spread over its loop (a few lines per step) than
-// with the hardware prefetchers alone or with one burst per row.
+// next one (null: none). Clipped to the row; nothing past the next row. Spread over the loop (a
+// few lines per step), such prefetches keep a server core's stream from DRAM going where the
+// hardware prefetchers alone fall behind and one burst per row waits on the fill buffers.
 inline void prefetch_row_ahead(void const* row, void const* next_row, std::size_t esize, std::int64_t d, std::int64_t c,
                                std::int64_t n) noexcept {
   if (c >= d) {

@@ -750,8 +750,8 @@ bool chunk_forward_simd_group(problem const& p, forward_args<In, S> const& a, in
 }
 
 // Value heads per forward task: as many as give every thread one task, up to 8 (neighbouring
-// heads share the pages of a token's rows). Two smaller groups per thread measured worse
-// (0.68-0.80 vs 0.76-0.82 x GEMM, session 3, alternated runs on the shared machine).
+// heads share the pages of a token's rows, so one larger group per thread beats two smaller
+// ones with the same heads; benchmarks/kda.md).
 inline index_t forward_head_group(index_t N, index_t HV, index_t threads) {
   index_t const target = std::max<index_t>(1, (N * HV) / std::max<index_t>(1, threads));
   return std::clamp<index_t>(target, 1, std::min<index_t>(HV, 8));

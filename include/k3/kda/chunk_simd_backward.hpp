@@ -279,9 +279,9 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
     prefetch_rows_l2(a.k, b, tn, h, r0, r1);
     if (!grad || !given) prefetch_rows_l2(a.v, b, tn, hv, r0, r1);  // v: read by the recompute pass only
     prefetch_rows_l2(a.g, b, tn, hv, r0, r1);
-    // (prefetching the gradient rows for writing as well measured no different)
+    // (prefetching the gradient rows for writing as well does not pay)
     if (grad) prefetch_rows_l2(a.d_o, b, tn, hv, r0, r1);
-    // (prefetching the next chunk's saved record as well measured no different: each record
+    // (prefetching the next chunk's saved record as well does not pay: each record
     // is one contiguous 176 KiB stream, which the hardware prefetchers follow)
   };
   for (index_t hv = h * p.G; hv < (h + 1) * p.G; ++hv) {

@@ -244,8 +244,8 @@ problem make_problem(tensor_view<In const, 4> q, tensor_view<In const, 4> v, opt
 // Fast scan of one row of g (vectorisable: no early exit, float compares for float input):
 // true when some g may be below the bound; the exact test of check_gate_bound can only fail
 // for a value below lb rounded to float.
-// The flag is an unsigned OR: g++ 12 does not vectorise an OR into a bool (it did not, and this
-// scalar scan cost ~5% of the chunked forward).
+// The flag is an unsigned OR: g++ 12 does not vectorise an OR into a bool, and left scalar this
+// scan is a visible share of the chunked forward (benchmarks/kda.md).
 template <class In>
 bool row_may_be_below(In const* row, index_t K, float lb) noexcept {
   unsigned below = 0;

@@ -428,9 +428,9 @@ inline void decode_predict(Acc* const* S, index_t rs, index_t K, index_t c0, dec
 // u = beta (v - pred), stored; o = S^T (scale q). The NS pass-2 loops together cover the second
 // halves of the NS coming states, round-robin by half row (step i of them prefetches half row
 // K + i / NS of coming state i % NS), so those states arrive in the order the next group's pass 1
-// reads them: row by row across all of them. Giving each loop its own coming state instead (as
-// before session 7) measured 0.76-0.86 of the in-place pass against 0.84-0.95 (bench_kda
-// --decode-only, 2 threads, per CPU-second, 12 alternated pairs; see benchmarks/kda.md).
+// reads them: row by row across all of them. Giving each loop its own coming state instead is
+// slower, likely because the last coming state's second half is then requested late, in one
+// burst from one stream (benchmarks/kda.md).
 template <class Arch, class Acc, int NB, int NS>
 inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0, decode_vectors<Acc> const& x, xsimd::batch<Acc, Arch> (&pred)[NB],
                           Acc* K3_RESTRICT o, decode_prefetcher const* pf, int which) noexcept {
@@ -490,13 +490,11 @@ constexpr int decode_max_batches() noexcept {
   return sizeof(xsimd::batch<Acc, Arch>) >= 64 ? 8 : 4;
 }
 
-// States decoded together (see decode_simd_range).
-// Measured on the 2-core AVX-512 VM (bench_kda --decode-only, per CPU-second, alternated on a
-// loaded machine): 1 stream 0.72-0.83 of the pass, 2: 0.76-0.81, 4: 0.80-0.85, 6: 0.81-0.83,
-// 8: 0.77-0.81; without the software prefetch 4 streams drop to 0.78-0.79 and 8 to 0.58. Four
-// states in flight (256 KiB) plus the four being prefetched fit the 1 MiB L2. With the
-// round-robin prefetch of pass 2 (session 7, pass at 76-82 GB/s per CPU-second): 2 streams
-// 0.82-0.83, 4: 0.88-0.95, 6: 0.90.
+// States decoded together (see decode_simd_range). One core reads several sequential streams
+// faster than one (the hardware prefetchers keep more lines in flight), and the software
+// prefetch of the next group keeps the states coming; four states in flight (256 KiB) plus the
+// four being prefetched fit the 1 MiB L2, while more states would no longer fit it with their
+// successors. Measurements: benchmarks/kda.md.
 inline constexpr int decode_streams = 4;
 
 // NS states with the same K, V and row stride.

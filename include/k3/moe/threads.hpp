@@ -456,9 +456,8 @@ K3_INLINE xsimd::batch<std::int32_t, Arch> qb_bin_batch(float const* s, xsimd::b
 // is appended to the thread's carry list, added back in the merge. Wraps are rare (one per 256
 // increments of one bin) and the branch is not taken otherwise.
 // One per thread, each on its own cache lines: `used` is written after every expert group of
-// the scatter, and two threads' lists sharing a line cost a cross-core miss each time (on the
-// Xeon VM a second, cache-hot scatter of every chunk cost 5.1 ms per K3 call while they shared
-// a line, 3.2 ms once apart).
+// the scatter, and two threads' lists sharing a line cost a cross-core miss each time, enough
+// to show in the scatter's time (benchmarks/moe.md).
 struct alignas(64) count_carries {
   std::vector<std::size_t> at;
   std::size_t used = 0;
@@ -473,9 +472,7 @@ struct alignas(64) count_carries {
 // On x86-64 the increment is one indexed `incb` and the branch on its zero flag; the carry's
 // index is formed only on the (rare) wrap path. From the plain C++ g++ 12 emits a `lea` of the
 // address before each `incb` (it keeps the address for the carry path): one more micro-op per
-// increment, in the loop that bounds routing + histogram. Measured on the Xeon VM: 0.36-0.37
-// -> 0.32-0.33 ns per increment in isolation; routing + histogram 8.72-8.93 -> 9.01-9.47 GB/s
-// (in-process, alternated).
+// increment, in the loop that bounds routing + histogram; the asm drops it (benchmarks/moe.md).
 K3_INLINE void bump(std::uint8_t* K3_RESTRICT row, std::size_t row_at, std::size_t bin, std::size_t*& carry) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   asm goto("incb (%0,%1)\n\tje %l[wrapped]" : : "r"(row), "r"(bin) : "memory", "cc" : wrapped);
@@ -612,8 +609,8 @@ inline void scatter_block(std::uint16_t const* K3_RESTRICT bins, index_t tokens,
 // eight counts that sum to 0 are neither read nor written: about half of the K3 histogram's
 // 7 MB of int64 counts, since a token's margins alpha - s_j span only (alpha - 1, alpha) of
 // the range [min(b) - 1, max(b) + 1]. `fresh`: H is known to be 0, so it is written without
-// being read, with non-temporal stores where whole lines can be. On the Xeon VM this took the
-// merge from 0.7-0.8 ms to 0.2-0.25 ms per K3 call (of ~7.5).
+// being read, with non-temporal stores where whole lines can be: no read for ownership of the
+// lines it overwrites (benchmarks/moe.md).
 inline void merge_counts(std::int64_t* K3_RESTRICT H, std::uint8_t const* const* parts, std::int64_t P, std::int64_t a,
                          std::int64_t e, bool fresh) {
   auto one = [&](std::int64_t x) {
@@ -731,10 +728,9 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
       // The next chunk's rows (blocked histogram only). With the AVX-512 selection, a quarter
       // of a row's worth of its lines goes out during each token's candidate pass (one line per
       // 64 scores) and a seventh after its binning; the scatter spreads the rest over its expert
-      // groups. Measured on the Xeon VM against the whole stream in the scatter (which then
-      // stalled on its own L2 traffic): 6.25-6.60 vs 5.91-5.97 GB/s of scores; two lines per
-      // 64 scores, a line per ranked candidate as well, or 4, 16 or 24 lines after the binning
-      // were slower.
+      // groups. The whole stream in the scatter stalls it on its own L2 traffic, and denser
+      // spreads (two lines per 64 scores, a line per ranked candidate as well, or more lines
+      // after the binning) were slower (benchmarks/moe.md).
       bool const chunk_stream = h != nullptr && blocked;
       index_t const next0 = std::min(m, c_next * chunk), next1 = std::min(m, (c_next + 1) * chunk);
       k3::detail::rows_ahead chunk_ahead(&scores(std::min(next0, m - 1), 0), scores.stride(0) * static_cast<std::ptrdiff_t>(sizeof(float)),
@@ -742,15 +738,15 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
       std::size_t const row_lines = (static_cast<std::size_t>(n) * sizeof(float) + 63) / 64;
       for (index_t i = c * chunk; i < c1; ++i) {
         float const* s = &scores(i, 0);
-        // Without the chunk stream, the next token's row into L2 while this one is ranked: on a
-        // Xeon core the hardware prefetchers alone left routing at ~0.85 ns/score from DRAM vs
-        // ~0.3 from cache. The AVX-512 selection spreads these prefetches over its work: three
-        // lines per 64 scores in the candidate pass, one per ranked candidate, the rest once
-        // the token is done. That routed 14-15 GB/s of scores from DRAM against 11-13.5 with
-        // all four lines per 64 scores in the pass (same runs): a prefetch issued faster than
-        // the core's memory stream drains them waits for a fill buffer, and the instructions
-        // behind it cannot retire. The other paths issue the row here. After a chunk's last
-        // token, the next row this thread routes is the first of the chunk it has claimed.
+        // Without the chunk stream, the next token's row into L2 while this one is ranked: a
+        // server core's hardware prefetchers alone leave routing from DRAM far slower than from
+        // cache. The AVX-512 selection spreads these prefetches over its work: three lines per
+        // 64 scores in the candidate pass, one per ranked candidate, the rest once the token is
+        // done, not all four lines per 64 scores in the pass (benchmarks/moe.md): a prefetch
+        // issued faster than the core's memory stream drains them waits for a fill buffer, and
+        // the instructions behind it cannot retire. The other paths issue the row here. After
+        // a chunk's last token, the next row this thread routes is the first of the chunk it
+        // has claimed.
         index_t const i_next = i + 1 < c1 ? i + 1 : c_next * chunk;
         float const* const next_row = i_next < m ? &scores(i_next, 0) : nullptr;
         if (next_row && !select512 && !chunk_stream) k3::detail::prefetch_span_l2(next_row, static_cast<std::size_t>(n) * sizeof(float));
