@@ -36,6 +36,7 @@ struct spec {
   q::tile tile = q::tile_1x128;
   q::scale_format ds_scale = q::scale_format::fp32;
   q::mx_rule rule = q::mx_rule::floor;
+  q::nvfp4_rounding nv_rounding = q::nvfp4_rounding::reciprocal;
 };
 
 std::vector<std::string> const formats = {"e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "mxfp8", "mxfp8_e5m2", "mxfp6", "mxfp6_e2m3", "mxfp4", "nvfp4"};
@@ -49,8 +50,11 @@ spec parse(k3::cli::args const& a) {
     std::string const b = a.value("block", "16");
     if (b != "16") throw k3::cli::usage_error("--format nvfp4 uses --block 16, got '" + b + "'");
     if (a.has("scale") && a.value("scale") != "ue4m3") throw k3::cli::usage_error("--format nvfp4 has UE4M3 block scales (--scale ue4m3)");
+    if (a.has("nvfp4-rounding"))
+      s.nv_rounding = a.choice("nvfp4-rounding", {"reciprocal", "divide"}) == "divide" ? q::nvfp4_rounding::divide : q::nvfp4_rounding::reciprocal;
     return s;
   }
+  if (a.has("nvfp4-rounding")) throw k3::cli::usage_error("--nvfp4-rounding applies to --format nvfp4 only, got --format " + f);
   if (f == "mxfp8" || f == "e4m3") s.elem = q::mx_element::e4m3;
   if (f == "mxfp8_e5m2" || f == "e5m2") s.elem = q::mx_element::e5m2;
   if (f == "mxfp6" || f == "e3m2") s.elem = q::mx_element::e3m2;
@@ -133,7 +137,7 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k / 2)), scales(static_cast<std::size_t>(m * (k / 16)));
     float g = empty ? 1.f : q::nvfp4_tensor_scale(be, x);
     if (!empty) {
-      q::nvfp4_quantize(be, x, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g);
+      q::nvfp4_quantize(be, x, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g, s.nv_rounding);
       q::nvfp4_dequantize(be, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g, yv);
     }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, with_last(xa.shape(), k / 2), codes.data());
@@ -246,12 +250,19 @@ std::vector<k3::cli::option_spec> options() {
                               {"threads", true, "worker threads (default: all hardware threads); the results do not depend on it"}});
 }
 
+std::vector<k3::cli::option_spec> quant_options() {
+  auto o = options();
+  o.push_back({"nvfp4-rounding", true,
+               "reciprocal (default: x*((1/g)/s), torchao's current nvfp4_quantize) | divide (x/(g*s), its earlier form)"});
+  return o;
+}
+
 k3::cli::registrar reg_q({"quant", "block-quantize x.npy (FP8/MX/NVFP4): codes.npy, scales.npy, dequant.npy",
                           "Quantises DIR/x.npy (float32 or bfloat16, any rank >= 1; float64 is rounded to float32 first) along its\n"
                           "last axis. Outputs codes.npy (uint8; FP4\n"
                           "packed two per byte, even element in the low nibble), scales.npy (float32 DeepSeek scales or uint8\n"
                           "E8M0/UE4M3), dequant.npy (float32) and, for nvfp4, tensor_scale.npy.",
-                          options(), true, run_quant});
+                          quant_options(), true, run_quant});
 k3::cli::registrar reg_d({"dequant", "dequantize codes.npy + scales.npy back to x.npy (float32)",
                           "The reverse of k3 quant with the same --format/--block.", options(), true, run_dequant});
 

@@ -8,7 +8,7 @@
 //     fp8_requantize_1x128_to_128x1(b, q, s, q2, s2, scale_format)
 //     mx_quantize(b, x, q, s, mx_element, mx_rule)      OCP MX, 32-element blocks
 //     mx_dequantize(b, q, s, y, mx_element)
-//     nvfp4_tensor_scale(b, x) -> g;  nvfp4_quantize(b, x, q, s, g);  nvfp4_dequantize(b, q, s, g, y)
+//     nvfp4_tensor_scale(b, x) -> g;  nvfp4_quantize(b, x, q, s, g [, rounding]);  nvfp4_dequantize(b, q, s, g, y)
 //     fp8_block_gemm(b, qa, sa, qb, sb, c)              C = dequant(A) · dequant(B)^T
 //
 // CUDA: k3/quant/cuda.hpp declares the same operations on device views (k3::quant::cuda::*),
@@ -213,7 +213,8 @@ float nvfp4_tensor_scale(B const& b, tensor_view<T, 2> x_in) {
 }
 
 template <HostBackend B, detail::quant_input T>
-void nvfp4_quantize(B const& b, tensor_view<T, 2> x_in, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, float g) {
+void nvfp4_quantize(B const& b, tensor_view<T, 2> x_in, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, float g,
+                    nvfp4_rounding rounding = nvfp4_rounding::reciprocal) {
   const_view<std::remove_const_t<T>, 2> x = x_in;
   k3::detail::check_view("x", x);
   k3::detail::check_view("q", q);
@@ -225,11 +226,11 @@ void nvfp4_quantize(B const& b, tensor_view<T, 2> x_in, tensor_view<std::uint8_t
   if (x.size() == 0) return;
   if constexpr (detail::vector_backend<B>) {
     if (detail::unit_rows(x) && detail::unit_rows(q)) {
-      simd_impl::nvfp4_quantize<typename B::arch_type>(b, x, q, s, g);
+      simd_impl::nvfp4_quantize<typename B::arch_type>(b, x, q, s, g, rounding);
       return;
     }
   }
-  detail::rows_parallel(b, m, 8, [&](index_t i0, index_t i1) { reference::nvfp4_quantize_rows(x, q, s, g, i0, i1); });
+  detail::rows_parallel(b, m, 8, [&](index_t i0, index_t i1) { reference::nvfp4_quantize_rows(x, q, s, g, i0, i1, rounding); });
 }
 
 template <HostBackend B, class QT, class ST, detail::quant_output Out>

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/quant/cuda.cuh"
 #include "k3/quant/reference.hpp"
 
@@ -138,6 +138,15 @@ TEST_CASE("cuda MX and NVFP4 == CPU reference") {
   qc::nvfp4_quantize<float>(dx.v<float const>(m, k), dq.v(m, k / 2), ds.v(m, k / 16), g);
   CHECK(dq.get() == q);
   CHECK(ds.get() == s);
+  {
+    std::vector<std::uint8_t> qd(q.size()), sd(s.size());
+    reference::nvfp4_quantize_rows<float>(host_view(x.data(), m, k), host_view(qd.data(), m, k / 2), host_view(sd.data(), m, k / 16), g, 0,
+                                          m, k3::quant::nvfp4_rounding::divide);
+    dbuf<std::uint8_t> dqd(q.size()), dsd(s.size());
+    qc::nvfp4_quantize<float>(dx.v<float const>(m, k), dqd.v(m, k / 2), dsd.v(m, k / 16), g, nullptr, k3::quant::nvfp4_rounding::divide);
+    CHECK(dqd.get() == qd);
+    CHECK(dsd.get() == sd);
+  }
   dbuf<float> dy(x.size());
   qc::nvfp4_dequantize(dq.v<std::uint8_t const>(m, k / 2), ds.v<std::uint8_t const>(m, k / 16), g, dy.v(m, k));
   std::vector<float> y(x.size());

@@ -48,6 +48,11 @@ enum class mx_rule : std::uint8_t { floor, rceil };
 
 enum class mx_element : std::uint8_t { e4m3, e5m2, e3m2, e2m3, e2m1 };
 
+// How NVFP4 scales an element before E2M1 rounding (tensor scale g, decoded block scale sb):
+// reciprocal = x · ((1/g) / sb), the convention of torchao's current nvfp4_quantize and of the
+// GPU kernels it matches (the default); divide = x / (g · sb), torchao's earlier form.
+enum class nvfp4_rounding : std::uint8_t { reciprocal, divide };
+
 inline constexpr index_t mx_block = 32;
 inline constexpr index_t nvfp4_block = 16;
 inline constexpr float deepseek_amax_floor = 1e-4f;
@@ -130,20 +135,34 @@ K3_INLINE mx_scale mx_block_scale(std::uint32_t amax_bits, mx_rule rule) noexcep
   return {static_cast<std::uint8_t>(se + 127), k3::detail::exp2i_float(-se)};
 }
 
-// ---- NVFP4: UE4M3 block scale code and the divisor g·sb ------------------------------------
+// ---- NVFP4: UE4M3 block scale code and the element scaling ----------------------------------
+// Each element is scaled to the E2M1 grid (then rounded to nearest even) by one of
+//   x · ((1/g) / sb)   the default: torchao's nvfp4_quantize and the GPU kernels it matches
+//                      multiply by a reciprocal computed in fp32 as written, so k3 does too;
+//   x / (g · sb)       torchao's earlier form, kept for checkpoints quantised with it.
+// The two round differently only where x·factor lands next to an exact E2M1 tie.
+// With g < 2^-122 the reciprocal factor can overflow fp32 (x · inf would turn zeros into NaN):
+// such blocks use the divide form, the only finite evaluation of the same quotient.
 struct nvfp4_scale {
   std::uint8_t code;  // 0x7F: NaN block
-  float div;          // g · float(sb): y = x / div (torchao's form, pinned)
+  float factor;       // the multiplier, or the divisor when `divide`
+  bool divide;
 };
-K3_INLINE nvfp4_scale nvfp4_block_scale(std::uint32_t amax_bits, float g) noexcept {
-  if (amax_bits >= nonfinite_bits) return {0x7F, quiet_nan()};
+K3_INLINE nvfp4_scale nvfp4_block_scale(std::uint32_t amax_bits, float g, nvfp4_rounding rounding) noexcept {
+  if (amax_bits >= nonfinite_bits) return {0x7F, quiet_nan(), true};
   float const bs = k3::detail::bit_cast<float>(amax_bits) / 6.0f;
   float r = bs / g;
   if (r < 0x1p-6f) r = 0x1p-6f;
   if (r > 448.0f) r = 448.0f;
   std::uint8_t const c = encode<ue4m3_format>(r, saturation::finite);
-  return {c, g * decode<ue4m3_format>(c)};
+  float const sb = decode<ue4m3_format>(c);
+  if (rounding == nvfp4_rounding::reciprocal) {
+    float const f = (1.0f / g) / sb;
+    if (abs_bits(f) < nonfinite_bits) return {c, f, false};
+  }
+  return {c, g * sb, true};
 }
+K3_INLINE float nvfp4_scaled(float x, nvfp4_scale const& sc) noexcept { return sc.divide ? x / sc.factor : x * sc.factor; }
 
 // ---- validation ----------------------------------------------------------------------------
 inline index_t ceil_div(index_t a, index_t b) noexcept { return (a + b - 1) / b; }

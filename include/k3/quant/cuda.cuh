@@ -99,7 +99,7 @@ K3_KERNEL void mx_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t 
 
 // Half a warp per (row, 16-block).
 template <class T>
-K3_KERNEL void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::uint8_t, 2> s, float g) {
+K3_KERNEL void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::uint8_t, 2> s, float g, nvfp4_rounding rounding) {
   index_t const nb = x.extent(1) / nvfp4_block;
   index_t const h = (blockIdx.x * index_t(blockDim.x) + threadIdx.x) / 16;
   int const lane = threadIdx.x & 15;
@@ -107,8 +107,8 @@ K3_KERNEL void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dvi
   bool const active = h < total;
   index_t const i = active ? h / nb : 0, j = active ? (h % nb) * nvfp4_block + lane : 0;
   float const v = active ? detail::to_f32(x(i, j)) : 0.0f;
-  auto const sc = detail::nvfp4_block_scale(warp_max(detail::abs_bits(v), 16), g);
-  std::uint8_t const c = encode<e2m1_format>(v / sc.div, saturation::finite);
+  auto const sc = detail::nvfp4_block_scale(warp_max(detail::abs_bits(v), 16), g, rounding);
+  std::uint8_t const c = encode<e2m1_format>(detail::nvfp4_scaled(v, sc), saturation::finite);
   std::uint8_t const odd = static_cast<std::uint8_t>(__shfl_down_sync(0xFFFFFFFFu, unsigned(c), 1));
   if (!active) return;
   if (lane == 0) s(i, j / nvfp4_block) = sc.code;
@@ -240,7 +240,8 @@ inline void mx_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t con
 }
 
 template <class T>
-void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::uint8_t, 2> s, float g, CUstream_st* stream) {
+void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::uint8_t, 2> s, float g, CUstream_st* stream,
+                    nvfp4_rounding rounding) {
   index_t const m = x.extent(0), k = x.extent(1);
   detail::check_tensor_scale(g);
   detail::check_divides("x", k, nvfp4_block);
@@ -251,7 +252,7 @@ void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::ui
   detail::check_2d("s", s);
   detail::check_quantize_outputs(q, s, x);
   if (x.size() == 0) return;
-  ::k3::cuda::launch_kernel(kernels::nvfp4_quantize<T>, {static_cast<unsigned>((m * k + 255) / 256), 256, 0, stream}, x, q, s, g);
+  ::k3::cuda::launch_kernel(kernels::nvfp4_quantize<T>, {static_cast<unsigned>((m * k + 255) / 256), 256, 0, stream}, x, q, s, g, rounding);
   K3_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -28,7 +28,8 @@ void mx_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t const, 2> 
 
 // g: the fp32 tensor scale (k3::quant::nvfp4_tensor_scale, or nvfp4_tensor_scale below).
 template <class T>
-void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::uint8_t, 2> s, float g, CUstream_st* stream = nullptr);
+void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::uint8_t, 2> s, float g, CUstream_st* stream = nullptr,
+                    nvfp4_rounding rounding = nvfp4_rounding::reciprocal);
 void nvfp4_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t const, 2> s, float g, dview<float, 2> y,
                       CUstream_st* stream = nullptr);
 // Synchronous: the tensor scale from a device-side finite amax.

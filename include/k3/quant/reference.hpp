@@ -119,17 +119,17 @@ inline float nvfp4_scale_from_amax(std::uint32_t amax_bits) noexcept {
 
 template <class T>
 void nvfp4_quantize_rows(const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, float g, index_t i0,
-                         index_t i1) {
+                         index_t i1, nvfp4_rounding rounding = nvfp4_rounding::reciprocal) {
   for (index_t i = i0; i < i1; ++i)
     for (index_t b = 0; b < s.extent(1); ++b) {
       index_t const j0 = b * nvfp4_block;
       std::uint32_t amax = 0;
       for (index_t j = j0; j < j0 + nvfp4_block; ++j) amax = std::max(amax, abs_bits(load_as<float>(x(i, j))));
-      auto const sc = detail::nvfp4_block_scale(amax, g);
+      auto const sc = detail::nvfp4_block_scale(amax, g, rounding);
       s(i, b) = sc.code;
       for (index_t j = j0; j < j0 + nvfp4_block; j += 2)
-        q(i, j / 2) = pack_fp4(encode<e2m1_format>(load_as<float>(x(i, j)) / sc.div, saturation::finite),
-                               encode<e2m1_format>(load_as<float>(x(i, j + 1)) / sc.div, saturation::finite));
+        q(i, j / 2) = pack_fp4(encode<e2m1_format>(detail::nvfp4_scaled(load_as<float>(x(i, j)), sc), saturation::finite),
+                               encode<e2m1_format>(detail::nvfp4_scaled(load_as<float>(x(i, j + 1)), sc), saturation::finite));
     }
 }
 

@@ -225,13 +225,13 @@ struct kernels {
 // `automatic` (the default) decides per call with row_tuning below; the other two force a mode.
 enum class store_mode { automatic, cached, streaming };
 
-// Memory tuning of the row kernels, by the machines they were measured on (benchmarks/quant.md):
-//  * Xeon (2-vCPU VM, 2 MB L2 per core): one core keeps too few lines in flight to stream from
-//    DRAM alone; prefetching the input one group (4 KB) ahead into L2 gave +20% (cached) to
-//    +25% (streaming) for [16384, 7168] on 2 threads, and streaming stores +12-25% once the
-//    codes outgrow the L2s (+28% at 29 MB of codes, a 2% loss at 0.5 MB).
-//  * AMD EPYC Zen 4 VM: streaming stores lost 3-7% even at 117 MB of codes, and the software
-//    prefetches tried there (whole groups ahead, before the lane pass) were slower too.
+// Memory tuning of the row kernels, by CPU vendor (the figures are in benchmarks/quant.md):
+//  * Intel: one server core keeps too few lines in flight to stream from DRAM alone, so the
+//    input is prefetched one group (4 KB) ahead into L2; codes are streamed once they outgrow
+//    the private L2s (16 MiB), where the read for ownership costs more than the cache they
+//    would have stayed in, while for small tensors the cached stores are faster.
+//  * AMD: streaming stores were slower even far past the caches, and so were the software
+//    prefetches tried there (whole groups ahead, before the lane pass).
 // Unknown vendors get the AMD settings (the plain code).
 struct row_tuning {
   bool prefetch = false;
@@ -410,7 +410,7 @@ inline std::uint32_t nonzero_min(std::uint16_t const* p) noexcept {
 // the blocks are read, so that the partial results stay in registers. (Storing the 16 or 32 lane vectors to the stack and
 // reading them back put stores among the block loads whose addresses can match a later load's in
 // bits 0-11 (4K aliasing); such a load then waits for the store, i.e. for the previous block's
-// cache misses: with the input in DRAM this cost ~30% of the 1x128 throughput.)
+// cache misses, which serialises the misses with the input in DRAM; benchmarks/quant.md.)
 template <bool WithMin, class F>
 K3_INLINE void reduce16_streamed(F&& lanes, int n, __m256i& rmax, __m256i& rmin) noexcept {
   auto const pair = [&](int t, __m512i& xm, __m512i& xn) {  // blocks t, t + 1: level 1
@@ -719,9 +719,9 @@ void mx_e2m1_rows(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, ten
 
 // Rows [i0, i1) of a 1x128 quantisation; the last, partial tile goes through kernels<Arch>.
 // Per group of 16 tiles: the lane pass (the loads that miss), one transposing reduction per
-// quantity, 16 scales in one vector, then the codes from L1. (On the AMD VM, interleaving the next
+// quantity, 16 scales in one vector, then the codes from L1. (On AMD, interleaving the next
 // group's lane pass with this group's encoding, prefetching whole groups and larger groups were
-// all slower with the tensor in DRAM; on the Xeon, prefetching each tile of the next group while
+// all slower with the tensor in DRAM; on Intel, prefetching each tile of the next group while
 // encoding the same tile of this one pays: row_tuning, benchmarks/quant.md.)
 template <class Arch, bool Stream>
 void rows_impl(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<float, 2> s, scale_format fmt, index_t i0, index_t i1,
@@ -732,7 +732,7 @@ void rows_impl(const_view<bfloat16, 2> x, tensor_view<std::uint8_t, 2> q, tensor
   alignas(64) float sv[16], iv[16], iv88[16];
   alignas(64) std::uint8_t part[128] = {};
   // streaming: contiguous rows of whole 64-byte registers are one stream, so only its two ends
-  // can be partial cache lines (masked stores to partial lines measured costly next to streaming)
+  // can be partial cache lines (masked stores to partial lines are costly next to streaming)
   bool const span = q.stride(0) == k && k % 64 == 0;
   row_writer out(&q(i0, 0), Stream ? (span ? (i1 - i0) * k : k) : 0, Stream);
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -901,7 +901,8 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
 
 // ---- NVFP4, rows unit-stride -------------------------------------------------------------------
 template <class Arch, class B, class T>
-void nvfp4_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, float g) {
+void nvfp4_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q, tensor_view<std::uint8_t, 2> s, float g,
+                    nvfp4_rounding rounding) {
   using K = kernels<Arch>;
   index_t const m = x.extent(0), k = x.extent(1);
   index_t const rows_per_task = 8;
@@ -910,9 +911,12 @@ void nvfp4_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2>
     for (index_t i = r0; i < r1; ++i) {
       T const* xr = &x(i, 0);
       for (index_t j = 0; j < k; j += nvfp4_block) {
-        auto const sc = detail::nvfp4_block_scale(K::amax_bits(xr + j, nvfp4_block), g);
+        auto const sc = detail::nvfp4_block_scale(K::amax_bits(xr + j, nvfp4_block), g, rounding);
         s(i, j / nvfp4_block) = sc.code;
-        K::template encode_store<e2m1_format, true>(xr + j, sc.div, &q(i, j / 2), nvfp4_block);
+        if (sc.divide)
+          K::template encode_store<e2m1_format, true>(xr + j, sc.factor, &q(i, j / 2), nvfp4_block);
+        else
+          K::template encode_store<e2m1_format, false>(xr + j, sc.factor, &q(i, j / 2), nvfp4_block);
       }
     }
   });
