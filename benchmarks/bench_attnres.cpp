@@ -30,6 +30,7 @@ using k3::index_t;
 
 int main(int argc, char** argv) {
   using namespace k3::bench;
+  csv_init(argc, argv);  // --csv FILE (removed before the positional arguments are read)
   index_t const T = argc > 1 ? std::atoll(argv[1]) : 4096;
   int const reps = argc > 2 ? std::atoi(argv[2]) : 5;
   index_t const d = 7168, N = 8, S = 24;
@@ -152,6 +153,15 @@ int main(int argc, char** argv) {
   std::printf("  bytes actually moved %.3f GB -> %.2f GB/s = %.1f%% of the in-place pass\n", actual * 1e-9, gb_actual, 100 * gb_actual / ty);
   std::printf("plain residual adds (24 x prefix += delta): median %.4f s, %.2f GB/s = %.1f%% of the in-place pass\n", trr,
               residual_bytes / trr * 1e-9, 100 * residual_bytes / trr * 1e-9 / ty);
+  {
+    std::string const sh = "T=" + std::to_string(T) + ";d=7168;N=8;S=24;bf16";
+    emit({"attnres", "block_forward", "two_phase", "threads", sh, (long long)T, tt, gb_table1, "GB/s(Table 1 bytes)", T / tt, "inplace_pass_256MiB", ty,
+          "GB/s", ratio, nt});
+    emit({"attnres", "phase2", "two_phase", "threads", sh, (long long)T, tp, p2_bytes / tp * 1e-9, "GB/s", T / tp, "inplace_pass_256MiB", ty, "GB/s",
+          p2_bytes / tp * 1e-9 / ty, nt});
+    emit({"attnres", "block_over_residual_adds", "two_phase", "threads", sh, (long long)T, tt, gb_table1, "GB/s(Table 1 bytes)", T / tt,
+          "24 plain residual adds (time)", trr, "s", tt / trr, nt});
+  }
   std::printf("overhead of the two-phase block over the plain residual adds: %.2fx the time (+%.0f%%); Table 1 predicts (N/S+5)/3 = %.2fx\n",
               tt / trr, 100 * (tt / trr - 1), (double(N) / S + 5) / 3);
   return 0;

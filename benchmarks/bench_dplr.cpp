@@ -114,6 +114,7 @@ struct timing {
 
 int main(int argc, char** argv) {
   using namespace k3::bench;
+  csv_init(argc, argv);  // --csv FILE (removed before [reps] is read)
   print_header("dplr: chunked DPLR, single long sequence (B=1, H=1, K=V=128, float)");
   int reps = argc > 1 ? std::atoi(argv[1]) : 5;
   k3::index_t const T = 65536, K = 128, V = 128, C = 64, Tb = 16384;
@@ -169,5 +170,17 @@ int main(int argc, char** argv) {
   std::printf("KDA chunked forward (k3::kda::forward, same shape, chunk 64, gate_lower_bound -5): 1 thread %.3f s (%.0f tokens/s, %.2f x GEMM at DPLR's flop count), 2 threads %.3f s (one (sequence, head) task: one core)\n",
               tk1, T / tk1, flops_tok * T / tk1 * 1e-9 / g, tk2);
   std::printf("DPLR / KDA forward time: 1 thread %.2f, 2 threads %.2f (DPLR value split vs KDA)  [Kimi Linear paper: KDA ~2x faster, i.e. ~2]\n", tf / tk1, tv / tk2);
+  {
+    std::string const sh = "B=1;T=65536;H=1;K=128;V=128";
+    emit({"dplr", "forward", "chunk", "threads(1)", sh, (long long)T, tf, eff, "GFLOP/s(nominal)", T / tf, "eigen_gemm_512_1t", g, "GFLOP/s", eff / g, 1});
+    emit({"dplr", "forward", "value_split", "threads(2)", sh, (long long)T, tv, flops_tok * T / tv * 1e-9, "GFLOP/s(nominal)", T / tv,
+          "k3 forward 1 thread (time)", tf, "s", tf / tv, 2});
+    emit({"dplr", "forward", "segment_maps", "threads(2)", sh, (long long)T, ts, flops_tok * T / ts * 1e-9, "GFLOP/s(nominal)", T / ts,
+          "k3 forward 1 thread (time)", tf, "s", tf / ts, 2});
+    std::string const shb = "B=1;T=16384;H=1;K=128;V=128";
+    emit({"dplr", "backward", "value_split", "threads(2)", shb, (long long)Tb, tb2, 0, "", Tb / tb2, "k3 backward 1 thread (time)", tb1, "s", tb1 / tb2, 2});
+    emit({"dplr", "forward_vs_kda", "chunk", "threads(1)", sh, (long long)T, tf, T / tf, "tok/s", T / tf, "k3 kda forward 1 thread (time)", tk1, "s",
+          tf / tk1, 1});
+  }
   return 0;
 }

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   using namespace k3::bench;
   using k3::index_t;
   k3::mpi_session session(&argc, &argv);
+  csv_init(argc, argv);  // --csv FILE (rank 0 writes)
   k3::mpi_communicator comm;
   int const rank = comm.rank(), P = comm.size();
   int const reps = argc > 1 ? std::atoi(argv[1]) : 3;
@@ -71,6 +72,8 @@ int main(int argc, char** argv) {
     double f = median(fwd_local), m = median(map_local), w = median(whole), c = median(cp);
     std::printf("ranks %d: single-process forward %.3f s, distributed forward %.3f s, speedup %.2fx, predicted %.2fx (map pass / forward = %.2f)\n",
                 P, w, c, w / c, P == 1 ? 1.0 : P * f / (m + f), m / f);
+    emit({"dplr_mpi", "cp_forward", "segment_maps", "mpi(" + std::to_string(P) + " ranks)", "B=1;T=65536;H=1;K=128;V=128", (long long)T, c,
+          T / c, "tok/s", T / c, "k3 single-process forward (time)", w, "s", w / c, P});
     std::printf("communication per rank: %lld floats (B H K (K+V)), independent of T\n", (long long)(K * (K + V)));
   }
   return 0;

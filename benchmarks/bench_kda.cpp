@@ -8,9 +8,16 @@
 //   - decode state bytes (read + write) per second over an in-place pass over the same state
 //     pool (256 MiB, beyond the last-level cache).
 // B = 1, H = 16, K = V = 128, float32, T from 4096 to 32768 (--quick: T = 4096 only).
+//
+// --sweep-T T1,T2,...: instead, forward (and the chunked backward, unless --no-backward)
+// throughput for each form (chunk, recurrent) and backend (cpu::serial, cpu::simd, cpu::threads) at each T,
+// as tokens/s and GFLOP/s (same count) over the median Eigen GEMM rate with the backend's
+// thread count (1 for serial and simd), interleaved; --reps N (default 3).
+// --csv FILE (or K3_BENCH_CSV=FILE): also append every figure as a CSV row (common/bench.hpp).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <numeric>
@@ -90,19 +97,132 @@ struct inputs {
 
 char const* verdict(bool ok) { return ok ? "PASS" : "FAIL"; }
 
+std::vector<index_t> parse_list(char const* s) {
+  std::vector<index_t> v;
+  for (char const* p = s; *p;) {
+    char* e = nullptr;
+    long long x = std::strtoll(p, &e, 10);
+    if (e == p) break;
+    v.push_back(static_cast<index_t>(x));
+    p = *e == ',' ? e + 1 : e;
+  }
+  return v;
+}
+
+std::string shape_of(index_t T, index_t H, index_t d) {
+  return "B=1;T=" + std::to_string(T) + ";H=" + std::to_string(H) + ";K=" + std::to_string(d) + ";V=" + std::to_string(d);
+}
+
+// The T sweep: every (form, backend) pair at each T, forward and backward, interleaved with
+// the GEMM yardstick of the backend's thread count.
+int run_sweep(std::vector<index_t> const& Ts, int reps, bool with_backward, int threads) {
+  using namespace k3::bench;
+  index_t const H = 16, d = 128, C = 64;
+  k3::cpu::serial se;
+  k3::cpu::simd<> si;
+  k3::cpu::threads<> th(threads);
+  gemm_yardstick g1(1), gN(threads);
+  std::vector<double> y1, yN;
+  y1.push_back(g1.gflops());
+  yN.push_back(gN.gflops());
+  char const* forms[2] = {"chunk", "recurrent"};
+  char const* backends[3] = {"serial", "simd", "threads"};
+  struct cell {
+    std::vector<double> f, b;
+  };
+  std::vector<std::vector<cell>> cells(Ts.size(), std::vector<cell>(6));
+  for (std::size_t ti = 0; ti < Ts.size(); ++ti) {
+    index_t const T = Ts[ti];
+    inputs in(T, H, d, d);
+    auto fa = in.fwd();
+    auto ba = in.bwd();
+    auto run = [&](int bk, int form, bool bwd) {
+      k3::kda::options opt;
+      if (form == 0)
+        opt.gate_lower_bound = -5.0;
+      else
+        opt.mode = k3::kda::algorithm::recurrent;
+      auto go = [&](auto const& be) {
+        if (bwd)
+          k3::kda::backward(be, ba, opt);
+        else
+          k3::kda::forward(be, fa, opt);
+      };
+      if (bk == 0)
+        go(se);
+      else if (bk == 1)
+        go(si);
+      else
+        go(th);
+    };
+    for (int c = 0; c < 6; ++c) run(c % 3, c / 3, false);  // warm-up
+    for (int r = 0; r < reps; ++r) {
+      for (int c = 0; c < 6; ++c) {
+        cells[ti][c].f.push_back(seconds([&] { run(c % 3, c / 3, false); }));
+        if (with_backward && c / 3 == 0) cells[ti][c].b.push_back(seconds([&] { run(c % 3, c / 3, true); }));
+        if (c % 3 == 2)
+          yN.push_back(gN.gflops());
+        else
+          y1.push_back(g1.gflops());
+      }
+    }
+  }
+  double const m1 = median(y1), mN = median(yN);
+  std::printf("# T sweep: gemm yardsticks (median of interleaved 1024^3 Eigen float GEMMs): 1 thread %.1f GFLOP/s (%zu runs), %d threads %.1f GFLOP/s (%zu runs)\n",
+              m1, y1.size(), threads, mN, yN.size());
+  std::printf("# GFLOP/s: Kimi Linear's count 6Td^2 + 3TCd + TC^2 per head; ratio: over the GEMM with the backend's threads; medians of %d\n", reps);
+  std::printf("%7s %10s %8s %10s %12s %9s %7s %10s %8s\n", "T", "form", "backend", "fwd ms", "fwd tok/s", "GFLOP/s", "ratio", "bwd ms",
+              "bwd/fwd");
+  for (std::size_t ti = 0; ti < Ts.size(); ++ti) {
+    index_t const T = Ts[ti];
+    double const flops = double(H) * (6.0 * T * d * d + 3.0 * T * C * d + double(T) * C * C);
+    for (int c = 0; c < 6; ++c) {
+      int const bk = c % 3, form = c / 3, nth = bk == 2 ? threads : 1;
+      double const y = bk == 2 ? mN : m1;
+      std::string const ys = bk == 2 ? "eigen_gemm_1024_" + std::to_string(threads) + "t" : std::string("eigen_gemm_1024_1t");
+      double const tf = median(cells[ti][c].f), gf = flops / tf * 1e-9;
+      bool const has_b = with_backward && form == 0;  // the recurrent backward (the reference path) is left out: ~40x its forward
+      double const tb = has_b ? median(cells[ti][c].b) : 0.0;
+      std::printf("%7lld %10s %8s %10.2f %12.0f %9.1f %7.2f", static_cast<long long>(T), forms[form], backends[bk], tf * 1e3, T / tf, gf,
+                  gf / y);
+      if (has_b)
+        std::printf(" %10.2f %8.2f\n", tb * 1e3, tb / tf);
+      else
+        std::printf("\n");
+      emit({"kda", "forward", forms[form], backends[bk], shape_of(T, H, d), (long long)T, tf, gf, "GFLOP/s", T / tf, ys, y, "GFLOP/s", gf / y, nth});
+      if (has_b)
+        emit({"kda", "backward", forms[form], backends[bk], shape_of(T, H, d), (long long)T, tb, flops / tb * 1e-9, "GFLOP/s(fwd count)", T / tb,
+              std::string("k3 forward (same form, backend)"), tf, "s", tb / tf, nth});
+    }
+  }
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, decode_only = false;
+  k3::bench::csv_init(argc, argv);
+  bool quick = false, decode_only = false, with_backward = true;
+  std::vector<index_t> sweep_T;
+  int sweep_reps = 3;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0)
       quick = true;
     else if (std::strcmp(argv[i], "--decode-only") == 0)
       decode_only = true;
+    else if (std::strcmp(argv[i], "--sweep-T") == 0 && i + 1 < argc)
+      sweep_T = parse_list(argv[++i]);
+    else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc)
+      sweep_reps = std::max(1, std::atoi(argv[++i]));
+    else if (std::strcmp(argv[i], "--no-backward") == 0)
+      with_backward = false;
     else {
-      std::fprintf(stderr, "usage: bench_kda [--quick] [--decode-only]\n");
+      std::fprintf(stderr, "usage: bench_kda [--quick] [--decode-only] [--sweep-T T1,T2,... [--reps N] [--no-backward]] [--csv FILE]\n");
       return 2;
     }
+  }
+  if (!sweep_T.empty()) {
+    k3::bench::print_header("KDA T sweep (B=1, H=16, K=V=128, float32, chunk 64, gate lower bound -5 for the chunked form)");
+    return run_sweep(sweep_T, sweep_reps, with_backward, k3::bench::hardware_threads());
   }
   k3::bench::print_header("KDA (B=1, H=16, K=V=128, float32, chunk 64)");
   int const threads = k3::bench::hardware_threads();
@@ -225,6 +345,19 @@ int main(int argc, char** argv) {
     ok_bwd &= rbs <= 2.5;
     std::printf("%7lld %12.1f %8.2f %12.1f %8.2f %10.1f %10.1f %8.2f | %10.1f %8.2f %10.1f %8.2f\n", static_cast<long long>(r.T), gc, rc, gs,
                 rs, r.chunk_s * 1e3, r.bwd_s * 1e3, rb, r.train_s * 1e3, rt, r.bwd_saved_s * 1e3, rbs);
+    {
+      using k3::bench::emit;
+      std::string const sh = shape_of(r.T, H, d), ys = "eigen_gemm_1024_" + std::to_string(threads) + "t";
+      long long const T = r.T;
+      emit({"kda", "forward", "chunk", "threads", sh, T, r.chunk_s, gc, "GFLOP/s", T / r.chunk_s, ys, gemm_med, "GFLOP/s", rc, threads});
+      emit({"kda", "forward", "recurrent", "threads", sh, T, r.serial_s, gs, "GFLOP/s", T / r.serial_s, ys, gemm_med, "GFLOP/s", rs, threads});
+      emit({"kda", "backward_recompute", "chunk", "threads", sh, T, r.bwd_s, flops / r.bwd_s * 1e-9, "GFLOP/s(fwd count)", T / r.bwd_s,
+            "k3 plain forward (chunk, threads)", r.chunk_s, "s", rb, threads});
+      emit({"kda", "forward_train", "chunk", "threads", sh, T, r.train_s, flops / r.train_s * 1e-9, "GFLOP/s", T / r.train_s,
+            "k3 plain forward (chunk, threads)", r.chunk_s, "s", rt, threads});
+      emit({"kda", "backward_saved", "chunk", "threads", sh, T, r.bwd_saved_s, flops / r.bwd_saved_s * 1e-9, "GFLOP/s(fwd count)",
+            T / r.bwd_saved_s, "k3 training forward (chunk, threads)", r.train_s, "s", rbs, threads});
+    }
   }
   double const dm = k3::bench::median(dec), pm = k3::bench::median(pas);
   std::vector<double> per_run(dec.size());
@@ -232,6 +365,8 @@ int main(int argc, char** argv) {
   std::printf("decode: %.1f GB/s state traffic vs in-place pass over the same %.0f MiB pool %.1f GB/s: ratio %.2f "
               "(median of per-run ratios %.2f)\n",
               dm, pool_bytes / (1 << 20), pm, dm / pm, k3::bench::median(per_run));
+  k3::bench::emit({"kda", "decode", "recurrent", "threads", "N=256;pool=256;H=16;K=128;V=128", 1, 2.0 * pool_bytes / (dm * 1e9), dm, "GB/s",
+                   N / (2.0 * pool_bytes / (dm * 1e9)), "inplace_pass_same_pool", pm, "GB/s", dm / pm, threads});
   double const dc = k3::bench::median(dec_cpu), pc = k3::bench::median(pas_cpu);
   std::printf("decode per CPU-second x %d threads: %.1f vs in-place pass %.1f GB/s: ratio %.2f (a check for shared machines)\n", threads,
               dc, pc, dc / pc);

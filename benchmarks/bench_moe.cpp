@@ -15,8 +15,9 @@
 #include "common/bench.hpp"
 #include "k3/moe.hpp"
 
-int main() {
+int main(int argc, char** argv) {
   using namespace k3::bench;
+  csv_init(argc, argv);  // --csv FILE
   namespace moe = k3::moe;
   print_header("moe routing: m=16384 n=896 k=16 bins=1000 float32");
   int const nt = hardware_threads();
@@ -104,6 +105,14 @@ int main() {
               RH >= 0.2 * P ? "PASS" : "FAIL");
   std::printf("full std::sort baseline:    %7.2f GB/s of scores; routing is %.1fx faster   [bar >= 3x: %s]\n", FS, R / FS,
               R >= 3 * FS ? "PASS" : "FAIL");
+  {
+    std::string const sh = "m=16384;n=896;k=16;bins=1000";
+    emit({"moe", "route", "topk", "threads", sh, 0, bytes / (R * 1e9), R, "GB/s", m / (bytes / (R * 1e9)), "inplace_pass_256MiB", P, "GB/s", R / P, nt});
+    emit({"moe", "route+histogram", "topk", "threads", sh, 0, bytes / (RH * 1e9), RH, "GB/s", m / (bytes / (RH * 1e9)), "inplace_pass_256MiB", P,
+          "GB/s", RH / P, nt});
+    emit({"moe", "route_vs_sort", "topk", "threads", sh, 0, bytes / (R * 1e9), R, "GB/s", m / (bytes / (R * 1e9)), "full_std_sort", FS, "GB/s",
+          R / FS, nt});
+  }
   std::printf("(medians of 9 interleaved runs; %.1f MB of scores per call)\n", bytes * 1e-6);
   std::printf("per CPU-second: routing %.2f GB/s, routing + histogram %.2f GB/s; CPU utilisation during routing %.2f of %d threads%s\n",
               median(r_cpu), median(rh_cpu), median(util), nt, median(util) < 0.8 * nt ? " (machine busy: wall-clock ratios unreliable)" : "");

@@ -28,8 +28,9 @@ double cpu_seconds(F&& f) {
 }
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   using namespace k3::bench;
+  csv_init(argc, argv);  // --csv FILE
   using k3::index_t;
   print_header("bench_quant: block quantization and block-scaled FP8 GEMM");
   int const nt = hardware_threads();
@@ -101,6 +102,15 @@ int main() {
               100 * median(ymx8) / pm);
   std::printf("MXFP4 (E2M1, FLOOR) quantize:           median %.2f GB/s (in+out) = %.1f%% of the pass\n", median(ymx4),
               100 * median(ymx4) / pm);
+  {
+    std::string const sh = "m=16384;k=7168;in=bf16";
+    emit({"quant", "fp8_quantize", "1x128_e4m3", "threads", sh, 0, b128 / (median(y128) * 1e9), median(y128), "GB/s", 0, "inplace_pass_256MiB", pm,
+          "GB/s", median(y128) / pm, nt});
+    emit({"quant", "mx_quantize", "mxfp8_e4m3_rceil", "threads", sh, 0, bmx8 / (median(ymx8) * 1e9), median(ymx8), "GB/s", 0, "inplace_pass_256MiB",
+          pm, "GB/s", median(ymx8) / pm, nt});
+    emit({"quant", "mx_quantize", "mxfp4_e2m1_floor", "threads", sh, 0, bmx4 / (median(ymx4) * 1e9), median(ymx4), "GB/s", 0, "inplace_pass_256MiB",
+          pm, "GB/s", median(ymx4) / pm, nt});
+  }
   x = {};
   q8 = {};
   q4 = {};
@@ -134,5 +144,7 @@ int main() {
   std::printf("Eigen float GEMM yardstick (1024^3 x %d threads): median %.1f GFLOP/s\n", nt, em);
   std::printf("FP8 block-scaled GEMM %lldx%lldx%lld: median %.1f GFLOP/s = %.1f%% of Eigen  [bar 50%%: %s]\n", (long long)gm,
               (long long)gn, (long long)gk, gmed, 100 * gmed / em, gmed >= 0.5 * em ? "PASS" : "FAIL");
+  emit({"quant", "fp8_block_gemm", "1x128_a_128x128_b", "threads", "M=2048;N=2048;K=2048", 0, 2.0 * gm * gn * gk / (gmed * 1e9), gmed, "GFLOP/s", 0,
+        "eigen_gemm_1024_" + std::to_string(nt) + "t", em, "GFLOP/s", gmed / em, nt});
   return 0;
 }

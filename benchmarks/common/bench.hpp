@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -124,5 +125,83 @@ inline int hardware_threads() { return static_cast<int>(std::max(1u, std::thread
 inline void print_header(char const* what) {
   std::printf("# %s\n# simd isa: %s, hardware threads: %d\n", what, isa(), hardware_threads());
 }
+
+// ---- Machine-readable output ----------------------------------------------------------------
+// Every benchmark takes `--csv FILE` (anywhere on its command line; it is removed from argv
+// before the benchmark reads its own arguments) or the environment variable K3_BENCH_CSV=FILE,
+// and then appends one CSV row per figure to FILE (the header once, when FILE is new or
+// empty), next to its usual stdout. benchmarks/plot.py and benchmarks/torch_kda.py read and
+// write the same columns:
+//   benchmark,op,form,backend,shape,T,median_s,throughput,unit,tokens_per_s,
+//   yardstick,yardstick_rate,yardstick_unit,ratio,isa,threads
+// shape is "key=value;key=value" (B=1;T=4096;H=16;K=128;V=128); T repeats the token count
+// (0 where it does not apply); ratio is the figure against its same-run yardstick as the
+// benchmark prints it: a rate over the yardstick's rate, or, where the yardstick is another
+// call's time (unit "s"), the printed time ratio (backward / forward, or a speedup).
+struct record {
+  std::string benchmark, op, form, backend, shape;
+  long long T = 0;
+  double median_s = 0, throughput = 0;
+  std::string unit;
+  double tokens_per_s = 0;
+  std::string yardstick;
+  double yardstick_rate = 0;
+  std::string yardstick_unit;
+  double ratio = 0;
+  int threads = 1;
+};
+
+class csv_sink {
+ public:
+  static csv_sink& get() {
+    static csv_sink s;
+    return s;
+  }
+  // Takes `--csv FILE` out of argv (argc shrinks); falls back to $K3_BENCH_CSV.
+  void init(int& argc, char** argv) {
+    int w = 1;
+    for (int i = 1; i < argc; ++i) {
+      if (std::strcmp(argv[i], "--csv") == 0 && i + 1 < argc) {
+        path_ = argv[++i];
+      } else if (std::strncmp(argv[i], "--csv=", 6) == 0) {
+        path_ = argv[i] + 6;
+      } else {
+        argv[w++] = argv[i];
+      }
+    }
+    argc = w;
+    argv[argc] = nullptr;
+    if (path_.empty()) {
+      if (char const* e = std::getenv("K3_BENCH_CSV")) path_ = e;
+    }
+  }
+  bool enabled() const { return !path_.empty(); }
+  void write(record const& r) {
+    if (!enabled()) return;
+    std::FILE* f = std::fopen(path_.c_str(), "a+");
+    if (!f) {
+      std::fprintf(stderr, "cannot open %s for --csv\n", path_.c_str());
+      return;
+    }
+    std::fseek(f, 0, SEEK_END);
+    auto c = [](std::string x) {  // a field never holds a comma
+      for (char& ch : x)
+        if (ch == ',') ch = ';';
+      return x;
+    };
+    if (std::ftell(f) == 0)
+      std::fputs("benchmark,op,form,backend,shape,T,median_s,throughput,unit,tokens_per_s,yardstick,yardstick_rate,yardstick_unit,ratio,isa,threads\n", f);
+    std::fprintf(f, "%s,%s,%s,%s,%s,%lld,%.6g,%.6g,%s,%.6g,%s,%.6g,%s,%.6g,%s,%d\n", c(r.benchmark).c_str(), c(r.op).c_str(), c(r.form).c_str(),
+                 c(r.backend).c_str(), c(r.shape).c_str(), r.T, r.median_s, r.throughput, c(r.unit).c_str(), r.tokens_per_s,
+                 c(r.yardstick).c_str(), r.yardstick_rate, c(r.yardstick_unit).c_str(), r.ratio, isa(), r.threads);
+    std::fclose(f);
+  }
+
+ private:
+  std::string path_;
+};
+
+inline void csv_init(int& argc, char** argv) { csv_sink::get().init(argc, argv); }
+inline void emit(record const& r) { csv_sink::get().write(r); }
 
 }  // namespace k3::bench
