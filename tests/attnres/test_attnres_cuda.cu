@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "attnres/cuda_ref.hpp"
 #include "k3/attnres/cuda.cuh"
 

@@ -1,4 +1,4 @@
-// Adversarial API checks (round 4): the mix's outputs (h, stats; dsources, dpartial, dw,
+// Adversarial API checks: the mix's outputs (h, stats; dsources, dpartial, dw,
 // dgain) overlapping an input or each other must be rejected with a k3::error naming both.
 #include <doctest/doctest.h>
 
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "attnres/loopback.hpp"
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/attnres.hpp"
 
 namespace ar = k3::attnres;

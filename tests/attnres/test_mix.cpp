@@ -7,6 +7,7 @@
 
 #include "attnres/reference.hpp"
 #include "k3/attnres.hpp"
+#include "support/error_of.hpp"
 
 namespace ar = k3::attnres;
 using attnres_ref::rel_err;
@@ -320,7 +321,7 @@ TEST_CASE("stored statistics and recomputation give bit-identical gradients; acc
   for (std::size_t i = 0; i < dw1.size(); ++i) CHECK(dw2[i] == doctest::Approx(2 * dw1[i]).epsilon(1e-6));
 }
 
-// Round-3 checker: dw and dgain (sums over tokens) were reduced over one partial sum per
+// Regression: dw and dgain (sums over tokens) were reduced over one partial sum per
 // thread task, so double results differed in the last bits between 1, 2 and 3 threads.
 TEST_CASE("gradients are bitwise the same for every thread count") {
   problem p(4, 200, 37, true, 77);
@@ -380,39 +381,31 @@ TEST_CASE("bad input gives k3::error naming the argument with expected vs actual
   std::vector<float> bank(2 * 3 * 8), part(3 * 8), w(8), g(8), h(3 * 8), w7(7);
   auto src = ar::make_sources(k3::host_view(bank.data(), 2, 3, 8), k3::host_view(part.data(), 3, 8));
   k3::cpu::serial b;
-  auto msg = [&](auto&& f) {
-    try {
-      f();
-    } catch (k3::error const& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  std::string m = msg([&] { ar::mix_forward(b, src, k3::host_view(w7.data(), 7), k3::host_view(g.data(), 8), k3::host_view(h.data(), 3, 8)); });
+  std::string m = k3::test::error_of([&] { ar::mix_forward(b, src, k3::host_view(w7.data(), 7), k3::host_view(g.data(), 8), k3::host_view(h.data(), 3, 8)); });
   CHECK(m.find("'w'") != std::string::npos);
   CHECK(m.find("[8]") != std::string::npos);
   CHECK(m.find("[7]") != std::string::npos);
-  m = msg([&] { ar::mix_forward(b, src, k3::host_view(w.data(), 8), k3::host_view(w7.data(), 7), k3::host_view(h.data(), 3, 8)); });
+  m = k3::test::error_of([&] { ar::mix_forward(b, src, k3::host_view(w.data(), 8), k3::host_view(w7.data(), 7), k3::host_view(h.data(), 3, 8)); });
   CHECK(m.find("'gain'") != std::string::npos);
-  m = msg([&] {
+  m = k3::test::error_of([&] {
     ar::mix_forward(b, ar::make_sources(k3::host_view(bank.data(), 2, 3, 8), k3::host_view(part.data(), 4, 6)), k3::host_view(w.data(), 8),
                     k3::host_view(g.data(), 8), k3::host_view(h.data(), 3, 8));
   });
   CHECK(m.find("'partial'") != std::string::npos);
   CHECK(m.find("[3, 8]") != std::string::npos);
   CHECK(m.find("[4, 6]") != std::string::npos);
-  m = msg([&] { ar::mix_forward(b, src, k3::host_view(w.data(), 8), k3::host_view(g.data(), 8), k3::host_view(h.data(), 8, 3)); });
+  m = k3::test::error_of([&] { ar::mix_forward(b, src, k3::host_view(w.data(), 8), k3::host_view(g.data(), 8), k3::host_view(h.data(), 8, 3)); });
   CHECK(m.find("'h'") != std::string::npos);
-  m = msg([&] { ar::mix_forward(b, ar::make_sources(k3::host_view(bank.data(), 0, 3, 8)), k3::host_view(w.data(), 8), k3::host_view(g.data(), 8), k3::host_view(h.data(), 3, 8)); });
+  m = k3::test::error_of([&] { ar::mix_forward(b, ar::make_sources(k3::host_view(bank.data(), 0, 3, 8)), k3::host_view(w.data(), 8), k3::host_view(g.data(), 8), k3::host_view(h.data(), 3, 8)); });
   CHECK(m.find("at least one source") != std::string::npos);
-  m = msg([&] { ar::mix_forward(b, src, k3::host_view(w.data(), 8), k3::host_view(g.data(), 8), k3::host_view(part.data(), 3, 8)); });
+  m = k3::test::error_of([&] { ar::mix_forward(b, src, k3::host_view(w.data(), 8), k3::host_view(g.data(), 8), k3::host_view(part.data(), 3, 8)); });
   CHECK(m.find("overlap") != std::string::npos);
   ar::options bad;
   bad.eps = -1;
-  m = msg([&] { ar::mix_forward(b, src, k3::host_view(w.data(), 8), k3::host_view(g.data(), 8), k3::host_view(h.data(), 3, 8), bad); });
+  m = k3::test::error_of([&] { ar::mix_forward(b, src, k3::host_view(w.data(), 8), k3::host_view(g.data(), 8), k3::host_view(h.data(), 3, 8), bad); });
   CHECK(m.find("eps") != std::string::npos);
   std::vector<float> db(2 * 3 * 8), dw(8), dg(8);
-  m = msg([&] {
+  m = k3::test::error_of([&] {
     ar::mix_backward(b, src, k3::host_view(w.data(), 8), k3::host_view(g.data(), 8), k3::host_view(h.data(), 3, 8),
                      ar::make_grads(k3::host_view(db.data(), 2, 3, 8)), k3::host_view(dw.data(), 8), k3::host_view(dg.data(), 8));
   });

@@ -8,7 +8,7 @@
 #include "attnres/toy_model.hpp"
 #include "k3/attnres.hpp"
 #include "k3/comm/mpi.hpp"
-#include "mpi_check.hpp"
+#include "support/mpi_check.hpp"
 
 namespace ar = k3::attnres;
 using k3::index_t;

@@ -101,7 +101,7 @@ TEST_CASE("phase 1 + phase 2 equal the one-pass mix at every site (double: 1e-12
   }
 }
 
-// Round-3 checker: the vector paths summed the partial's sum of squares (phase 2) and the
+// Regression: the vector paths summed the partial's sum of squares (phase 2) and the
 // phase-1 scores in float lanes, which overflow for rows beyond ~1e18 (resp. ~1e36): the
 // two-phase result was then off by 100% (float) while the one-pass mix (double sums) was right.
 TEST_CASE("two-phase equals one-pass for huge rows on the vector backends (float lane sums overflow)") {

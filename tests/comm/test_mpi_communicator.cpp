@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "k3/comm/mpi.hpp"
-#include "mpi_check.hpp"
+#include "support/mpi_check.hpp"
 
 
 int main(int argc, char** argv) {

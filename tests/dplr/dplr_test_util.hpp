@@ -111,15 +111,17 @@ std::vector<T> randn(std::mt19937_64& rng, index_t n, double s = 1.0) {
   return x;
 }
 
-// max |x - y| / max(1, max |y|)
+// max |x - y| / max(1, max |y|); a NaN or Inf difference is an infinite error (std::max would
+// drop a NaN).
 template <class A, class B>
 double rel_err(std::vector<A> const& x, std::vector<B> const& y) {
+  if (x.size() != y.size()) return INFINITY;
   double m = 1, e = 0;
   for (std::size_t i = 0; i < y.size(); ++i) {
     m = std::max(m, std::abs(double(y[i])));
-    e = std::max(e, std::abs(double(x[i]) - double(y[i])));
+    double const d = std::abs(double(x[i]) - double(y[i]));
+    if (!(d <= e)) e = std::isfinite(d) ? d : INFINITY;
   }
-  if (x.size() != y.size()) return 1e300;
   return e / m;
 }
 

@@ -5,9 +5,11 @@
 #include <tuple>
 
 #include "dplr_test_util.hpp"
+#include "support/metrics.hpp"
 
 using namespace dplr_test;
 using k3::index_t;
+using k3::test::rel_rms;
 
 namespace {
 
@@ -97,19 +99,6 @@ TEST_CASE("chunked DPLR in float tracks the double reference") {
   CHECK(rel_err(gf.db, gd.db) < 1e-3);
   CHECK(rel_err(gf.dgk, gd.dgk) < 1e-3);
   CHECK(rel_err(gf.dh0, gd.dh0) < 1e-3);
-}
-
-// Relative RMS (fla's metric): ||x - y|| / ||y||.
-template <class A, class B>
-double rel_rms(std::vector<A> const& x, std::vector<B> const& y) {
-  if (x.size() != y.size()) return 1e300;
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < y.size(); ++i) {
-    double const d = double(x[i]) - double(y[i]);
-    num += d * d;
-    den += double(y[i]) * double(y[i]);
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 // Hard resets inside chunks: with one chunk-local cumsum, every exponent after a reset was the

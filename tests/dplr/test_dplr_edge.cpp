@@ -1,4 +1,4 @@
-// Adversarial API checks (round 4): outputs (o, ht, gradients, dh0, segment maps, applied
+// Adversarial API checks: outputs (o, ht, gradients, dh0, segment maps, applied
 // states) overlapping an input or a state must be rejected with a k3::error naming both.
 #include <doctest/doctest.h>
 
@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/dplr.hpp"
 
 using namespace k3;

@@ -8,7 +8,7 @@
 #include "cp_check.hpp"
 #include "k3/comm/any_communicator.hpp"
 #include "k3/comm/mpi.hpp"
-#include "mpi_check.hpp"
+#include "support/mpi_check.hpp"
 
 using namespace dplr_test;
 using k3::index_t;

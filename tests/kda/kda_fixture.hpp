@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "k3/kda.hpp"
-#include "kda/metrics.hpp"
+#include "support/metrics.hpp"
 
 namespace k3::test {
 

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "kda/kda_fixture.hpp"
 
 using namespace k3;
@@ -268,14 +268,14 @@ TEST_CASE("backends agree: threads vs serial, chunk and recurrent (float)") {
     auto s = run_forward(d, m, cpu::serial{});
     auto t = run_forward(d, m, cpu::threads<>(2));
     auto v = run_forward(d, m, cpu::simd<>{});
-    CHECK(rel_rms(s.o, t.o) < 1e-6);
-    CHECK(rel_rms(s.ht, t.ht) < 1e-6);
-    CHECK(rel_rms(s.o, v.o) < 1e-6);
+    CHECK(rel_rms(t.o, s.o) < 1e-6);
+    CHECK(rel_rms(t.ht, s.ht) < 1e-6);
+    CHECK(rel_rms(v.o, s.o) < 1e-6);
     auto sb = run_backward(d, m, cpu::serial{});
     auto tb = run_backward(d, m, cpu::threads<>(2));
-    CHECK(rel_rms(sb.dq, tb.dq) < 1e-6);
-    CHECK(rel_rms(sb.dg, tb.dg) < 1e-6);
-    CHECK(rel_rms(sb.dh0, tb.dh0) < 1e-6);
+    CHECK(rel_rms(tb.dq, sb.dq) < 1e-6);
+    CHECK(rel_rms(tb.dg, sb.dg) < 1e-6);
+    CHECK(rel_rms(tb.dh0, sb.dh0) < 1e-6);
   }
 }
 
@@ -356,14 +356,14 @@ TEST_CASE("decode after a chunked prefill matches the whole sequence chunked") {
         ref.push_back(whole.o[std::size_t((n * c.T + t) * c.HV * c.V + i)]);
       }
   }
-  CHECK(rel_rms(ref, got) < 1e-12);
+  CHECK(rel_rms(got, ref) < 1e-12);
   std::vector<double> st_ref, st_got;
   for (index_t n = 0; n < c.B; ++n)
     for (index_t i = 0; i < per; ++i) {
       st_ref.push_back(whole.ht[std::size_t(n * per + i)]);
       st_got.push_back(pool[std::size_t(slots[std::size_t(n)] * per + i)]);
     }
-  CHECK(rel_rms(st_ref, st_got) < 1e-12);
+  CHECK(rel_rms(st_got, st_ref) < 1e-12);
   for (index_t s : {0, 2, 4})
     for (index_t i = 0; i < per; ++i) REQUIRE(pool[std::size_t(s * per + i)] == pool_before[std::size_t(s * per + i)]);
 
@@ -398,7 +398,7 @@ TEST_CASE("decode after a chunked prefill matches the whole sequence chunked") {
     std::copy(pool2_before.begin() + s32[std::size_t(n)] * per, pool2_before.begin() + (s32[std::size_t(n)] + 1) * per,
               one.h0.begin() + n * per);
   auto r1 = run_forward(typed_data<double>(one), kda::algorithm::recurrent);
-  CHECK(rel_rms(r1.o, o) < 1e-15);
+  CHECK(rel_rms(o, r1.o) < 1e-15);
   for (index_t n = 0; n < c.B; ++n)
     for (index_t i = 0; i < per; ++i)
       REQUIRE(pool2[std::size_t(s32[std::size_t(n)] * per + i)] == doctest::Approx(r1.ht[std::size_t(n * per + i)]).epsilon(1e-14));

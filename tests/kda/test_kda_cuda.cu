@@ -13,7 +13,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
+#include "support/metrics.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/kda/cuda/validate.hpp"
 
@@ -25,6 +26,7 @@ namespace {
 
 using index_t = std::int64_t;
 using vec = std::vector<double>;
+using k3::test::rel_rms;
 
 struct problem {
   index_t B, T, H, HV, K, V;
@@ -152,15 +154,6 @@ grads reference(problem const& p, tensors const& x, double scale, bool backward)
     }
   }
   return r;
-}
-
-[[maybe_unused]] double rel_rms(vec const& got, vec const& ref) {
-  double e = 0, s = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    e += (got[i] - ref[i]) * (got[i] - ref[i]);
-    s += ref[i] * ref[i];
-  }
-  return s == 0 ? std::sqrt(e) : std::sqrt(e / s);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Adversarial API checks (round 4): every input and output as a strided view (padded rows,
+// Adversarial API checks: every input and output as a strided view (padded rows,
 // batch and time dimensions swapped in memory) gives the same results as contiguous views on
 // every backend and algorithm, forward and backward.
 #include <doctest/doctest.h>
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda/preprocess.hpp"
 #include "kda/kda_fixture.hpp"

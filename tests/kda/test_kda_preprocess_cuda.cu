@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/kda/cuda/kda.cuh"
 #include "k3/kda/preprocess.hpp"
 

@@ -15,6 +15,7 @@
 #include "k3/kda/preprocess.hpp"
 
 #include "kda/preprocess_checks.hpp"
+#include "support/error_of.hpp"
 
 using k3::bfloat16;
 using k3::index_t;
@@ -86,7 +87,7 @@ TEST_CASE("l2norm backward matches finite differences (double)") {
   check_fd(x, dx, loss, "dx");
 }
 
-// Round-3 checker: the float sum of squares overflowed for |x| beyond ~1e19 (D = 17), and
+// Regression: the float sum of squares overflowed for |x| beyond ~1e19 (D = 17), and
 // y = x / sqrt(inf) came out 0 instead of a unit vector; the backward gave 0 as well. The op is
 // scale-invariant once |x|^2 >> eps: powers of two must change nothing but the scale.
 TEST_CASE_TEMPLATE("l2norm of huge rows (sum of squares past the type's range) stays exact", S, double, float, bfloat16) {
@@ -398,39 +399,31 @@ TEST_CASE("bad input names the argument") {
   std::vector<float> x(2 * 3 * 4 * 5), g(2 * 3 * 4 * 5), A(4), bias(20), big(200);
   auto xv = k3::host_view(x.data(), 2, 3, 4, 5);
   auto gv = k3::host_view(g.data(), 2, 3, 4, 5);
-  auto msg = [](auto&& f) -> std::string {
-    try {
-      f();
-    } catch (k3::error const& e) {
-      return e.what();
-    }
-    return "no error";
-  };
   auto has = [](std::string const& m, char const* s) {
     INFO(m);
     CHECK(m.find(s) != std::string::npos);
   };
-  has(msg([&] { k3::kda::l2norm(serial, xv, k3::host_view(g.data(), 2, 3, 5, 4)); }), "'y'");
-  has(msg([&] { k3::kda::l2norm(serial, xv, xv); }), "overlap");
-  has(msg([&] { k3::kda::l2norm_backward(serial, xv, k3::host_view(big.data(), 2, 3, 4, 6), gv); }), "'dy'");
-  has(msg([&] { k3::kda::beta_sigmoid(serial, k3::host_view(x.data(), 6, 4), k3::host_view(g.data(), 4, 6)); }), "'beta'");
-  has(msg([&] { k3::kda::gate_softplus(serial, xv, k3::host_view(A.data(), 3), nullptr, gv); }), "'A_log'");
-  has(msg([&] { k3::kda::gate_softplus(serial, xv, nullptr, k3::host_view(bias.data(), 5, 4), gv); }), "'dt_bias'");
-  has(msg([&] { k3::kda::gate_softplus(serial, xv, nullptr, nullptr, k3::host_view(g.data(), 2, 3, 4, 4)); }), "'g'");
+  has(k3::test::error_of([&] { k3::kda::l2norm(serial, xv, k3::host_view(g.data(), 2, 3, 5, 4)); }), "'y'");
+  has(k3::test::error_of([&] { k3::kda::l2norm(serial, xv, xv); }), "overlap");
+  has(k3::test::error_of([&] { k3::kda::l2norm_backward(serial, xv, k3::host_view(big.data(), 2, 3, 4, 6), gv); }), "'dy'");
+  has(k3::test::error_of([&] { k3::kda::beta_sigmoid(serial, k3::host_view(x.data(), 6, 4), k3::host_view(g.data(), 4, 6)); }), "'beta'");
+  has(k3::test::error_of([&] { k3::kda::gate_softplus(serial, xv, k3::host_view(A.data(), 3), nullptr, gv); }), "'A_log'");
+  has(k3::test::error_of([&] { k3::kda::gate_softplus(serial, xv, nullptr, k3::host_view(bias.data(), 5, 4), gv); }), "'dt_bias'");
+  has(k3::test::error_of([&] { k3::kda::gate_softplus(serial, xv, nullptr, nullptr, k3::host_view(g.data(), 2, 3, 4, 4)); }), "'g'");
   for (double lb : {0.0, 0.5, -5.0001, -100.0, std::numeric_limits<double>::quiet_NaN()}) {
     CAPTURE(lb);
-    has(msg([&] { k3::kda::gate_lower_bound(serial, xv, nullptr, nullptr, lb, gv); }), "'lower_bound'");
-    has(msg([&] { k3::kda::gate_lower_bound_backward(serial, xv, nullptr, nullptr, lb, xv, gv); }), "'lower_bound'");
+    has(k3::test::error_of([&] { k3::kda::gate_lower_bound(serial, xv, nullptr, nullptr, lb, gv); }), "'lower_bound'");
+    has(k3::test::error_of([&] { k3::kda::gate_lower_bound_backward(serial, xv, nullptr, nullptr, lb, xv, gv); }), "'lower_bound'");
   }
   CHECK_NOTHROW(k3::kda::gate_lower_bound(serial, xv, nullptr, nullptr, -5.0, gv));
-  has(msg([&] {
+  has(k3::test::error_of([&] {
         k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, xv, gv, k3::host_view(A.data(), 2));
       }),
       "'dA_log'");
-  has(msg([&] {
+  has(k3::test::error_of([&] {
         k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, xv, gv, nullptr, k3::host_view(bias.data(), 4, 4));
       }),
       "'ddt_bias'");
-  has(msg([&] { k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, k3::host_view(big.data(), 2, 3, 4, 6), gv); }), "'dg'");
-  has(msg([&] { k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, gv, xv); }), "overlap");
+  has(k3::test::error_of([&] { k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, k3::host_view(big.data(), 2, 3, 4, 6), gv); }), "'dg'");
+  has(k3::test::error_of([&] { k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, gv, xv); }), "overlap");
 }

@@ -17,6 +17,7 @@
 #include "k3/kda/preprocess.hpp"
 
 #include "kda/preprocess_checks.hpp"
+#include "support/error_of.hpp"
 
 using k3::bfloat16;
 using k3::index_t;
@@ -384,41 +385,33 @@ TEST_CASE("bad input names the argument") {
   auto xv = k3::host_view(x.data(), 1, T, C);
   auto yv = k3::host_view(y.data(), 1, T, C);
   auto wv = k3::host_view(w.data(), C, W);
-  auto msg = [](auto&& f) -> std::string {
-    try {
-      f();
-    } catch (k3::error const& e) {
-      return e.what();
-    }
-    return "no error";
-  };
   auto has = [](std::string const& m, char const* s) {
     INFO(m);
     CHECK(m.find(s) != std::string::npos);
   };
-  has(msg([&] { k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C + 1, 2), nullptr, yv); }), "'weight'");
-  has(msg([&] { k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C, 0), nullptr, yv); }), "'weight'");
-  has(msg([&] { k3::kda::short_conv(serial, xv, wv, k3::host_view(buf.data(), C + 1), yv); }), "'bias'");
-  has(msg([&] { k3::kda::short_conv(serial, xv, wv, nullptr, k3::host_view(buf.data(), 1, T, C + 1)); }), "'y'");
-  has(msg([&] { k3::kda::short_conv(serial, xv, wv, nullptr, xv); }), "overlap");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C + 1, 2), nullptr, yv); }), "'weight'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C, 0), nullptr, yv); }), "'weight'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, k3::host_view(buf.data(), C + 1), yv); }), "'bias'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, k3::host_view(buf.data(), 1, T, C + 1)); }), "'y'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, xv); }), "overlap");
   std::vector<std::int64_t> bad1 = {1, 6}, bad2 = {0, 4, 3, 6}, bad3 = {0, 5};
-  has(msg([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, k3::host_view(bad1.data(), 2)); }), "start at 0");
-  has(msg([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, k3::host_view(bad2.data(), 4)); }), "non-decreasing");
-  has(msg([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, k3::host_view(bad3.data(), 2)); }), "end at T");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, k3::host_view(bad1.data(), 2)); }), "start at 0");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, k3::host_view(bad2.data(), 4)); }), "non-decreasing");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, k3::host_view(bad3.data(), 2)); }), "end at T");
   std::vector<std::int64_t> good = {0, 6};
-  has(msg([&] {
+  has(k3::test::error_of([&] {
         k3::kda::short_conv(serial, k3::host_view(x.data(), 2, T, C), wv, nullptr, k3::host_view(y.data(), 2, T, C),
                             k3::host_view(good.data(), 2));
       }),
       "'cu_seqlens'");
-  has(msg([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, nullptr, k3::host_view(buf.data(), 1, C, W)); }), "'initial_state'");
-  has(msg([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, nullptr, nullptr, k3::host_view(buf.data(), 2, C, W - 1)); }),
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, nullptr, k3::host_view(buf.data(), 1, C, W)); }), "'initial_state'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, nullptr, nullptr, k3::host_view(buf.data(), 2, C, W - 1)); }),
       "'final_state'");
-  has(msg([&] {
+  has(k3::test::error_of([&] {
         k3::kda::short_conv_backward(serial, xv, wv, nullptr, k3::host_view(buf.data(), 1, T + 1, C), yv);
       }),
       "'dy'");
-  has(msg([&] {
+  has(k3::test::error_of([&] {
         k3::kda::short_conv_backward(serial, xv, wv, nullptr, xv, yv, k3::host_view(buf.data(), C, W + 1));
       }),
       "'dweight'");
@@ -428,13 +421,13 @@ TEST_CASE("bad input names the argument") {
   auto ysv = k3::host_view(ys.data(), 2, C);
   auto pv = k3::host_view(pool.data(), 3, C, W - 1);
   std::vector<std::int32_t> out_of_range = {0, 3}, negative = {-1, 0}, twice = {1, 1};
-  has(msg([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(out_of_range.data(), 2)); }), "'slots'");
-  has(msg([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(negative.data(), 2)); }), "'slots'");
-  has(msg([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(twice.data(), 2)); }), "twice");
-  has(msg([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(twice.data(), 1)); }), "'slots'");
-  has(msg([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, k3::host_view(pool.data(), 1, C, W - 1), ysv); }), "'conv_state'");
-  has(msg([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, k3::host_view(pool.data(), 2, C, W), ysv); }), "'conv_state'");
-  has(msg([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, k3::host_view(ys.data(), 1, C)); }), "'y'");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(out_of_range.data(), 2)); }), "'slots'");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(negative.data(), 2)); }), "'slots'");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(twice.data(), 2)); }), "twice");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(twice.data(), 1)); }), "'slots'");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, k3::host_view(pool.data(), 1, C, W - 1), ysv); }), "'conv_state'");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, k3::host_view(pool.data(), 2, C, W), ysv); }), "'conv_state'");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, k3::host_view(ys.data(), 1, C)); }), "'y'");
 }
 
 TEST_CASE("empty shapes: no tokens, empty sequences pass the initial state through") {

@@ -1,4 +1,4 @@
-// Adversarial API checks (round 4): outputs aliasing inputs must be rejected (k3::error naming
+// Adversarial API checks: outputs aliasing inputs must be rejected (k3::error naming
 // both arguments), invalid SiTU caps must be rejected, every backend agrees on strided input.
 #include <doctest/doctest.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/moe.hpp"
 
 using namespace k3;

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "k3/comm/mpi.hpp"
-#include "mpi_check.hpp"
+#include "support/mpi_check.hpp"
 #include "moe/moe_test_util.hpp"
 
 using namespace moe_test;

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/moe/cuda.cuh"
 #include "k3/moe/quantile_balancing.hpp"
 #include "k3/moe/router.hpp"

@@ -165,7 +165,7 @@ TEST_CASE("weights come from the unbiased scores, renormalised and scaled") {
   CHECK(r.cut[0] == doctest::Approx(0.9f - 1.f));
 }
 
-// Round-3 checker: the "+ 1e-20" of Megatron's renormalisation shrank every weight once the
+// Regression: the "+ 1e-20" of Megatron's renormalisation shrank every weight once the
 // chosen scores summed below ~1e-13 (scores 1e-30 gave weights 1e-10 instead of 1/k; logits
 // below -30 do that). The weights are scale-invariant: scaling all scores by a power of two
 // changes neither the choice nor a single bit of the weights.

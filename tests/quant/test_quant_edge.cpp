@@ -1,4 +1,4 @@
-// Adversarial API checks (round 4): empty contractions, every backend agreeing, in-place and
+// Adversarial API checks: empty contractions, every backend agreeing, in-place and
 // aliasing arguments.
 #include <doctest/doctest.h>
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/quant.hpp"
 
 using namespace k3;

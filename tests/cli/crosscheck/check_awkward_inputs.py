@@ -1,8 +1,8 @@
-"""Round-3 numeric cross-check of the k3 CLI on VALID but awkward inputs (numbers, not malformed files).
+"""Numeric cross-check of the k3 CLI on VALID but awkward inputs (numbers, not malformed files).
 
 Own float64 references, written from the specs (/work/shared/spec) and independent of the other
 check_*.py scripts. Two parts:
-  * regressions for the wrong numbers the round-3 checker found:
+  * regressions for wrong numbers this checker found:
       - NVFP4: a tensor of normal floats with amax < 3.2e-35 got tensor scale g = 1 and quantised
         to all zeros (the underflow guard cut at FLT_MIN);
       - route: the "+ 1e-20" in the weight renormalisation shrank every weight when the chosen
@@ -11,7 +11,7 @@ check_*.py scripts. Two parts:
   * a quick sweep of every subcommand on awkward shapes and values (T = 1, odd head dims, grouped
     value heads, varlen with empty and length-1 sequences, strong decays, beta = 2, magnitudes
     1e-30..1e20, format boundary values, ties), so these stay covered.
-Run: python3 tests/crosscheck/run.py tests/crosscheck/check_numeric_round3.py --k3 build/examples/k3
+Run: python3 tests/cli/crosscheck/run.py tests/cli/crosscheck/check_awkward_inputs.py --k3 build/examples/k3
 """
 import os
 import sys
@@ -23,7 +23,7 @@ from common import Checker, rel_rms, save  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 
-ck = Checker("numeric_round3")
+ck = Checker("awkward_inputs")
 rng = np.random.default_rng(2026 + ck.args.seeds)
 f32 = np.float32
 

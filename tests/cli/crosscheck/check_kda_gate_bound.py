@@ -1,5 +1,5 @@
-"""Round-7 cross-check of `k3 kda` (the C++ API side is tests/kda/test_kda_round7.cpp and
-tests/dplr/test_dplr_round7.cpp): bfloat16 gates at a lower bound that bfloat16 cannot hold.
+"""Cross-check of `k3 kda` (the C++ API side is tests/kda/test_kda_views_state_types.cpp and
+tests/dplr/test_dplr_views_maps.cpp): bfloat16 gates at a lower bound that bfloat16 cannot hold.
 
 A lower-bounded gate lb * sigmoid(z) saturates at lb; stored as bfloat16 it is lb rounded to
 bfloat16 (-4.3 -> -4.3125, below -4.3). `k3 kda --gate-lower-bound lb` must accept such a g

@@ -1,4 +1,4 @@
-// Round-6 checker: the decode step's API (not reachable from `k3 kda`).
+// The decode step's API (not reachable from `k3 kda`).
 // - every output/input overlap of kda::decode is refused naming both arguments, every backend
 //   (the shared check_outputs_apart), and a refused call leaves the pool untouched;
 // - slots out of range (negative int32, int64 = P), duplicates: errors naming the slot and index;
@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda/preprocess.hpp"
-#include "kda/metrics.hpp"
+#include "support/metrics.hpp"
 
 using namespace k3;
 using namespace k3::test;
@@ -218,11 +218,11 @@ TEST_CASE("kda decode after a packed chunked prefill equals one chunked run (emp
       o_dec.insert(o_dec.end(), o.begin(), o.end());
       o_ref.insert(o_ref.end(), oref.begin(), oref.end());
     }
-    CHECK(rel_rms(o_ref, o_dec) < 1e-12);
+    CHECK(rel_rms(o_dec, o_ref) < 1e-12);
     std::vector<double> ht_dec;
     for (index_t n = 0; n < N; ++n)
       ht_dec.insert(ht_dec.end(), pool.begin() + slot[std::size_t(n)] * per, pool.begin() + (slot[std::size_t(n)] + 1) * per);
-    CHECK(rel_rms(ht_full, ht_dec) < 1e-12);
+    CHECK(rel_rms(ht_dec, ht_full) < 1e-12);
     for (index_t s : {1, 3})
       for (index_t i = 0; i < per; ++i) REQUIRE(pool[std::size_t(s * per + i)] == 7.5);
   });

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Round 6: option combinations and edge shapes the earlier rounds did not try, for `k3 route`,
+"""Option combinations and edge shapes the other checkers do not try, for `k3 route`,
 `k3 quant` / `k3 dequant` and `k3 attnres`, each against its own numpy / ml_dtypes reference
 written from shared/spec/{moe_routing,quantization,attnres}.md (not from the library code).
 
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Checker, compare, save  # noqa: E402
 
 f32 = np.float32
-ck = Checker("round6_mix")  # the subcommand is chosen per run (cmdname)
+ck = Checker("option_combinations")  # the subcommand is chosen per run (cmdname)
 
 
 def run(d, sub, opts=()):
@@ -186,7 +186,7 @@ def route_cases(rng):
     sb = rng.uniform(0, 1, (40, 12)).astype(ml_dtypes.bfloat16)
     route_case("route bf16 scores", sb.view(np.uint16), 4, b[:12], opts=["--update", "exact"], update="exact")
     # saturated logits: sigmoid is exactly 1 (or 0 / subnormal) in float32 -> ties at the cut-off
-    # (not 17: float32 1/(1+exp(-17)) is 1.0, the correctly rounded sigmoid 1 - 2^-24; see round 5)
+    # (not 17: float32 1/(1+exp(-17)) is 1.0, the correctly rounded sigmoid 1 - 2^-24; see check_random_sweeps.py)
     lg = rng.choice(np.array([-200, -100, -30, 0, 30, 80], f32), (40, 10))
     route_case("route saturated logits exact", lg, 4, kind="logits", opts=["--update", "exact"], update="exact")
     route_case("route saturated logits hist", lg, 4, kind="logits", opts=["--bins", "50"], bins=50)
@@ -347,8 +347,11 @@ def nvfp4_ref(x32):
     sb = np.clip((bs / g).astype(f32), 2.0 ** -6, 448).astype(f32).astype(ml_dtypes.float8_e4m3fn)
     sb = np.where(bfin, sb.view(np.uint8), np.uint8(0x7F)).astype(np.uint8)
     sbf = sb.view(ml_dtypes.float8_e4m3fn).astype(f32)
-    with np.errstate(invalid="ignore"):
-        y = (np.where(bfin[:, :, None], xb, 0) / (g * sbf)[:, :, None]).astype(f32)
+    # torchao's current form x * ((1/g)/sb) in fp32; x / (g*sb) where that reciprocal overflows
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        rec = ((f32(1) / g) / sbf).astype(f32)
+        xf = np.where(bfin[:, :, None], xb, 0).astype(f32)
+        y = np.where(np.isfinite(rec)[:, :, None], xf * rec[:, :, None], xf / (g * sbf)[:, :, None]).astype(f32)
     P = encode(np.where(bfin[:, :, None], y, 0), "e2m1").reshape(rows, K)
     deq = (P.astype(f32) * np.repeat((sbf * g).astype(f32), 16, 1)).astype(f32)
     return g, sb, P, deq

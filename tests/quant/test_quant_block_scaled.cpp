@@ -1,4 +1,4 @@
-// Round-7 checks of the quantisation API the CLI cannot reach: the block-scaled GEMM on
+// Checks of the quantisation API the CLI cannot reach: the block-scaled GEMM on
 // awkward M/N/K with transposed (column-strided) operand views against a float64 reference of
 // dequant(A) dequant(B)^T with per-128-block fp32 promotion; 1x128 -> 128x1 requantisation on
 // row and column tails on every backend; scale-shape errors naming the argument with expected
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "quant_test_util.hpp"
+#include "support/error_of.hpp"
 
 using namespace k3;
 using namespace k3::quant;
@@ -42,7 +43,7 @@ double dec8(std::uint8_t c) { return double(decode<e4m3_format>(c)); }
 
 }  // namespace
 
-TEST_CASE("round 7: block-scaled GEMM on awkward M/N/K, transposed operand views, every backend, vs float64") {
+TEST_CASE("block-scaled GEMM on awkward M/N/K, transposed operand views, every backend, vs float64") {
   cpu::threads<> thr(2);
   struct mnk {
     index_t m, n, k;
@@ -101,7 +102,7 @@ TEST_CASE("round 7: block-scaled GEMM on awkward M/N/K, transposed operand views
   }
 }
 
-TEST_CASE("round 7: 1x128 -> 128x1 requantisation on row/column tails equals quantise(dequantise), every backend") {
+TEST_CASE("1x128 -> 128x1 requantisation on row/column tails equals quantise(dequantise), every backend") {
   cpu::threads<> thr(3);
   struct mk {
     index_t m, k;
@@ -136,48 +137,40 @@ TEST_CASE("round 7: 1x128 -> 128x1 requantisation on row/column tails equals qua
   }
 }
 
-TEST_CASE("round 7: wrong scale shapes name the argument with expected and actual shapes") {
-  auto msg = [](auto&& f) -> std::string {
-    try {
-      f();
-    } catch (k3::error const& e) {
-      return e.what();
-    }
-    return "(no error)";
-  };
+TEST_CASE("wrong scale shapes name the argument with expected and actual shapes") {
   index_t const m = 3, k = 130;
   std::vector<float> x(std::size_t(m * k), 1.0f), s(300), y(std::size_t(m * k));
   std::vector<std::uint8_t> q(std::size_t(m * k)), sm(16);
-  auto e1 = msg([&] { fp8_quantize(cpu::serial{}, host_view(x.data(), m, k), host_view(q.data(), m, k), host_view(s.data(), 3, 1), tile_1x128); });
+  auto e1 = k3::test::error_of([&] { fp8_quantize(cpu::serial{}, host_view(x.data(), m, k), host_view(q.data(), m, k), host_view(s.data(), 3, 1), tile_1x128); });
   CHECK(e1.find("'s'") != std::string::npos);
   CHECK(e1.find("[3, 2]") != std::string::npos);
   CHECK(e1.find("[3, 1]") != std::string::npos);
-  auto e2 = msg([&] {
+  auto e2 = k3::test::error_of([&] {
     fp8_dequantize(cpu::serial{}, host_view(q.data(), m, k), host_view(s.data(), 2, 2), host_view(y.data(), m, k), tile_128x128);
   });
   CHECK(e2.find("'s'") != std::string::npos);
   CHECK(e2.find("[1, 2]") != std::string::npos);
   std::vector<float> x2(64 * 2);
-  auto e3 = msg([&] {
+  auto e3 = k3::test::error_of([&] {
     mx_quantize(cpu::serial{}, host_view(x2.data(), 2, 64), host_view(q.data(), 2, 64), host_view(sm.data(), 2, 3), mx_element::e4m3);
   });
   CHECK(e3.find("'s'") != std::string::npos);
   CHECK(e3.find("[2, 2]") != std::string::npos);
   CHECK(e3.find("[2, 3]") != std::string::npos);
-  auto e4 = msg([&] {
+  auto e4 = k3::test::error_of([&] {
     fp8_block_gemm(cpu::serial{}, host_view(q.data(), m, k), host_view(s.data(), m, 1), host_view(q.data(), m, k), host_view(s.data(), 1, 2),
                    host_view(y.data(), m, m));
   });
   CHECK(e4.find("'sa'") != std::string::npos);
   CHECK(e4.find("[3, 2]") != std::string::npos);
-  auto e5 = msg([&] {
+  auto e5 = k3::test::error_of([&] {
     fp8_requantize_1x128_to_128x1(cpu::serial{}, host_view(q.data(), m, k), host_view(s.data(), m, 2), host_view(q.data() , m, k),
                                   host_view(s.data(), 1, k), scale_format::ue8m0);
   });
   CHECK(e5.find("(no error)") == std::string::npos);  // q2 over q (and s2 over s) is an overlap error
 }
 
-TEST_CASE("round 7: DeepSeek FP8 quantisation with custom tiles (1x1, 1x7, 3x5, 2x128, 128x2, 5x300) on every backend vs the recipe") {
+TEST_CASE("DeepSeek FP8 quantisation with custom tiles (1x1, 1x7, 3x5, 2x128, 128x2, 5x300) on every backend vs the recipe") {
   cpu::threads<> thr(2);
   struct tl {
     index_t r, c;

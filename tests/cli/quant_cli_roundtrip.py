@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`k3 quant` / `k3 dequant` end to end: output shapes and dtypes, dequant.npy equal to the codes
 decoded with ml_dtypes times the scales, `k3 dequant` reproducing dequant.npy, and bad input
-giving one line on stderr and a non-zero exit. Usage: cli_roundtrip.py K3 WORKDIR (exit 77
+giving one line on stderr and a non-zero exit. Usage: quant_cli_roundtrip.py K3 WORKDIR (exit 77
 without numpy/ml_dtypes)."""
 import os
 import subprocess

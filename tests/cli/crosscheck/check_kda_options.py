@@ -1,5 +1,5 @@
-"""Round-6 cross-check of `k3 kda` and `k3 dplr`: option combinations and inputs the earlier rounds
-did not combine, against float64 references written here from shared/spec/kda.md (1.1 and 4.1),
+"""Cross-check of `k3 kda` and `k3 dplr`: option combinations and inputs the other checkers do
+not combine, against float64 references written here from shared/spec/kda.md (1.1 and 4.1),
 not from the library code.
 
 - every KDA option at once (--scale, --backward, cu_seqlens int32/int64 with empty sequences at

@@ -1,4 +1,4 @@
-// Round 8: DPLR (and KDA-as-DPLR) context parallelism over MPI (mpirun -np 2, 3, 4) against an
+// DPLR (and KDA-as-DPLR) context parallelism over MPI (mpirun -np 2, 3, 4) against an
 // independent single-process float64 token-by-token recurrence written here from the spec
 // (S_t = (Diag(e^gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t)) and its
 // hand-derived backward. Every rank builds the same global problem and takes its token block:
@@ -19,7 +19,7 @@
 #include "k3/comm/any_communicator.hpp"
 #include "k3/comm/mpi.hpp"
 #include "k3/dplr.hpp"
-#include "mpi_check.hpp"
+#include "support/mpi_check.hpp"
 
 using k3::index_t;
 

@@ -1,4 +1,4 @@
-// Round 8 (mpirun -np 2, 3, 4): a buffer that one rank's own checks reject (a wrong all_gather
+// Under mpirun -np 2, 3, 4: a buffer that one rank's own checks reject (a wrong all_gather
 // output size, a non-contiguous view) must make every rank throw k3::error, not leave the
 // others waiting in a collective or pair their collective with the next call; after such an
 // error the communicator keeps working. Point to point: a rejected send buffer makes the
@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "k3/comm/mpi.hpp"
-#include "error_of.hpp"
-#include "mpi_check.hpp"
+#include "support/error_of.hpp"
+#include "support/mpi_check.hpp"
 
 using k3::index_t;
 using k3::test::error_of;

@@ -1,4 +1,4 @@
-// Round-8 independent checks of KDA's pre-processing ops (k3/kda/preprocess.hpp): l2norm,
+// Independent checks of KDA's pre-processing ops (k3/kda/preprocess.hpp): l2norm,
 // beta_sigmoid, gate_softplus, gate_lower_bound and the short causal conv (prefill, backward,
 // decode), each against a float64 reference written here from the spec (spec/kda.md 1.4-1.5,
 // the conv's header contract), backwards against complex-step derivatives of that reference.
@@ -19,12 +19,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/kda/preprocess.hpp"
-#include "kda/round7_views.hpp"
+#include "support/complex_step.hpp"
+#include "support/strided.hpp"
 
 using namespace k3;
+using k3::test::complex_step_derivative;
 using k3::test::error_of;
 using k3::test::strided;
 using cd = std::complex<double>;
@@ -56,12 +58,6 @@ Z r_silu(Z x) {
   return x * r_sigmoid(x);
 }
 
-// Derivative of a scalar function of one variable by the complex step.
-template <class F>
-double cstep(double x, F&& f) {
-  double const h = 1e-20 * std::max(1.0, std::fabs(x));
-  return std::imag(f(cd(x, h))) / h;
-}
 
 // ---- helpers -----------------------------------------------------------------------------
 
@@ -147,15 +143,14 @@ double ref_l2(std::vector<double> const& x, std::vector<double> const& dy, index
     double ss = 1e-6, gm = 0;
     for (index_t d = 0; d < D; ++d) ss += xr[d] * xr[d], gm = std::max(gm, std::fabs(dy[r * std::size_t(D) + std::size_t(d)]));
     scale = std::max(scale, gm / std::sqrt(ss));
-    for (index_t i = 0; i < D; ++i) {
-      for (index_t d = 0; d < D; ++d) zx[std::size_t(d)] = xr[d];
-      double const h = 1e-20 * std::max(1.0, std::fabs(xr[i]));
-      zx[std::size_t(i)] = cd(xr[i], h);
+    for (index_t d = 0; d < D; ++d) zx[std::size_t(d)] = xr[d];
+    std::vector<double> const g = k3::test::complex_step_gradient(zx, [&] {
       ref_l2_row(zx.data(), zy.data(), D);
       cd l = 0;
       for (index_t d = 0; d < D; ++d) l += dy[r * std::size_t(D) + std::size_t(d)] * zy[std::size_t(d)];
-      dx[r * std::size_t(D) + std::size_t(i)] = std::imag(l) / h;
-    }
+      return l;
+    });
+    for (index_t i = 0; i < D; ++i) dx[r * std::size_t(D) + std::size_t(i)] = g[std::size_t(i)];
   }
   return scale;
 }
@@ -205,7 +200,7 @@ void ref_conv(std::vector<Z> const& x, index_t B, index_t T, index_t C, std::vec
 // l2norm
 // =============================================================================================
 
-TEST_CASE_TEMPLATE("round8 l2norm forward/backward: every backend, head dims around the SIMD width, T = 0/1, padded permuted views",
+TEST_CASE_TEMPLATE("l2norm forward/backward: every backend, head dims around the SIMD width, T = 0/1, padded permuted views",
                    S, double, float, bfloat16) {
   std::mt19937 rng(8001);
   for (index_t D : {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129})
@@ -240,7 +235,7 @@ TEST_CASE_TEMPLATE("round8 l2norm forward/backward: every backend, head dims aro
     }
 }
 
-TEST_CASE_TEMPLATE("round8 l2norm: an all-zero row gives y = 0 and dx = dy / sqrt(1e-6)", S, double, float, bfloat16) {
+TEST_CASE_TEMPLATE("l2norm: an all-zero row gives y = 0 and dx = dy / sqrt(1e-6)", S, double, float, bfloat16) {
   index_t const D = 17;
   std::vector<S> x(std::size_t(D), store_as<S>(0.0)), y(x.size(), sentinel<S>()), dy(x.size()), dx(x.size());
   std::mt19937 rng(8002);
@@ -259,7 +254,7 @@ TEST_CASE_TEMPLATE("round8 l2norm: an all-zero row gives y = 0 and dx = dy / sqr
 
 // |x| so large that sum(dy * x) overflows the compute type, while dx = rstd (dy - (dy.y) y)
 // is finite (and tiny): the backward must not turn it into NaN.
-TEST_CASE_TEMPLATE("round8 l2norm_backward: huge rows with an ordinary dy stay finite and exact", S, double, float, bfloat16) {
+TEST_CASE_TEMPLATE("l2norm_backward: huge rows with an ordinary dy stay finite and exact", S, double, float, bfloat16) {
   double const big = std::is_same_v<S, double> ? 1e306 : 1e36;
   for (index_t D : {1, 3, 16, 33}) {
     CAPTURE(D);
@@ -289,7 +284,7 @@ TEST_CASE_TEMPLATE("round8 l2norm_backward: huge rows with an ordinary dy stay f
   }
 }
 
-TEST_CASE("round8 l2norm: NaN and Inf stay in their own row; in-place is refused naming both arguments") {
+TEST_CASE("l2norm: NaN and Inf stay in their own row; in-place is refused naming both arguments") {
   index_t const R = 4, D = 5;
   std::vector<float> x(std::size_t(R * D), 0.5f), y(x.size()), dy(x.size(), 1.0f), dx(x.size());
   x[std::size_t(1 * D + 2)] = NAN;
@@ -316,7 +311,7 @@ TEST_CASE("round8 l2norm: NaN and Inf stay in their own row; in-place is refused
 // beta = sigmoid(x) (x2)
 // =============================================================================================
 
-TEST_CASE_TEMPLATE("round8 beta_sigmoid forward/backward: every backend, odd H, padded views, both scales", S, double, float, bfloat16) {
+TEST_CASE_TEMPLATE("beta_sigmoid forward/backward: every backend, odd H, padded views, both scales", S, double, float, bfloat16) {
   std::mt19937 rng(8011);
   for (index_t H : {1, 3, 15, 16, 17, 33})
     for (index_t T : {0, 1, 5})
@@ -334,7 +329,7 @@ TEST_CASE_TEMPLATE("round8 beta_sigmoid forward/backward: every backend, odd H, 
         double const s = neg ? 2.0 : 1.0;
         for (std::size_t i = 0; i < n; ++i) {
           yr[i] = s * r_sigmoid(xs[i]);
-          dxr[i] = gs[i] * cstep(xs[i], [&](cd z) { return s * r_sigmoid(z); });
+          dxr[i] = gs[i] * complex_step_derivative(xs[i], [&](cd z) { return s * r_sigmoid(z); });
         }
         each_backend([&](auto const& b, std::string const& name) {
           CAPTURE(name);
@@ -349,7 +344,7 @@ TEST_CASE_TEMPLATE("round8 beta_sigmoid forward/backward: every backend, odd H, 
       }
 }
 
-TEST_CASE_TEMPLATE("round8 beta_sigmoid: extreme inputs give finite beta in [0, s] and finite, exact gradients", S, double, float, bfloat16) {
+TEST_CASE_TEMPLATE("beta_sigmoid: extreme inputs give finite beta in [0, s] and finite, exact gradients", S, double, float, bfloat16) {
   double const mx = load_as<double>(store_as<S>(std::is_same_v<S, double> ? 1e308 : 3e38));
   std::vector<double> xs = {-mx, -1e30, -1e4, -104, -100, -88, -30, -1e-30, 0, 1e-30, 30, 88, 100, 104, 1e4, 1e30, mx};
   index_t const n = index_t(xs.size());
@@ -405,9 +400,9 @@ void gate_case(bool softplus, double lb, index_t T, index_t K, A const& A_log, B
     // The lower-bound gate is linear in lb: derivatives at lb = -1, times -lb (a subnormal lb
     // would underflow the complex step's imaginary part).
     double const l1 = softplus ? lb : -1.0, m = softplus ? 1.0 : -lb;
-    dxr[i] = m * gs[i] * cstep(xs[i], [&](cd z) { return ref_gate<cd>(softplus, l1, z, av, bv); });
-    dar[std::size_t(h)] += m * gs[i] * cstep(av, [&](cd z) { return ref_gate<cd>(softplus, l1, xs[i], z, bv); });
-    dbr[std::size_t(h * K + k)] += m * gs[i] * cstep(bv, [&](cd z) { return ref_gate<cd>(softplus, l1, xs[i], av, z); });
+    dxr[i] = m * gs[i] * complex_step_derivative(xs[i], [&](cd z) { return ref_gate<cd>(softplus, l1, z, av, bv); });
+    dar[std::size_t(h)] += m * gs[i] * complex_step_derivative(av, [&](cd z) { return ref_gate<cd>(softplus, l1, xs[i], z, bv); });
+    dbr[std::size_t(h * K + k)] += m * gs[i] * complex_step_derivative(bv, [&](cd z) { return ref_gate<cd>(softplus, l1, xs[i], av, z); });
   }
   std::vector<double> g0, dx0, da0, db0;
   bool first = true;
@@ -448,7 +443,7 @@ void gate_case(bool softplus, double lb, index_t T, index_t K, A const& A_log, B
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("round8 gates forward/backward: softplus and lower bound, A_log/dt_bias present or absent, every backend", S, double,
+TEST_CASE_TEMPLATE("gates forward/backward: softplus and lower bound, A_log/dt_bias present or absent, every backend", S, double,
                    float, bfloat16) {
   std::mt19937 rng(8021);
   index_t const HV = 3;
@@ -472,7 +467,7 @@ TEST_CASE_TEMPLATE("round8 gates forward/backward: softplus and lower bound, A_l
     }
 }
 
-TEST_CASE("round8 gate_lower_bound: the bound at its limits and tiny negative bounds") {
+TEST_CASE("gate_lower_bound: the bound at its limits and tiny negative bounds") {
   std::mt19937 rng(8022);
   index_t const K = 5, HV = 3;
   std::vector<double> av = {0.0, 1.0, -2.0}, bv = randn(std::size_t(HV * K), rng);
@@ -524,7 +519,7 @@ TEST_CASE("round8 gate_lower_bound: the bound at its limits and tiny negative bo
 
 // Saturated gates: z = exp(A_log) (x + dt_bias) overflows the compute type while every
 // gradient is finite (dg/dz = lb s (1 - s) = 0 there): dx, dA_log and ddt_bias must be 0, not NaN.
-TEST_CASE_TEMPLATE("round8 gates: large |x| gives finite gradients where the math is finite", S, double, float, bfloat16) {
+TEST_CASE_TEMPLATE("gates: large |x| gives finite gradients where the math is finite", S, double, float, bfloat16) {
   double const mx = load_as<double>(store_as<S>(std::is_same_v<S, double> ? 1e308 : 3e38));
   std::vector<double> xs = {-mx, -1e30, -100, 0.5, 100, 1e30, mx};
   index_t const K = index_t(xs.size()), HV = 1;
@@ -563,7 +558,7 @@ TEST_CASE_TEMPLATE("round8 gates: large |x| gives finite gradients where the mat
   });
 }
 
-TEST_CASE("round8 gates: a NaN in x stays in its own element of g and dx") {
+TEST_CASE("gates: a NaN in x stays in its own element of g and dx") {
   index_t const B = 1, T = 3, HV = 2, K = 17;
   std::vector<float> x(std::size_t(B * T * HV * K), 0.25f), g(x.size()), dg(x.size(), 1.0f), dx(x.size());
   std::size_t const bad = std::size_t(((0 * T + 1) * HV + 1) * K + 4);
@@ -611,34 +606,27 @@ void conv_case_impl(conv_cfg const& cf, Cu const& cu, std::vector<seq8> const& s
   p.insert(p.end(), bs.begin(), bs.end());
   p.insert(p.end(), is.begin(), is.end());
   std::vector<cd> zp(p.begin(), p.end());
-  std::vector<double> grad(p.size());
   std::size_t const nx = xs.size(), nw = ws.size(), nb = bs.size();
   std::vector<cd> zy, zf;
-  for (std::size_t i = 0; i < p.size(); ++i) {
-    double const h = 1e-20 * std::max(1.0, std::fabs(p[i]));
-    zp[i] = cd(p[i], h);
+  std::vector<double> const grad = k3::test::complex_step_gradient(zp, [&] {
     std::vector<cd> const zx(zp.begin(), zp.begin() + std::ptrdiff_t(nx)), zw(zp.begin() + std::ptrdiff_t(nx), zp.begin() + std::ptrdiff_t(nx + nw)),
         zb(zp.begin() + std::ptrdiff_t(nx + nw), zp.begin() + std::ptrdiff_t(nx + nw + nb)), zi(zp.begin() + std::ptrdiff_t(nx + nw + nb), zp.end());
     ref_conv(zx, B, T, C, zw, W, zb, seqs, zi, cf.silu, zy, zf);
     cd l = 0;
     for (std::size_t k = 0; k < zy.size(); ++k) l += gs[k] * zy[k];
-    grad[i] = std::imag(l) / h;
-    zp[i] = p[i];
-  }
+    return l;
+  });
   std::vector<double> const dxr(grad.begin(), grad.begin() + std::ptrdiff_t(nx)), dwr(grad.begin() + std::ptrdiff_t(nx), grad.begin() + std::ptrdiff_t(nx + nw));
   std::vector<double> dbr(grad.begin() + std::ptrdiff_t(nx + nw), grad.begin() + std::ptrdiff_t(nx + nw + nb)), dir(grad.begin() + std::ptrdiff_t(nx + nw + nb), grad.end());
   if (!cf.bias) {  // dbias without a bias is the gradient at bias = 0: sum of dpre
     std::vector<cd> zb(std::size_t(C), cd(0));
-    dbr.assign(std::size_t(C), 0.0);
     std::vector<cd> const zx(xs.begin(), xs.end()), zw(ws.begin(), ws.end()), zi(is.begin(), is.end());
-    for (index_t c = 0; c < C; ++c) {
-      zb[std::size_t(c)] = cd(0, 1e-20);
+    dbr = k3::test::complex_step_gradient(zb, [&] {
       ref_conv(zx, B, T, C, zw, W, zb, seqs, zi, cf.silu, zy, zf);
       cd l = 0;
       for (std::size_t k = 0; k < zy.size(); ++k) l += gs[k] * zy[k];
-      dbr[std::size_t(c)] = std::imag(l) / 1e-20;
-      zb[std::size_t(c)] = 0;
-    }
+      return l;
+    });
   }
   std::array<index_t, 3> const ext{B, T, C}, sext{N, C, W - 1};
   std::vector<std::vector<double>> first;
@@ -731,7 +719,7 @@ std::vector<conv_cfg> conv_cfgs() {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("round8 short_conv forward/backward against the complex step: varlen with empty and short sequences, states, every backend",
+TEST_CASE_TEMPLATE("short_conv forward/backward against the complex step: varlen with empty and short sequences, states, every backend",
                    S, double, float, bfloat16) {
   std::mt19937 rng(8031);
   for (conv_cfg const& cf : conv_cfgs()) {
@@ -839,7 +827,7 @@ void prefill_then_decode(Bk const& bk, index_t C, index_t W, bool with_bias, std
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("round8 short_conv_decode after a prefill equals the full convolution bitwise (every backend, pool slots)", S, double,
+TEST_CASE_TEMPLATE("short_conv_decode after a prefill equals the full convolution bitwise (every backend, pool slots)", S, double,
                    float, bfloat16) {
   std::mt19937 rng(8041);
   for (index_t W : {1, 2, 4, 5})
@@ -854,7 +842,7 @@ TEST_CASE_TEMPLATE("round8 short_conv_decode after a prefill equals the full con
     }
 }
 
-TEST_CASE("round8 short_conv in place (final_state is initial_state) equals separate states; partial overlap is refused") {
+TEST_CASE("short_conv in place (final_state is initial_state) equals separate states; partial overlap is refused") {
   std::mt19937 rng(8051);
   index_t const C = 17, W = 4;
   std::vector<std::int64_t> const cu = {0, 0, 1, 3, 3, 10};
@@ -898,7 +886,7 @@ TEST_CASE("round8 short_conv in place (final_state is initial_state) equals sepa
   CHECK(k3::test::names_overlap(e3, "conv_state", "y"));
 }
 
-TEST_CASE("round8 short_conv: NaN/Inf in one sequence stays in that sequence (y, final state, dx, d_initial_state; decode slot)") {
+TEST_CASE("short_conv: NaN/Inf in one sequence stays in that sequence (y, final state, dx, d_initial_state; decode slot)") {
   index_t const C = 3, W = 4;
   std::vector<std::int64_t> const cu = {0, 2, 2, 7, 12};
   index_t const N = 4, T = 12;
@@ -940,7 +928,7 @@ TEST_CASE("round8 short_conv: NaN/Inf in one sequence stays in that sequence (y,
     for (index_t i = 0; i < C * (W - 1); ++i) CHECK(std::isfinite(pool[std::size_t(n * C * (W - 1) + i)]));
 }
 
-TEST_CASE_TEMPLATE("round8 short_conv: large |pre| keeps y and the gradients finite", S, double, float, bfloat16) {
+TEST_CASE_TEMPLATE("short_conv: large |pre| keeps y and the gradients finite", S, double, float, bfloat16) {
   index_t const C = 4, W = 4, T = 6;
   double const big = std::is_same_v<S, double> ? 1e300 : 1e36;
   std::vector<S> x(std::size_t(T * C)), w(std::size_t(C * W), store_as<S>(0.25)), y(x.size()), dy(x.size(), store_as<S>(1.0)), dx(x.size()),
@@ -964,7 +952,7 @@ TEST_CASE_TEMPLATE("round8 short_conv: large |pre| keeps y and the gradients fin
   });
 }
 
-TEST_CASE("round8 short_conv: bad input names the argument with expected and actual values") {
+TEST_CASE("short_conv: bad input names the argument with expected and actual values") {
   index_t const C = 3, W = 4, T = 5;
   std::vector<float> x(std::size_t(T * C)), w(std::size_t(C * W)), y(x.size()), s(std::size_t(2 * C * (W - 1)));
   std::vector<std::int64_t> cu_bad_end = {0, 2, 4}, cu_dec = {0, 3, 2, 5}, cu_start = {1, 5};
@@ -1003,7 +991,7 @@ TEST_CASE("round8 short_conv: bad input names the argument with expected and act
   CHECK(e.find("[0, 2)") != std::string::npos);
 }
 
-TEST_CASE("round8 l2norm, beta and gates on views whose last dimension is not unit-stride (transposed) equal the contiguous results") {
+TEST_CASE("l2norm, beta and gates on views whose last dimension is not unit-stride (transposed) equal the contiguous results") {
   index_t const R = 5, D = 17;
   std::mt19937 rng(8061);
   auto const v = randn(std::size_t(R * D), rng);

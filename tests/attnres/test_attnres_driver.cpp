@@ -1,4 +1,4 @@
-// Round-7 adversarial checks of the Block AttnRes driver (the C++ API the CLI cannot reach):
+// Adversarial checks of the Block AttnRes driver (the C++ API the CLI cannot reach):
 // layouts with L = 0, block sizes 1, L, L + 1 and beyond, both decoder-layer-0 rules, every
 // mode, T = 0, a driver reused with changing token counts, padded w/gain rows, the threads
 // backend; forward against an independent float64 simulation of spec Eq. 6 and gradients
@@ -14,9 +14,12 @@
 #include <vector>
 
 #include "k3/attnres.hpp"
+#include "support/complex_step.hpp"
+#include "support/metrics.hpp"
 
 namespace ar = k3::attnres;
 using k3::index_t;
+using k3::test::rel_rms;
 using cplx = std::complex<double>;
 
 namespace {
@@ -110,37 +113,18 @@ struct ref_grads {
   std::vector<double> dw, dg, demb;
 };
 ref_grads complex_step(problem const& p) {
-  double const h = 1e-30;
   auto W = cast<cplx>(p.w), G = cast<cplx>(p.g), E = cast<cplx>(p.emb);
   auto loss = [&] {
     auto hs = simulate(p, W, G, E);
     cplx s = 0;
     for (std::size_t i = 0; i < p.dout.size(); ++i) s += p.dout[i] * hs.back()[i];
-    return s.imag() / h;
+    return s;
   };
   ref_grads r;
-  auto sweep = [&](std::vector<cplx>& v, std::vector<double>& out) {
-    out.resize(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      v[i] += cplx(0, h);
-      out[i] = loss();
-      v[i] -= cplx(0, h);
-    }
-  };
-  sweep(W, r.dw);
-  sweep(G, r.dg);
-  sweep(E, r.demb);
+  r.dw = k3::test::complex_step_gradient(W, loss);
+  r.dg = k3::test::complex_step_gradient(G, loss);
+  r.demb = k3::test::complex_step_gradient(E, loss);
   return r;
-}
-
-double rel_err(std::vector<double> const& x, std::vector<double> const& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    num += (x[i] - ref[i]) * (x[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  if (x.size() != ref.size()) return 1e300;
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 ar::block_config make_cfg(problem const& p, ar::mode m, index_t capacity) {
@@ -239,7 +223,7 @@ run_result run(ar::block_attn_res<double, B>& a, problem const& p, bool backward
 double forward_err(run_result const& r, std::vector<std::vector<double>> const& ref) {
   double e = 0;
   if (r.inputs.size() != ref.size()) return 1e300;
-  for (std::size_t l = 0; l < ref.size(); ++l) e = std::max(e, rel_err(r.inputs[l], ref[l]));
+  for (std::size_t l = 0; l < ref.size(); ++l) e = std::max(e, rel_rms(r.inputs[l], ref[l]));
   return e;
 }
 
@@ -255,7 +239,7 @@ std::vector<layout> const layouts = {
 
 }  // namespace
 
-TEST_CASE("round 7: driver forward in every mode vs an Eq. 6 simulation (L = 0, S = 1, L, L + 1, > L + 1, d = 1)") {
+TEST_CASE("driver forward in every mode vs an Eq. 6 simulation (L = 0, S = 1, L, L + 1, > L + 1, d = 1)") {
   for (auto const& ly : layouts) {
     problem p(ly.L, ly.S, ly.T, ly.d, ly.skip, std::uint64_t(100 + ly.L * 10 + ly.S));
     CAPTURE(ly.L);
@@ -276,7 +260,7 @@ TEST_CASE("round 7: driver forward in every mode vs an Eq. 6 simulation (L = 0, 
   }
 }
 
-TEST_CASE("round 7: driver gradients (stored and recompute) vs complex-step derivatives of the simulation") {
+TEST_CASE("driver gradients (stored and recompute) vs complex-step derivatives of the simulation") {
   for (auto const& ly : layouts) {
     problem p(ly.L, ly.S, ly.T, ly.d, ly.skip, std::uint64_t(200 + ly.L * 10 + ly.S));
     CAPTURE(ly.L);
@@ -287,9 +271,9 @@ TEST_CASE("round 7: driver gradients (stored and recompute) vs complex-step deri
     drv<double> rc(p, ar::mode::train_recompute, ly.T + 2);
     auto a = run(st.a, p, true);
     auto b = run(rc.a, p, true);
-    CHECK(rel_err(a.dw, ref.dw) <= 1e-11);
-    CHECK(rel_err(a.dg, ref.dg) <= 1e-11);
-    CHECK(rel_err(a.demb, ref.demb) <= 1e-11);
+    CHECK(rel_rms(a.dw, ref.dw) <= 1e-11);
+    CHECK(rel_rms(a.dg, ref.dg) <= 1e-11);
+    CHECK(rel_rms(a.demb, ref.demb) <= 1e-11);
     CHECK(a.dw == b.dw);
     CHECK(a.dg == b.dg);
     CHECK(a.demb == b.demb);
@@ -300,12 +284,12 @@ TEST_CASE("round 7: driver gradients (stored and recompute) vs complex-step deri
       }
     drv<double, k3::cpu::threads<>> th(p, ar::mode::train_recompute, ly.T, k3::cpu::threads<>(3));
     auto c = run(th.a, p, true);
-    CHECK(rel_err(c.dw, ref.dw) <= 1e-11);
-    CHECK(rel_err(c.demb, ref.demb) <= 1e-11);
+    CHECK(rel_rms(c.dw, ref.dw) <= 1e-11);
+    CHECK(rel_rms(c.demb, ref.demb) <= 1e-11);
   }
 }
 
-TEST_CASE("round 7: one driver reused with changing token counts (3, 1, 0, 4) equals fresh drivers, every mode") {
+TEST_CASE("one driver reused with changing token counts (3, 1, 0, 4) equals fresh drivers, every mode") {
   problem base(7, 3, 4, 5, true, 300);
   for (ar::mode m : {ar::mode::one_pass, ar::mode::two_phase, ar::mode::train_stored, ar::mode::train_recompute}) {
     CAPTURE(int(m));
@@ -332,7 +316,7 @@ TEST_CASE("round 7: one driver reused with changing token counts (3, 1, 0, 4) eq
   }
 }
 
-TEST_CASE("round 7: K3's 93-layer layout (S = 24 sublayers) in two-phase and recompute modes, T = 2, d = 3") {
+TEST_CASE("K3's 93-layer layout (S = 24 sublayers) in two-phase and recompute modes, T = 2, d = 3") {
   problem p(186, 24, 2, 3, true, 400);
   auto ref = simulate(p, p.w, p.g, p.emb);
   drv<double> tp(p, ar::mode::two_phase, 2);
@@ -442,7 +426,7 @@ run_result run_pipeline(problem const& p, pipe_case const& pc, std::uint64_t see
 
 }  // namespace
 
-TEST_CASE("round 7: pipeline cache over random chunkings (empty chunks, cuts inside blocks) equals one driver, every mode") {
+TEST_CASE("pipeline cache over random chunkings (empty chunks, cuts inside blocks) equals one driver, every mode") {
   std::vector<pipe_case> cases;
   for (ar::mode m : {ar::mode::one_pass, ar::mode::two_phase, ar::mode::train_stored, ar::mode::train_recompute})
     for (pipe_case pc : {pipe_case{7, 3, 2, 2, true, m}, pipe_case{12, 1, 3, 2, false, m}, pipe_case{9, 4, 2, 3, true, m},
@@ -464,9 +448,9 @@ TEST_CASE("round 7: pipeline cache over random chunkings (empty chunks, cuts ins
       auto got = run_pipeline(p, pc, std::uint64_t(900 + idx), rep == 1 ? 5 : 2);
       CHECK(forward_err(got, ref.inputs) <= 1e-14);
       if (train) {
-        CHECK(rel_err(got.dw, ref.dw) <= 1e-13);
-        CHECK(rel_err(got.dg, ref.dg) <= 1e-13);
-        CHECK(rel_err(got.demb, ref.demb) <= 1e-13);
+        CHECK(rel_rms(got.dw, ref.dw) <= 1e-13);
+        CHECK(rel_rms(got.dg, ref.dg) <= 1e-13);
+        CHECK(rel_rms(got.demb, ref.demb) <= 1e-13);
       }
     }
   }
@@ -504,7 +488,7 @@ std::vector<float> two_phase_add_input(problem const& p, bool one_buffer, B be) 
 }
 }  // namespace
 
-TEST_CASE("round 7: two-phase add_input accepts x = y (one buffer), like add then input, bit for bit, every backend") {
+TEST_CASE("two-phase add_input accepts x = y (one buffer), like add then input, bit for bit, every backend") {
   // was: k3::error "arguments 'h' and 'delta' overlap" inside a block (the fused pass)
   problem p(9, 4, 3, 37, true, 600);
   auto const ref_f = two_phase_add_input<float>(p, false, k3::cpu::serial{});
@@ -515,7 +499,7 @@ TEST_CASE("round 7: two-phase add_input accepts x = y (one buffer), like add the
   CHECK(two_phase_add_input<k3::bfloat16>(p, true, k3::cpu::serial{}) == two_phase_add_input<k3::bfloat16>(p, false, k3::cpu::serial{}));
 }
 
-TEST_CASE("round 7: a second input() for the same site, and add() after begin() restarts a pass, are errors") {
+TEST_CASE("a second input() for the same site, and add() after begin() restarts a pass, are errors") {
   problem p(6, 3, 2, 4, true, 700);
   for (ar::mode m : {ar::mode::one_pass, ar::mode::two_phase, ar::mode::train_stored, ar::mode::train_recompute}) {
     CAPTURE(int(m));
@@ -536,7 +520,7 @@ TEST_CASE("round 7: a second input() for the same site, and add() after begin() 
   }
 }
 
-TEST_CASE("round 7: a backward abandoned half-way does not continue into the next pass") {
+TEST_CASE("a backward abandoned half-way does not continue into the next pass") {
   problem p(6, 3, 2, 4, true, 710);
   for (ar::mode m : {ar::mode::train_stored, ar::mode::train_recompute}) {
     drv<double> dr(p, m, 2);
@@ -554,7 +538,7 @@ TEST_CASE("round 7: a backward abandoned half-way does not continue into the nex
   }
 }
 
-TEST_CASE("round 7: block_config queries on a default config (block size 0) do not divide by zero") {
+TEST_CASE("block_config queries on a default config (block size 0) do not divide by zero") {
   ar::block_config c;  // block_sublayers = 0: was SIGFPE in sources_at / bank_rows_at / partial_at
   CHECK(c.max_blocks() == 0);
   CHECK(c.bank_rows_at(3) == 0);
@@ -617,7 +601,7 @@ run_result run_storage(problem const& p, ar::mode m, B be, index_t spare = 0) {
 }
 }  // namespace
 
-TEST_CASE("round 7: float and bfloat16 storage drivers track the float64 driver (forward and gradients), every mode and backend") {
+TEST_CASE("float and bfloat16 storage drivers track the float64 driver (forward and gradients), every mode and backend") {
   for (auto const& ly : {layout{7, 3, 3, 37, true}, layout{6, 1, 2, 16, false}, layout{5, 8, 2, 33, true}}) {
     problem p(ly.L, ly.S, ly.T, ly.d, ly.skip, std::uint64_t(800 + ly.L));
     CAPTURE(ly.L);
@@ -631,9 +615,9 @@ TEST_CASE("round 7: float and bfloat16 storage drivers track the float64 driver 
       auto check = [&](run_result const& got, double tol, double gtol) {
         CHECK(forward_err(got, ref.inputs) <= tol);
         if (train) {
-          CHECK(rel_err(got.dw, ref.dw) <= gtol);
-          CHECK(rel_err(got.dg, ref.dg) <= gtol);
-          CHECK(rel_err(got.demb, ref.demb) <= gtol);
+          CHECK(rel_rms(got.dw, ref.dw) <= gtol);
+          CHECK(rel_rms(got.dg, ref.dg) <= gtol);
+          CHECK(rel_rms(got.demb, ref.demb) <= gtol);
         }
       };
       check(run_storage<float>(p, m, k3::cpu::serial{}), 2e-6, 1e-4);
@@ -645,7 +629,7 @@ TEST_CASE("round 7: float and bfloat16 storage drivers track the float64 driver 
   }
 }
 
-TEST_CASE("round 7: spare token capacity (strided bank, phase-1 outputs) gives the bits of an exact-capacity driver, bfloat16 and float") {
+TEST_CASE("spare token capacity (strided bank, phase-1 outputs) gives the bits of an exact-capacity driver, bfloat16 and float") {
   problem p(9, 4, 5, 96, true, 820);
   for (ar::mode m : {ar::mode::one_pass, ar::mode::two_phase, ar::mode::train_recompute}) {
     CAPTURE(int(m));

@@ -1,7 +1,7 @@
-"""Round-5 cross-check of every `k3` subcommand: random sweeps against independent float64 references
+"""Cross-check of every `k3` subcommand by random sweeps against independent float64 references
 written from shared/spec/{kda,attnres,moe_routing,quantization}.md (not from the library code).
 
-Sweeps shapes the earlier checkers do not (T around multiples of 16/64, K/V odd and > 128,
+Sweeps shapes the other checkers do not (T around multiples of 16/64, K/V odd and > 128,
 HV = 2H/4H, many short packed sequences including empty ones), option combinations of `k3 help`,
 .npy layouts (Fortran order, big-endian, bf16 '<u2'), gradients by complex-step directional
 derivatives, and quantisation round trips (k3 dequant of k3 quant's codes equals quant's dequant).
@@ -16,7 +16,7 @@ from common import Checker, compare, save  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 
-ck = Checker("round5")
+ck = Checker("random_sweeps")
 f32, f64 = np.float32, np.float64
 bf16 = ml_dtypes.bfloat16
 

@@ -1,4 +1,4 @@
-// Round-7 adversarial checks of the MoE API the CLI cannot reach: the placement checkers on
+// Adversarial checks of the MoE API the CLI cannot reach: the placement checkers on
 // malformed plans, EPLB / MoonEP on adversarial loads, SiTU-GLU gradients at extreme inputs
 // against a long-double reference written from spec C.1, group-limited routing corner cases.
 #include <doctest/doctest.h>
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "error_of.hpp"
+#include "support/error_of.hpp"
 #include "k3/moe.hpp"
 #include "moe/moe_test_util.hpp"
 
@@ -56,7 +56,7 @@ void check_eplb_properties(moe::eplb_plan const& p, std::vector<double> const& l
 
 }  // namespace
 
-TEST_CASE("round 7: EPLB on adversarial loads (zero, one hot expert, P >> E, one slot per GPU)") {
+TEST_CASE("EPLB on adversarial loads (zero, one hot expert, P >> E, one slot per GPU)") {
   struct cs {
     index_t L, E, P, groups, nodes, gpus;
     int kind;  // 0 random, 1 all zero, 2 one hot, 3 ties
@@ -83,7 +83,7 @@ TEST_CASE("round 7: EPLB on adversarial loads (zero, one hot expert, P >> E, one
   }
 }
 
-TEST_CASE("round 7: check_eplb rejects malformed plans without reading out of bounds") {
+TEST_CASE("check_eplb rejects malformed plans without reading out of bounds") {
   std::vector<double> w = {90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86};
   auto const good = moe::eplb_rebalance({w.data(), {1, 12}}, 16, 4, 2, 8);
   REQUIRE(moe::check_eplb(good).empty());
@@ -144,7 +144,7 @@ TEST_CASE("round 7: check_eplb rejects malformed plans without reading out of bo
   }
 }
 
-TEST_CASE("round 7: MoonEP on adversarial counts (one hot expert, zero loads, E/R = 1, empty batch)") {
+TEST_CASE("MoonEP on adversarial counts (one hot expert, zero loads, E/R = 1, empty batch)") {
   std::mt19937_64 g(77);
   for (int t = 0; t < 300; ++t) {
     index_t const R = 1 + index_t(g() % 9), per = 1 + index_t(g() % 6), E = R * per;
@@ -187,7 +187,7 @@ TEST_CASE("round 7: MoonEP on adversarial counts (one hot expert, zero loads, E/
   }
 }
 
-TEST_CASE("round 7: check_moonep and moonep_dispatch on malformed plans: a report or a k3::error, never a crash") {
+TEST_CASE("check_moonep and moonep_dispatch on malformed plans: a report or a k3::error, never a crash") {
   std::vector<std::int64_t> counts = {5, 3, 2, 6};
   k3::const_view<std::int64_t, 1> cv(counts.data(), {4});
   auto const good = moe::moonep_rebalance(cv, 2);
@@ -269,7 +269,7 @@ double rel(ld got, ld want) {
 
 }  // namespace
 
-TEST_CASE("round 7: SiTU-GLU value and gradients keep relative precision at extreme g and u (double)") {
+TEST_CASE("SiTU-GLU value and gradients keep relative precision at extreme g and u (double)") {
   std::vector<double> const pts = {0.0,    -0.0,  5e-324, -5e-324, 1e-310, 1e-200, -1e-200, 1e-8, -1e-8, 1e-5,  -1e-5, 0.3,
                                    -0.3,   2.0,   -2.0,   9.0,     -9.0,   20.0,   -20.0,   40.0, -40.0, 60.0,  -60.0, 75.0,
                                    -75.0,  140.0, -140.0, 700.0,   -700.0, 1e4,    -1e4,    1e300, -1e300};
@@ -300,7 +300,7 @@ using k3::test::error_of;
 bool has(std::string const& s, std::string const& sub) { return s.find(sub) != std::string::npos; }
 }  // namespace
 
-TEST_CASE("round 7: placement and QB errors name the argument and give the values") {
+TEST_CASE("placement and QB errors name the argument and give the values") {
   std::vector<double> w(12, 1.0);
   k3::const_view<double, 2> lv(w.data(), {1, 12});
   auto e1 = error_of([&] { moe::eplb_rebalance(lv, 16, 0, 2, 8); });
@@ -336,7 +336,7 @@ TEST_CASE("round 7: placement and QB errors name the argument and give the value
   CHECK(has(e6, "inf"));
 }
 
-TEST_CASE("round 7: group-limited routing: topk_groups = n_groups is plain top-k; k = 1; threads == serial with logits and masks") {
+TEST_CASE("group-limited routing: topk_groups = n_groups is plain top-k; k = 1; threads == serial with logits and masks") {
   k3::cpu::threads<> thr(3);
   std::mt19937_64 gen(5);
   for (index_t n : {6, 12, 30, 64}) {
@@ -398,7 +398,7 @@ TEST_CASE("round 7: group-limited routing: topk_groups = n_groups is plain top-k
   }
 }
 
-TEST_CASE("round 7: MoonEP with a null or negative-stride counts view is a k3::error naming 'counts', not a crash") {
+TEST_CASE("MoonEP with a null or negative-stride counts view is a k3::error naming 'counts', not a crash") {
   k3::const_view<std::int64_t, 1> null_counts(nullptr, {4});  // was: read through a null pointer
   auto e1 = error_of([&] { moe::moonep_rebalance(null_counts, 2); });
   CHECK(has(e1, "'counts'"));
@@ -408,7 +408,7 @@ TEST_CASE("round 7: MoonEP with a null or negative-stride counts view is a k3::e
   CHECK(has(e2, "'counts'"));
 }
 
-TEST_CASE("round 7: qb_histogram::for_bias with a null bias view is a k3::error naming 'bias', not a crash") {
+TEST_CASE("qb_histogram::for_bias with a null bias view is a k3::error naming 'bias', not a crash") {
   k3::const_view<float, 1> null_bias(nullptr, {6});  // was: read through a null pointer
   auto e = error_of([&] { moe::qb_histogram::for_bias(null_bias); });
   CHECK(has(e, "'bias'"));
@@ -416,7 +416,7 @@ TEST_CASE("round 7: qb_histogram::for_bias with a null bias view is a k3::error 
   CHECK(has(error_of([&] { h.reset_for_bias(null_bias); }), "'bias'"));
 }
 
-TEST_CASE("round 7: SiTU-GLU gradients in float keep relative precision in the tails too") {
+TEST_CASE("SiTU-GLU gradients in float keep relative precision in the tails too") {
   std::vector<float> const pts = {0.0f, 1e-40f, -1e-40f, 1e-20f, 1e-4f, -1e-4f, 0.7f, -0.7f, 3.0f, -3.0f, 30.0f, -30.0f, 45.0f, -45.0f, 80.0f, -80.0f, 300.0f, -300.0f};
   moe::situ_params<float> const c{};
   double worst = 0;

@@ -1,6 +1,6 @@
 """End-to-end check of `k3 dplr`: writes random inputs, runs the tool, compares o/ht with a
 float64 numpy recurrence and the backward with finite differences of it; checks that a bad
-shape gives one clear error line and a non-zero exit. Usage: cli_check.py K3_BINARY WORKDIR"""
+shape gives one clear error line and a non-zero exit. Usage: test_dplr_cli.py K3_BINARY WORKDIR"""
 import os
 import subprocess
 import sys

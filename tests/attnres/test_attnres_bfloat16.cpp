@@ -1,4 +1,4 @@
-// Round 8: bfloat16 storage in AttnRes, checked tightly. The reference is float64 fed the SAME
+// bfloat16 storage in AttnRes, checked tightly. The reference is float64 fed the SAME
 // bfloat16 values the library sees (sources, running sums as stored, dh), so the only
 // differences left are
 //   - the rounding of a bfloat16 output: |fl(x) - x| <= u |x| per element, u = 2^-8, hence
@@ -6,8 +6,8 @@
 //   - fp32 mixing (spec §2.1: K3 mixes in fp32): a few ulps of float per operation, summed over
 //     d and the m sources: relative ~ (d + m) 2^-24, i.e. < 1e-5 for the sizes here (float
 //     gradients, which are not rounded to bfloat16).
-// Round 7 compared bfloat16 drivers with a float64 driver fed unrounded inputs through a
-// nonlinear stack (tolerance 0.3 on gradients); here the stack is open loop (sublayer outputs
+// test_attnres_driver.cpp compares bfloat16 drivers with a float64 driver fed unrounded inputs
+// through a nonlinear stack (tolerance 0.3 on gradients); here the stack is open loop (sublayer outputs
 // and input gradients are fixed data), so every rounding the reference does not share would
 // show up at 1e-5.
 #include <doctest/doctest.h>
@@ -19,10 +19,12 @@
 #include <vector>
 
 #include "k3/attnres.hpp"
+#include "support/metrics.hpp"
 
 namespace ar = k3::attnres;
 using k3::bfloat16;
 using k3::index_t;
+using k3::test::rel_rms;
 
 namespace {
 
@@ -35,17 +37,6 @@ std::vector<double> randn(std::mt19937_64& gen, std::size_t n, double s, bool ro
   std::vector<double> v(n);
   for (auto& x : v) x = round_bf16 ? bf(s * nd(gen)) : double(float(s * nd(gen)));
   return v;
-}
-
-// fla's metric: rms(x - ref) / rms(ref)
-double rel_rms(std::vector<double> const& x, std::vector<double> const& ref) {
-  REQUIRE(x.size() == ref.size());
-  double e = 0, r = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    e += (x[i] - ref[i]) * (x[i] - ref[i]);
-    r += ref[i] * ref[i];
-  }
-  return r == 0 ? std::sqrt(e) : std::sqrt(e / r);
 }
 
 // One token's mix in float64 (spec §2.1) and its backward (spec §5.2).
@@ -181,7 +172,7 @@ site_case const site_cases[] = {{1, 5, 7, true, 1.0}, {3, 4, 33, true, 1.0}, {8,
 
 }  // namespace
 
-TEST_CASE("round 8: one bfloat16 mixing site vs float64 on the same bfloat16 values: h within u = 2^-8, float gradients within 1e-5") {
+TEST_CASE("one bfloat16 mixing site vs float64 on the same bfloat16 values: h within u = 2^-8, float gradients within 1e-5") {
   std::uint64_t seed = 1;
   for (auto const& sc : site_cases) {
     // h in bf16 (rounded once: <= u), gradients in float (fp32 only), dh float or bf16
@@ -389,7 +380,7 @@ double worst_h(std::vector<std::vector<double>> const& got, std::vector<std::vec
 
 }  // namespace
 
-TEST_CASE("round 8: bfloat16 Block/Full AttnRes driver vs float64 Eq. 6 on the stored values: inputs within u, gradients within 1e-5, every mode") {
+TEST_CASE("bfloat16 Block/Full AttnRes driver vs float64 Eq. 6 on the stored values: inputs within u, gradients within 1e-5, every mode") {
   struct ly {
     index_t L, S, T, d;
     bool skip;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """End-to-end check of `k3 kda`: an independent numpy recurrence (float64) against the CLI's
 o/ht (chunk and recurrent modes, float32 and float64, packed sequences), plus error cases.
-Usage: check_cmd_kda.py /path/to/k3"""
+Usage: test_cmd_kda.py /path/to/k3"""
 import os
 import subprocess
 import sys
