@@ -19,6 +19,7 @@ run() { local log=$1; shift; echo "== $* --csv benchmarks/results/k3.csv" >> "$o
 run yardsticks ./bench_yardsticks
 run kda ./bench_kda --quick
 run kda_sweep ./bench_kda --sweep-T 256,512,1024,2048,4096,8192 --reps 3
+run preprocess ./bench_preprocess
 run moe ./bench_moe
 run quant ./bench_quant
 run attnres ./bench_attnres
