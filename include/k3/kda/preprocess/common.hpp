@@ -163,44 +163,6 @@ void pp_sigmoid_row(T* p, index_t n) noexcept {
     for (index_t c = 0; c < n; ++c) p[c] = ::k3::detail::sigmoid(p[c]);
 }
 
-// sp[i] = sigmoid(z[i]) and sm[i] = sigmoid(-z[i]) over a contiguous row, from one
-// exponential each (float: vector registers; double: the scalar k3::detail::sigmoid).
-template <class T, class Arch = xsimd::default_arch>
-void pp_sigmoid_pair_row(T const* z, T* sp, T* sm, index_t n) noexcept {
-  if constexpr (std::is_same_v<T, float>) {
-    using batch = xsimd::batch<float, Arch>;
-    constexpr index_t L = static_cast<index_t>(batch::size);
-    auto one = [](batch v, batch& p, batch& m) {
-      batch const e = xsimd::exp(-xsimd::abs(v));
-      batch const big = batch(1.0f) / (batch(1.0f) + e), small = e / (batch(1.0f) + e);
-      auto const pos = v >= batch(0.0f);
-      p = xsimd::select(pos, big, small);
-      m = xsimd::select(pos, small, big);
-    };
-    index_t c = 0;
-    batch p, m;
-    for (; c + L <= n; c += L) {
-      one(batch::load_unaligned(z + c), p, m);
-      p.store_unaligned(sp + c);
-      m.store_unaligned(sm + c);
-    }
-    if (c < n) {
-      alignas(64) float buf[L] = {}, bp[L], bm[L];
-      std::copy(z + c, z + n, buf);
-      one(batch::load_aligned(buf), p, m);
-      p.store_aligned(bp);
-      m.store_aligned(bm);
-      std::copy(bp, bp + (n - c), sp + c);
-      std::copy(bm, bm + (n - c), sm + c);
-    }
-  } else {
-    for (index_t c = 0; c < n; ++c) {
-      sp[c] = ::k3::detail::sigmoid(z[c]);
-      sm[c] = ::k3::detail::sigmoid(-z[c]);
-    }
-  }
-}
-
 // sum_i p[i]^2 over a contiguous float row: fused multiply-adds per lane, the lanes reduced in
 // a fixed order (one rounding sequence for a given ISA, whatever the row's layout was).
 template <class Arch = xsimd::default_arch>

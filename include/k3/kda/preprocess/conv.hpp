@@ -26,6 +26,12 @@ namespace k3::kda {
 
 namespace detail {
 
+template <class T>
+inline T pp_silu_grad(T z) noexcept {
+  // silu'(z) = s (1 + z (1 - s)), with 1 - s = sigmoid(-z) computed without cancellation.
+  return ::k3::detail::sigmoid(z) * (T(1) + z * ::k3::detail::sigmoid(-z));
+}
+
 // One tap of the convolution, acc + w * v, as an explicit fused multiply-add. Prefill, the
 // backward's recompute and decode all go through it, so they round identically whatever the
 // compiler contracts on its own (under -ffp-contract=fast g++ fused every prefill tap but
@@ -266,107 +272,59 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
   auto seq_of = [&](index_t bb, index_t t) { return varlen ? own[static_cast<std::size_t>(t)] : bb; };
 
-  // The weight transposed to [W, C] and the bias as a row, in T (as in the forward).
-  std::vector<T> wt(static_cast<std::size_t>(W * C)), bias_row(static_cast<std::size_t>(C));
-  for (index_t c = 0; c < C; ++c) {
-    for (index_t j = 0; j < W; ++j) wt[static_cast<std::size_t>(j * C + c)] = load_as<T>(weight(c, j));
-    bias_row[static_cast<std::size_t>(c)] = detail::pp_bias<T>(bias, c);
-  }
-  constexpr bool x_rows = std::is_same_v<T, float> && std::is_same_v<detail::pp_elem_t<X>, float>;
-  bool const x_unit = x.stride(2) == 1;
-
-  // 1. dpre = dy * silu'(pre), pre recomputed (with the forward's taps) in dpre's own row.
+  // 1. dpre = dy * silu'(pre), pre recomputed.
   std::vector<T> dpre(static_cast<std::size_t>(B * Tn * C));
   b.for_each(0, B * Tn, [&](index_t r) {
     index_t const bb = r / Tn, t = r % Tn, n = seq_of(bb, t);
     detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
     T* d = dpre.data() + r * C;
-    if (!silu) {
-      for (index_t c = 0; c < C; ++c) d[c] = load_as<T>(dy(bb, t, c));
-      return;
-    }
-    T sp[detail::pp_row_block], sm[detail::pp_row_block];
-    for (index_t c0 = 0; c0 < C; c0 += detail::pp_row_block) {
-      index_t const nc = std::min(detail::pp_row_block, C - c0);
-      T* pre = d + c0;
-      std::copy(bias_row.data() + c0, bias_row.data() + c0 + nc, pre);
-      bool rows_done = false;
-      if constexpr (x_rows) {
-        if (x_unit && t - (W - 1) >= sq.start) {
-          for (index_t j = 0; j < W; ++j) detail::pp_tap_row(pre, wt.data() + j * C + c0, &x(bb, t - (W - 1) + j, c0), nc);
-          rows_done = true;
-        }
+    for (index_t c = 0; c < C; ++c) {
+      T const g = load_as<T>(dy(bb, t, c));
+      if (!silu) {
+        d[c] = g;
+        continue;
       }
-      if (!rows_done)
-        for (index_t c = 0; c < nc; ++c)
-          for (index_t j = 0; j < W; ++j)
-            pre[c] = detail::pp_tap(pre[c], wt[static_cast<std::size_t>(j * C + c0 + c)],
-                                    detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c0 + c));
-      // silu'(z) = s (1 + z (1 - s)), with 1 - s = sigmoid(-z) (no cancellation); the block's
-      // sigmoids at once.
-      detail::pp_sigmoid_pair_row(pre, sp, sm, nc);
-      for (index_t c = 0; c < nc; ++c) pre[c] = load_as<T>(dy(bb, t, c0 + c)) * (sp[c] * (T(1) + pre[c] * sm[c]));
+      T acc = detail::pp_bias<T>(bias, c);
+      for (index_t j = 0; j < W; ++j)
+        acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
+      d[c] = g * detail::pp_silu_grad(acc);
     }
   });
   auto dpre_at = [&](index_t bb, index_t t, index_t c) { return dpre[static_cast<std::size_t>((bb * Tn + t) * C + c)]; };
 
-  // 2. dx[t] = sum_j weight[j] * dpre[t + (W-1) - j], outputs inside the same sequence only;
-  //    rows whose every tap lies inside summed as whole rows.
-  constexpr bool dx_rows = std::is_same_v<T, detail::pp_elem_t<DX>>;
-  bool const dx_unit = dx.stride(2) == 1;
+  // 2. dx[t] = sum_j weight[j] * dpre[t + (W-1) - j], outputs inside the same sequence only.
   b.for_each(0, B * Tn, [&](index_t r) {
     index_t const bb = r / Tn, t = r % Tn;
     detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(seq_of(bb, t))];
     index_t const end = sq.start + sq.len;
-    if constexpr (std::is_same_v<T, float> && dx_rows) {
-      if (dx_unit && t + (W - 1) < end) {
-        T* out = &dx(bb, t, 0);
-        std::fill(out, out + C, T(0));
-        for (index_t j = 0; j < W; ++j) detail::pp_tap_row(out, wt.data() + j * C, dpre.data() + (r + (W - 1) - j) * C, C);
-        return;
-      }
-    }
     for (index_t c = 0; c < C; ++c) {
       T acc = 0;
       for (index_t j = 0; j < W; ++j) {
         index_t const to = t + (W - 1) - j;
-        if (to < end) acc = detail::pp_tap(acc, wt[static_cast<std::size_t>(j * C + c)], dpre_at(bb, to, c));
+        if (to < end) acc += load_as<T>(weight(c, j)) * dpre_at(bb, to, c);
       }
       dx(bb, t, c) = store_as<detail::pp_elem_t<DX>>(acc);
     }
   });
 
   // 3. dweight[c, j] = sum_t dpre[t, c] * in[t - (W-1) + j, c]; dbias[c] = sum_t dpre[t, c].
-  //    Partial sums are laid out [W, C] then [C] so that a row adds to contiguous lanes.
   if constexpr (!detail::pp_is_none<DW> || !detail::pp_is_none<DB>) {
     std::size_t const width = static_cast<std::size_t>(C * W + C);
     auto const sums = detail::pp_blocked_reduce(b, B * Tn, width, [&](index_t r, double* acc) {
       index_t const bb = r / Tn, t = r % Tn, n = seq_of(bb, t);
       detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
-      T const* d = dpre.data() + r * C;
-      bool rows_done = false;
-      if constexpr (x_rows) {
-        if (x_unit && t - (W - 1) >= sq.start) {
-          for (index_t j = 0; j < W; ++j) {
-            T const* in = &x(bb, t - (W - 1) + j, 0);
-            double* a = acc + j * C;
-            for (index_t c = 0; c < C; ++c) a[c] += static_cast<double>(d[c] * in[c]);
-          }
-          rows_done = true;
-        }
-      }
-      if (!rows_done)
+      for (index_t c = 0; c < C; ++c) {
+        T const d = dpre_at(bb, t, c);
         for (index_t j = 0; j < W; ++j)
-          for (index_t c = 0; c < C; ++c)
-            acc[j * C + c] += static_cast<double>(d[c] * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
-      double* ab = acc + W * C;
-      for (index_t c = 0; c < C; ++c) ab[c] += static_cast<double>(d[c]);
+          acc[c * W + j] += static_cast<double>(d * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
+        acc[C * W + c] += static_cast<double>(d);
+      }
     });
     if constexpr (!detail::pp_is_none<DW>)
       for (index_t c = 0; c < C; ++c)
-        for (index_t j = 0; j < W; ++j) dweight(c, j) = store_as<detail::pp_elem_t<DW>>(sums[static_cast<std::size_t>(j * C + c)]);
+        for (index_t j = 0; j < W; ++j) dweight(c, j) = store_as<detail::pp_elem_t<DW>>(sums[static_cast<std::size_t>(c * W + j)]);
     if constexpr (!detail::pp_is_none<DB>)
-      for (index_t c = 0; c < C; ++c) dbias(c) = store_as<detail::pp_elem_t<DB>>(sums[static_cast<std::size_t>(W * C + c)]);
+      for (index_t c = 0; c < C; ++c) dbias(c) = store_as<detail::pp_elem_t<DB>>(sums[static_cast<std::size_t>(C * W + c)]);
   }
 
   // 4. The initial state's slot i is position start - (W-1) + i; it feeds outputs

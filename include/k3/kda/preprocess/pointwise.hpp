@@ -347,39 +347,25 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
     T a = 1;
     if constexpr (!pp_is_none<A>) a = std::exp(load_as<T>(A_log(h)));
     T da = 0;
-    if constexpr (Kind == pp_gate::lower_bound) {
-      // The sigmoids of a block of the row at once (pp_sigmoid_pair_row), then the same
-      // elementwise products as one element at a time.
-      T z[pp_row_block], sp[pp_row_block], sm[pp_row_block];
-      for (index_t k0 = 0; k0 < K; k0 += pp_row_block) {
-        index_t const nk = std::min(pp_row_block, K - k0);
-        for (index_t k = 0; k < nk; ++k) {
-          T u = load_as<T>(x(bb, t, h, k0 + k));
-          if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k0 + k));
-          z[k] = a * u;
-        }
-        pp_sigmoid_pair_row(z, sp, sm, nk);
-        for (index_t k = 0; k < nk; ++k) {
-          // g = lb sigmoid(z), z = a u: dg/dz = lb s (1 - s), dz/du = a, dz/dA_log = z.
-          T const dz = load_as<T>(dg(bb, t, h, k0 + k)) * T(lb) * sp[k] * sm[k];
-          T const du = dz * a;
-          // Saturated (z = +-inf in T, e.g. |x| ~ 1e38 in float): s (1 - s) z -> 0, not 0 * inf.
-          da += (dz == T(0) && std::isinf(z[k])) ? T(0) : dz * z[k];
-          dx(bb, t, h, k0 + k) = store_as<pp_elem_t<DX>>(du);
-          if (acc) acc[h * K + k0 + k] += static_cast<double>(du);
-        }
-      }
-    } else {
-      for (index_t k = 0; k < K; ++k) {
-        T u = load_as<T>(x(bb, t, h, k));
-        if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
-        T const gy = load_as<T>(dg(bb, t, h, k));
+    for (index_t k = 0; k < K; ++k) {
+      T u = load_as<T>(x(bb, t, h, k));
+      if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
+      T const gy = load_as<T>(dg(bb, t, h, k));
+      T du;
+      if constexpr (Kind == pp_gate::softplus) {
         // g = -a softplus(u): dg/du = -a sigmoid(u), dg/dA_log = g.
-        T const du = -a * ::k3::detail::sigmoid(u) * gy;
+        du = -a * ::k3::detail::sigmoid(u) * gy;
         da += gy * (-a * ::k3::detail::softplus(u));
-        dx(bb, t, h, k) = store_as<pp_elem_t<DX>>(du);
-        if (acc) acc[h * K + k] += static_cast<double>(du);
+      } else {
+        // g = lb sigmoid(z), z = a u: dg/dz = lb s (1 - s), dz/du = a, dz/dA_log = z.
+        T const z = a * u;
+        T const dz = gy * T(lb) * ::k3::detail::sigmoid(z) * ::k3::detail::sigmoid(-z);
+        du = dz * a;
+        // Saturated (z = +-inf in T, e.g. |x| ~ 1e38 in float): s (1 - s) z -> 0, not 0 * inf.
+        da += (dz == T(0) && std::isinf(z)) ? T(0) : dz * z;
       }
+      dx(bb, t, h, k) = store_as<pp_elem_t<DX>>(du);
+      if (acc) acc[h * K + k] += static_cast<double>(du);
     }
     if (acc) acc[HV * K + h] += static_cast<double>(da);
   };
