@@ -163,31 +163,6 @@ void pp_sigmoid_row(T* p, index_t n) noexcept {
     for (index_t c = 0; c < n; ++c) p[c] = ::k3::detail::sigmoid(p[c]);
 }
 
-// sum_i p[i]^2 over a contiguous float row: fused multiply-adds per lane, the lanes reduced in
-// a fixed order (one rounding sequence for a given ISA, whatever the row's layout was).
-template <class Arch = xsimd::default_arch>
-float pp_sum_squares_row(float const* p, index_t n) noexcept {
-  using batch = xsimd::batch<float, Arch>;
-  constexpr index_t L = static_cast<index_t>(batch::size);
-  batch acc(0.0f);
-  index_t c = 0;
-  for (; c + L <= n; c += L) {
-    batch const v = batch::load_unaligned(p + c);
-    acc = xsimd::fma(v, v, acc);
-  }
-  if (c < n) {
-    alignas(64) float buf[L] = {};
-    std::copy(p + c, p + n, buf);
-    batch const v = batch::load_aligned(buf);
-    acc = xsimd::fma(v, v, acc);
-  }
-  alignas(64) float lanes[L];
-  acc.store_aligned(lanes);
-  float s = 0.0f;
-  for (index_t i = 0; i < L; ++i) s += lanes[i];
-  return s;
-}
-
 // Rows per block of a deterministic reduction: the partition depends only on the problem
 // size, never on the thread count, so every backend gives bitwise the same sums.
 inline constexpr index_t pp_reduce_block = 256;

@@ -86,36 +86,11 @@ void l2norm(Bk const& b, X const& x, Y const& y) {
     auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
     auto* yp = y.data_handle() + detail::pp_row_offset(y, r);
     T ss = 0;
-    if constexpr (std::is_same_v<T, float>) {
-      // Float rows are summed in vector registers; other layouts and storage types are first
-      // gathered into a contiguous float row, so every layout gives the same bits.
-      bool summed = false;
-      if constexpr (std::is_same_v<detail::pp_elem_t<X>, float>) {
-        if (sx == 1) {
-          ss = detail::pp_sum_squares_row(xp, D);
-          summed = true;
-        }
-      }
-      if (!summed) {
-        float small[detail::pp_row_block];
-        std::vector<float> large(D > detail::pp_row_block ? static_cast<std::size_t>(D) : 0);
-        float* row = D > detail::pp_row_block ? large.data() : small;
-        for (index_t d = 0; d < D; ++d) row[d] = load_as<float>(xp[d * sx]);
-        ss = detail::pp_sum_squares_row(row, D);
-      }
-    } else {
-      for (index_t d = 0; d < D; ++d) {
-        T const v = load_as<T>(xp[d * sx]);
-        ss = std::fma(v, v, ss);
-      }
+    for (index_t d = 0; d < D; ++d) {
+      T const v = load_as<T>(xp[d * sx]);
+      ss = std::fma(v, v, ss);
     }
     T const rstd = detail::l2norm_rstd(ss, D, [&](index_t d) { return load_as<T>(xp[d * sx]); });
-    if constexpr (std::is_same_v<detail::pp_elem_t<X>, T> && std::is_same_v<detail::pp_elem_t<Y>, T>) {
-      if (sx == 1 && sy == 1) {
-        for (index_t d = 0; d < D; ++d) yp[d] = xp[d] * rstd;  // the same products, vectorised
-        return;
-      }
-    }
     for (index_t d = 0; d < D; ++d) yp[d * sy] = store_as<detail::pp_elem_t<Y>>(load_as<T>(xp[d * sx]) * rstd);
   });
 }
