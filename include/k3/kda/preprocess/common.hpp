@@ -10,12 +10,9 @@
 #include <type_traits>
 #include <vector>
 
-#include <xsimd/xsimd.hpp>
-
 #include "k3/backend/cpu/serial.hpp"
 #include "k3/core/concepts.hpp"
 #include "k3/core/error.hpp"
-#include "k3/core/math.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
@@ -115,52 +112,6 @@ void pp_check_view(std::string_view name, V const& v) {
 template <class F, class V>
 void pp_each(F&& f, char const* name, V const& v) {
   if constexpr (!pp_is_none<V>) f(name, v);
-}
-
-// The float sigmoid in vector registers, as k3::detail::sigmoid computes it (never
-// exponentiating a large positive number; NaN passes through).
-template <class Arch>
-xsimd::batch<float, Arch> pp_sigmoid_batch(xsimd::batch<float, Arch> z) noexcept {
-  using batch = xsimd::batch<float, Arch>;
-  batch const e = xsimd::exp(-xsimd::abs(z));
-  return xsimd::select(z >= batch(0.0f), batch(1.0f) / (batch(1.0f) + e), e / (batch(1.0f) + e));
-}
-
-// p[i] = f(p[i]) over a contiguous float row with f built from batches; the tail goes through
-// the same batch code, zero-padded, so every element of every row rounds alike.
-template <class Arch, class F>
-void pp_float_row(float* p, index_t n, F const& f) noexcept {
-  using batch = xsimd::batch<float, Arch>;
-  constexpr index_t L = static_cast<index_t>(batch::size);
-  index_t c = 0;
-  for (; c + L <= n; c += L) f(batch::load_unaligned(p + c)).store_unaligned(p + c);
-  if (c < n) {
-    alignas(64) float buf[L] = {};
-    std::copy(p + c, p + n, buf);
-    f(batch::load_aligned(buf)).store_aligned(buf);
-    std::copy(buf, buf + (n - c), p + c);
-  }
-}
-
-// Rows per block of the pre-processing ops' stack buffers.
-inline constexpr index_t pp_row_block = 256;
-
-// y = silu(pre) and s = sigmoid(z) in place over a contiguous row. Float uses the vector form
-// above: every float path of an op (any layout, the prefill and the decode step) applies the
-// same one, so they agree bit for bit. Double keeps the scalar form.
-template <class T, class Arch = xsimd::default_arch>
-void pp_silu_row(T* p, index_t n) noexcept {
-  if constexpr (std::is_same_v<T, float>)
-    pp_float_row<Arch>(p, n, [](xsimd::batch<float, Arch> z) { return z * pp_sigmoid_batch(z); });
-  else
-    for (index_t c = 0; c < n; ++c) p[c] = ::k3::detail::silu(p[c]);
-}
-template <class T, class Arch = xsimd::default_arch>
-void pp_sigmoid_row(T* p, index_t n) noexcept {
-  if constexpr (std::is_same_v<T, float>)
-    pp_float_row<Arch>(p, n, [](xsimd::batch<float, Arch> z) { return pp_sigmoid_batch(z); });
-  else
-    for (index_t c = 0; c < n; ++c) p[c] = ::k3::detail::sigmoid(p[c]);
 }
 
 // Rows per block of a deterministic reduction: the partition depends only on the problem

@@ -14,7 +14,6 @@
 // W-1 inputs of each sequence (reaching into the initial state for short sequences), so
 // decoding token by token after a prefill continues the same convolution.
 #pragma once
-#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -39,18 +38,6 @@ inline T pp_silu_grad(T z) noexcept {
 template <class T>
 inline T pp_tap(T acc, T w, T v) noexcept {
   return std::fma(w, v, acc);
-}
-
-// acc[c] = fma(w[c], v[c], acc[c]) over a contiguous block: the very roundings of pp_tap, in
-// vector registers.
-template <class Arch = xsimd::default_arch>
-void pp_tap_row(float* K3_RESTRICT acc, float const* K3_RESTRICT w, float const* K3_RESTRICT v, index_t n) noexcept {
-  using batch = xsimd::batch<float, Arch>;
-  constexpr index_t L = static_cast<index_t>(batch::size);
-  index_t c = 0;
-  for (; c + L <= n; c += L)
-    xsimd::fma(batch::load_unaligned(w + c), batch::load_unaligned(v + c), batch::load_unaligned(acc + c)).store_unaligned(acc + c);
-  for (; c < n; ++c) acc[c] = std::fma(w[c], v[c], acc[c]);
 }
 
 // Shape checks shared by the prefill forward and backward. Returns the sequence table.
@@ -156,46 +143,15 @@ void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y c
   using T = detail::pp_compute_t<X, Wt, Bias, Y, S0, S1>;
   constexpr bool varlen = !detail::pp_is_none<Cu>;
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
-  // The weight transposed to [W, C] and the bias as a row, in T: unit-stride rows per tap.
-  std::vector<T> wt(static_cast<std::size_t>(W * C)), bias_row(static_cast<std::size_t>(C));
-  for (index_t c = 0; c < C; ++c) {
-    for (index_t j = 0; j < W; ++j) wt[static_cast<std::size_t>(j * C + c)] = load_as<T>(weight(c, j));
-    bias_row[static_cast<std::size_t>(c)] = detail::pp_bias<T>(bias, c);
-  }
-  // Float x with unit-stride channels: the taps of rows whose window lies inside the sequence
-  // are whole rows of x, summed in vector registers.
-  constexpr bool x_rows = std::is_same_v<T, float> && std::is_same_v<detail::pp_elem_t<X>, float>;
-  bool const x_unit = x.stride(2) == 1;
-  // Float y with unit-stride channels is its own pre-activation buffer.
-  constexpr bool y_rows = std::is_same_v<T, detail::pp_elem_t<Y>>;
-  bool const y_unit = y.stride(2) == 1;
   b.for_each(0, B * Tn, [&](index_t r) {
     index_t const bb = r / Tn, t = r % Tn;
     index_t const n = varlen ? own[static_cast<std::size_t>(t)] : bb;
     detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
-    T buffer[detail::pp_row_block];
-    for (index_t c0 = 0; c0 < C; c0 += detail::pp_row_block) {
-      index_t const nc = std::min(detail::pp_row_block, C - c0);
-      T* pre = buffer;
-      if constexpr (y_rows)
-        if (y_unit) pre = &y(bb, t, c0);
-      std::copy(bias_row.data() + c0, bias_row.data() + c0 + nc, pre);
-      bool rows_done = false;
-      if constexpr (x_rows) {
-        if (x_unit && t - (W - 1) >= sq.start) {
-          for (index_t j = 0; j < W; ++j)
-            detail::pp_tap_row(pre, wt.data() + j * C + c0, &x(bb, t - (W - 1) + j, c0), nc);
-          rows_done = true;
-        }
-      }
-      if (!rows_done)
-        for (index_t c = 0; c < nc; ++c)
-          for (index_t j = 0; j < W; ++j)
-            pre[c] = detail::pp_tap(pre[c], wt[static_cast<std::size_t>(j * C + c0 + c)],
-                                    detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c0 + c));
-      if (silu) detail::pp_silu_row(pre, nc);
-      if (pre == buffer)
-        for (index_t c = 0; c < nc; ++c) y(bb, t, c0 + c) = store_as<detail::pp_elem_t<Y>>(pre[c]);
+    for (index_t c = 0; c < C; ++c) {
+      T acc = detail::pp_bias<T>(bias, c);
+      for (index_t j = 0; j < W; ++j)
+        acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
+      y(bb, t, c) = store_as<detail::pp_elem_t<Y>>(silu ? ::k3::detail::silu(acc) : acc);
     }
   });
   if constexpr (!detail::pp_is_none<S1>) {
@@ -423,21 +379,15 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
   using SS = detail::pp_elem_t<St>;
   b.for_each(0, N, [&](index_t n) {
     index_t const s = slot[static_cast<std::size_t>(n)];
-    T pre[detail::pp_row_block];
-    for (index_t c0 = 0; c0 < C; c0 += detail::pp_row_block) {
-      index_t const nc = std::min(detail::pp_row_block, C - c0);
-      for (index_t c = c0; c < c0 + nc; ++c) {
-        T const xv = load_as<T>(x(n, c));
-        // The same taps (pp_tap) in the same order, and the same activation (pp_silu_row), as
-        // the prefill: decode continues it exactly.
-        T acc = detail::pp_bias<T>(bias, c);
-        for (index_t j = 0; j + 1 < W; ++j) acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), load_as<T>(conv_state(s, c, j)));
-        pre[c - c0] = detail::pp_tap(acc, load_as<T>(weight(c, W - 1)), xv);
-        for (index_t j = 0; j + 2 < W; ++j) conv_state(s, c, j) = conv_state(s, c, j + 1);
-        if (W > 1) conv_state(s, c, W - 2) = store_as<SS>(xv);
-      }
-      if (silu) detail::pp_silu_row(pre, nc);
-      for (index_t c = 0; c < nc; ++c) y(n, c0 + c) = store_as<detail::pp_elem_t<Y>>(pre[c]);
+    for (index_t c = 0; c < C; ++c) {
+      T const xv = load_as<T>(x(n, c));
+      // The same taps (pp_tap) in the same order as the prefill: decode continues it exactly.
+      T acc = detail::pp_bias<T>(bias, c);
+      for (index_t j = 0; j + 1 < W; ++j) acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), load_as<T>(conv_state(s, c, j)));
+      acc = detail::pp_tap(acc, load_as<T>(weight(c, W - 1)), xv);
+      y(n, c) = store_as<detail::pp_elem_t<Y>>(silu ? ::k3::detail::silu(acc) : acc);
+      for (index_t j = 0; j + 2 < W; ++j) conv_state(s, c, j) = conv_state(s, c, j + 1);
+      if (W > 1) conv_state(s, c, W - 2) = store_as<SS>(xv);
     }
   });
 }

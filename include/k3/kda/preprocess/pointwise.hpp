@@ -251,26 +251,15 @@ void pp_gate_forward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bia
     index_t const h = r % HV, bt = r / HV, t = bt % Tn, bb = bt / Tn;
     T a = 1;
     if constexpr (!pp_is_none<A>) a = std::exp(load_as<T>(A_log(h)));
-    if constexpr (Kind == pp_gate::softplus) {
-      for (index_t k = 0; k < K; ++k) {
-        T u = load_as<T>(x(bb, t, h, k));
-        if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
-        g(bb, t, h, k) = store_as<pp_elem_t<G>>(-a * ::k3::detail::softplus(u));
-      }
-    } else {
-      // z = a (x + dt_bias) elementwise, then the sigmoid of the row (pp_sigmoid_row: one
-      // rounding for every layout), then the bound.
-      T z[pp_row_block];
-      for (index_t k0 = 0; k0 < K; k0 += pp_row_block) {
-        index_t const nk = std::min(pp_row_block, K - k0);
-        for (index_t k = 0; k < nk; ++k) {
-          T u = load_as<T>(x(bb, t, h, k0 + k));
-          if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k0 + k));
-          z[k] = a * u;
-        }
-        pp_sigmoid_row(z, nk);
-        for (index_t k = 0; k < nk; ++k) g(bb, t, h, k0 + k) = store_as<pp_elem_t<G>>(T(lb) * z[k]);
-      }
+    for (index_t k = 0; k < K; ++k) {
+      T u = load_as<T>(x(bb, t, h, k));
+      if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
+      T out;
+      if constexpr (Kind == pp_gate::softplus)
+        out = -a * ::k3::detail::softplus(u);
+      else
+        out = T(lb) * ::k3::detail::sigmoid(a * u);
+      g(bb, t, h, k) = store_as<pp_elem_t<G>>(out);
     }
   });
 }
