@@ -132,10 +132,10 @@ struct simd_reduce {
     index_t k = 0;
     for (; k + 2 * N <= d; k += 2 * N) {
       batch const x0 = batch::load_unaligned(v + k), x1 = batch::load_unaligned(v + k + N);
-      a0 = xsimd::fma(batch::load_unaligned(u + k), x0, a0);
-      a1 = xsimd::fma(batch::load_unaligned(u + k + N), x1, a1);
-      b0 = xsimd::fma(x0, x0, b0);
-      b1 = xsimd::fma(x1, x1, b1);
+      a0 = k3::simd::fma(batch::load_unaligned(u + k), x0, a0);
+      a1 = k3::simd::fma(batch::load_unaligned(u + k + N), x1, a1);
+      b0 = k3::simd::fma(x0, x0, b0);
+      b1 = k3::simd::fma(x1, x1, b1);
     }
     double sa = double(k3::simd::reduce_add(a0)) + double(k3::simd::reduce_add(a1));
     double sb = double(k3::simd::reduce_add(b0)) + double(k3::simd::reduce_add(b1));

@@ -24,6 +24,7 @@
 #include <xsimd/xsimd.hpp>
 
 #include "k3/attnres/avx512.hpp"
+#include "k3/backend/cpu/simd.hpp"
 #include "k3/attnres/mix.hpp"
 
 namespace k3::attnres {
@@ -54,7 +55,7 @@ void phase1_dots_simd(C const* const* x, index_t n, C const* u, index_t su, inde
         for (index_t j = 0; j < TJ; ++j) xv[j] = batch::load_unaligned(xj[j] + k);
         for (index_t l = 0; l < TL; ++l) {
           batch const uv = batch::load_unaligned(ul[l] + k);
-          for (index_t j = 0; j < TJ; ++j) acc[l][j] = xsimd::fma(uv, xv[j], acc[l][j]);
+          for (index_t j = 0; j < TJ; ++j) acc[l][j] = k3::simd::fma(uv, xv[j], acc[l][j]);
         }
       }
       for (index_t l = 0; l < TL && l0 + l < nq; ++l)
@@ -93,10 +94,10 @@ void phase1_combine_simd(C const* const* x, index_t n, C const* a, index_t nq, i
         for (index_t j = 0; j < n; ++j) {
           batch const aj(al[j]);
           C const* xj = x[j] + k0 + k;
-          acc0 = xsimd::fma(aj, batch::load_unaligned(xj), acc0);
-          acc1 = xsimd::fma(aj, batch::load_unaligned(xj + N), acc1);
-          acc2 = xsimd::fma(aj, batch::load_unaligned(xj + 2 * N), acc2);
-          acc3 = xsimd::fma(aj, batch::load_unaligned(xj + 3 * N), acc3);
+          acc0 = k3::simd::fma(aj, batch::load_unaligned(xj), acc0);
+          acc1 = k3::simd::fma(aj, batch::load_unaligned(xj + N), acc1);
+          acc2 = k3::simd::fma(aj, batch::load_unaligned(xj + 2 * N), acc2);
+          acc3 = k3::simd::fma(aj, batch::load_unaligned(xj + 3 * N), acc3);
         }
         acc0.store_aligned(tile + k);
         acc1.store_aligned(tile + k + N);
@@ -105,7 +106,7 @@ void phase1_combine_simd(C const* const* x, index_t n, C const* a, index_t nq, i
       }
       for (index_t k = k4; k < kv; k += N) {
         batch acc(C(0));
-        for (index_t j = 0; j < n; ++j) acc = xsimd::fma(batch(al[j]), batch::load_unaligned(x[j] + k0 + k), acc);
+        for (index_t j = 0; j < n; ++j) acc = k3::simd::fma(batch(al[j]), batch::load_unaligned(x[j] + k0 + k), acc);
         acc.store_aligned(tile + k);
       }
       for (index_t k = kv; k < kn; ++k) {

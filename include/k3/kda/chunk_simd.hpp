@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include "k3/backend/cpu/simd.hpp"
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
@@ -66,7 +67,7 @@ struct small_gemm {
       for (int j = 0; j < NVr; ++j) bv[j] = batch::load_unaligned(B + p * ldb + j * L);
       for (int i = 0; i < MRr; ++i) {
         batch const a(AT ? A[p * lda + i] : A[i * lda + p]);
-        for (int j = 0; j < NVr; ++j) acc[i][j] = xsimd::fma(a, bv[j], acc[i][j]);
+        for (int j = 0; j < NVr; ++j) acc[i][j] = k3::simd::fma(a, bv[j], acc[i][j]);
       }
     }
     for (index_t p = kf; p < ke; ++p) {
@@ -75,7 +76,7 @@ struct small_gemm {
       for (int i = 0; i < MRr; ++i) {
         if (p - tri > i) continue;
         batch const a(AT ? A[p * lda + i] : A[i * lda + p]);
-        for (int j = 0; j < NVr; ++j) acc[i][j] = xsimd::fma(a, bv[j], acc[i][j]);
+        for (int j = 0; j < NVr; ++j) acc[i][j] = k3::simd::fma(a, bv[j], acc[i][j]);
       }
     }
     for (int i = 0; i < MRr; ++i)
@@ -387,7 +388,7 @@ inline void chunk_inverse_rows(Acc* K3_RESTRICT A, index_t ld, Acc const* K3_RES
   for (index_t i = i0; i < i1; ++i) {
     batch const l(beta[i] * lcol[i * ldl]);
     Acc* Ai = A + i * ld;
-    for (int b = 0; b < NB; ++b) xsimd::fnma(l, am[b], batch::load_unaligned(Ai + b * L)).store_unaligned(Ai + b * L);
+    for (int b = 0; b < NB; ++b) k3::simd::fnma(l, am[b], batch::load_unaligned(Ai + b * L)).store_unaligned(Ai + b * L);
   }
 }
 
@@ -421,7 +422,7 @@ void chunk_inverse_simd(chunk_workspace<Acc>& w, index_t c) noexcept {
         for (index_t i = m + 1; i < c; ++i) {
           batch const l(beta[i] * lcol[i * ldl]);
           Acc* Ai = A + i * ld;
-          for (index_t j = 0; j < nb * L; j += L) xsimd::fnma(l, batch::load_unaligned(Am + j), batch::load_unaligned(Ai + j)).store_unaligned(Ai + j);
+          for (index_t j = 0; j < nb * L; j += L) k3::simd::fnma(l, batch::load_unaligned(Am + j), batch::load_unaligned(Ai + j)).store_unaligned(Ai + j);
         }
     }
   }

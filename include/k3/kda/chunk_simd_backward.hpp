@@ -120,8 +120,8 @@ struct chunk_intra_backward_simd {
           index_t d = 0;
           for (; d + L <= K; d += L) {
             batch const xv = batch::load_unaligned(x + d);
-            xsimd::fma(xv, batch::load_unaligned(ej + d), batch::load_unaligned(dk + d)).store_unaligned(dk + d);
-            xsimd::fnma(xv, batch::load_unaligned(kb + d), batch::load_unaligned(dg + d)).store_unaligned(dg + d);
+            k3::simd::fma(xv, batch::load_unaligned(ej + d), batch::load_unaligned(dk + d)).store_unaligned(dk + d);
+            k3::simd::fnma(xv, batch::load_unaligned(kb + d), batch::load_unaligned(dg + d)).store_unaligned(dg + d);
           }
           for (; d < K; ++d) {
             dk[d] += x[d] * ej[d];
@@ -140,9 +140,9 @@ struct chunk_intra_backward_simd {
           index_t d = 0;
           for (; d + L <= K; d += L) {
             batch const a1 = batch::load_unaligned(dqa + d), a2 = batch::load_unaligned(dka + d), e = batch::load_unaligned(ei + d);
-            xsimd::fma(a1, e, batch::load_unaligned(dq + d)).store_unaligned(dq + d);
-            xsimd::fma(a2, e, batch::load_unaligned(dk + d)).store_unaligned(dk + d);
-            xsimd::fma(a2, batch::load_unaligned(ka + d), xsimd::fma(a1, batch::load_unaligned(qa + d), batch::load_unaligned(dg + d)))
+            k3::simd::fma(a1, e, batch::load_unaligned(dq + d)).store_unaligned(dq + d);
+            k3::simd::fma(a2, e, batch::load_unaligned(dk + d)).store_unaligned(dk + d);
+            k3::simd::fma(a2, batch::load_unaligned(ka + d), k3::simd::fma(a1, batch::load_unaligned(qa + d), batch::load_unaligned(dg + d)))
                 .store_unaligned(dg + d);
           }
           for (; d < K; ++d) {
@@ -176,10 +176,10 @@ inline Acc dot_simd(Acc const* K3_RESTRICT x, Acc const* K3_RESTRICT y, index_t 
   batch acc0(Acc(0)), acc1(Acc(0));
   index_t i = 0;
   for (; i + 2 * L <= n; i += 2 * L) {
-    acc0 = xsimd::fma(batch::load_unaligned(x + i), batch::load_unaligned(y + i), acc0);
-    acc1 = xsimd::fma(batch::load_unaligned(x + i + L), batch::load_unaligned(y + i + L), acc1);
+    acc0 = k3::simd::fma(batch::load_unaligned(x + i), batch::load_unaligned(y + i), acc0);
+    acc1 = k3::simd::fma(batch::load_unaligned(x + i + L), batch::load_unaligned(y + i + L), acc1);
   }
-  for (; i + L <= n; i += L) acc0 = xsimd::fma(batch::load_unaligned(x + i), batch::load_unaligned(y + i), acc0);
+  for (; i + L <= n; i += L) acc0 = k3::simd::fma(batch::load_unaligned(x + i), batch::load_unaligned(y + i), acc0);
   Acc r = ::k3::simd::reduce_add(acc0 + acc1);
   for (; i < n; ++i) r += x[i] * y[i];
   return r;
@@ -433,10 +433,10 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
           batch const a1 = batch::load_unaligned(dkd + d), zqv = batch::load_unaligned(zq + d), zkv = batch::load_unaligned(zk + d);
           batch const egv = batch::load_unaligned(eg + d);
           batch const t = a1 * batch::load_unaligned(kd + d);
-          (xsimd::fma(zkv, batch::load_unaligned(ke + d), zqv * batch::load_unaligned(qe + d)) - t).store_unaligned(dGr + d);
+          (k3::simd::fma(zkv, batch::load_unaligned(ke + d), zqv * batch::load_unaligned(qe + d)) - t).store_unaligned(dGr + d);
           (batch::load_unaligned(dlp + d) + t).store_unaligned(dlp + d);
           (batch(scale) * zqv * egv).store_unaligned(dQr + d);
-          xsimd::fma(zkv, egv, a1 * batch::load_unaligned(egd + d)).store_unaligned(dKr + d);
+          k3::simd::fma(zkv, egv, a1 * batch::load_unaligned(egd + d)).store_unaligned(dKr + d);
         }
         for (; d < K; ++d) {
           Acc const t = dkd[d] * kd[d];

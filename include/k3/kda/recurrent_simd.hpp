@@ -54,7 +54,7 @@ void recurrent_slice_block(Acc* K3_RESTRICT S, index_t K, index_t ks, index_t nt
     for (int j = 0; j < NB; ++j) {
       batch s = batch::load_aligned(S + d * W + j * L) * cd;
       s.store_aligned(S + d * W + j * L);
-      pred[j] = xsimd::fma(pd, s, pred[j]);
+      pred[j] = k3::simd::fma(pd, s, pred[j]);
     }
   }
   for (index_t t = 0; t < nt; ++t) {
@@ -74,9 +74,9 @@ void recurrent_slice_block(Acc* K3_RESTRICT S, index_t K, index_t ks, index_t nt
       for (index_t d = 0; d < K; ++d) {
         batch const kd(k[d]), qd(q[d]), pd(p[d]);
         for (int j = 0; j < NB; ++j) {
-          batch const s = xsimd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
-          o[j] = xsimd::fma(qd, s, o[j]);
-          pn[j] = xsimd::fma(pd, s, pn[j]);
+          batch const s = k3::simd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
+          o[j] = k3::simd::fma(qd, s, o[j]);
+          pn[j] = k3::simd::fma(pd, s, pn[j]);
           s.store_aligned(S + d * W + j * L);
         }
       }
@@ -87,10 +87,10 @@ void recurrent_slice_block(Acc* K3_RESTRICT S, index_t K, index_t ks, index_t nt
       for (index_t d = 0; d < K; ++d) {
         batch const kd(k[d]), qd(q[d]), cd(c[d]), pd(p[d]);
         for (int j = 0; j < NB; ++j) {
-          batch s = xsimd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
-          o[j] = xsimd::fma(qd, s, o[j]);
+          batch s = k3::simd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
+          o[j] = k3::simd::fma(qd, s, o[j]);
           s *= cd;
-          pn[j] = xsimd::fma(pd, s, pn[j]);
+          pn[j] = k3::simd::fma(pd, s, pn[j]);
           s.store_aligned(S + d * W + j * L);
         }
       }
@@ -98,8 +98,8 @@ void recurrent_slice_block(Acc* K3_RESTRICT S, index_t K, index_t ks, index_t nt
       for (index_t d = 0; d < K; ++d) {
         batch const kd(k[d]), qd(q[d]);
         for (int j = 0; j < NB; ++j) {
-          batch const s = xsimd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
-          o[j] = xsimd::fma(qd, s, o[j]);
+          batch const s = k3::simd::fma(kd, u[j], batch::load_aligned(S + d * W + j * L));
+          o[j] = k3::simd::fma(qd, s, o[j]);
           s.store_aligned(S + d * W + j * L);
         }
       }
@@ -181,12 +181,12 @@ double block_floors(index_t K, index_t ks, index_t V, index_t nt, Acc const* kk,
     auto grow = one > one;  // any e^g > 1 (NaN ignored; the padding is 1)
     for (index_t d = 0; d < ks; d += L) {  // padding: k = 0, a = 1
       batch const x = batch::load_unaligned(kk + t * ks + d);
-      sk = xsimd::fma(x, x, sk);
+      sk = k3::simd::fma(x, x, sk);
       grow = grow | (batch::load_unaligned(aa + t * ks + d) > one);
     }
     for (index_t e = 0; e < V0; e += L) {
       batch const x = batch::load_unaligned(vv + t * V + e);
-      sv = xsimd::fma(x, x, sv);
+      sv = k3::simd::fma(x, x, sv);
     }
     double const kn2 = double(::k3::simd::reduce_add(sk));
     double vn2 = double(::k3::simd::reduce_add(sv));
@@ -418,7 +418,7 @@ inline void decode_predict(Acc* const* S, index_t rs, index_t K, index_t c0, dec
     for (int s = 0; s < NS; ++s) {
       batch const akd(x[s].ak[d]);
       Acc const* row = S[s] + d * rs + c0;
-      for (int j = 0; j < NB; ++j) acc[s][j] = xsimd::fma(akd, batch::load_unaligned(row + j * L), acc[s][j]);
+      for (int j = 0; j < NB; ++j) acc[s][j] = k3::simd::fma(akd, batch::load_unaligned(row + j * L), acc[s][j]);
     }
     for (int s = 0; s < NS; ++s) pf[s].half_row(d);
   }
@@ -446,9 +446,9 @@ inline void decode_update(Acc* K3_RESTRICT S, index_t rs, index_t K, index_t c0,
   for (index_t d = 0; d < K; ++d, row += rs) {
     batch const ad(x.a[d]), kd(x.k[d]), qd(x.qs[d]);
     for (int j = 0; j < NB; ++j) {
-      batch const s = xsimd::fma(kd, u[j], batch::load_unaligned(row + j * L) * ad);
+      batch const s = k3::simd::fma(kd, u[j], batch::load_unaligned(row + j * L) * ad);
       s.store_unaligned(row + j * L);
-      acc[j] = xsimd::fma(qd, s, acc[j]);
+      acc[j] = k3::simd::fma(qd, s, acc[j]);
     }
     index_t const i = index_t(which) * K + d;
     pf[i % NS].half_row(K + i / NS);

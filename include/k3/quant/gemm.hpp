@@ -108,8 +108,8 @@ void fp8_block_gemm(B const& b, const_view<std::uint8_t, 2> qa, const_view<float
             bf const b0 = bf::load_unaligned(bpan + kk * NR), b1 = bf::load_unaligned(bpan + kk * NR + L);
             for (index_t r = 0; r < MR; ++r) {
               bf const av(a[kk * MR + r]);
-              p0[r] = xsimd::fma(av, b0, p0[r]);
-              p1[r] = xsimd::fma(av, b1, p1[r]);
+              p0[r] = k3::simd::fma(av, b0, p0[r]);
+              p1[r] = k3::simd::fma(av, b1, p1[r]);
             }
           }
           // promote: c = fma(p, sa·sb, c) (c = 0 before the first K block)
