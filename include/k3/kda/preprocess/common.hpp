@@ -10,9 +10,13 @@
 #include <type_traits>
 #include <vector>
 
+#include <xsimd/xsimd.hpp>
+
 #include "k3/backend/cpu/serial.hpp"
+#include "k3/backend/cpu/simd.hpp"
 #include "k3/core/concepts.hpp"
 #include "k3/core/error.hpp"
+#include "k3/core/math.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
@@ -112,6 +116,144 @@ void pp_check_view(std::string_view name, V const& v) {
 template <class F, class V>
 void pp_each(F&& f, char const* name, V const& v) {
   if constexpr (!pp_is_none<V>) f(name, v);
+}
+
+// 1 / (1 + e) for e in [0, 1] (or NaN), within an ulp: the hardware's reciprocal estimate and one
+// Newton step. A vector division costs more than the whole rest of a sigmoid (about 40% of the
+// short convolution's time), and these ops run at memory speed only without it.
+template <class Arch>
+[[gnu::always_inline]] inline xsimd::batch<float, Arch> pp_recip_1p(xsimd::batch<float, Arch> e) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  batch const d = batch(1.0f) + e;
+  batch const r = xsimd::reciprocal(d);
+  return k3::simd::fma(r, k3::simd::fnma(d, r, batch(1.0f)), r);
+}
+
+// The float sigmoid in vector registers, in k3::detail::sigmoid's form (never exponentiating a
+// large positive number; NaN passes through), within an ulp of it.
+template <class Arch>
+[[gnu::always_inline]] inline xsimd::batch<float, Arch> pp_sigmoid_batch(xsimd::batch<float, Arch> z) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  batch const e = k3::simd::exp_nonpositive(-xsimd::abs(z));
+  return xsimd::select(z >= batch(0.0f), batch(1.0f), e) * pp_recip_1p(e);
+}
+template <class Arch>
+[[gnu::always_inline]] inline xsimd::batch<float, Arch> pp_silu_batch(xsimd::batch<float, Arch> z) noexcept {
+  return z * pp_sigmoid_batch(z);
+}
+
+// p[i] = f(p[i]) over a contiguous float row with f built from batches; the tail goes through
+// the same batch code, zero-padded, so every element of every row rounds alike.
+template <class Arch, class F>
+void pp_float_row(float* p, index_t n, F const& f) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  constexpr index_t L = static_cast<index_t>(batch::size);
+  index_t c = 0;
+  // Four independent vectors per step: f is a long dependency chain, and the core overlaps
+  // only what sits in its window together.
+  for (; c + 4 * L <= n; c += 4 * L) {
+    batch const a0 = f(batch::load_unaligned(p + c)), a1 = f(batch::load_unaligned(p + c + L));
+    batch const a2 = f(batch::load_unaligned(p + c + 2 * L)), a3 = f(batch::load_unaligned(p + c + 3 * L));
+    a0.store_unaligned(p + c);
+    a1.store_unaligned(p + c + L);
+    a2.store_unaligned(p + c + 2 * L);
+    a3.store_unaligned(p + c + 3 * L);
+  }
+  for (; c + L <= n; c += L) f(batch::load_unaligned(p + c)).store_unaligned(p + c);
+  if (c < n) {
+    alignas(64) float buf[L] = {};
+    std::copy(p + c, p + n, buf);
+    f(batch::load_aligned(buf)).store_aligned(buf);
+    std::copy(buf, buf + (n - c), p + c);
+  }
+}
+
+// Scratch rows on cache-line boundaries: a 512-bit load that straddles two lines costs two.
+template <class T>
+using pp_aligned_vector = std::vector<T, xsimd::aligned_allocator<T, 64>>;
+
+// Rows per block of the pre-processing ops' stack buffers.
+inline constexpr index_t pp_row_block = 256;
+
+// y = silu(pre) and s = sigmoid(z) in place over a contiguous row. Float uses the vector form
+// above: every float path of an op (any layout, the prefill and the decode step) applies the
+// same one, so they agree bit for bit. Double keeps the scalar form.
+template <class T, class Arch = xsimd::default_arch>
+void pp_silu_row(T* p, index_t n) noexcept {
+  if constexpr (std::is_same_v<T, float>)
+    pp_float_row<Arch>(p, n, [](xsimd::batch<float, Arch> z) { return pp_silu_batch(z); });
+  else
+    for (index_t c = 0; c < n; ++c) p[c] = ::k3::detail::silu(p[c]);
+}
+template <class T, class Arch = xsimd::default_arch>
+void pp_sigmoid_row(T* p, index_t n) noexcept {
+  if constexpr (std::is_same_v<T, float>)
+    pp_float_row<Arch>(p, n, [](xsimd::batch<float, Arch> z) { return pp_sigmoid_batch(z); });
+  else
+    for (index_t c = 0; c < n; ++c) p[c] = ::k3::detail::sigmoid(p[c]);
+}
+
+// sp[i] = sigmoid(z[i]) and sm[i] = sigmoid(-z[i]) over a contiguous row, from one
+// exponential each (float: vector registers; double: the scalar k3::detail::sigmoid).
+template <class T, class Arch = xsimd::default_arch>
+void pp_sigmoid_pair_row(T const* z, T* sp, T* sm, index_t n) noexcept {
+  if constexpr (std::is_same_v<T, float>) {
+    using batch = xsimd::batch<float, Arch>;
+    constexpr index_t L = static_cast<index_t>(batch::size);
+    auto one = [](batch v, batch& p, batch& m) {
+      batch const e = k3::simd::exp_nonpositive(-xsimd::abs(v));
+      batch const big = pp_recip_1p(e), small = e * big;
+      auto const pos = v >= batch(0.0f);
+      p = xsimd::select(pos, big, small);
+      m = xsimd::select(pos, small, big);
+    };
+    index_t c = 0;
+    batch p, m;
+    for (; c + L <= n; c += L) {
+      one(batch::load_unaligned(z + c), p, m);
+      p.store_unaligned(sp + c);
+      m.store_unaligned(sm + c);
+    }
+    if (c < n) {
+      alignas(64) float buf[L] = {}, bp[L], bm[L];
+      std::copy(z + c, z + n, buf);
+      one(batch::load_aligned(buf), p, m);
+      p.store_aligned(bp);
+      m.store_aligned(bm);
+      std::copy(bp, bp + (n - c), sp + c);
+      std::copy(bm, bm + (n - c), sm + c);
+    }
+  } else {
+    for (index_t c = 0; c < n; ++c) {
+      sp[c] = ::k3::detail::sigmoid(z[c]);
+      sm[c] = ::k3::detail::sigmoid(-z[c]);
+    }
+  }
+}
+
+// sum_i p[i]^2 over a contiguous float row: fused multiply-adds per lane, the lanes reduced in
+// a fixed order (one rounding sequence for a given ISA, whatever the row's layout was).
+template <class Arch = xsimd::default_arch>
+float pp_sum_squares_row(float const* p, index_t n) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  constexpr index_t L = static_cast<index_t>(batch::size);
+  batch acc(0.0f);
+  index_t c = 0;
+  for (; c + L <= n; c += L) {
+    batch const v = batch::load_unaligned(p + c);
+    acc = k3::simd::fma(v, v, acc);
+  }
+  if (c < n) {
+    alignas(64) float buf[L] = {};
+    std::copy(p + c, p + n, buf);
+    batch const v = batch::load_aligned(buf);
+    acc = k3::simd::fma(v, v, acc);
+  }
+  alignas(64) float lanes[L];
+  acc.store_aligned(lanes);
+  float s = 0.0f;
+  for (index_t i = 0; i < L; ++i) s += lanes[i];
+  return s;
 }
 
 // Rows per block of a deterministic reduction: the partition depends only on the problem

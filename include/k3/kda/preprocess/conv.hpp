@@ -14,6 +14,7 @@
 // W-1 inputs of each sequence (reaching into the initial state for short sequences), so
 // decoding token by token after a prefill continues the same convolution.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -25,12 +26,6 @@ namespace k3::kda {
 
 namespace detail {
 
-template <class T>
-inline T pp_silu_grad(T z) noexcept {
-  // silu'(z) = s (1 + z (1 - s)), with 1 - s = sigmoid(-z) computed without cancellation.
-  return ::k3::detail::sigmoid(z) * (T(1) + z * ::k3::detail::sigmoid(-z));
-}
-
 // One tap of the convolution, acc + w * v, as an explicit fused multiply-add. Prefill, the
 // backward's recompute and decode all go through it, so they round identically whatever the
 // compiler contracts on its own (under -ffp-contract=fast g++ fused every prefill tap but
@@ -38,6 +33,43 @@ inline T pp_silu_grad(T z) noexcept {
 template <class T>
 inline T pp_tap(T acc, T w, T v) noexcept {
   return std::fma(w, v, acc);
+}
+
+// out[c] = act(bias[c] + sum_j wt[j*ldw + c] * x[j*ldx + c]) for c < n, the taps in pp_tap's
+// order and roundings with the sum held in registers; act is silu or the identity. The tail
+// takes pp_tap and pp_silu_row, which round alike, so every channel gets the same bits.
+template <class Arch = xsimd::default_arch>
+void pp_conv_row(float* out, float const* bias, float const* wt, index_t ldw, float const* x, index_t ldx, index_t W, index_t n,
+                 bool silu) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  constexpr index_t L = static_cast<index_t>(batch::size);
+  index_t c = 0;
+  // Four vectors at a time: four loads of x in flight and four sigmoid chains overlapping (see
+  // pp_float_row).
+  for (; c + 4 * L <= n; c += 4 * L) {
+    batch a[4];
+    for (int u = 0; u < 4; ++u) a[u] = batch::load_unaligned(bias + c + u * L);
+    for (index_t j = 0; j < W; ++j)
+      for (int u = 0; u < 4; ++u)
+        a[u] = k3::simd::fma(batch::load_unaligned(wt + j * ldw + c + u * L), batch::load_unaligned(x + j * ldx + c + u * L), a[u]);
+    if (silu)
+      for (int u = 0; u < 4; ++u) a[u] = pp_silu_batch(a[u]);
+    for (int u = 0; u < 4; ++u) a[u].store_unaligned(out + c + u * L);
+  }
+  for (; c + L <= n; c += L) {
+    batch acc = batch::load_unaligned(bias + c);
+    for (index_t j = 0; j < W; ++j)
+      acc = k3::simd::fma(batch::load_unaligned(wt + j * ldw + c), batch::load_unaligned(x + j * ldx + c), acc);
+    (silu ? pp_silu_batch(acc) : acc).store_unaligned(out + c);
+  }
+  if (c < n) {
+    for (index_t i = c; i < n; ++i) {
+      float acc = bias[i];
+      for (index_t j = 0; j < W; ++j) acc = pp_tap(acc, wt[j * ldw + i], x[j * ldx + i]);
+      out[i] = acc;
+    }
+    if (silu) pp_silu_row<float, Arch>(out + c, n - c);
+  }
 }
 
 // Shape checks shared by the prefill forward and backward. Returns the sequence table.
@@ -143,15 +175,53 @@ void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y c
   using T = detail::pp_compute_t<X, Wt, Bias, Y, S0, S1>;
   constexpr bool varlen = !detail::pp_is_none<Cu>;
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
-  b.for_each(0, B * Tn, [&](index_t r) {
-    index_t const bb = r / Tn, t = r % Tn;
-    index_t const n = varlen ? own[static_cast<std::size_t>(t)] : bb;
-    detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
-    for (index_t c = 0; c < C; ++c) {
-      T acc = detail::pp_bias<T>(bias, c);
-      for (index_t j = 0; j < W; ++j)
-        acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
-      y(bb, t, c) = store_as<detail::pp_elem_t<Y>>(silu ? ::k3::detail::silu(acc) : acc);
+  // The weight transposed to [W, C] and the bias as a row, in T: unit-stride rows per tap.
+  detail::pp_aligned_vector<T> wt(static_cast<std::size_t>(W * C)), bias_row(static_cast<std::size_t>(C));
+  for (index_t c = 0; c < C; ++c) {
+    for (index_t j = 0; j < W; ++j) wt[static_cast<std::size_t>(j * C + c)] = load_as<T>(weight(c, j));
+    bias_row[static_cast<std::size_t>(c)] = detail::pp_bias<T>(bias, c);
+  }
+  // Float x with unit-stride channels: the taps of rows whose window lies inside the sequence
+  // are whole rows of x, summed in vector registers.
+  constexpr bool x_rows = std::is_same_v<T, float> && std::is_same_v<detail::pp_elem_t<X>, float>;
+  bool const x_unit = x.stride(2) == 1;
+  // Float y with unit-stride channels is its own pre-activation buffer.
+  constexpr bool y_rows = std::is_same_v<T, detail::pp_elem_t<Y>>;
+  bool const y_unit = y.stride(2) == 1;
+  // Tiles of 16 rows by pp_row_block channels: the tile's taps, weights and bias stay in L1
+  // (whole rows of K3's 2048-4096 channels would not), only x and y stream from memory.
+  constexpr index_t tile_rows = 16;
+  index_t const rows = B * Tn;
+  b.for_each(0, (rows + tile_rows - 1) / tile_rows, [&](index_t tile) {
+    index_t const r_end = std::min(rows, (tile + 1) * tile_rows);
+    for (index_t c0 = 0; c0 < C; c0 += detail::pp_row_block) {
+      index_t const nc = std::min(detail::pp_row_block, C - c0);
+      for (index_t r = tile * tile_rows; r < r_end; ++r) {
+        index_t const bb = r / Tn, t = r % Tn;
+        index_t const n = varlen ? own[static_cast<std::size_t>(t)] : bb;
+        detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
+        alignas(64) T buffer[detail::pp_row_block];
+        T* pre = buffer;
+        if constexpr (y_rows)
+          if (y_unit) pre = &y(bb, t, c0);
+        bool rows_done = false;
+        if constexpr (x_rows) {
+          if (x_unit && t - (W - 1) >= sq.start) {
+            detail::pp_conv_row(pre, bias_row.data() + c0, wt.data() + c0, C, &x(bb, t - (W - 1), c0), x.stride(1), W, nc, silu);
+            rows_done = true;
+          }
+        }
+        if (!rows_done) {
+          std::copy(bias_row.data() + c0, bias_row.data() + c0 + nc, pre);
+          for (index_t c = 0; c < nc; ++c)
+            for (index_t j = 0; j < W; ++j)
+              pre[c] = detail::pp_tap(pre[c], wt[static_cast<std::size_t>(j * C + c0 + c)],
+                                      detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c0 + c));
+          if (silu) detail::pp_silu_row(pre, nc);
+        }
+        if (pre == buffer)
+          for (index_t c = 0; c < nc; ++c) y(bb, t, c0 + c) = store_as<detail::pp_elem_t<Y>>(pre[c]);
+      }
     }
   });
   if constexpr (!detail::pp_is_none<S1>) {
@@ -228,59 +298,130 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
   auto seq_of = [&](index_t bb, index_t t) { return varlen ? own[static_cast<std::size_t>(t)] : bb; };
 
-  // 1. dpre = dy * silu'(pre), pre recomputed.
-  std::vector<T> dpre(static_cast<std::size_t>(B * Tn * C));
-  b.for_each(0, B * Tn, [&](index_t r) {
-    index_t const bb = r / Tn, t = r % Tn, n = seq_of(bb, t);
+  // The weight transposed to [W, C] and the bias as a row, in T (as in the forward).
+  detail::pp_aligned_vector<T> wt(static_cast<std::size_t>(W * C)), bias_row(static_cast<std::size_t>(C));
+  for (index_t c = 0; c < C; ++c) {
+    for (index_t j = 0; j < W; ++j) wt[static_cast<std::size_t>(j * C + c)] = load_as<T>(weight(c, j));
+    bias_row[static_cast<std::size_t>(c)] = detail::pp_bias<T>(bias, c);
+  }
+  constexpr bool x_rows = std::is_same_v<T, float> && std::is_same_v<detail::pp_elem_t<X>, float>;
+  bool const x_unit = x.stride(2) == 1;
+
+  // One pass over tiles of rows x channels: dpre = dy * silu'(pre) (pre recomputed with the
+  // forward's taps) for the tile and the W-1 rows after it, then dx and the parameter sums of the
+  // tile's rows. dpre never leaves the cache; only x, dy and dx cross memory.
+  constexpr bool dx_rows = std::is_same_v<T, float> && std::is_same_v<T, detail::pp_elem_t<DX>>;
+  bool const dx_unit = dx.stride(2) == 1;
+  constexpr bool want_sums = !detail::pp_is_none<DW> || !detail::pp_is_none<DB>;
+  constexpr bool want_head = !detail::pp_is_none<DS0>;
+  index_t const rows = B * Tn;
+  // The reduction partition (pp_reduce_block rows) depends only on the problem size: every
+  // backend sums dweight and dbias in the same order.
+  index_t const blocks = (rows + detail::pp_reduce_block - 1) / detail::pp_reduce_block;
+  std::size_t const width = want_sums ? static_cast<std::size_t>(C * W + C) : 0;
+  std::vector<double> part(static_cast<std::size_t>(blocks) * width, 0.0);
+  // dpre of the first W-1 tokens of each sequence, [N, W-1, C], for d_initial_state.
+  std::vector<T> head(want_head ? static_cast<std::size_t>(N * (W - 1) * C) : 0);
+  constexpr index_t sub = 64, cb = detail::pp_row_block;  // rows and channels per tile
+
+  // dpre of flattened row u, channels [c0, c0 + nc), into d.
+  auto dpre_row = [&](index_t u, index_t c0, index_t nc, T* d) {
+    index_t const bb = u / Tn, t = u % Tn, n = seq_of(bb, t);
     detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
-    T* d = dpre.data() + r * C;
-    for (index_t c = 0; c < C; ++c) {
-      T const g = load_as<T>(dy(bb, t, c));
-      if (!silu) {
-        d[c] = g;
-        continue;
-      }
-      T acc = detail::pp_bias<T>(bias, c);
-      for (index_t j = 0; j < W; ++j)
-        acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
-      d[c] = g * detail::pp_silu_grad(acc);
+    if (!silu) {
+      for (index_t c = 0; c < nc; ++c) d[c] = load_as<T>(dy(bb, t, c0 + c));
+      return;
     }
-  });
-  auto dpre_at = [&](index_t bb, index_t t, index_t c) { return dpre[static_cast<std::size_t>((bb * Tn + t) * C + c)]; };
-
-  // 2. dx[t] = sum_j weight[j] * dpre[t + (W-1) - j], outputs inside the same sequence only.
-  b.for_each(0, B * Tn, [&](index_t r) {
-    index_t const bb = r / Tn, t = r % Tn;
-    detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(seq_of(bb, t))];
-    index_t const end = sq.start + sq.len;
-    for (index_t c = 0; c < C; ++c) {
-      T acc = 0;
-      for (index_t j = 0; j < W; ++j) {
-        index_t const to = t + (W - 1) - j;
-        if (to < end) acc += load_as<T>(weight(c, j)) * dpre_at(bb, to, c);
+    bool rows_done = false;
+    if constexpr (x_rows) {
+      if (x_unit && t - (W - 1) >= sq.start) {
+        detail::pp_conv_row(d, bias_row.data() + c0, wt.data() + c0, C, &x(bb, t - (W - 1), c0), x.stride(1), W, nc, false);
+        rows_done = true;
       }
-      dx(bb, t, c) = store_as<detail::pp_elem_t<DX>>(acc);
     }
-  });
-
-  // 3. dweight[c, j] = sum_t dpre[t, c] * in[t - (W-1) + j, c]; dbias[c] = sum_t dpre[t, c].
-  if constexpr (!detail::pp_is_none<DW> || !detail::pp_is_none<DB>) {
-    std::size_t const width = static_cast<std::size_t>(C * W + C);
-    auto const sums = detail::pp_blocked_reduce(b, B * Tn, width, [&](index_t r, double* acc) {
-      index_t const bb = r / Tn, t = r % Tn, n = seq_of(bb, t);
-      detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
-      for (index_t c = 0; c < C; ++c) {
-        T const d = dpre_at(bb, t, c);
+    if (!rows_done)
+      for (index_t c = 0; c < nc; ++c) {
+        T acc = bias_row[static_cast<std::size_t>(c0 + c)];
         for (index_t j = 0; j < W; ++j)
-          acc[c * W + j] += static_cast<double>(d * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c));
-        acc[C * W + c] += static_cast<double>(d);
+          acc = detail::pp_tap(acc, wt[static_cast<std::size_t>(j * C + c0 + c)],
+                               detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c0 + c));
+        d[c] = acc;
       }
-    });
+    // silu'(z) = s (1 + z (1 - s)), with 1 - s = sigmoid(-z) (no cancellation).
+    alignas(64) T sp[cb], sm[cb];
+    detail::pp_sigmoid_pair_row(d, sp, sm, nc);
+    for (index_t c = 0; c < nc; ++c) d[c] = load_as<T>(dy(bb, t, c0 + c)) * (sp[c] * (T(1) + d[c] * sm[c]));
+  };
+
+  b.for_each(0, blocks, [&](index_t blk) {
+    index_t const lo = blk * detail::pp_reduce_block, hi = std::min(rows, lo + detail::pp_reduce_block);
+    detail::pp_aligned_vector<T> tile(static_cast<std::size_t>((sub + W - 1) * cb));
+    double* acc = want_sums ? part.data() + static_cast<std::size_t>(blk) * width : nullptr;
+    for (index_t c0 = 0; c0 < C; c0 += cb) {
+      index_t const nc = std::min(cb, C - c0);
+      for (index_t r0 = lo; r0 < hi; r0 += sub) {
+        index_t const r1 = std::min(hi, r0 + sub), u1 = std::min(rows, r1 + W - 1);
+        for (index_t u = r0; u < u1; ++u) dpre_row(u, c0, nc, tile.data() + (u - r0) * cb);
+        for (index_t r = r0; r < r1; ++r) {
+          index_t const bb = r / Tn, t = r % Tn, n = seq_of(bb, t);
+          detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
+          index_t const end = sq.start + sq.len;
+          T const* d = tile.data() + (r - r0) * cb;
+          // dx[t] = sum_j weight[j] * dpre[t + (W-1) - j] over outputs inside the sequence.
+          bool dx_done = false;
+          if constexpr (dx_rows) {
+            if (dx_unit && t + (W - 1) < end) {
+              static constexpr T zero[cb] = {};
+              detail::pp_conv_row(&dx(bb, t, c0), zero, wt.data() + c0, C, d + (W - 1) * cb, -cb, W, nc, false);
+              dx_done = true;
+            }
+          }
+          if (!dx_done)
+            for (index_t c = 0; c < nc; ++c) {
+              T a = 0;
+              for (index_t j = 0; j < W; ++j)
+                if (t + (W - 1) - j < end) a = detail::pp_tap(a, wt[static_cast<std::size_t>(j * C + c0 + c)], d[(W - 1 - j) * cb + c]);
+              dx(bb, t, c0 + c) = store_as<detail::pp_elem_t<DX>>(a);
+            }
+          // dweight[c, j] += dpre[t, c] * in[t - (W-1) + j, c]; dbias[c] += dpre[t, c]; laid out
+          // [W, C] then [C] so that a row adds to contiguous lanes.
+          if constexpr (want_sums) {
+            bool sums_done = false;
+            if constexpr (x_rows) {
+              if (x_unit && t - (W - 1) >= sq.start) {
+                for (index_t j = 0; j < W; ++j) {
+                  T const* in = &x(bb, t - (W - 1) + j, c0);
+                  double* aj = acc + j * C + c0;
+                  for (index_t c = 0; c < nc; ++c) aj[c] += static_cast<double>(d[c] * in[c]);
+                }
+                sums_done = true;
+              }
+            }
+            if (!sums_done)
+              for (index_t j = 0; j < W; ++j)
+                for (index_t c = 0; c < nc; ++c)
+                  acc[j * C + c0 + c] +=
+                      static_cast<double>(d[c] * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c0 + c));
+            double* ab = acc + W * C + c0;
+            for (index_t c = 0; c < nc; ++c) ab[c] += static_cast<double>(d[c]);
+          }
+          if constexpr (want_head) {
+            if (t - sq.start < W - 1)
+              std::copy(d, d + nc, head.data() + ((n * (W - 1) + (t - sq.start)) * C + c0));
+          }
+        }
+      }
+    }
+  });
+  if constexpr (want_sums) {
+    std::vector<double> sums(width, 0.0);
+    for (index_t blk = 0; blk < blocks; ++blk)
+      for (std::size_t w = 0; w < width; ++w) sums[w] += part[static_cast<std::size_t>(blk) * width + w];
     if constexpr (!detail::pp_is_none<DW>)
       for (index_t c = 0; c < C; ++c)
-        for (index_t j = 0; j < W; ++j) dweight(c, j) = store_as<detail::pp_elem_t<DW>>(sums[static_cast<std::size_t>(c * W + j)]);
+        for (index_t j = 0; j < W; ++j) dweight(c, j) = store_as<detail::pp_elem_t<DW>>(sums[static_cast<std::size_t>(j * C + c)]);
     if constexpr (!detail::pp_is_none<DB>)
-      for (index_t c = 0; c < C; ++c) dbias(c) = store_as<detail::pp_elem_t<DB>>(sums[static_cast<std::size_t>(C * W + c)]);
+      for (index_t c = 0; c < C; ++c) dbias(c) = store_as<detail::pp_elem_t<DB>>(sums[static_cast<std::size_t>(W * C + c)]);
   }
 
   // 4. The initial state's slot i is position start - (W-1) + i; it feeds outputs
@@ -293,7 +434,7 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
           T acc = 0;
           for (index_t j = 0; j <= i; ++j) {
             index_t const to = i - j;  // offset of the output inside the sequence
-            if (to < sq.len) acc += load_as<T>(weight(c, j)) * dpre_at(sq.b, sq.start + to, c);
+            if (to < sq.len) acc += load_as<T>(weight(c, j)) * head[static_cast<std::size_t>((n * (W - 1) + to) * C + c)];
           }
           d_initial_state(n, c, i) = store_as<detail::pp_elem_t<DS0>>(acc);
         }
@@ -379,15 +520,21 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
   using SS = detail::pp_elem_t<St>;
   b.for_each(0, N, [&](index_t n) {
     index_t const s = slot[static_cast<std::size_t>(n)];
-    for (index_t c = 0; c < C; ++c) {
-      T const xv = load_as<T>(x(n, c));
-      // The same taps (pp_tap) in the same order as the prefill: decode continues it exactly.
-      T acc = detail::pp_bias<T>(bias, c);
-      for (index_t j = 0; j + 1 < W; ++j) acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), load_as<T>(conv_state(s, c, j)));
-      acc = detail::pp_tap(acc, load_as<T>(weight(c, W - 1)), xv);
-      y(n, c) = store_as<detail::pp_elem_t<Y>>(silu ? ::k3::detail::silu(acc) : acc);
-      for (index_t j = 0; j + 2 < W; ++j) conv_state(s, c, j) = conv_state(s, c, j + 1);
-      if (W > 1) conv_state(s, c, W - 2) = store_as<SS>(xv);
+    T pre[detail::pp_row_block];
+    for (index_t c0 = 0; c0 < C; c0 += detail::pp_row_block) {
+      index_t const nc = std::min(detail::pp_row_block, C - c0);
+      for (index_t c = c0; c < c0 + nc; ++c) {
+        T const xv = load_as<T>(x(n, c));
+        // The same taps (pp_tap) in the same order, and the same activation (pp_silu_row), as
+        // the prefill: decode continues it exactly.
+        T acc = detail::pp_bias<T>(bias, c);
+        for (index_t j = 0; j + 1 < W; ++j) acc = detail::pp_tap(acc, load_as<T>(weight(c, j)), load_as<T>(conv_state(s, c, j)));
+        pre[c - c0] = detail::pp_tap(acc, load_as<T>(weight(c, W - 1)), xv);
+        for (index_t j = 0; j + 2 < W; ++j) conv_state(s, c, j) = conv_state(s, c, j + 1);
+        if (W > 1) conv_state(s, c, W - 2) = store_as<SS>(xv);
+      }
+      if (silu) detail::pp_silu_row(pre, nc);
+      for (index_t c = 0; c < nc; ++c) y(n, c0 + c) = store_as<detail::pp_elem_t<Y>>(pre[c]);
     }
   });
 }

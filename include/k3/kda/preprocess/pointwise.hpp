@@ -86,11 +86,36 @@ void l2norm(Bk const& b, X const& x, Y const& y) {
     auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
     auto* yp = y.data_handle() + detail::pp_row_offset(y, r);
     T ss = 0;
-    for (index_t d = 0; d < D; ++d) {
-      T const v = load_as<T>(xp[d * sx]);
-      ss = std::fma(v, v, ss);
+    if constexpr (std::is_same_v<T, float>) {
+      // Float rows are summed in vector registers; other layouts and storage types are first
+      // gathered into a contiguous float row, so every layout gives the same bits.
+      bool summed = false;
+      if constexpr (std::is_same_v<detail::pp_elem_t<X>, float>) {
+        if (sx == 1) {
+          ss = detail::pp_sum_squares_row(xp, D);
+          summed = true;
+        }
+      }
+      if (!summed) {
+        float small[detail::pp_row_block];
+        std::vector<float> large(D > detail::pp_row_block ? static_cast<std::size_t>(D) : 0);
+        float* row = D > detail::pp_row_block ? large.data() : small;
+        for (index_t d = 0; d < D; ++d) row[d] = load_as<float>(xp[d * sx]);
+        ss = detail::pp_sum_squares_row(row, D);
+      }
+    } else {
+      for (index_t d = 0; d < D; ++d) {
+        T const v = load_as<T>(xp[d * sx]);
+        ss = std::fma(v, v, ss);
+      }
     }
     T const rstd = detail::l2norm_rstd(ss, D, [&](index_t d) { return load_as<T>(xp[d * sx]); });
+    if constexpr (std::is_same_v<detail::pp_elem_t<X>, T> && std::is_same_v<detail::pp_elem_t<Y>, T>) {
+      if (sx == 1 && sy == 1) {
+        for (index_t d = 0; d < D; ++d) yp[d] = xp[d] * rstd;  // the same products, vectorised
+        return;
+      }
+    }
     for (index_t d = 0; d < D; ++d) yp[d * sy] = store_as<detail::pp_elem_t<Y>>(load_as<T>(xp[d * sx]) * rstd);
   });
 }
@@ -251,15 +276,26 @@ void pp_gate_forward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bia
     index_t const h = r % HV, bt = r / HV, t = bt % Tn, bb = bt / Tn;
     T a = 1;
     if constexpr (!pp_is_none<A>) a = std::exp(load_as<T>(A_log(h)));
-    for (index_t k = 0; k < K; ++k) {
-      T u = load_as<T>(x(bb, t, h, k));
-      if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
-      T out;
-      if constexpr (Kind == pp_gate::softplus)
-        out = -a * ::k3::detail::softplus(u);
-      else
-        out = T(lb) * ::k3::detail::sigmoid(a * u);
-      g(bb, t, h, k) = store_as<pp_elem_t<G>>(out);
+    if constexpr (Kind == pp_gate::softplus) {
+      for (index_t k = 0; k < K; ++k) {
+        T u = load_as<T>(x(bb, t, h, k));
+        if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
+        g(bb, t, h, k) = store_as<pp_elem_t<G>>(-a * ::k3::detail::softplus(u));
+      }
+    } else {
+      // z = a (x + dt_bias) elementwise, then the sigmoid of the row (pp_sigmoid_row: one
+      // rounding for every layout), then the bound.
+      T z[pp_row_block];
+      for (index_t k0 = 0; k0 < K; k0 += pp_row_block) {
+        index_t const nk = std::min(pp_row_block, K - k0);
+        for (index_t k = 0; k < nk; ++k) {
+          T u = load_as<T>(x(bb, t, h, k0 + k));
+          if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k0 + k));
+          z[k] = a * u;
+        }
+        pp_sigmoid_row(z, nk);
+        for (index_t k = 0; k < nk; ++k) g(bb, t, h, k0 + k) = store_as<pp_elem_t<G>>(T(lb) * z[k]);
+      }
     }
   });
 }
@@ -311,25 +347,39 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
     T a = 1;
     if constexpr (!pp_is_none<A>) a = std::exp(load_as<T>(A_log(h)));
     T da = 0;
-    for (index_t k = 0; k < K; ++k) {
-      T u = load_as<T>(x(bb, t, h, k));
-      if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
-      T const gy = load_as<T>(dg(bb, t, h, k));
-      T du;
-      if constexpr (Kind == pp_gate::softplus) {
-        // g = -a softplus(u): dg/du = -a sigmoid(u), dg/dA_log = g.
-        du = -a * ::k3::detail::sigmoid(u) * gy;
-        da += gy * (-a * ::k3::detail::softplus(u));
-      } else {
-        // g = lb sigmoid(z), z = a u: dg/dz = lb s (1 - s), dz/du = a, dz/dA_log = z.
-        T const z = a * u;
-        T const dz = gy * T(lb) * ::k3::detail::sigmoid(z) * ::k3::detail::sigmoid(-z);
-        du = dz * a;
-        // Saturated (z = +-inf in T, e.g. |x| ~ 1e38 in float): s (1 - s) z -> 0, not 0 * inf.
-        da += (dz == T(0) && std::isinf(z)) ? T(0) : dz * z;
+    if constexpr (Kind == pp_gate::lower_bound) {
+      // The sigmoids of a block of the row at once (pp_sigmoid_pair_row), then the same
+      // elementwise products as one element at a time.
+      T z[pp_row_block], sp[pp_row_block], sm[pp_row_block];
+      for (index_t k0 = 0; k0 < K; k0 += pp_row_block) {
+        index_t const nk = std::min(pp_row_block, K - k0);
+        for (index_t k = 0; k < nk; ++k) {
+          T u = load_as<T>(x(bb, t, h, k0 + k));
+          if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k0 + k));
+          z[k] = a * u;
+        }
+        pp_sigmoid_pair_row(z, sp, sm, nk);
+        for (index_t k = 0; k < nk; ++k) {
+          // g = lb sigmoid(z), z = a u: dg/dz = lb s (1 - s), dz/du = a, dz/dA_log = z.
+          T const dz = load_as<T>(dg(bb, t, h, k0 + k)) * T(lb) * sp[k] * sm[k];
+          T const du = dz * a;
+          // Saturated (z = +-inf in T, e.g. |x| ~ 1e38 in float): s (1 - s) z -> 0, not 0 * inf.
+          da += (dz == T(0) && std::isinf(z[k])) ? T(0) : dz * z[k];
+          dx(bb, t, h, k0 + k) = store_as<pp_elem_t<DX>>(du);
+          if (acc) acc[h * K + k0 + k] += static_cast<double>(du);
+        }
       }
-      dx(bb, t, h, k) = store_as<pp_elem_t<DX>>(du);
-      if (acc) acc[h * K + k] += static_cast<double>(du);
+    } else {
+      for (index_t k = 0; k < K; ++k) {
+        T u = load_as<T>(x(bb, t, h, k));
+        if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
+        T const gy = load_as<T>(dg(bb, t, h, k));
+        // g = -a softplus(u): dg/du = -a sigmoid(u), dg/dA_log = g.
+        T const du = -a * ::k3::detail::sigmoid(u) * gy;
+        da += gy * (-a * ::k3::detail::softplus(u));
+        dx(bb, t, h, k) = store_as<pp_elem_t<DX>>(du);
+        if (acc) acc[h * K + k] += static_cast<double>(du);
+      }
     }
     if (acc) acc[HV * K + h] += static_cast<double>(da);
   };
