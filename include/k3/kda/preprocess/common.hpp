@@ -84,6 +84,24 @@ index_t pp_row_offset(V const& v, index_t r) noexcept {
   return off;
 }
 
+// r -> pp_row_offset(v, r), with the divisions skipped when the leading dimensions collapse
+// into one stride (every contiguous or row-padded view): a rank-4 row costs three 64-bit
+// divisions otherwise, as much as the 128 elements of the row it locates.
+template <class V>
+auto pp_row_map(V const& v) noexcept {
+  bool flat = true;
+  index_t rs = 0;
+  if constexpr (V::rank() >= 2) {
+    rs = v.stride(V::rank() - 2);
+    index_t expected = rs;
+    for (std::size_t d = V::rank() - 2; d-- > 0;) {
+      expected *= v.extent(d + 1);
+      if (v.extent(d) > 1 && v.stride(d) != expected) flat = false;
+    }
+  }
+  return [&v, flat, rs](index_t r) noexcept { return flat ? r * rs : pp_row_offset(v, r); };
+}
+
 template <class V>
 index_t pp_rows(V const& v) noexcept {
   index_t n = 1;

@@ -82,9 +82,11 @@ void l2norm(Bk const& b, X const& x, Y const& y) {
   ::k3::detail::check_outputs_apart([&](auto&& f) { f("y", y); }, [&](auto&& f) { f("x", x); });
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sy = y.stride(L);
+  auto const x_row = detail::pp_row_map(x);
+  auto const y_row = detail::pp_row_map(y);
   b.for_each(0, detail::pp_rows(x), [&](index_t r) {
-    auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
-    auto* yp = y.data_handle() + detail::pp_row_offset(y, r);
+    auto const* xp = x.data_handle() + x_row(r);
+    auto* yp = y.data_handle() + y_row(r);
     T ss = 0;
     if constexpr (std::is_same_v<T, float>) {
       // Float rows are summed in vector registers; other layouts and storage types are first
@@ -141,10 +143,13 @@ void l2norm_backward(Bk const& b, X const& x, DY const& dy, DX const& dx) {
                                     });
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sg = dy.stride(L), sd = dx.stride(L);
+  auto const x_row = detail::pp_row_map(x);
+  auto const dy_row = detail::pp_row_map(dy);
+  auto const dx_row = detail::pp_row_map(dx);
   b.for_each(0, detail::pp_rows(x), [&](index_t r) {
-    auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
-    auto const* gp = dy.data_handle() + detail::pp_row_offset(dy, r);
-    auto* dp = dx.data_handle() + detail::pp_row_offset(dx, r);
+    auto const* xp = x.data_handle() + x_row(r);
+    auto const* gp = dy.data_handle() + dy_row(r);
+    auto* dp = dx.data_handle() + dx_row(r);
     T ss = 0, gx = 0;
     for (index_t d = 0; d < D; ++d) {
       T const v = load_as<T>(xp[d * sx]);
@@ -181,9 +186,11 @@ void beta_sigmoid(Bk const& b, X const& x, Y const& beta, bool allow_neg_eigval 
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sy = beta.stride(L);
   T const s = allow_neg_eigval ? T(2) : T(1);
+  auto const x_row = detail::pp_row_map(x);
+  auto const beta_row = detail::pp_row_map(beta);
   b.for_each(0, detail::pp_rows(x), [&](index_t r) {
-    auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
-    auto* yp = beta.data_handle() + detail::pp_row_offset(beta, r);
+    auto const* xp = x.data_handle() + x_row(r);
+    auto* yp = beta.data_handle() + beta_row(r);
     for (index_t d = 0; d < D; ++d) yp[d * sy] = store_as<detail::pp_elem_t<Y>>(s * ::k3::detail::sigmoid(load_as<T>(xp[d * sx])));
   });
 }
@@ -209,10 +216,13 @@ void beta_sigmoid_backward(Bk const& b, X const& x, DY const& dbeta, DX const& d
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sg = dbeta.stride(L), sd = dx.stride(L);
   T const s = allow_neg_eigval ? T(2) : T(1);
+  auto const x_row = detail::pp_row_map(x);
+  auto const dbeta_row = detail::pp_row_map(dbeta);
+  auto const dx_row = detail::pp_row_map(dx);
   b.for_each(0, detail::pp_rows(x), [&](index_t r) {
-    auto const* xp = x.data_handle() + detail::pp_row_offset(x, r);
-    auto const* gp = dbeta.data_handle() + detail::pp_row_offset(dbeta, r);
-    auto* dp = dx.data_handle() + detail::pp_row_offset(dx, r);
+    auto const* xp = x.data_handle() + x_row(r);
+    auto const* gp = dbeta.data_handle() + dbeta_row(r);
+    auto* dp = dx.data_handle() + dx_row(r);
     for (index_t d = 0; d < D; ++d) {
       // sigmoid'(x) = sigmoid(x) sigmoid(-x): no cancellation in 1 - sigmoid(x) for large x.
       T const xv = load_as<T>(xp[d * sx]);
@@ -259,6 +269,26 @@ inline void pp_check_lower_bound(double lb) {
   });
 }
 
+// exp(A_log[h]) per head (1 without A_log), and dt_bias as a dense [HV, K] row table (empty
+// without it): computed once, not per row.
+template <class T, class A>
+std::vector<T> pp_gate_scales(A const& A_log, index_t HV) {
+  std::vector<T> a(static_cast<std::size_t>(HV), T(1));
+  if constexpr (!pp_is_none<A>)
+    for (index_t h = 0; h < HV; ++h) a[static_cast<std::size_t>(h)] = std::exp(load_as<T>(A_log(h)));
+  return a;
+}
+template <class T, class Bias>
+std::vector<T> pp_gate_bias(Bias const& dt_bias, index_t HV, index_t K) {
+  std::vector<T> bias;
+  if constexpr (!pp_is_none<Bias>) {
+    bias.resize(static_cast<std::size_t>(HV * K));
+    for (index_t h = 0; h < HV; ++h)
+      for (index_t k = 0; k < K; ++k) bias[static_cast<std::size_t>(h * K + k)] = load_as<T>(dt_bias(h, k));
+  }
+  return bias;
+}
+
 template <pp_gate Kind, class Bk, class X, class A, class Bias, class G>
 void pp_gate_forward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lb, G const& g) {
   static_assert(pp_writable<G>, "g is an output");
@@ -272,29 +302,33 @@ void pp_gate_forward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bia
                                     });
   using T = pp_compute_t<X, A, Bias, G>;
   index_t const B = x.extent(0), Tn = x.extent(1), HV = x.extent(2), K = x.extent(3);
+  std::vector<T> const a_of = pp_gate_scales<T>(A_log, HV);
+  std::vector<T> const bias_of = pp_gate_bias<T>(dt_bias, HV, K);
+  auto const x_row = pp_row_map(x);
+  auto const g_row = pp_row_map(g);
+  index_t const sx = x.stride(3), sg = g.stride(3);
   b.for_each(0, B * Tn * HV, [&](index_t r) {
-    index_t const h = r % HV, bt = r / HV, t = bt % Tn, bb = bt / Tn;
-    T a = 1;
-    if constexpr (!pp_is_none<A>) a = std::exp(load_as<T>(A_log(h)));
+    index_t const h = r % HV;
+    T const a = a_of[static_cast<std::size_t>(h)];
+    [[maybe_unused]] T const* bias = nullptr;
+    if constexpr (!pp_is_none<Bias>) bias = bias_of.data() + h * K;
+    auto const* xp = x.data_handle() + x_row(r);
+    auto* gp = g.data_handle() + g_row(r);
+    auto u_at = [&](index_t k) {
+      if constexpr (pp_is_none<Bias>) return load_as<T>(xp[k * sx]);
+      else return load_as<T>(xp[k * sx]) + bias[k];
+    };
     if constexpr (Kind == pp_gate::softplus) {
-      for (index_t k = 0; k < K; ++k) {
-        T u = load_as<T>(x(bb, t, h, k));
-        if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
-        g(bb, t, h, k) = store_as<pp_elem_t<G>>(-a * ::k3::detail::softplus(u));
-      }
+      for (index_t k = 0; k < K; ++k) gp[k * sg] = store_as<pp_elem_t<G>>(-a * ::k3::detail::softplus(u_at(k)));
     } else {
       // z = a (x + dt_bias) elementwise, then the sigmoid of the row (pp_sigmoid_row: one
       // rounding for every layout), then the bound.
-      T z[pp_row_block];
+      alignas(64) T z[pp_row_block];
       for (index_t k0 = 0; k0 < K; k0 += pp_row_block) {
         index_t const nk = std::min(pp_row_block, K - k0);
-        for (index_t k = 0; k < nk; ++k) {
-          T u = load_as<T>(x(bb, t, h, k0 + k));
-          if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k0 + k));
-          z[k] = a * u;
-        }
+        for (index_t k = 0; k < nk; ++k) z[k] = a * u_at(k0 + k);
         pp_sigmoid_row(z, nk);
-        for (index_t k = 0; k < nk; ++k) g(bb, t, h, k0 + k) = store_as<pp_elem_t<G>>(T(lb) * z[k]);
+        for (index_t k = 0; k < nk; ++k) gp[(k0 + k) * sg] = store_as<pp_elem_t<G>>(T(lb) * z[k]);
       }
     }
   });
@@ -342,42 +376,51 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
   std::size_t const width = static_cast<std::size_t>(HV * (K + 1));
   // Per row (b, t, h): writes dx and adds this row's parameter gradients into acc
   // (acc[h*K + k] for dt_bias, acc[HV*K + h] for A_log) when acc is not null.
+  std::vector<T> const a_of = pp_gate_scales<T>(A_log, HV);
+  std::vector<T> const bias_of = pp_gate_bias<T>(dt_bias, HV, K);
+  auto const x_row = pp_row_map(x);
+  auto const dg_row = pp_row_map(dg);
+  auto const dx_row = pp_row_map(dx);
+  index_t const sx = x.stride(3), sdg = dg.stride(3), sdx = dx.stride(3);
   auto row = [&](index_t r, double* acc) {
-    index_t const h = r % HV, bt = r / HV, t = bt % Tn, bb = bt / Tn;
-    T a = 1;
-    if constexpr (!pp_is_none<A>) a = std::exp(load_as<T>(A_log(h)));
+    index_t const h = r % HV;
+    T const a = a_of[static_cast<std::size_t>(h)];
+    [[maybe_unused]] T const* bias = nullptr;
+    if constexpr (!pp_is_none<Bias>) bias = bias_of.data() + h * K;
+    auto const* xp = x.data_handle() + x_row(r);
+    auto const* dgp = dg.data_handle() + dg_row(r);
+    auto* dxp = dx.data_handle() + dx_row(r);
+    auto u_at = [&](index_t k) {
+      if constexpr (pp_is_none<Bias>) return load_as<T>(xp[k * sx]);
+      else return load_as<T>(xp[k * sx]) + bias[k];
+    };
     T da = 0;
     if constexpr (Kind == pp_gate::lower_bound) {
       // The sigmoids of a block of the row at once (pp_sigmoid_pair_row), then the same
       // elementwise products as one element at a time.
-      T z[pp_row_block], sp[pp_row_block], sm[pp_row_block];
+      alignas(64) T z[pp_row_block], sp[pp_row_block], sm[pp_row_block];
       for (index_t k0 = 0; k0 < K; k0 += pp_row_block) {
         index_t const nk = std::min(pp_row_block, K - k0);
-        for (index_t k = 0; k < nk; ++k) {
-          T u = load_as<T>(x(bb, t, h, k0 + k));
-          if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k0 + k));
-          z[k] = a * u;
-        }
+        for (index_t k = 0; k < nk; ++k) z[k] = a * u_at(k0 + k);
         pp_sigmoid_pair_row(z, sp, sm, nk);
         for (index_t k = 0; k < nk; ++k) {
           // g = lb sigmoid(z), z = a u: dg/dz = lb s (1 - s), dz/du = a, dz/dA_log = z.
-          T const dz = load_as<T>(dg(bb, t, h, k0 + k)) * T(lb) * sp[k] * sm[k];
+          T const dz = load_as<T>(dgp[(k0 + k) * sdg]) * T(lb) * sp[k] * sm[k];
           T const du = dz * a;
           // Saturated (z = +-inf in T, e.g. |x| ~ 1e38 in float): s (1 - s) z -> 0, not 0 * inf.
           da += (dz == T(0) && std::isinf(z[k])) ? T(0) : dz * z[k];
-          dx(bb, t, h, k0 + k) = store_as<pp_elem_t<DX>>(du);
+          dxp[(k0 + k) * sdx] = store_as<pp_elem_t<DX>>(du);
           if (acc) acc[h * K + k0 + k] += static_cast<double>(du);
         }
       }
     } else {
       for (index_t k = 0; k < K; ++k) {
-        T u = load_as<T>(x(bb, t, h, k));
-        if constexpr (!pp_is_none<Bias>) u += load_as<T>(dt_bias(h, k));
-        T const gy = load_as<T>(dg(bb, t, h, k));
+        T const u = u_at(k);
+        T const gy = load_as<T>(dgp[k * sdg]);
         // g = -a softplus(u): dg/du = -a sigmoid(u), dg/dA_log = g.
         T const du = -a * ::k3::detail::sigmoid(u) * gy;
         da += gy * (-a * ::k3::detail::softplus(u));
-        dx(bb, t, h, k) = store_as<pp_elem_t<DX>>(du);
+        dxp[k * sdx] = store_as<pp_elem_t<DX>>(du);
         if (acc) acc[h * K + k] += static_cast<double>(du);
       }
     }
