@@ -137,8 +137,8 @@ void pp_each(F&& f, char const* name, V const& v) {
 }
 
 // 1 / (1 + e) for e in [0, 1] (or NaN), within an ulp: the hardware's reciprocal estimate and one
-// Newton step. A vector division costs more than the whole rest of a sigmoid (about 40% of the
-// short convolution's time), and these ops run at memory speed only without it.
+// Newton step. A vector division costs about as much as the rest of a sigmoid, and these ops
+// can keep up with memory only without it (benchmarks/kda.md has the profile).
 template <class Arch>
 [[gnu::always_inline]] inline xsimd::batch<float, Arch> pp_recip_1p(xsimd::batch<float, Arch> e) noexcept {
   using batch = xsimd::batch<float, Arch>;
