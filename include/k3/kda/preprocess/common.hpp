@@ -278,6 +278,15 @@ float pp_sum_squares_row(float const* p, index_t n) noexcept {
 // size, never on the thread count, so every backend gives bitwise the same sums.
 inline constexpr index_t pp_reduce_block = 256;
 
+// The per-block partial sums part[blocks, width] added in block order: the one summation order
+// every backend shares.
+inline std::vector<double> pp_sum_blocks(std::vector<double> const& part, index_t blocks, std::size_t width) {
+  std::vector<double> out(width, 0.0);
+  for (index_t blk = 0; blk < blocks; ++blk)
+    for (std::size_t w = 0; w < width; ++w) out[w] += part[static_cast<std::size_t>(blk) * width + w];
+  return out;
+}
+
 // acc[0..width) = sum over items of what item(i, acc_block) adds, in double. Items are cut
 // into fixed blocks run through the backend; blocks are summed in order afterwards.
 template <class Backend_, class Item>
@@ -289,10 +298,7 @@ std::vector<double> pp_blocked_reduce(Backend_ const& b, index_t items, std::siz
     index_t const lo = blk * pp_reduce_block, hi = std::min(items, lo + pp_reduce_block);
     for (index_t i = lo; i < hi; ++i) item(i, acc);
   });
-  std::vector<double> out(width, 0.0);
-  for (index_t blk = 0; blk < blocks; ++blk)
-    for (std::size_t w = 0; w < width; ++w) out[w] += part[static_cast<std::size_t>(blk) * width + w];
-  return out;
+  return pp_sum_blocks(part, blocks, width);
 }
 
 // One independent sequence: batch row `b`, tokens [start, start + len).

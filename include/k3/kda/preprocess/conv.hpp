@@ -125,6 +125,22 @@ inline T pp_bias(Bias const& bias, index_t c) {
   }
 }
 
+// The weight transposed to [W, C] and the bias as a row [C], in T and on cache lines: the
+// prefill forward and backward read each tap as a unit-stride row.
+template <class T>
+struct pp_conv_rows {
+  pp_aligned_vector<T> weight, bias;
+};
+template <class T, class Wt, class Bias>
+pp_conv_rows<T> pp_conv_rows_of(Wt const& weight, Bias const& bias, index_t W, index_t C) {
+  pp_conv_rows<T> rows{pp_aligned_vector<T>(static_cast<std::size_t>(W * C)), pp_aligned_vector<T>(static_cast<std::size_t>(C))};
+  for (index_t c = 0; c < C; ++c) {
+    for (index_t j = 0; j < W; ++j) rows.weight[static_cast<std::size_t>(j * C + c)] = load_as<T>(weight(c, j));
+    rows.bias[static_cast<std::size_t>(c)] = pp_bias<T>(bias, c);
+  }
+  return rows;
+}
+
 // The very same elements (an in-place update), as opposed to a partial overlap.
 template <class A, class B>
 bool pp_same_view(A const& a, B const& b) {
@@ -175,12 +191,9 @@ void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y c
   using T = detail::pp_compute_t<X, Wt, Bias, Y, S0, S1>;
   constexpr bool varlen = !detail::pp_is_none<Cu>;
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
-  // The weight transposed to [W, C] and the bias as a row, in T: unit-stride rows per tap.
-  detail::pp_aligned_vector<T> wt(static_cast<std::size_t>(W * C)), bias_row(static_cast<std::size_t>(C));
-  for (index_t c = 0; c < C; ++c) {
-    for (index_t j = 0; j < W; ++j) wt[static_cast<std::size_t>(j * C + c)] = load_as<T>(weight(c, j));
-    bias_row[static_cast<std::size_t>(c)] = detail::pp_bias<T>(bias, c);
-  }
+  auto const taps = detail::pp_conv_rows_of<T>(weight, bias, W, C);
+  auto const& wt = taps.weight;
+  auto const& bias_row = taps.bias;
   // Float x with unit-stride channels: the taps of rows whose window lies inside the sequence
   // are whole rows of x, summed in vector registers.
   constexpr bool x_rows = std::is_same_v<T, float> && std::is_same_v<detail::pp_elem_t<X>, float>;
@@ -298,12 +311,9 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
   auto seq_of = [&](index_t bb, index_t t) { return varlen ? own[static_cast<std::size_t>(t)] : bb; };
 
-  // The weight transposed to [W, C] and the bias as a row, in T (as in the forward).
-  detail::pp_aligned_vector<T> wt(static_cast<std::size_t>(W * C)), bias_row(static_cast<std::size_t>(C));
-  for (index_t c = 0; c < C; ++c) {
-    for (index_t j = 0; j < W; ++j) wt[static_cast<std::size_t>(j * C + c)] = load_as<T>(weight(c, j));
-    bias_row[static_cast<std::size_t>(c)] = detail::pp_bias<T>(bias, c);
-  }
+  auto const taps = detail::pp_conv_rows_of<T>(weight, bias, W, C);
+  auto const& wt = taps.weight;
+  auto const& bias_row = taps.bias;
   constexpr bool x_rows = std::is_same_v<T, float> && std::is_same_v<detail::pp_elem_t<X>, float>;
   bool const x_unit = x.stride(2) == 1;
 
@@ -414,9 +424,7 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
     }
   });
   if constexpr (want_sums) {
-    std::vector<double> sums(width, 0.0);
-    for (index_t blk = 0; blk < blocks; ++blk)
-      for (std::size_t w = 0; w < width; ++w) sums[w] += part[static_cast<std::size_t>(blk) * width + w];
+    std::vector<double> const sums = detail::pp_sum_blocks(part, blocks, width);
     if constexpr (!detail::pp_is_none<DW>)
       for (index_t c = 0; c < C; ++c)
         for (index_t j = 0; j < W; ++j) dweight(c, j) = store_as<detail::pp_elem_t<DW>>(sums[static_cast<std::size_t>(j * C + c)]);
