@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -153,8 +154,55 @@ class mpi_communicator {
 
   void barrier() const { detail::mpi_check(MPI_Barrier(comm_), "barrier"); }
 
+  // Non-blocking point-to-point, for transfers that overlap compute (P2P Muon): the buffer must
+  // stay alive and untouched until wait(request&), which throws if a receive got a different
+  // element count than its buffer holds. No header travels: both ends run the same plan.
+  struct request {
+    MPI_Request handle = MPI_REQUEST_NULL;
+    MPI_Datatype type = MPI_DATATYPE_NULL;
+    std::int64_t expected = -1;  // receives: the element count the buffer holds
+    int peer = -1;
+  };
+  template <class T, std::size_t R>
+  request isend(tensor_view<T, R> v, int peer, int tag) const {
+    using E = std::remove_const_t<T>;
+    check_peer("isend", peer);
+    detail::check_comm_view("isend", v);
+    check_count("isend", v.size());
+    request r{MPI_REQUEST_NULL, detail::mpi_type<E>(), -1, peer};
+    detail::mpi_check(MPI_Isend(v.data_handle(), static_cast<int>(v.size()), r.type, peer, tag, comm_, &r.handle), "isend");
+    return r;
+  }
+  template <class T, std::size_t R>
+  request irecv(tensor_view<T, R> v, int peer, int tag) const {
+    static_assert(!std::is_const_v<T>, "irecv writes its buffer");
+    check_peer("irecv", peer);
+    detail::check_comm_view("irecv", v);
+    check_count("irecv", v.size());
+    request r{MPI_REQUEST_NULL, detail::mpi_type<T>(), v.size(), peer};
+    detail::mpi_check(MPI_Irecv(v.data_handle(), static_cast<int>(v.size()), r.type, peer, tag, comm_, &r.handle), "irecv");
+    return r;
+  }
+  void wait(request& r) const {
+    MPI_Status st;
+    detail::mpi_check(MPI_Wait(&r.handle, &st), "wait");
+    if (r.expected >= 0) {
+      int got = 0;
+      MPI_Get_count(&st, r.type, &got);
+      detail::require(got == r.expected, [&] {
+        return "irecv from rank " + std::to_string(r.peer) + ": expected " + std::to_string(r.expected) + " elements, peer sent " +
+               std::to_string(got);
+      });
+    }
+  }
+
  private:
   static int header_tag(int tag) { return tag + (1 << 20); }
+  static void check_count(char const* what, std::int64_t n) {
+    detail::require(n <= std::numeric_limits<int>::max(), [&] {
+      return std::string(what) + ": " + std::to_string(n) + " elements is more than one MPI message can carry (at most 2^31 - 1)";
+    });
+  }
   void check_peer(char const* what, int peer) const {
     detail::require(peer >= 0 && peer < size_ && peer != rank_, [&] {
       return std::string(what) + ": peer rank " + std::to_string(peer) + " is not another rank of this job (size " +
