@@ -11,19 +11,13 @@
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/optim/muon.hpp"
 #include "support/error_of.hpp"
+#include "support/random.hpp"
 
 namespace optim = k3::optim;
+using k3::test::gaussian;
 using k3::index_t;
 
 namespace {
-
-std::vector<double> gaussian(std::size_t n, unsigned seed, double scale = 1.0) {
-  std::mt19937_64 r(seed);
-  std::normal_distribution<double> nd(0.0, scale);
-  std::vector<double> v(n);
-  for (auto& x : v) x = nd(r);
-  return v;
-}
 
 std::vector<double> ns5(std::vector<double> const& u, index_t A, index_t B, index_t heads = 1) {
   std::vector<double> o(u.size());

@@ -17,20 +17,14 @@
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/optim/newton_schulz.hpp"
 #include "support/error_of.hpp"
+#include "support/random.hpp"
 #include "support/newton_schulz_reference.hpp"
 
 namespace optim = k3::optim;
+using k3::test::gaussian;
 using k3::index_t;
 
 namespace {
-
-std::vector<double> gaussian(std::size_t n, unsigned seed, double scale = 1.0) {
-  std::mt19937_64 r(seed);
-  std::normal_distribution<double> nd(0.0, scale);
-  std::vector<double> v(n);
-  for (auto& x : v) x = nd(r);
-  return v;
-}
 
 template <class T>
 std::vector<T> cast(std::vector<double> const& v) {

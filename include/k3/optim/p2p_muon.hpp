@@ -147,6 +147,15 @@ auto p2p_wire(T* p, index_t n) {
   return tensor_view<W, 1>(reinterpret_cast<W*>(p), {n});
 }
 
+// f(r, shard) for every other rank r whose shard of an E-element matrix is not empty.
+template <class F>
+void p2p_for_peers(index_t E, int me, int N, F&& f) {
+  for (int r = 0; r < N; ++r) {
+    shard_range const sh = shard_of(E, r, N);
+    if (r != me && sh.size() > 0) f(r, sh);
+  }
+}
+
 // Every rank must run the same plan on the same shapes: a digest all-reduced twice (the
 // second time to tell every rank whether any disagreed) instead of a hang on mismatched sizes.
 template <class Comm>
@@ -240,12 +249,10 @@ p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& 
       int const owner = args.plan.owner[j];
       if (owner == me) {
         gather_own(j);
-        for (int r = 0; r < N; ++r) {
-          shard_range const sh = shard_of(E, r, N);
-          if (r == me || sh.size() == 0) continue;
+        detail::p2p_for_peers(E, me, N, [&](int r, shard_range sh) {
           gathers[j].push_back(comm.irecv(detail::p2p_wire(whole[j].data() + sh.begin, sh.size()), r, detail::p2p_shard_tag));
           stats.recv_bytes += word * sh.size();
-        }
+        });
       } else if (args.o_shards[j].size() > 0) {
         pending.push_back(comm.irecv(detail::p2p_wire(args.o_shards[j].data_handle(), args.o_shards[j].size()), owner, detail::p2p_result_tag));
         stats.recv_bytes += word * args.o_shards[j].size();
@@ -262,12 +269,10 @@ p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& 
       for (auto& r : gathers[j]) comm.wait(r);
       run_owned(j);
       index_t const E = args.shapes[j].elements();
-      for (int r = 0; r < N; ++r) {
-        shard_range const sh = shard_of(E, r, N);
-        if (r == me || sh.size() == 0) continue;
+      detail::p2p_for_peers(E, me, N, [&](int r, shard_range sh) {
         pending.push_back(comm.isend(detail::p2p_wire(static_cast<S const*>(whole[j].data() + sh.begin), sh.size()), r, detail::p2p_result_tag));
         stats.sent_bytes += word * sh.size();
-      }
+      });
     }
     for (auto& r : pending) comm.wait(r);
   } else {
@@ -277,19 +282,15 @@ p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& 
       int const owner = args.plan.owner[j];
       if (owner == me) {
         gather_own(j);
-        for (int r = 0; r < N; ++r) {
-          shard_range const sh = shard_of(E, r, N);
-          if (r == me || sh.size() == 0) continue;
+        detail::p2p_for_peers(E, me, N, [&](int r, shard_range sh) {
           comm.recv(detail::p2p_wire(whole[j].data() + sh.begin, sh.size()), r, detail::p2p_shard_tag);
           stats.recv_bytes += word * sh.size();
-        }
+        });
         run_owned(j);
-        for (int r = 0; r < N; ++r) {
-          shard_range const sh = shard_of(E, r, N);
-          if (r == me || sh.size() == 0) continue;
+        detail::p2p_for_peers(E, me, N, [&](int r, shard_range sh) {
           comm.send(detail::p2p_wire(static_cast<S const*>(whole[j].data() + sh.begin), sh.size()), r, detail::p2p_result_tag);
           stats.sent_bytes += word * sh.size();
-        }
+        });
       } else if (args.g_shards[j].size() > 0) {
         comm.send(detail::p2p_wire(args.g_shards[j].data_handle(), args.g_shards[j].size()), owner, detail::p2p_shard_tag);
         stats.sent_bytes += word * args.g_shards[j].size();
