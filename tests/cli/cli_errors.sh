@@ -32,6 +32,14 @@ for op in $ops; do
   expect 0 "usage: k3 $op" -- "$op" --help
   expect 0 "usage: k3 $op" -- help "$op"
   expect 0 "usage: k3 $op" -- --help "$op"
+  expect 2 "unknown option '--bogus'" -- "$op" --bogus 1
+  expect 2 "unexpected argument 'stray'" -- "$op" stray
+  expect 2 "unexpected argument '-x'" -- "$op" -x
+  # ops that read no files (k3 ledger) take no --in/--out
+  if ! "$k3" "$op" --help | head -1 | grep -qF -- "--in DIR"; then
+    expect 2 "unknown option '--in'" -- "$op" --in "$tmp" --out "$tmp/o"
+    continue
+  fi
   expect 2 "missing --in" -- "$op" --out "$tmp/o"
   expect 2 "is not a directory" -- "$op" --in "$tmp/nope" --out "$tmp/o"
   expect 2 "is not a directory" -- "$op" --in "$tmp/afile" --out "$tmp/o"
