@@ -25,6 +25,7 @@ run quant ./bench_quant
 run attnres ./bench_attnres
 run dplr ./bench_dplr
 run muon ./bench_muon 3
+run latent_moe ./bench_latent_moe 128 3
 if [ -x ./bench_dplr_mpi ] && command -v mpirun > /dev/null; then
   for np in 1 2; do run dplr_mpi mpirun --allow-run-as-root --oversubscribe -np $np ./bench_dplr_mpi; done
 fi

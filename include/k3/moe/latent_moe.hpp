@@ -99,15 +99,42 @@ lm_matrix<C> lm_load(V const& v) {
     for (index_t j = 0; j < v.extent(1); ++j) m(i, j) = load_as<C>(v(i, j));
   return m;
 }
+template <class C>
+using lm_cmap = Eigen::Map<lm_matrix<C> const, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+// A matrix view as Eigen sees it: the caller's memory when it already holds the compute type
+// with unit-stride rows (no copy of the experts' weights), else a converted copy in `own`.
 template <class C, class V>
-lm_matrix<C> lm_load_slice(V const& v, index_t e) {
-  return lm_load<C>(v.slice(0, e));
+lm_cmap<C> lm_map(V const& v, lm_matrix<C>& own) {
+  using E = std::remove_const_t<typename V::element_type>;
+  if constexpr (std::is_same_v<E, C>) {
+    if (v.extent(1) <= 1 || v.stride(1) == 1)
+      return lm_cmap<C>(v.data_handle(), v.extent(0), v.extent(1), Eigen::OuterStride<>(std::max<index_t>(v.stride(0), v.extent(1))));
+  }
+  own = lm_load<C>(v);
+  return lm_cmap<C>(own.data(), own.rows(), own.cols(), Eigen::OuterStride<>(std::max<Eigen::Index>(own.cols(), 1)));
 }
 template <class M, class V>
 void lm_store(M const& m, V const& v) {
   using S = std::remove_const_t<typename V::element_type>;
   for (index_t i = 0; i < v.extent(0); ++i)
     for (index_t j = 0; j < v.extent(1); ++j) v(i, j) = store_as<S>(m(i, j));
+}
+
+// v = the product expr, written straight into v when it holds the compute type with contiguous
+// rows (no temporary the size of an expert's weights), else through one.
+template <class C, class V, class Expr>
+void lm_assign(V const& v, Expr const& expr) {
+  using E = std::remove_const_t<typename V::element_type>;
+  if constexpr (std::is_same_v<E, C>) {
+    if (v.extent(1) <= 1 || v.stride(1) == 1) {
+      Eigen::Map<lm_matrix<C>, Eigen::Unaligned, Eigen::OuterStride<>> out(v.data_handle(), v.extent(0), v.extent(1),
+                                                                             Eigen::OuterStride<>(std::max<index_t>(v.stride(0), v.extent(1))));
+      out.noalias() = expr;
+      return;
+    }
+  }
+  lm_store(lm_matrix<C>(expr), v);
 }
 
 template <class V>
@@ -232,7 +259,8 @@ void latent_moe_run(Bk const& b, latent_moe_args<T> const& a, latent_moe_options
                     latent_moe_gradients<T> const* grad) {
   index_t const T_ = m.T, k = o.k, n = m.n, l = m.l;
   situ_params<C> const sp{static_cast<C>(o.beta_gate), static_cast<C>(o.beta_up)};
-  lm_matrix<C> const X = lm_load<C>(a.x), Wr = lm_load<C>(a.w_router), Wd = lm_load<C>(a.w_down), Wup = lm_load<C>(a.w_up);
+  lm_matrix<C> own_x, own_wr, own_wd, own_wup;
+  lm_cmap<C> const X = lm_map(a.x, own_x), Wr = lm_map(a.w_router, own_wr), Wd = lm_map(a.w_down, own_wd), Wup = lm_map(a.w_up, own_wup);
   std::vector<C> bias(static_cast<std::size_t>(n), C(0)), nw(static_cast<std::size_t>(l), C(1));
   if (lm_present(a.bias))
     for (index_t e = 0; e < n; ++e) bias[static_cast<std::size_t>(e)] = load_as<C>(a.bias(e));
@@ -280,7 +308,8 @@ void latent_moe_run(Bk const& b, latent_moe_args<T> const& a, latent_moe_options
     index_t const ne = static_cast<index_t>(q.size());
     lm_matrix<C> Ze(ne, l);
     for (index_t i = 0; i < ne; ++i) Ze.row(i) = Z.row(q[static_cast<std::size_t>(i)] / k);
-    lm_matrix<C> const Wg = lm_load_slice<C>(a.we_gate, e), Wu = lm_load_slice<C>(a.we_up, e), Wdn = lm_load_slice<C>(a.we_down, e);
+    lm_matrix<C> own_g, own_u, own_dn;
+    lm_cmap<C> const Wg = lm_map(a.we_gate.slice(0, e), own_g), Wu = lm_map(a.we_up.slice(0, e), own_u), Wdn = lm_map(a.we_down.slice(0, e), own_dn);
     lm_matrix<C> G = Ze * Wg.transpose(), U = Ze * Wu.transpose(), A;
     lm_situ<C>(G, U, sp, A, nullptr, nullptr);
     lm_matrix<C> const Oe = A * Wdn.transpose();
@@ -306,7 +335,8 @@ void latent_moe_run(Bk const& b, latent_moe_args<T> const& a, latent_moe_options
   lm_matrix<C> Y = R * Wup.transpose();
   std::vector<lm_matrix<C>> shared_a, shared_dg, shared_du;
   for (index_t j = 0; j < m.s; ++j) {
-    lm_matrix<C> const Wsg = lm_load_slice<C>(a.ws_gate, j), Wsu = lm_load_slice<C>(a.ws_up, j), Wsd = lm_load_slice<C>(a.ws_down, j);
+    lm_matrix<C> own_g, own_u, own_dn;
+    lm_cmap<C> const Wsg = lm_map(a.ws_gate.slice(0, j), own_g), Wsu = lm_map(a.ws_up.slice(0, j), own_u), Wsd = lm_map(a.ws_down.slice(0, j), own_dn);
     lm_matrix<C> Hg = X * Wsg.transpose(), Hu = X * Wsu.transpose(), As, Dg, Du;
     lm_situ<C>(Hg, Hu, sp, As, grad ? &Dg : nullptr, grad ? &Du : nullptr);
     Y.noalias() += As * Wsd.transpose();
@@ -327,7 +357,7 @@ void latent_moe_run(Bk const& b, latent_moe_args<T> const& a, latent_moe_options
 
   // Backward.
   lm_matrix<C> const DY = lm_load<C>(grad->dy);
-  if (lm_present(grad->dw_up)) lm_store(lm_matrix<C>(DY.transpose() * R), grad->dw_up);
+  if (lm_present(grad->dw_up)) lm_assign<C>(grad->dw_up, DY.transpose() * R);
   lm_matrix<C> const DR = DY * Wup;
   lm_matrix<C> DU(T_, l);
   std::vector<C> dnw(static_cast<std::size_t>(l), C(0));
@@ -351,7 +381,8 @@ void latent_moe_run(Bk const& b, latent_moe_args<T> const& a, latent_moe_options
   b.for_each(0, n, [&](std::int64_t e) {
     auto const& q = slots[static_cast<std::size_t>(e)];
     index_t const ne = static_cast<index_t>(q.size());
-    lm_matrix<C> const Wg = lm_load_slice<C>(a.we_gate, e), Wu = lm_load_slice<C>(a.we_up, e), Wdn = lm_load_slice<C>(a.we_down, e);
+    lm_matrix<C> own_g, own_u, own_dn;
+    lm_cmap<C> const Wg = lm_map(a.we_gate.slice(0, e), own_g), Wu = lm_map(a.we_up.slice(0, e), own_u), Wdn = lm_map(a.we_down.slice(0, e), own_dn);
     lm_matrix<C> Ze(ne, l), DUe(ne, l);
     std::vector<C> pe(static_cast<std::size_t>(ne));
     for (index_t i = 0; i < ne; ++i) {
@@ -374,9 +405,9 @@ void latent_moe_run(Bk const& b, latent_moe_args<T> const& a, latent_moe_options
       }
     }
     if (want_we) {
-      if (lm_present(grad->dwe_down)) lm_store(lm_matrix<C>(PDU.transpose() * A), grad->dwe_down.slice(0, e));
-      if (lm_present(grad->dwe_gate)) lm_store(lm_matrix<C>(DG.transpose() * Ze), grad->dwe_gate.slice(0, e));
-      if (lm_present(grad->dwe_up)) lm_store(lm_matrix<C>(DUp.transpose() * Ze), grad->dwe_up.slice(0, e));
+      if (lm_present(grad->dwe_down)) lm_assign<C>(grad->dwe_down.slice(0, e), PDU.transpose() * A);
+      if (lm_present(grad->dwe_gate)) lm_assign<C>(grad->dwe_gate.slice(0, e), DG.transpose() * Ze);
+      if (lm_present(grad->dwe_up)) lm_assign<C>(grad->dwe_up.slice(0, e), DUp.transpose() * Ze);
     }
     lm_matrix<C> const DZe = DG * Wg + DUp * Wu;
     for (index_t i = 0; i < ne; ++i) DZslot.row(q[static_cast<std::size_t>(i)]) = DZe.row(i);
@@ -400,16 +431,17 @@ void latent_moe_run(Bk const& b, latent_moe_args<T> const& a, latent_moe_options
       DL(t, e) = ds * S(t, e) * (C(1) - S(t, e));
     }
   }
-  if (lm_present(grad->dw_router)) lm_store(lm_matrix<C>(DL.transpose() * X), grad->dw_router);
-  if (lm_present(grad->dw_down)) lm_store(lm_matrix<C>(DZ.transpose() * X), grad->dw_down);
+  if (lm_present(grad->dw_router)) lm_assign<C>(grad->dw_router, DL.transpose() * X);
+  if (lm_present(grad->dw_down)) lm_assign<C>(grad->dw_down, DZ.transpose() * X);
   lm_matrix<C> DX = DZ * Wd + DL * Wr;
   for (index_t j = 0; j < m.s; ++j) {
-    lm_matrix<C> const Wsg = lm_load_slice<C>(a.ws_gate, j), Wsu = lm_load_slice<C>(a.ws_up, j), Wsd = lm_load_slice<C>(a.ws_down, j);
+    lm_matrix<C> own_g, own_u, own_dn;
+    lm_cmap<C> const Wsg = lm_map(a.ws_gate.slice(0, j), own_g), Wsu = lm_map(a.ws_up.slice(0, j), own_u), Wsd = lm_map(a.ws_down.slice(0, j), own_dn);
     lm_matrix<C> const DAs = DY * Wsd;
-    if (lm_present(grad->dws_down)) lm_store(lm_matrix<C>(DY.transpose() * shared_a[static_cast<std::size_t>(j)]), grad->dws_down.slice(0, j));
+    if (lm_present(grad->dws_down)) lm_assign<C>(grad->dws_down.slice(0, j), DY.transpose() * shared_a[static_cast<std::size_t>(j)]);
     lm_matrix<C> const DHg = DAs.cwiseProduct(shared_dg[static_cast<std::size_t>(j)]), DHu = DAs.cwiseProduct(shared_du[static_cast<std::size_t>(j)]);
-    if (lm_present(grad->dws_gate)) lm_store(lm_matrix<C>(DHg.transpose() * X), grad->dws_gate.slice(0, j));
-    if (lm_present(grad->dws_up)) lm_store(lm_matrix<C>(DHu.transpose() * X), grad->dws_up.slice(0, j));
+    if (lm_present(grad->dws_gate)) lm_assign<C>(grad->dws_gate.slice(0, j), DHg.transpose() * X);
+    if (lm_present(grad->dws_up)) lm_assign<C>(grad->dws_up.slice(0, j), DHu.transpose() * X);
     DX.noalias() += DHg * Wsg + DHu * Wsu;
   }
   if (lm_present(grad->dx)) lm_store(DX, grad->dx);
