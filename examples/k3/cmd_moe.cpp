@@ -95,6 +95,10 @@ int run_typed(k3::cli::args const& args, moe::latent_moe_options const& o) {
                                    mut3(dwe_gate, we_gate),   mut3(dwe_up, we_up),   mut3(dwe_down, we_down),
                                    {dnorm.data(), {l}},       mut2(dw_up, w_up),     mut3(dws_gate, ws_gate),
                                    mut3(dws_up, ws_up),       mut3(dws_down, ws_down)};
+    // The forward saves its state; the backward starts from it.
+    moe::latent_moe_saved<T> saved;
+    a.saved = &saved;
+    moe::latent_moe_forward(backend, a, o);
     moe::latent_moe_backward(backend, a, g, o);
     args.save("dx", g.dx);
     args.save("dw_router", g.dw_router);
@@ -156,7 +160,8 @@ k3::cli::registrar reg({"moe", "the Stable LatentMoE layer (router, latent exper
                         "the other inputs are converted to it; bfloat16 computes every intermediate in float32). --backward also\n"
                         "reads dy [T,d] and writes dx dw_router dw_down dwe_gate dwe_up dwe_down dnorm_weight dw_up (and dws_gate\n"
                         "dws_up dws_down): the selection held fixed, the router gradient through p, none for the bias.\n"
-                        "NaN or Inf in any input is an error naming the argument and the position (the token for x and dy).",
+                        "NaN or Inf in any input the step reads is an error naming the argument and the position (the token for x and dy;\n"
+                        "the weights of an expert that no token is routed to are not read).",
                         k3::cli::io_options({{"k", true, "experts per token (default 16)"},
                                              {"scale", true, "routed scaling factor (default 1.0)"},
                                              {"eps", true, "RMSNorm epsilon (default 1e-6)"},

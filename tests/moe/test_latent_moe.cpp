@@ -228,9 +228,10 @@ vec widen(std::vector<T> const& v) {
   return o;
 }
 
-// The library on layer L in storage T; results widened to double.
+// The library on layer L in storage T; results widened to double. With from_saved the backward
+// starts from the state a separate forward saved.
 template <class T, class Bk>
-result run(Bk const& b, layer const& L, moe::latent_moe_options const& o, vec const* dy, bool shared = true) {
+result run(Bk const& b, layer const& L, moe::latent_moe_options const& o, vec const* dy, bool shared = true, bool from_saved = false) {
   dims const m = L.m;
   auto x = cast<T>(L.x), wr = cast<T>(L.wr), bias = cast<T>(L.bias), wd = cast<T>(L.wd), wg = cast<T>(L.wg), wu = cast<T>(L.wu),
        wdn = cast<T>(L.wdn), nw = cast<T>(L.nw), wup = cast<T>(L.wup), wsg = cast<T>(L.wsg), wsu = cast<T>(L.wsu), wsd = cast<T>(L.wsd);
@@ -260,6 +261,13 @@ result run(Bk const& b, layer const& L, moe::latent_moe_options const& o, vec co
       g.dws_gate = {dwsg.data(), {m.s, m.F, m.d}};
       g.dws_up = {dwsu.data(), {m.s, m.F, m.d}};
       g.dws_down = {dwsd.data(), {m.s, m.d, m.F}};
+    }
+    moe::latent_moe_saved<T> saved;
+    if (from_saved) {
+      a.saved = &saved;
+      moe::latent_moe_forward(b, a, o);
+      REQUIRE(saved.filled());
+      std::fill(dx.begin(), dx.end(), static_cast<T>(7.0));  // the backward overwrites every gradient
     }
     moe::latent_moe_backward(b, a, g, o);
     R.dx = widen(dx), R.dwr = widen(dwr), R.dwd = widen(dwd), R.dwg = widen(dwg), R.dwu = widen(dwu), R.dwdn = widen(dwdn);
@@ -312,6 +320,7 @@ TEST_CASE("latent_moe float64: forward and every gradient equal the brute-force 
     o.scale = 2.5;
     auto const ref = brute(L, o, &dy);
     check_all(run<double>(k3::cpu::serial{}, L, o, &dy), ref, 1e-12, 1e-12, true);
+    check_all(run<double>(k3::cpu::threads<>(2), L, o, &dy, true, true), ref, 1e-12, 1e-12, true);
     check_all(run<double>(k3::cpu::threads<>(3), L, o, nullptr), ref, 1e-12, 0, false);
   }
 }
@@ -368,6 +377,18 @@ TEST_CASE("latent_moe float32 within 2e-5 / 1e-4 and bfloat16 within 2e-2 of flo
   CHECK(f2.dx == f.dx);
   CHECK(f2.dwg == f.dwg);
   CHECK(f2.dwr == f.dwr);
+  // The backward from the forward's saved state: the same bits as the one that runs the forward.
+  auto const f3 = run<float>(k3::cpu::threads<>(3), L, o, &dy, true, true);
+  CHECK(f3.y == f.y);
+  CHECK(f3.dx == f.dx);
+  CHECK(f3.dwg == f.dwg);
+  CHECK(f3.dwu == f.dwu);
+  CHECK(f3.dwdn == f.dwdn);
+  CHECK(f3.dwr == f.dwr);
+  CHECK(f3.dwd == f.dwd);
+  CHECK(f3.dnw == f.dnw);
+  CHECK(f3.dwup == f.dwup);
+  CHECK(f3.dwsg == f.dwsg);
   // bfloat16 storage: compare with float64 on the bfloat16-rounded inputs.
   layer Lb = L;
   for (vec* v : {&Lb.x, &Lb.wr, &Lb.bias, &Lb.wd, &Lb.wg, &Lb.wu, &Lb.wdn, &Lb.nw, &Lb.wup, &Lb.wsg, &Lb.wsu, &Lb.wsd})
@@ -443,4 +464,74 @@ TEST_CASE("latent_moe: shape mismatches, k > n, NaN in x and bad options are k3:
   a.we_down = {wdn.data(), {4, 3, 2}};
   a.ws_gate = {wg.data(), {1, 2, 3}};
   CHECK(k3::test::error_of([&] { moe::latent_moe_forward(k3::cpu::serial{}, a, o); }).find("all three or none") != std::string::npos);
+}
+
+TEST_CASE("latent_moe saved state: 2·k·l values per token fewer than the naive layer; other shapes or options are an error") {
+  dims const m{7, 5, 6, 4, 3, 1, 3, 3};
+  layer const L = random_layer(m, 61);
+  auto x = L.x, wr = L.wr, wd = L.wd, wg = L.wg, wu = L.wu, wdn = L.wdn, wup = L.wup, dy = L.x, dx = L.x;
+  moe::latent_moe_args<double> a{{x.data(), {m.T, m.d}},       {wr.data(), {m.n, m.d}},       {}, {wd.data(), {m.l, m.d}},
+                                 {wg.data(), {m.n, m.f, m.l}}, {wu.data(), {m.n, m.f, m.l}}, {wdn.data(), {m.n, m.l, m.f}},
+                                 {},                           {wup.data(), {m.d, m.l}}};
+  moe::latent_moe_saved<double> saved;
+  CHECK(!saved.filled());
+  a.saved = &saved;
+  moe::latent_moe_options o;
+  o.k = m.k;
+  moe::latent_moe_forward(k3::cpu::serial{}, a, o);
+  REQUIRE(saved.filled());
+  // z, h_g and h_u of every slot and the normalised u, plus the routing (T·k ids, p, scores; T sums).
+  std::size_t const values = static_cast<std::size_t>(m.T * m.l + 2 * m.T * m.k * m.f + m.T * m.l);
+  CHECK(saved.bytes() >= values * sizeof(double));
+  CHECK(saved.bytes() < values * sizeof(double) + static_cast<std::size_t>(m.T * m.k) * 40 + static_cast<std::size_t>(m.T + m.n + 1) * 24);
+  CHECK(saved.naive_bytes() - saved.bytes() == static_cast<std::size_t>(2 * m.T * m.k * m.l) * sizeof(double));
+  moe::latent_moe_gradients<double> g{{dy.data(), {m.T, m.d}}, {dx.data(), {m.T, m.d}}};
+  moe::latent_moe_options other = o;
+  other.scale = 2.0;
+  CHECK(k3::test::error_of([&] { moe::latent_moe_backward(k3::cpu::serial{}, a, g, other); }).find("argument 'saved'") != std::string::npos);
+  moe::latent_moe_args<double> shorter = a;
+  shorter.x = {x.data(), {m.T - 1, m.d}};
+  g.dy = {dy.data(), {m.T - 1, m.d}};
+  g.dx = {dx.data(), {m.T - 1, m.d}};
+  CHECK(k3::test::error_of([&] { moe::latent_moe_backward(k3::cpu::serial{}, shorter, g, o); }).find("argument 'saved'") != std::string::npos);
+  saved.clear();
+  CHECK(!saved.filled());
+  CHECK(k3::test::error_of([&] { moe::latent_moe_backward(k3::cpu::serial{}, shorter, g, o); }).empty());
+  CHECK(saved.filled());
+}
+
+TEST_CASE("latent_moe: NaN or Inf in a weight the step reads, in float, double and bfloat16, is an error naming it; an idle expert's weights are not read") {
+  dims const m{3, 4, 5, 3, 2, 1, 2, 2};
+  layer L = random_layer(m, 71);
+  moe::latent_moe_options o;
+  o.k = m.k;
+  auto const clean = run<double>(k3::cpu::serial{}, L, o, nullptr);
+  index_t const used = clean.idx[0];
+  for (int which = 0; which < 5; ++which) {
+    layer N = L;
+    std::size_t const fl = static_cast<std::size_t>(m.f * m.l);
+    vec* v = which == 0 ? &N.wg : which == 1 ? &N.wdn : which == 2 ? &N.wu : which == 3 ? &N.wup : &N.wsd;
+    std::size_t const at = which <= 2 ? static_cast<std::size_t>(used) * fl + fl - 1 : v->size() - 1;
+    (*v)[at] = which % 2 ? INFINITY : NAN;
+    std::string const name = which == 0   ? "argument 'we_gate': non-finite value at [" + std::to_string(used) + ", 1, 2]"
+                             : which == 1 ? "argument 'we_down': non-finite value at [" + std::to_string(used) + ", 2, 1]"
+                             : which == 2 ? "argument 'we_up': non-finite value at [" + std::to_string(used) + ", 1, 2]"
+                             : which == 3 ? "argument 'w_up'"
+                                          : "argument 'ws_down'";
+    CAPTURE(name);
+    CHECK(k3::test::error_of([&] { run<double>(k3::cpu::serial{}, N, o, nullptr); }).find(name) != std::string::npos);
+    CHECK(k3::test::error_of([&] { run<float>(k3::cpu::threads<>(2), N, o, nullptr); }).find(name) != std::string::npos);
+    CHECK(k3::test::error_of([&] { run<k3::bfloat16>(k3::cpu::threads<>(2), N, o, nullptr); }).find(name) != std::string::npos);
+    vec const dy = k3::test::gaussian(static_cast<std::size_t>(m.T * m.d), 72);
+    CHECK(k3::test::error_of([&] { run<float>(k3::cpu::serial{}, N, o, &dy, true, true); }).find(name) != std::string::npos);
+  }
+  CHECK(k3::test::error_of([&] { run<k3::bfloat16>(k3::cpu::serial{}, L, o, nullptr); }).empty());
+  // Expert 0 made idle by its bias: a NaN in its weights is never read.
+  layer I = L;
+  I.bias[0] = -100;
+  auto const idle = run<double>(k3::cpu::serial{}, I, o, nullptr);
+  CHECK(std::find(idle.idx.begin(), idle.idx.end(), index_t(0)) == idle.idx.end());
+  I.wg[0] = NAN;
+  I.wdn[1] = NAN;
+  CHECK(run<double>(k3::cpu::serial{}, I, o, nullptr).y == idle.y);
 }
