@@ -6,6 +6,7 @@
 //   k3::moe::qb_offline_solve / qb_exact_update / qb_histogram     (quantile_balancing.hpp)
 //   k3::moe::situ_glu / expert_ffn_*                               (situ.hpp)
 //   k3::moe::latent_moe_forward / latent_moe_backward              the Stable LatentMoE layer (latent_moe.hpp)
+//   k3::moe::moonep_latent_moe_forward / _backward                 the layer under MoonEP over MPI (expert_parallel.hpp)
 //   k3::moe::eplb_rebalance / moonep_rebalance / check_*           (placement.hpp)
 //   k3::moe::cuda::route_launch                                    (cuda.hpp / cuda.cuh, nvcc)
 //
@@ -27,6 +28,7 @@
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/comm/communicator.hpp"
 #include "k3/core/concepts.hpp"
+#include "k3/moe/expert_parallel.hpp"
 #include "k3/moe/latent_moe.hpp"
 #include "k3/moe/placement.hpp"
 #include "k3/moe/quantile_balancing.hpp"

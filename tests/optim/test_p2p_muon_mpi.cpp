@@ -43,8 +43,8 @@ struct blocking_only {
   void barrier() const { c->barrier(); }
 };
 static_assert(k3::Communicator<blocking_only>);
-static_assert(!optim::detail::NonBlockingCommunicator<blocking_only>);
-static_assert(optim::detail::NonBlockingCommunicator<k3::mpi_communicator>);
+static_assert(!k3::NonBlockingCommunicator<blocking_only>);
+static_assert(k3::NonBlockingCommunicator<k3::mpi_communicator>);
 
 template <class T, class Comm>
 void check_set(Comm const& comm, std::vector<optim::matrix_shape> const& shapes, unsigned seed, char const* what) {

@@ -30,6 +30,15 @@ concept Communicator = requires(C const& c, tensor_view<float, 1> f, tensor_view
   c.barrier();
 };
 
+// A communicator that also posts non-blocking transfers: isend/irecv return a request that
+// wait() completes (k3::mpi_communicator).
+template <class C>
+concept NonBlockingCommunicator = Communicator<C> && requires(C const& c, tensor_view<float, 1> f, tensor_view<float const, 1> cf, int peer, int tag) {
+  c.isend(cf, peer, tag);
+  c.irecv(f, peer, tag);
+  requires requires(decltype(c.isend(cf, peer, tag))& r) { c.wait(r); };
+};
+
 namespace detail {
 // Element-type codes carried in message headers so receivers can reject mismatches.
 template <class T>

@@ -130,13 +130,6 @@ namespace detail {
 
 inline constexpr int p2p_shard_tag = 0x7100, p2p_result_tag = 0x7101;
 
-template <class C>
-concept NonBlockingCommunicator = requires(C const& c, tensor_view<float, 1> f, tensor_view<float const, 1> cf, int peer, int tag) {
-  c.isend(cf, peer, tag);
-  c.irecv(f, peer, tag);
-  requires requires(decltype(c.isend(cf, peer, tag))& r) { c.wait(r); };
-};
-
 // Words on the wire: bfloat16 travels as its 16 bits.
 template <class T>
 using p2p_word_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, bfloat16>, std::uint16_t, std::remove_const_t<T>>;
@@ -239,7 +232,7 @@ p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& 
     std::copy(args.g_shards[j].data_handle(), args.g_shards[j].data_handle() + mine.size(), whole[j].data() + mine.begin);
   };
 
-  if constexpr (detail::NonBlockingCommunicator<Comm>) {
+  if constexpr (NonBlockingCommunicator<Comm>) {
     using request = decltype(comm.isend(tensor_view<float const, 1>{}, 0, 0));
     std::vector<std::vector<request>> gathers(n);
     std::vector<request> pending;
