@@ -16,6 +16,7 @@
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/moe/latent_moe.hpp"
 #include "support/error_of.hpp"
+#include "support/metrics.hpp"
 #include "support/random.hpp"
 
 namespace moe = k3::moe;
@@ -279,15 +280,7 @@ result run(Bk const& b, layer const& L, moe::latent_moe_options const& o, vec co
   return R;
 }
 
-double rel(vec const& got, vec const& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num = std::max(num, std::abs(got[i] - ref[i]));
-    den = std::max(den, std::abs(ref[i]));
-  }
-  return den > 0 ? num / den : num;
-}
+double rel(vec const& got, vec const& ref) { return k3::test::rel_max(got, ref); }
 
 void check_all(result const& got, result const& ref, double tol_y, double tol_g, bool grads) {
   CHECK(got.idx == ref.idx);

@@ -16,6 +16,7 @@
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/comm/mpi.hpp"
 #include "k3/moe/expert_parallel.hpp"
+#include "support/metrics.hpp"
 #include "support/mpi_check.hpp"
 
 namespace moe = k3::moe;
@@ -34,16 +35,6 @@ std::vector<T> gaussian(std::size_t n, unsigned seed, double scale) {
   std::vector<T> v(n);
   for (auto& x : v) x = static_cast<T>(nd(g));
   return v;
-}
-
-double rel(std::vector<double> const& got, std::vector<double> const& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num = std::max(num, std::abs(got[i] - ref[i]));
-    den = std::max(den, std::abs(ref[i]));
-  }
-  return den > 0 ? num / den : num;
 }
 
 template <class T>
@@ -180,7 +171,7 @@ void check_layer(k3::mpi_communicator const& comm, shape const& m, unsigned seed
     std::size_t const fl = static_cast<std::size_t>(m.f * m.l) * static_cast<std::size_t>(per), e0 = static_cast<std::size_t>(me * per * m.f * m.l);
     EXPECT(std::equal(got.idx.begin(), got.idx.end(), ref.idx.begin() + static_cast<std::ptrdiff_t>(me * tk)), "%s step %d: indices", what, step);
     auto cmp = [&](char const* name, std::vector<T> const& g, std::vector<T> const& r, std::size_t off, std::size_t n) {
-      double const e = rel(widen(g.data(), g.size()), widen(r.data() + off, n));
+      double const e = k3::test::rel_max(widen(g.data(), g.size()), widen(r.data() + off, n));
       EXPECT(g.size() == n && e < tol, "%s step %d: %s rel %.3g (tol %.1g)", what, step, name, e, tol);
     };
     cmp("y", got.y, ref.y, mine, tok);

@@ -37,6 +37,21 @@ inline double max_abs_diff(std::vector<double> const& got, std::vector<double> c
   return m;
 }
 
+// The max-norm relative error max|got - ref| / max|ref| (max|got - ref| for an all-zero
+// reference); sizes that differ, or a NaN/Inf in either vector, give +inf.
+template <class G, class R>
+double rel_max(std::vector<G> const& got, std::vector<R> const& ref) {
+  if (got.size() != ref.size()) return INFINITY;
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    double const g = static_cast<double>(got[i]), r = static_cast<double>(ref[i]);
+    if (!std::isfinite(g) || !std::isfinite(r)) return INFINITY;
+    num = std::max(num, std::abs(g - r));
+    den = std::max(den, std::abs(r));
+  }
+  return den > 0 ? num / den : num;
+}
+
 // fla's assert_close: pass if the max abs diff is <= 1e-6, else if the relative RMS < ratio.
 inline bool fla_close(std::vector<double> const& got, std::vector<double> const& ref, double ratio) {
   if (max_abs_diff(got, ref) <= 1e-6) return true;

@@ -10,6 +10,7 @@
 #include <concepts>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "k3/core/error.hpp"
 #include "k3/core/tensor_view.hpp"
@@ -30,14 +31,22 @@ concept Communicator = requires(C const& c, tensor_view<float, 1> f, tensor_view
   c.barrier();
 };
 
-// A communicator that also posts non-blocking transfers: isend/irecv return a request that
-// wait() completes (k3::mpi_communicator).
+namespace detail {
 template <class C>
-concept NonBlockingCommunicator = Communicator<C> && requires(C const& c, tensor_view<float, 1> f, tensor_view<float const, 1> cf, int peer, int tag) {
+concept posts_nonblocking = requires(C const& c, tensor_view<float, 1> f, tensor_view<float const, 1> cf, int peer, int tag) {
   c.isend(cf, peer, tag);
   c.irecv(f, peer, tag);
-  requires requires(decltype(c.isend(cf, peer, tag))& r) { c.wait(r); };
 };
+template <class C>
+using comm_request_t = decltype(std::declval<C const&>().isend(std::declval<tensor_view<float const, 1>>(), 0, 0));
+}  // namespace detail
+
+// A communicator that also posts non-blocking transfers: isend/irecv return a request that
+// wait() completes (k3::mpi_communicator). The request type is named through an alias because
+// nvcc 13's front end aborts on a nested requires-expression over decltype of a parameter.
+template <class C>
+concept NonBlockingCommunicator = Communicator<C> && detail::posts_nonblocking<C> &&
+                                  requires(C const& c, detail::comm_request_t<C>& r) { c.wait(r); };
 
 namespace detail {
 // Element-type codes carried in message headers so receivers can reject mismatches.
