@@ -5,6 +5,8 @@
 //   k3::moe::quantile_balancer                                     per-step causal QB state
 //   k3::moe::qb_offline_solve / qb_exact_update / qb_histogram     (quantile_balancing.hpp)
 //   k3::moe::situ_glu / expert_ffn_*                               (situ.hpp)
+//   k3::moe::grouped_ffn_forward / grouped_ffn_backward            the routed experts over grouped tokens
+//                                                                  (grouped_ffn.hpp; CUDA: grouped_ffn.cuh)
 //   k3::moe::latent_moe_forward / latent_moe_backward              the Stable LatentMoE layer (latent_moe.hpp)
 //   k3::moe::moonep_latent_moe_forward / _backward                 the layer under MoonEP over MPI (expert_parallel.hpp)
 //   k3::moe::eplb_rebalance / moonep_rebalance / check_*           (placement.hpp)

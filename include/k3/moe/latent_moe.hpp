@@ -44,6 +44,7 @@
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
+#include "k3/moe/grouped_ffn.hpp"
 #include "k3/moe/situ.hpp"
 
 namespace k3::moe {
@@ -352,7 +353,7 @@ void lm_assign_rows(Bk const& b, V const& v, F&& f) {
 // SiTU of two matrices, row by row, and (with dg, du) its partial derivatives. In float the
 // rows run on Eigen's vectorised tanh and exp, in forms that keep their relative precision in
 // the tails: sech²(z) = 4e/(1+e)² with e = exp(-2|z|), and sigma(-g) evaluated as itself, not as
-// 1 - sigma(g). In double every element goes through the scalar situ_glu / situ_glu_grad.
+// 1 - sigma(g). In double every element goes through the scalar situ_glu / situ_glu_partials.
 template <class C, class G, class U, class A, class DG, class DU>
 void lm_situ(G const& g, U const& u, situ_params<C> const& sp, A&& a, DG* dg, DU* du) {
   Eigen::Index const rows = g.rows(), cols = g.cols();
@@ -379,7 +380,7 @@ void lm_situ(G const& g, U const& u, situ_params<C> const& sp, A&& a, DG* dg, DU
     for (Eigen::Index i = 0; i < rows; ++i)
       for (Eigen::Index j = 0; j < cols; ++j) {
         if (dg) {
-          situ_grad<C> const r = situ_glu_grad(g(i, j), u(i, j), sp);
+          situ_partials<C> const r = situ_glu_partials(g(i, j), u(i, j), sp);
           a(i, j) = r.value;
           (*dg)(i, j) = r.d_gate;
           (*du)(i, j) = r.d_up;
@@ -872,6 +873,139 @@ void latent_moe_backward(Bk const& b, latent_moe_args<T> const& a, latent_moe_gr
     detail::lm_forward<C>(b, a, o, m, st, detail::lm_local_forward_fn(b, a));
     detail::lm_backward<C>(b, a, g, st, detail::lm_local_backward_fn(b, a, g));
   }
+}
+
+// ---- the routed experts alone: k3::moe::grouped_ffn_forward / grouped_ffn_backward on a host
+// backend (k3/moe/grouped_ffn.hpp), through the same per-expert kernels as the layer.
+
+namespace detail {
+
+// Slots grouped by expert, each expert's in token order (a counting sort); ids are checked here.
+struct gf_grouping {
+  std::vector<index_t> offs, slot;
+};
+
+inline gf_grouping gf_group(const_view<std::int64_t, 2> idx, index_t n) {
+  index_t const T_ = idx.extent(0), k = idx.extent(1);
+  gf_grouping g;
+  g.offs.assign(static_cast<std::size_t>(n + 1), 0);
+  for (index_t t = 0; t < T_; ++t)
+    for (index_t j = 0; j < k; ++j) {
+      std::int64_t const e = idx(t, j);
+      if (e < -1 || e >= n) throw ::k3::error(gf_bad_index(t, j, e, n));
+      if (e >= 0) ++g.offs[static_cast<std::size_t>(e + 1)];
+    }
+  for (index_t e = 0; e < n; ++e) g.offs[static_cast<std::size_t>(e + 1)] += g.offs[static_cast<std::size_t>(e)];
+  g.slot.assign(static_cast<std::size_t>(g.offs.back()), 0);
+  std::vector<index_t> fill(g.offs.begin(), g.offs.end() - 1);
+  for (index_t t = 0; t < T_; ++t)
+    for (index_t j = 0; j < k; ++j)
+      if (idx(t, j) >= 0) g.slot[static_cast<std::size_t>(fill[static_cast<std::size_t>(idx(t, j))]++)] = t * k + j;
+  return g;
+}
+
+// Rows rows[i] / div of a [*, c] view, in the compute type.
+template <class C, class V>
+lm_matrix<C> gf_gather(V const& v, index_t const* rows, index_t ne, index_t div) {
+  lm_matrix<C> m(ne, v.extent(1));
+  for (index_t i = 0; i < ne; ++i)
+    for (index_t c = 0; c < v.extent(1); ++c) m(i, c) = load_as<C>(v(rows[i] / div, c));
+  return m;
+}
+
+template <class C, class V>
+lm_matrix<C> gf_gather_slots(V const& h, index_t const* rows, index_t ne) {
+  index_t const k = h.extent(1), f = h.extent(2);
+  lm_matrix<C> m(ne, f);
+  for (index_t i = 0; i < ne; ++i)
+    for (index_t c = 0; c < f; ++c) m(i, c) = h(rows[i] / k, rows[i] % k, c);
+  return m;
+}
+
+}  // namespace detail
+
+template <HostBackend Bk, class T>
+void grouped_ffn_forward(Bk const& b, grouped_ffn_args<T> const& a, grouped_ffn_options const& o = {}) {
+  using C = grouped_ffn_compute_t<T>;
+  using S = std::remove_const_t<T>;
+  detail::gf_dims const m = detail::check_grouped_ffn(a, o, false);
+  detail::check_grouped_ffn_forward_outputs(a);
+  detail::gf_grouping const gr = detail::gf_group(a.indices, m.n);
+  situ_params<C> const sp{static_cast<C>(o.beta_gate), static_cast<C>(o.beta_up)};
+  bool const keep = detail::gf_present(a.h_gate);
+  index_t const slots = m.T * m.k;
+  detail::lm_matrix<C> O = detail::lm_matrix<C>::Zero(slots, m.l);
+  if (keep)
+    for (index_t s = 0; s < slots; ++s)
+      for (index_t c = 0; c < m.f; ++c) a.h_gate(s / m.k, s % m.k, c) = a.h_up(s / m.k, s % m.k, c) = C(0);
+  b.for_each(0, m.n, [&](std::int64_t e) {
+    index_t const r0 = gr.offs[static_cast<std::size_t>(e)], ne = gr.offs[static_cast<std::size_t>(e + 1)] - r0;
+    if (ne == 0) return;
+    index_t const* rows = gr.slot.data() + r0;
+    detail::lm_matrix<C> const Ze = detail::gf_gather<C>(a.z, rows, ne, m.k);
+    detail::lm_matrix<C> own_g, own_u, own_dn, G(ne, m.f), U(ne, m.f), Oe;
+    auto const Wg = detail::lm_map(a.w_gate.slice(0, e), own_g), Wu = detail::lm_map(a.w_up.slice(0, e), own_u),
+               Wdn = detail::lm_map(a.w_down.slice(0, e), own_dn);
+    detail::lm_expert_forward<C>(Ze, Wg, Wu, Wdn, sp, G, U, Oe);
+    for (index_t i = 0; i < ne; ++i) {
+      index_t const s = rows[i];
+      O.row(s) = Oe.row(i);
+      if (keep)
+        for (index_t c = 0; c < m.f; ++c) {
+          a.h_gate(s / m.k, s % m.k, c) = G(i, c);
+          a.h_up(s / m.k, s % m.k, c) = U(i, c);
+        }
+    }
+  });
+  b.for_each(0, m.T, [&](std::int64_t t) {
+    for (index_t c = 0; c < m.l; ++c) {
+      C acc = 0;
+      for (index_t j = 0; j < m.k; ++j)
+        if (a.indices(t, j) >= 0) acc += load_as<C>(a.weights(t, j)) * O(t * m.k + j, c);
+      a.u(t, c) = store_as<S>(acc);
+    }
+  });
+}
+
+template <HostBackend Bk, class T>
+void grouped_ffn_backward(Bk const& b, grouped_ffn_args<T> const& a, grouped_ffn_gradients<T> const& g, grouped_ffn_options const& o = {}) {
+  using C = grouped_ffn_compute_t<T>;
+  using S = std::remove_const_t<T>;
+  detail::gf_dims const m = detail::check_grouped_ffn(a, g, o);
+  detail::gf_grouping const gr = detail::gf_group(a.indices, m.n);
+  situ_params<C> const sp{static_cast<C>(o.beta_gate), static_cast<C>(o.beta_up)};
+  index_t const slots = m.T * m.k;
+  detail::lm_matrix<C> DZ = detail::lm_matrix<C>::Zero(slots, m.l);
+  std::vector<C> dp(static_cast<std::size_t>(slots), C(0));
+  b.for_each(0, m.n, [&](std::int64_t e) {
+    index_t const r0 = gr.offs[static_cast<std::size_t>(e)], ne = gr.offs[static_cast<std::size_t>(e + 1)] - r0;
+    index_t const* rows = gr.slot.data() + r0;
+    detail::lm_matrix<C> const Ze = detail::gf_gather<C>(a.z, rows, ne, m.k);
+    detail::lm_matrix<C> DUe = detail::gf_gather<C>(g.du, rows, ne, m.k);
+    detail::lm_matrix<C> const Hg = detail::gf_gather_slots<C>(a.h_gate, rows, ne), Hu = detail::gf_gather_slots<C>(a.h_up, rows, ne);
+    std::vector<C> pe(static_cast<std::size_t>(ne)), dpe(static_cast<std::size_t>(ne));
+    for (index_t i = 0; i < ne; ++i) pe[static_cast<std::size_t>(i)] = load_as<C>(a.weights(rows[i] / m.k, rows[i] % m.k));
+    detail::lm_matrix<C> own_g, own_u, own_dn, DZe;
+    auto const Wg = detail::lm_map(a.w_gate.slice(0, e), own_g), Wu = detail::lm_map(a.w_up.slice(0, e), own_u),
+               Wdn = detail::lm_map(a.w_down.slice(0, e), own_dn);
+    auto slice = [&](auto const& v) { return detail::gf_present(v) ? v.slice(0, e) : decltype(v.slice(0, e)){}; };
+    detail::lm_expert_backward<C>(Ze, DUe, pe.data(), Hg, Hu, Wg, Wu, Wdn, sp, dpe.data(), DZe, slice(g.dw_gate), slice(g.dw_up),
+                                  slice(g.dw_down));
+    for (index_t i = 0; i < ne; ++i) {
+      dp[static_cast<std::size_t>(rows[i])] = dpe[static_cast<std::size_t>(i)];
+      DZ.row(rows[i]) = DZe.row(i);
+    }
+  });
+  b.for_each(0, m.T, [&](std::int64_t t) {
+    if (detail::gf_present(g.d_weights))
+      for (index_t j = 0; j < m.k; ++j) g.d_weights(t, j) = store_as<S>(dp[static_cast<std::size_t>(t * m.k + j)]);
+    if (detail::gf_present(g.dz))
+      for (index_t c = 0; c < m.l; ++c) {
+        C acc = 0;
+        for (index_t j = 0; j < m.k; ++j) acc += DZ(t * m.k + j, c);
+        g.dz(t, c) = store_as<S>(acc);
+      }
+  });
 }
 
 }  // namespace k3::moe

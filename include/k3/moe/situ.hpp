@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "k3/core/config.hpp"
 #include "k3/core/error.hpp"
 #include "k3/core/math.hpp"
 #include "k3/core/tensor_view.hpp"
@@ -40,7 +41,12 @@ struct situ_grad {
 };
 
 template <class T>
-inline T situ_glu(T g, T u, situ_params<T> const& c = {}) noexcept {
+struct situ_partials {
+  T value, d_gate, d_up;
+};
+
+template <class T>
+K3_INLINE T situ_glu(T g, T u, situ_params<T> const& c = {}) noexcept {
   return c.beta1 * std::tanh(g / c.beta1) * ::k3::detail::sigmoid(g) * c.beta2 * std::tanh(u / c.beta2);
 }
 
@@ -49,7 +55,7 @@ namespace detail {
 // sech^2(z) = 1 - tanh^2(z), without the cancellation of that form once |tanh z| rounds to 1
 // (|z| > ~19 in double, ~9 in float: 1 - tanh^2 gave 0, the exact value is 4 e^{-2|z|}).
 template <class T>
-inline T sech2(T z) noexcept {
+K3_INLINE T sech2(T z) noexcept {
   T const e = std::exp(T(-2) * std::fabs(z));
   return T(4) * e / ((T(1) + e) * (T(1) + e));
 }
@@ -71,21 +77,25 @@ inline T softcap_dcap(T z) noexcept {
 
 }  // namespace detail
 
-// Value and partial derivatives with respect to g, u and the two caps. Every factor is
-// evaluated in a form that keeps its relative precision in the tails (sigma(g)(1 - sigma(g))
-// as sigma(g) sigma(-g), 1 - tanh^2 as sech^2, the cap derivative by its series near 0).
+// Value and partial derivatives with respect to g and u, every factor in a form that keeps its
+// relative precision in the tails (sigma(g)(1 - sigma(g)) as sigma(g) sigma(-g), 1 - tanh^2 as
+// sech^2). Host and device code (the CUDA experts) share it.
 template <class T>
-inline situ_grad<T> situ_glu_grad(T g, T u, situ_params<T> const& c = {}) noexcept {
+K3_INLINE situ_partials<T> situ_glu_partials(T g, T u, situ_params<T> const& c = {}) noexcept {
   T const zg = g / c.beta1, zu = u / c.beta2;
   T const tg = std::tanh(zg), tu = std::tanh(zu), sg = ::k3::detail::sigmoid(g), sgm = ::k3::detail::sigmoid(-g);
   T const cg = c.beta1 * tg, cu = c.beta2 * tu;
-  situ_grad<T> r;
-  r.value = cg * sg * cu;
-  r.d_gate = cu * (detail::sech2(zg) * sg + cg * sg * sgm);
-  r.d_up = cg * sg * detail::sech2(zu);
-  r.d_beta1 = detail::softcap_dcap(zg) * sg * cu;
-  r.d_beta2 = cg * sg * detail::softcap_dcap(zu);
-  return r;
+  return {cg * sg * cu, cu * (detail::sech2(zg) * sg + cg * sg * sgm), cg * sg * detail::sech2(zu)};
+}
+
+// The same and the partial derivatives with respect to the two caps (the cap derivative by its
+// series near 0).
+template <class T>
+inline situ_grad<T> situ_glu_grad(T g, T u, situ_params<T> const& c = {}) noexcept {
+  situ_partials<T> const p = situ_glu_partials(g, u, c);
+  T const zg = g / c.beta1, zu = u / c.beta2;
+  T const sg = ::k3::detail::sigmoid(g), cg = c.beta1 * std::tanh(zg), cu = c.beta2 * std::tanh(zu);
+  return {p.value, p.d_gate, p.d_up, detail::softcap_dcap(zg) * sg * cu, cg * sg * detail::softcap_dcap(zu)};
 }
 
 template <class T>
@@ -232,11 +242,16 @@ void expert_ffn_backward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> id
   check_shape("dw_up", g.dw_up, {E, d, f});
   check_shape("dw_down", g.dw_down, {E, f, d});
   if (!w.b_down.empty()) check_shape("db_down", g.db_down, {E, d});
-  for (auto const& [name, v] : {std::pair<char const*, const_view<T, 3>>{"h_gate", h_gate}, {"h_up", h_up}, {"y", y}, {"dw_gate", g.dw_gate},
-                                {"dw_up", g.dw_up}, {"dw_down", g.dw_down}})
-    ::k3::detail::check_view(name, v);
-  for (auto const& [name, v] : {std::pair<char const*, const_view<T, 2>>{"d_o", d_o}, {"dx", g.dx}, {"dp", g.dp}, {"db_down", g.db_down}})
-    ::k3::detail::check_view(name, v);
+  ::k3::detail::check_view("h_gate", h_gate);
+  ::k3::detail::check_view("h_up", h_up);
+  ::k3::detail::check_view("y", y);
+  ::k3::detail::check_view("dw_gate", g.dw_gate);
+  ::k3::detail::check_view("dw_up", g.dw_up);
+  ::k3::detail::check_view("dw_down", g.dw_down);
+  ::k3::detail::check_view("d_o", d_o);
+  ::k3::detail::check_view("dx", g.dx);
+  ::k3::detail::check_view("dp", g.dp);
+  ::k3::detail::check_view("db_down", g.db_down);
   tensor_view<T, 2> const db_down = w.b_down.empty() ? tensor_view<T, 2>{} : g.db_down;  // ignored without a bias
   ::k3::detail::check_outputs_apart(
       [&](auto&& f_) {
