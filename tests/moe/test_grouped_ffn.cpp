@@ -147,16 +147,7 @@ TEST_CASE("grouped_ffn on the host: a NaN in one token stays in that token and i
   index_t const bad = 3;
   q.z[static_cast<std::size_t>(bad * q.l + 2)] = std::numeric_limits<double>::quiet_NaN();
   auto const r = run<float>(k3::cpu::threads<>(2), q);
-  for (index_t t = 0; t < q.T; ++t)
-    for (index_t i = 0; i < q.l; ++i) {
-      CHECK(std::isnan(r.u[static_cast<std::size_t>(t * q.l + i)]) == (t == bad));
-      CHECK(std::isnan(r.dz[static_cast<std::size_t>(t * q.l + i)]) == (t == bad));
-    }
-  for (index_t e = 0; e < q.n; ++e) {
-    bool reached = false;
-    for (index_t j = 0; j < q.k; ++j) reached |= q.idx[static_cast<std::size_t>(bad * q.k + j)] == e;
-    CHECK(std::isnan(r.dw_gate[static_cast<std::size_t>(e * q.f * q.l)]) == reached);
-  }
+  k3::test::check_nan_confined(q, bad, r);
 }
 
 TEST_CASE("grouped_ffn on the host: errors name the argument") {

@@ -135,16 +135,7 @@ TEST_CASE("CUDA grouped_ffn: slot rules; a NaN in one token stays in that token 
   index_t const bad = 3;
   qn.z[static_cast<std::size_t>(bad * qn.l + 2)] = std::numeric_limits<double>::quiet_NaN();
   auto const n = run<float>(qn);
-  for (index_t t = 0; t < qn.T; ++t)
-    for (index_t i = 0; i < qn.l; ++i) {
-      CHECK(std::isnan(n.u[static_cast<std::size_t>(t * qn.l + i)]) == (t == bad));
-      CHECK(std::isnan(n.dz[static_cast<std::size_t>(t * qn.l + i)]) == (t == bad));
-    }
-  for (index_t e = 0; e < qn.n; ++e) {
-    bool reached = false;
-    for (index_t j = 0; j < qn.k; ++j) reached |= qn.idx[static_cast<std::size_t>(bad * qn.k + j)] == e;
-    CHECK(std::isnan(n.dw_gate[static_cast<std::size_t>(e * qn.f * qn.l)]) == reached);
-  }
+  k3::test::check_nan_confined(qn, bad, n);
 }
 
 TEST_CASE("CUDA grouped_ffn: bad ids and shapes get the host backend's errors") {

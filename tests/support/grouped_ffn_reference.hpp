@@ -172,4 +172,19 @@ void check_against(grouped_ffn_result const& got, grouped_ffn_result const& ref,
   CHECK_LE(metric(got.dw_down, ref.dw_down), tol_bwd);
 }
 
+// With z[bad] holding a NaN: u and dz are NaN in token `bad` only, and the weight gradients of
+// exactly the experts `bad` was routed to.
+inline void check_nan_confined(grouped_ffn_problem const& q, std::int64_t bad, grouped_ffn_result const& r) {
+  for (std::int64_t t = 0; t < q.T; ++t)
+    for (std::int64_t i = 0; i < q.l; ++i) {
+      CHECK(std::isnan(r.u[static_cast<std::size_t>(t * q.l + i)]) == (t == bad));
+      CHECK(std::isnan(r.dz[static_cast<std::size_t>(t * q.l + i)]) == (t == bad));
+    }
+  for (std::int64_t e = 0; e < q.n; ++e) {
+    bool reached = false;
+    for (std::int64_t j = 0; j < q.k; ++j) reached |= q.idx[static_cast<std::size_t>(bad * q.k + j)] == e;
+    CHECK(std::isnan(r.dw_gate[static_cast<std::size_t>(e * q.f * q.l)]) == reached);
+    CHECK(std::isnan(r.dw_down[static_cast<std::size_t>(e * q.l * q.f)]) == reached);
+  }
+}
 }  // namespace k3::test

@@ -83,6 +83,17 @@ struct gf_dims {
 template <class T>
 inline constexpr bool gf_storage = std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16>;
 
+// f(name, view) for each input the forward reads.
+template <class T, class Space, class F>
+void gf_inputs(grouped_ffn_args<T, Space> const& a, F&& f) {
+  f("z", a.z);
+  f("indices", a.indices);
+  f("weights", a.weights);
+  f("w_gate", a.w_gate);
+  f("w_up", a.w_up);
+  f("w_down", a.w_down);
+}
+
 // Shapes, options and aliasing; the expert ids are data and are checked where they are read.
 template <class T, class Space>
 gf_dims check_grouped_ffn(grouped_ffn_args<T, Space> const& a, grouped_ffn_options const& o, bool backward) {
@@ -142,12 +153,7 @@ gf_dims check_grouped_ffn(grouped_ffn_args<T, Space> const& a, grouped_ffn_gradi
         f("dw_down", g.dw_down);
       },
       [&](auto&& f) {
-        f("z", a.z);
-        f("indices", a.indices);
-        f("weights", a.weights);
-        f("w_gate", a.w_gate);
-        f("w_up", a.w_up);
-        f("w_down", a.w_down);
+        gf_inputs(a, f);
         f("h_gate", a.h_gate);
         f("h_up", a.h_up);
         f("du", g.du);
@@ -163,14 +169,7 @@ void check_grouped_ffn_forward_outputs(grouped_ffn_args<T, Space> const& a) {
         f("h_gate", a.h_gate);
         f("h_up", a.h_up);
       },
-      [&](auto&& f) {
-        f("z", a.z);
-        f("indices", a.indices);
-        f("weights", a.weights);
-        f("w_gate", a.w_gate);
-        f("w_up", a.w_up);
-        f("w_down", a.w_down);
-      });
+      [&](auto&& f) { gf_inputs(a, f); });
 }
 
 inline std::string gf_bad_index(index_t t, index_t j, std::int64_t e, index_t n) {
