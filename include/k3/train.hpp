@@ -1,9 +1,12 @@
 // k3/train.hpp — memory-efficient training (K3 §5.2.2): the per-GPU memory ledger of a training
 // step under the pipeline, expert and data parallel sliders, with and without K3's memory
-// techniques (docs/training_memory.md).
+// techniques, and the saved-tensor store of the activation manager (docs/training_memory.md).
 //
 //   namespace k3::train:
 //     ledger_of(model_config{}, parallel_config{}, toggles::all()) -> ledger   rows per GPU, per pipeline rank
 //     parameters_of(model_config) -> parameter_counts;  in_flight(parallel_config, rank)
+//     saved_tensor_store<Backend>: save(x, keep | recompute | fp8 | offload) -> handle, prefetch,
+//                                  load(handle, out) once, stats() of the resident and host pools
 #pragma once
 #include "k3/train/ledger.hpp"
+#include "k3/train/saved_tensors.hpp"
