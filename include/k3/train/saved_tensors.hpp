@@ -2,7 +2,7 @@
 // the unified activation manager): every tensor a forward keeps for its backward is saved under
 // a policy, and the backward loads it back once.
 //
-//   k3::train::saved_tensor_store store(cpu);
+//   k3::train::saved_tensor_store<k3::cpu::threads<>> store(cpu);
 //   auto h = store.save(x, k3::train::fp8 | k3::train::offload);   // or keep, recompute, fp8, offload
 //   auto r = store.save(y, k3::train::recompute, [&](auto out) { /* rewrite y into out */ });
 //   ...
@@ -22,7 +22,8 @@
 //   offload    the bytes (a copy, or fp8's codes with fp8 | offload) in the host pool, out of
 //              the resident pool, until prefetch() or load() brings them back.
 // The store owns two pools with statistics: resident bytes (what a GPU would hold) and host
-// bytes, each with its peak; saved_bytes counts what save() stored in either.
+// bytes, each with its peak; saved_bytes counts what save() stored in either. The CUDA store
+// (device views, offload through pinned memory and a side stream) is in saved_tensors.cuh.
 //
 // Errors (k3::error): a second load or a load after release of the same handle, a handle the
 // store never issued, a load into a view of another shape or element type, fp8 of an integer
@@ -148,10 +149,83 @@ std::string element_name() {
   else return typeid(T).name();
 }
 
+// What every backend's entry records of a saved tensor, and the check of a load's target.
+struct saved_meta {
+  save_policy policy = keep;
+  std::type_info const* type = nullptr;
+  std::string type_name;
+  std::vector<index_t> shape;
+
+  template <class T, class V>
+  void describe(save_policy p, V const& x) {
+    policy = p;
+    type = &typeid(T);
+    type_name = element_name<T>();
+    shape.clear();
+    for (std::size_t r = 0; r < V::rank(); ++r) shape.push_back(x.extent(r));
+  }
+  template <class T, class V>
+  void check_target(V const& out) const {
+    bool same = *type == typeid(T) && shape.size() == V::rank();
+    for (std::size_t r = 0; same && r < V::rank(); ++r) same = shape[r] == out.extent(r);
+    if (same) return;
+    std::string s = "[";
+    for (std::size_t r = 0; r < shape.size(); ++r) s += (r ? ", " : "") + std::to_string(shape[r]);
+    throw ::k3::error("argument 'out': expected a " + type_name + " tensor of shape " + s + "], got " + element_name<T>() + " " +
+                      ::k3::detail::shape_of(out));
+  }
+};
+
+// The policy bits a save may carry: recompute alone (with its callable), or any of fp8, offload.
+inline void check_policy(save_policy p, bool has_callable) {
+  ::k3::detail::require(static_cast<unsigned>(p) <= 7u, [&] { return "save: unknown policy bits " + std::to_string(static_cast<unsigned>(p)); });
+  if (!has_policy(p, recompute)) return;
+  ::k3::detail::require(p == recompute, [&] { return "save: policy " + policy_name(p) + ": recompute stores nothing and combines with no other policy"; });
+  ::k3::detail::require(has_callable, "save: policy recompute needs the callable that recomputes the tensor");
+}
+
+// The handles of one store: each issued once, each entry loaded or released once.
+template <class Entry>
+class saved_book {
+ public:
+  saved_handle issue(Entry e) {
+    std::uint64_t const id = ++last_;
+    entries_.emplace(id, std::move(e));
+    return {id};
+  }
+  Entry& find(saved_handle h, char const* what) {
+    auto it = entries_.find(h.id);
+    if (it != entries_.end()) return it->second;
+    auto gone = gone_.find(h.id);
+    if (gone != gone_.end())
+      throw ::k3::error(std::string(what) + ": saved tensor " + std::to_string(h.id) + " was already " + gone->second +
+                        " (each saved tensor is loaded once)");
+    throw ::k3::error(std::string(what) + ": handle " + std::to_string(h.id) + " was not issued by this store");
+  }
+  void consume(saved_handle h, char const* how) {
+    entries_.erase(h.id);
+    gone_.emplace(h.id, how);
+  }
+  std::size_t size() const noexcept { return entries_.size(); }
+  template <class F>
+  void each(F&& f) {
+    for (auto& [id, e] : entries_) f(e);
+  }
+
+ private:
+  std::uint64_t last_ = 0;
+  std::map<std::uint64_t, Entry> entries_;
+  std::map<std::uint64_t, std::string> gone_;
+};
+
 }  // namespace detail
 
+// One store per backend kind: the host backends' below, CUDA's in k3/train/saved_tensors.cuh.
+template <class Backend>
+class saved_tensor_store;
+
 template <HostBackend Bk>
-class saved_tensor_store {
+class saved_tensor_store<Bk> {
  public:
   explicit saved_tensor_store(Bk b = {}) : b_(std::move(b)) {}
   saved_tensor_store(saved_tensor_store const&) = delete;
@@ -165,16 +239,11 @@ class saved_tensor_store {
     static_assert(R >= 1, "saved_tensor_store: a tensor of rank >= 1");
     const_view<S, R> const x = x_in;
     ::k3::detail::check_view("x", x);
-    ::k3::detail::require(static_cast<unsigned>(p) <= 7u, [&] { return "save: unknown policy bits " + std::to_string(static_cast<unsigned>(p)); });
+    detail::check_policy(p, static_cast<bool>(again));
     entry e;
-    e.policy = p;
-    e.type = &typeid(S);
-    e.type_name = detail::element_name<S>();
-    for (std::size_t r = 0; r < R; ++r) e.shape.push_back(x.extent(r));
+    e.template describe<S>(p, x);
     index_t const cols = x.extent(R - 1), rows = cols ? x.size() / cols : 0;
     if (has_policy(p, recompute)) {
-      ::k3::detail::require(p == recompute, [&] { return "save: policy " + policy_name(p) + ": recompute stores nothing and combines with no other policy"; });
-      ::k3::detail::require(static_cast<bool>(again), "save: policy recompute needs the callable that recomputes the tensor");
       e.recompute = [again = std::move(again), shape = x.extents()](void* out) { again(tensor_view<S, R>(static_cast<S*>(out), shape)); };
     } else if (has_policy(p, fp8)) {
       if constexpr (!detail::fp8_storable<S>) {
@@ -200,9 +269,7 @@ class saved_tensor_store {
       copy_out(x, reinterpret_cast<S*>(e.data.data()), [](S v) { return v; });
     }
     stats_.saved_bytes += e.data.bytes();
-    std::uint64_t const id = ++last_;
-    entries_.emplace(id, std::move(e));
-    return {id};
+    return book_.issue(std::move(e));
   }
 
  private:
@@ -211,7 +278,7 @@ class saved_tensor_store {
  public:
   // Brings an offloaded tensor's bytes into the resident pool ahead of its load.
   void prefetch(saved_handle h) {
-    entry& e = find(h, "prefetch");
+    entry& e = book_.find(h, "prefetch");
     if (!has_policy(e.policy, offload) || e.resident) return;
     detail::pool_block moved(resident_, e.data.bytes());
     if (e.data.bytes()) std::memcpy(moved.data(), e.data.data(), e.data.bytes());
@@ -223,17 +290,9 @@ class saved_tensor_store {
   template <class T, std::size_t R>
   void load(saved_handle h, tensor_view<T, R> out) {
     static_assert(!std::is_const_v<T>, "saved_tensor_store::load writes into out");
-    entry& e = find(h, "load");
+    entry& e = book_.find(h, "load");
     ::k3::detail::check_view("out", out);
-    bool same = e.type == &typeid(T) || *e.type == typeid(T);
-    same = same && e.shape.size() == R;
-    for (std::size_t r = 0; same && r < R; ++r) same = e.shape[r] == out.extent(r);
-    if (!same) {
-      std::string shape = "[";
-      for (std::size_t r = 0; r < e.shape.size(); ++r) shape += (r ? ", " : "") + std::to_string(e.shape[r]);
-      throw ::k3::error("argument 'out': expected a " + e.type_name + " tensor of shape " + shape + "], got " + detail::element_name<T>() + " " +
-                        ::k3::detail::shape_of(out));
-    }
+    e.template check_target<T>(out);
     if (has_policy(e.policy, recompute)) {
       std::vector<T> tmp(static_cast<std::size_t>(out.size()));
       e.recompute(tmp.data());
@@ -243,13 +302,13 @@ class saved_tensor_store {
     } else {
       copy_in(reinterpret_cast<T const*>(e.data.data()), out, [](T v) { return v; });
     }
-    consume(h, "loaded");
+    book_.consume(h, "loaded");
   }
 
   // Drops a saved tensor without loading it (a backward that does not need it).
   void release(saved_handle h) {
-    find(h, "release");
-    consume(h, "released");
+    book_.find(h, "release");
+    book_.consume(h, "released");
   }
 
   pool_stats stats() const noexcept {
@@ -260,14 +319,10 @@ class saved_tensor_store {
     s.host_peak_bytes = host_.peak();
     return s;
   }
-  std::size_t size() const noexcept { return entries_.size(); }
+  std::size_t size() const noexcept { return book_.size(); }
 
  private:
-  struct entry {
-    save_policy policy = keep;
-    std::type_info const* type = nullptr;
-    std::string type_name;
-    std::vector<index_t> shape;
+  struct entry : detail::saved_meta {
     index_t rows = 0, cols = 0;
     detail::pool_block data;
     bool resident = false;
@@ -275,20 +330,6 @@ class saved_tensor_store {
   };
 
   detail::pool_block block(save_policy p, std::size_t bytes) { return detail::pool_block(has_policy(p, offload) ? host_ : resident_, bytes); }
-
-  entry& find(saved_handle h, char const* what) {
-    auto it = entries_.find(h.id);
-    if (it != entries_.end()) return it->second;
-    auto gone = gone_.find(h.id);
-    if (gone != gone_.end())
-      throw ::k3::error(std::string(what) + ": saved tensor " + std::to_string(h.id) + " was already " + gone->second +
-                        " (each saved tensor is loaded once)");
-    throw ::k3::error(std::string(what) + ": handle " + std::to_string(h.id) + " was not issued by this store");
-  }
-  void consume(saved_handle h, char const* how) {
-    entries_.erase(h.id);
-    gone_.emplace(h.id, how);
-  }
 
   // Row-major copies between a strided view and contiguous memory.
   template <class V, class D, class F>
@@ -333,9 +374,7 @@ class saved_tensor_store {
   Bk b_;
   detail::pool_account resident_, host_;
   pool_stats stats_;
-  std::uint64_t last_ = 0;
-  std::map<std::uint64_t, entry> entries_;
-  std::map<std::uint64_t, std::string> gone_;
+  detail::saved_book<entry> book_;
 };
 
 }  // namespace k3::train

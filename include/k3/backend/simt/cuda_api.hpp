@@ -76,6 +76,14 @@ struct CUstream_st {
 typedef CUstream_st* cudaStream_t;
 inline constexpr unsigned cudaStreamDefault = 0x0, cudaStreamNonBlocking = 0x1;
 
+// Every stream runs its work to completion when it is issued, so an event is complete once
+// recorded; it only has to be a valid handle.
+struct CUevent_st {
+  bool recorded = false;
+};
+typedef CUevent_st* cudaEvent_t;
+inline constexpr unsigned cudaEventDefault = 0x0, cudaEventDisableTiming = 0x2;
+
 enum cudaMemcpyKind {
   cudaMemcpyHostToHost = 0,
   cudaMemcpyHostToDevice = 1,
@@ -486,6 +494,41 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   return ::k3::simt::cuda_face::is_stream(s) ? cudaSuccess : ::k3::simt::cuda_face::fail(cudaErrorInvalidResourceHandle);
+}
+
+// Page-locked host memory is host memory here: copies from and to it are host copies.
+inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) {
+  if (p == nullptr) return ::k3::simt::cuda_face::fail(cudaErrorInvalidValue);
+  *p = bytes ? ::operator new(bytes, std::align_val_t(256), std::nothrow) : nullptr;
+  return bytes && *p == nullptr ? ::k3::simt::cuda_face::fail(cudaErrorMemoryAllocation) : cudaSuccess;
+}
+inline cudaError_t cudaFreeHost(void* p) {
+  if (p) ::operator delete(p, std::align_val_t(256));
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  if (e == nullptr) return ::k3::simt::cuda_face::fail(cudaErrorInvalidValue);
+  *e = new CUevent_st{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  if (e == nullptr) return ::k3::simt::cuda_face::fail(cudaErrorInvalidResourceHandle);
+  delete e;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr) {
+  if (e == nullptr || !::k3::simt::cuda_face::is_stream(s)) return ::k3::simt::cuda_face::fail(cudaErrorInvalidResourceHandle);
+  e->recorded = true;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  return e == nullptr ? ::k3::simt::cuda_face::fail(cudaErrorInvalidResourceHandle) : cudaSuccess;
+}
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned = 0) {
+  if (e == nullptr || !::k3::simt::cuda_face::is_stream(s)) return ::k3::simt::cuda_face::fail(cudaErrorInvalidResourceHandle);
+  return cudaSuccess;
 }
 
 namespace k3::simt {

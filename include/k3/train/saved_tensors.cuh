@@ -1,0 +1,190 @@
+// k3/train/saved_tensors.cuh — the saved-tensor store on a CUDA backend: saved_tensor_store<
+// cuda::stream_backend> takes device views, with the host store's calls, handles, statistics and
+// errors (k3/train/saved_tensors.hpp). Include from a .cu file (or a host file built for k3's
+// SIMT runtime).
+//
+//   keep       a device copy, made on the backend's (main) stream.
+//   recompute  nothing stored; the callable writes the device view it is given at load.
+//   offload    page-locked host memory, filled by an asynchronous copy on the store's side stream
+//              once the main stream has produced the tensor; the main stream's later work waits
+//              for that copy (so the caller may overwrite the tensor), not the host. prefetch()
+//              copies it back to a device buffer on the side stream ahead of use; load() makes
+//              the main stream wait for whichever copy it reads.
+//   fp8        not on this backend yet: a k3::error (quantise with k3::quant::cuda and keep the
+//              codes, or save on a host store).
+// Views must be contiguous (one copy per tensor).
+#pragma once
+#include "k3/backend/cuda/config.cuh"
+// (config.cuh first: it refuses host compilers)
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "k3/backend/cuda/backend.cuh"
+#include "k3/core/concepts.hpp"
+#include "k3/core/memory_space.hpp"
+#include "k3/train/saved_tensors.hpp"
+
+namespace k3::train {
+
+template <CudaBackend Bk>
+class saved_tensor_store<Bk> {
+ public:
+  explicit saved_tensor_store(Bk b = {}) : b_(std::move(b)) {
+    K3_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  }
+  saved_tensor_store(saved_tensor_store const&) = delete;
+  saved_tensor_store& operator=(saved_tensor_store const&) = delete;
+  ~saved_tensor_store() {
+    cudaStreamSynchronize(side_);
+    try {
+      book_.each([&](entry& e) { free(e); });
+    } catch (...) {  // a destructor reports nothing; the memory goes with the process
+    }
+    cudaStreamDestroy(side_);
+  }
+
+  template <class T, std::size_t R>
+  saved_handle save(tensor_view<T, R, cuda_device_space> x_in, save_policy p,
+                    std::type_identity_t<std::function<void(tensor_view<std::remove_const_t<T>, R, cuda_device_space>)>> again = {}) {
+    using S = std::remove_const_t<T>;
+    static_assert(std::is_trivially_copyable_v<S>, "saved_tensor_store: elements must be trivially copyable");
+    static_assert(R >= 1, "saved_tensor_store: a tensor of rank >= 1");
+    tensor_view<S const, R, cuda_device_space> const x = x_in;
+    ::k3::detail::check_view("x", x);
+    ::k3::detail::require(x.is_contiguous(), [&] { return "argument 'x': the CUDA store saves contiguous views (shape " + ::k3::detail::shape_of(x) + ")"; });
+    detail::check_policy(p, static_cast<bool>(again));
+    ::k3::detail::require(!has_policy(p, fp8), [&] {
+      return "save: policy " + policy_name(p) + " is not available on the CUDA backend yet (quantise with k3::quant::cuda and keep the codes)";
+    });
+    entry e;
+    e.template describe<S>(p, x);
+    e.bytes = static_cast<std::size_t>(x.size()) * sizeof(S);
+    if (has_policy(p, recompute)) {
+      e.recompute = [again = std::move(again), shape = x.extents()](void* out) {
+        again(tensor_view<S, R, cuda_device_space>(static_cast<S*>(out), shape));
+      };
+    } else if (has_policy(p, offload)) {
+      e.host = pinned(e.bytes);
+      host_.add(e.bytes);
+      if (e.bytes) {
+        cudaEvent_t produced = after(b_.stream(), side_);  // the tensor is complete on the main stream
+        K3_CUDA_CHECK(cudaMemcpyAsync(e.host, x.data_handle(), e.bytes, cudaMemcpyDeviceToHost, side_));
+        drop_event(produced);
+        e.ready = after(side_, b_.stream());  // later main-stream work may overwrite x
+      }
+    } else {
+      e.device = b_.template allocate<std::byte>(e.bytes ? e.bytes : 1);
+      resident_.add(e.bytes);
+      if (e.bytes) K3_CUDA_CHECK(cudaMemcpyAsync(e.device, x.data_handle(), e.bytes, cudaMemcpyDeviceToDevice, b_.stream()));
+    }
+    stats_.saved_bytes += has_policy(p, recompute) ? 0 : e.bytes;
+    return book_.issue(std::move(e));
+  }
+
+  // Starts the copy of an offloaded tensor back to the device on the side stream.
+  void prefetch(saved_handle h) {
+    entry& e = book_.find(h, "prefetch");
+    if (!has_policy(e.policy, offload) || e.device) return;
+    e.device = b_.template allocate<std::byte>(e.bytes ? e.bytes : 1);
+    resident_.add(e.bytes);
+    if (e.bytes) {
+      K3_CUDA_CHECK(cudaMemcpyAsync(e.device, e.host, e.bytes, cudaMemcpyHostToDevice, side_));
+      drop_event(e.ready);
+      e.ready = record(side_);
+    }
+  }
+
+  // Writes the saved tensor into out on the main stream and releases the entry.
+  template <class T, std::size_t R>
+  void load(saved_handle h, tensor_view<T, R, cuda_device_space> out) {
+    static_assert(!std::is_const_v<T>, "saved_tensor_store::load writes into out");
+    entry& e = book_.find(h, "load");
+    ::k3::detail::check_view("out", out);
+    e.template check_target<T>(out);
+    ::k3::detail::require(out.is_contiguous(), "argument 'out': the CUDA store loads into contiguous views");
+    if (has_policy(e.policy, recompute)) {
+      e.recompute(out.data_handle());
+    } else if (e.bytes) {
+      if (e.ready) K3_CUDA_CHECK(cudaStreamWaitEvent(b_.stream(), e.ready, 0));
+      if (e.device)
+        K3_CUDA_CHECK(cudaMemcpyAsync(out.data_handle(), e.device, e.bytes, cudaMemcpyDeviceToDevice, b_.stream()));
+      else
+        K3_CUDA_CHECK(cudaMemcpyAsync(out.data_handle(), e.host, e.bytes, cudaMemcpyHostToDevice, b_.stream()));
+    }
+    free(e);
+    book_.consume(h, "loaded");
+  }
+
+  void release(saved_handle h) {
+    free(book_.find(h, "release"));
+    book_.consume(h, "released");
+  }
+
+  pool_stats stats() const noexcept {
+    pool_stats s = stats_;
+    s.resident_bytes = resident_.now();
+    s.resident_peak_bytes = resident_.peak();
+    s.host_bytes = host_.now();
+    s.host_peak_bytes = host_.peak();
+    return s;
+  }
+  std::size_t size() const noexcept { return book_.size(); }
+
+ private:
+  struct entry : detail::saved_meta {
+    std::size_t bytes = 0;
+    std::byte* device = nullptr;
+    void* host = nullptr;
+    cudaEvent_t ready = nullptr;
+    std::function<void(void*)> recompute;
+  };
+
+  static void* pinned(std::size_t bytes) {
+    void* p = nullptr;
+    if (bytes) K3_CUDA_CHECK(cudaMallocHost(&p, bytes));
+    return p;
+  }
+  static cudaEvent_t record(cudaStream_t s) {
+    cudaEvent_t ev = nullptr;
+    K3_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    K3_CUDA_CHECK(cudaEventRecord(ev, s));
+    return ev;
+  }
+  // `waiter` waits for what `s` has issued so far; returns the event (the caller owns it).
+  static cudaEvent_t after(cudaStream_t s, cudaStream_t waiter) {
+    cudaEvent_t ev = record(s);
+    K3_CUDA_CHECK(cudaStreamWaitEvent(waiter, ev, 0));
+    return ev;
+  }
+  static void drop_event(cudaEvent_t& ev) {
+    if (ev) cudaEventDestroy(ev);
+    ev = nullptr;
+  }
+  // The buffers go once the streams have finished with them.
+  void free(entry& e) {
+    K3_CUDA_CHECK(cudaStreamSynchronize(side_));
+    b_.fence();
+    drop_event(e.ready);
+    if (e.device) {
+      b_.deallocate(e.device, e.bytes ? e.bytes : 1);
+      resident_.remove(e.bytes);
+      e.device = nullptr;
+    }
+    if (e.host) {
+      cudaFreeHost(e.host);
+      e.host = nullptr;
+    }
+    if (has_policy(e.policy, offload)) host_.remove(e.bytes);
+  }
+
+  Bk b_;
+  cudaStream_t side_ = nullptr;
+  detail::pool_account resident_, host_;
+  pool_stats stats_;
+  detail::saved_book<entry> book_;
+};
+
+}  // namespace k3::train
