@@ -5,6 +5,7 @@
 // nvcc build.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -76,6 +77,45 @@ TEST_CASE("CUDA saved_tensor_store: keep, offload, prefetch and recompute give t
   b.deallocate(dy, n);
 }
 
+TEST_CASE("CUDA saved_tensor_store: fp8, kept or offloaded, is the CUDA quantiser's round trip, in the host store's bytes") {
+  k3::cuda::stream_backend b;
+  index_t const m = 3, k = 200;
+  std::size_t const n = static_cast<std::size_t>(m * k);
+  auto const g = k3::test::gaussian(n, 8, 2.0);
+  std::vector<float> const x(g.begin(), g.end());
+  float* dx = b.allocate<float>(n);
+  float* dy = b.allocate<float>(n);
+  std::uint8_t* q = b.allocate<std::uint8_t>(n);
+  float* s = b.allocate<float>(static_cast<std::size_t>(m * 2));
+  upload(b, x, dx);
+  namespace qc = k3::quant::cuda;
+  qc::fp8_quantize<float>(qc::dview<float const, 2>(dx, {m, k}), qc::dview<std::uint8_t, 2>(q, {m, k}), qc::dview<float, 2>(s, {m, 2}),
+                          k3::quant::tile_1x128, k3::quant::scale_format::fp32);
+  qc::fp8_dequantize(qc::dview<std::uint8_t const, 2>(q, {m, k}), qc::dview<float const, 2>(s, {m, 2}), qc::dview<float, 2>(dy, {m, k}),
+                     k3::quant::tile_1x128);
+  b.fence();
+  auto const want = download(b, dy, n);
+  tr::saved_tensor_store<k3::cuda::stream_backend> store(b);
+  auto const hk = store.save(dview(dx, {m, k}), tr::fp8);
+  auto const ho = store.save(dview(dx, {m, k}), tr::fp8 | tr::offload);
+  auto const hp = store.save(dview(dx, {m, k}), tr::fp8 | tr::offload);
+  std::size_t const bytes = n + static_cast<std::size_t>(m * 2) * sizeof(float);
+  CHECK(store.stats().resident_bytes == bytes);
+  CHECK(store.stats().host_bytes == 2 * bytes);
+  store.prefetch(hp);
+  for (auto h : {hk, ho, hp}) {
+    b.zero_fill(dy, n);
+    store.load(h, dview(dy, {m, k}));
+    auto const got = download(b, dy, n);
+    CHECK(got == want);
+    for (std::size_t i = 0; i < n; ++i) CHECK(std::abs(got[i] - x[i]) <= std::abs(x[i]) / 16 + 1e-2f);
+  }
+  b.deallocate(dx, n);
+  b.deallocate(dy, n);
+  b.deallocate(s, static_cast<std::size_t>(m * 2));
+  b.deallocate(q, n);
+}
+
 TEST_CASE("CUDA saved_tensor_store: errors name what went wrong") {
   k3::cuda::stream_backend b;
   tr::saved_tensor_store<k3::cuda::stream_backend> store(b);
@@ -87,7 +127,10 @@ TEST_CASE("CUDA saved_tensor_store: errors name what went wrong") {
   auto const r = store.save(dview(d, {3, 4}), tr::keep);
   store.release(r);
   CHECK(k3::test::error_of([&] { store.prefetch(r); }).find("already released") != std::string::npos);
-  CHECK(k3::test::error_of([&] { store.save(dview(d, {3, 4}), tr::fp8); }).find("not available on the CUDA backend") != std::string::npos);
+  double* dd = b.allocate<double>(4);
+  CHECK(k3::test::error_of([&] { store.save(k3::tensor_view<double, 1, k3::cuda_device_space>(dd, {4}), tr::fp8); })
+            .find("policy fp8 on the CUDA backend holds float32 tensors, got float64") != std::string::npos);
+  b.deallocate(dd, 4);
   CHECK(k3::test::error_of([&] { store.save(dview(d, {3, 2}, {4, 2}), tr::keep); }).find("contiguous") != std::string::npos);
   auto const k = store.save(dview(d, {3, 4}), tr::keep);
   CHECK(k3::test::error_of([&] { store.load(k, dview(d, {4, 3})); }).find("argument 'out': expected a float32 tensor of shape [3, 4]") !=

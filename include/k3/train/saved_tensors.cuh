@@ -10,8 +10,10 @@
 //              for that copy (so the caller may overwrite the tensor), not the host. prefetch()
 //              copies it back to a device buffer on the side stream ahead of use; load() makes
 //              the main stream wait for whichever copy it reads.
-//   fp8        not on this backend yet: a k3::error (quantise with k3::quant::cuda and keep the
-//              codes, or save on a host store).
+//   fp8        float tensors: k3::quant::cuda's 1x128 E4M3 codes and scales (the host store's
+//              layout and bytes) on the main stream; with offload the codes go to pinned memory
+//              on the side stream, and the store waits for that copy before it frees the device
+//              staging buffer. Other element types are an error on this backend.
 // Views must be contiguous (one copy per tensor).
 #pragma once
 #include "k3/backend/cuda/config.cuh"
@@ -25,6 +27,7 @@
 #include "k3/backend/cuda/backend.cuh"
 #include "k3/core/concepts.hpp"
 #include "k3/core/memory_space.hpp"
+#include "k3/quant/cuda.cuh"
 #include "k3/train/saved_tensors.hpp"
 
 namespace k3::train {
@@ -56,16 +59,41 @@ class saved_tensor_store<Bk> {
     ::k3::detail::check_view("x", x);
     ::k3::detail::require(x.is_contiguous(), [&] { return "argument 'x': the CUDA store saves contiguous views (shape " + ::k3::detail::shape_of(x) + ")"; });
     detail::check_policy(p, static_cast<bool>(again));
-    ::k3::detail::require(!has_policy(p, fp8), [&] {
-      return "save: policy " + policy_name(p) + " is not available on the CUDA backend yet (quantise with k3::quant::cuda and keep the codes)";
+    ::k3::detail::require(!has_policy(p, fp8) || std::is_same_v<S, float>, [&] {
+      return "save: policy " + policy_name(p) + " on the CUDA backend holds float32 tensors, got " + detail::element_name<S>();
     });
     entry e;
     e.template describe<S>(p, x);
     e.bytes = static_cast<std::size_t>(x.size()) * sizeof(S);
+    if (has_policy(p, fp8)) {
+      e.cols = x.extent(R - 1);
+      e.rows = e.cols ? x.size() / e.cols : 0;
+      e.bytes = static_cast<std::size_t>(e.rows * scale_cols(e)) * sizeof(float) + static_cast<std::size_t>(e.rows * e.cols);
+    }
     if (has_policy(p, recompute)) {
       e.recompute = [again = std::move(again), shape = x.extents()](void* out) {
         again(tensor_view<S, R, cuda_device_space>(static_cast<S*>(out), shape));
       };
+    } else if (has_policy(p, fp8)) {
+      if constexpr (std::is_same_v<S, float>) {
+        bool const off = has_policy(p, offload);
+        std::byte* dev = b_.template allocate<std::byte>(e.bytes ? e.bytes : 1);
+        if (e.rows * e.cols > 0) quantize(e, tensor_view<float const, 2, cuda_device_space>(x.data_handle(), {e.rows, e.cols}), dev);
+        if (off) {
+          e.host = pinned(e.bytes);
+          host_.add(e.bytes);
+          if (e.bytes) {
+            cudaEvent_t produced = after(b_.stream(), side_);
+            K3_CUDA_CHECK(cudaMemcpyAsync(e.host, dev, e.bytes, cudaMemcpyDeviceToHost, side_));
+            drop_event(produced);
+          }
+          K3_CUDA_CHECK(cudaStreamSynchronize(side_));  // the staging buffer goes now
+          b_.deallocate(dev, e.bytes ? e.bytes : 1);
+        } else {
+          e.device = dev;
+          resident_.add(e.bytes);
+        }
+      }
     } else if (has_policy(p, offload)) {
       e.host = pinned(e.bytes);
       host_.add(e.bytes);
@@ -107,6 +135,24 @@ class saved_tensor_store<Bk> {
     ::k3::detail::require(out.is_contiguous(), "argument 'out': the CUDA store loads into contiguous views");
     if (has_policy(e.policy, recompute)) {
       e.recompute(out.data_handle());
+    } else if (has_policy(e.policy, fp8)) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (e.rows * e.cols > 0) {
+          if (e.ready) K3_CUDA_CHECK(cudaStreamWaitEvent(b_.stream(), e.ready, 0));
+          std::byte* src = e.device;
+          std::byte* staged = nullptr;
+          if (!src) {
+            staged = b_.template allocate<std::byte>(e.bytes);
+            K3_CUDA_CHECK(cudaMemcpyAsync(staged, e.host, e.bytes, cudaMemcpyHostToDevice, b_.stream()));
+            src = staged;
+          }
+          dequantize(e, src, tensor_view<float, 2, cuda_device_space>(out.data_handle(), {e.rows, e.cols}));
+          if (staged) {
+            b_.fence();
+            b_.deallocate(staged, e.bytes);
+          }
+        }
+      }
     } else if (e.bytes) {
       if (e.ready) K3_CUDA_CHECK(cudaStreamWaitEvent(b_.stream(), e.ready, 0));
       if (e.device)
@@ -135,12 +181,30 @@ class saved_tensor_store<Bk> {
 
  private:
   struct entry : detail::saved_meta {
+    index_t rows = 0, cols = 0;  // fp8: the tensor as its [size / last, last] matrix
     std::size_t bytes = 0;
     std::byte* device = nullptr;
     void* host = nullptr;
     cudaEvent_t ready = nullptr;
     std::function<void(void*)> recompute;
   };
+
+  // fp8 blocks: the scales [rows, ceil(cols / 128)] first (aligned), then the codes [rows, cols].
+  static index_t scale_cols(entry const& e) { return (e.cols + 127) / 128; }
+  void quantize(entry const& e, tensor_view<float const, 2, cuda_device_space> x, std::byte* block) const {
+    auto* sp = reinterpret_cast<float*>(block);
+    auto* q = reinterpret_cast<std::uint8_t*>(sp + e.rows * scale_cols(e));
+    ::k3::quant::cuda::fp8_quantize<float>(x, tensor_view<std::uint8_t, 2, cuda_device_space>(q, {e.rows, e.cols}),
+                                           tensor_view<float, 2, cuda_device_space>(sp, {e.rows, scale_cols(e)}), ::k3::quant::tile_1x128,
+                                           ::k3::quant::scale_format::fp32, b_.stream());
+  }
+  void dequantize(entry const& e, std::byte const* block, tensor_view<float, 2, cuda_device_space> y) const {
+    auto const* sp = reinterpret_cast<float const*>(block);
+    auto const* q = reinterpret_cast<std::uint8_t const*>(sp + e.rows * scale_cols(e));
+    ::k3::quant::cuda::fp8_dequantize(tensor_view<std::uint8_t const, 2, cuda_device_space>(q, {e.rows, e.cols}),
+                                      tensor_view<float const, 2, cuda_device_space>(sp, {e.rows, scale_cols(e)}), y, ::k3::quant::tile_1x128,
+                                      b_.stream());
+  }
 
   static void* pinned(std::size_t bytes) {
     void* p = nullptr;
