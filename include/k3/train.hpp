@@ -7,6 +7,9 @@
 //     parameters_of(model_config) -> parameter_counts;  in_flight(parallel_config, rank)
 //     saved_tensor_store<Backend>: save(x, keep | recompute | fp8 | offload) -> handle, prefetch,
 //                                  load(handle, out) once, stats() of the resident and host pools
+//     train_step(backend, stack_config, stack_parameters<T>(c), stack_inputs<T>(c), step_policy)
+//                                  one step of KDA layers + a LatentMoE layer through the store
 #pragma once
 #include "k3/train/ledger.hpp"
 #include "k3/train/saved_tensors.hpp"
+#include "k3/train/stack.hpp"
