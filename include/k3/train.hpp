@@ -9,7 +9,9 @@
 //                                  load(handle, out) once, stats() of the resident and host pools
 //     train_step(backend, stack_config, stack_parameters<T>(c), stack_inputs<T>(c), step_policy)
 //                                  one step of KDA layers + a LatentMoE layer through the store
+//     attnres_site_saves<S>(store, partials, stats) -> the Block AttnRes driver's per-site saves
 #pragma once
 #include "k3/train/ledger.hpp"
+#include "k3/train/attnres_saves.hpp"
 #include "k3/train/saved_tensors.hpp"
 #include "k3/train/stack.hpp"

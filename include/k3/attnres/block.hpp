@@ -26,6 +26,13 @@
 // block sums and partial sums; the backward recomputes the statistics — same gradients bit
 // for bit).
 //
+// Training through a saved-tensor store: save_sites_through(site_saves) hands each site's
+// partial sum and softmax statistics to the caller's functions instead of the driver's own
+// buffers (k3::train::attnres_site_saves binds them to a k3::train::saved_tensor_store under
+// any policy); the backward loads each once. Without save_stats the statistics are recomputed,
+// as in train_recompute. The gradients are those of train_stored whenever the loads give back
+// what was saved.
+//
 // Backward (training modes), sites in reverse:
 //     ar.backward_begin();
 //     ar.backward_site(d_out);                        // site L: gradient of the output mix
@@ -38,7 +45,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "k3/attnres/mix.hpp"
@@ -48,6 +57,17 @@
 namespace k3::attnres {
 
 enum class mode { one_pass, two_phase, train_stored, train_recompute };
+
+// Where a training pass keeps what each site's backward reads (see save_sites_through). A save
+// returns an id the matching load gets back; release drops a saved entry a new pass replaces.
+template <class S, class C>
+struct site_saves {
+  std::function<std::uint64_t(tensor_view<S const, 2>)> save_partial;  // the running sum [T, d]
+  std::function<void(std::uint64_t, tensor_view<S, 2>)> load_partial;
+  std::function<std::uint64_t(tensor_view<C const, 3>)> save_stats;  // [T, sources, 3]; empty: recomputed
+  std::function<void(std::uint64_t, tensor_view<C, 3>)> load_stats;
+  std::function<void(std::uint64_t)> release;
+};
 
 struct block_config {
   index_t d = 0;                // model width
@@ -120,6 +140,17 @@ class block_attn_res {
     }
   }
 
+  // Training: each site's partial sum and statistics go to s's functions (save_partial and
+  // load_partial are required; without save_stats the backward recomputes the statistics).
+  void save_sites_through(site_saves<S, C> s) {
+    detail::require(training(), "block_attn_res::save_sites_through: the driver was not built in a training mode");
+    detail::require(s.save_partial && s.load_partial && s.release, "block_attn_res::save_sites_through: save_partial, load_partial and release are required");
+    detail::require(!s.save_stats == !s.load_stats, "block_attn_res::save_sites_through: save_stats and load_stats come together");
+    saves_ = std::move(s);
+    held_partial_.assign(std::size_t(cfg_.sublayers + 1), 0);
+    held_stats_.assign(std::size_t(cfg_.sublayers + 1), 0);
+  }
+
   block_config const& config() const noexcept { return cfg_; }
   bool training() const noexcept { return cfg_.run_mode == mode::train_stored || cfg_.run_mode == mode::train_recompute; }
   index_t site() const noexcept { return l_; }               // the next site input() serves
@@ -182,7 +213,17 @@ class block_attn_res {
       options opt;
       opt.eps = cfg_.eps;
       stats_view<C> st{};
-      if (training()) {
+      if (training() && saves_.save_partial) {
+        std::size_t const i = std::size_t(l);
+        // A new pass replaces what an earlier one saved and never loaded.
+        for (auto* h : {&held_partial_[i], &held_stats_[i]})
+          if (*h) saves_.release(std::exchange(*h, 0) - 1);
+        if (!boundary) held_partial_[i] = saves_.save_partial(partial()) + 1;
+        if (saves_.save_stats) {
+          stats_ws_ = tensor<C, 3, B>({T_, src.count(), 3}, b_);
+          st = stats_ws_.view();
+        }
+      } else if (training()) {
         if (!boundary) {
           auto& sp = saved_partial_[std::size_t(l)];
           if (sp.extent(0) != T_ || sp.extent(1) != cfg_.d) sp = tensor<S, 2, B>({T_, cfg_.d}, b_);  // also T = 0 on first use
@@ -195,6 +236,10 @@ class block_attn_res {
         }
       }
       mix_forward(b_, src, w_.slice(0, l), g_.slice(0, l), x, opt, st);
+      if (training() && saves_.save_stats) {
+        held_stats_[std::size_t(l)] = saves_.save_stats(tensor_view<C const, 3>(stats_ws_.view())) + 1;
+        stats_ws_ = {};
+      }
     }
     if (l == cfg_.sublayers) output_done_ = true;
     awaiting_add_ = l < cfg_.sublayers;
@@ -302,14 +347,30 @@ class block_attn_res {
     bool const has_partial = cfg_.partial_at(l);
     if (!(cfg_.skip_first_mix && l == 0)) {
       auto bankv = bank_.view().sub(0, 0, nl).sub(1, 0, T_);
-      auto src = has_partial ? make_sources(bankv, tensor_view<S const, 2>(saved_partial_[std::size_t(l)].view()))
-                             : make_sources(bankv);
+      tensor_view<S const, 2> part = has_partial ? tensor_view<S const, 2>(saved_partial_[std::size_t(l)].view()) : tensor_view<S const, 2>{};
+      stats_view<C const> st{};
+      if (saves_.save_partial) {
+        std::size_t const i = std::size_t(l);
+        if (has_partial) {
+          detail::require(held_partial_[i] != 0, [&] { return "block_attn_res::backward_site: nothing saved for site " + std::to_string(l); });
+          partial_ws_ = tensor<S, 2, B>({T_, cfg_.d}, b_);
+          saves_.load_partial(std::exchange(held_partial_[i], 0) - 1, partial_ws_.view());
+          part = partial_ws_.view();
+        }
+        if (saves_.save_stats) {
+          detail::require(held_stats_[i] != 0, [&] { return "block_attn_res::backward_site: nothing saved for site " + std::to_string(l); });
+          stats_ws_ = tensor<C, 3, B>({T_, nl + (has_partial ? 1 : 0), 3}, b_);
+          saves_.load_stats(std::exchange(held_stats_[i], 0) - 1, stats_ws_.view());
+          st = stats_ws_.view();
+        }
+      } else if (cfg_.run_mode == mode::train_stored) {
+        st = saved_stats_[std::size_t(l)].view();
+      }
+      auto src = has_partial ? make_sources(bankv, part) : make_sources(bankv);
       options opt;
       opt.eps = cfg_.eps;
       opt.accumulate = true;
       auto grads = make_grads(dbank_.view().sub(0, 0, nl), grad_.view());
-      stats_view<C const> st{};
-      if (cfg_.run_mode == mode::train_stored) st = saved_stats_[std::size_t(l)].view();
       mix_backward(b_, src, w_.slice(0, l), g_.slice(0, l), dh, grads, dw_.view().slice(0, l), dg_.view().slice(0, l), opt, st);
     } else {
       // site 0 is the embedding itself: the gradient flows straight into bank row 0
@@ -417,6 +478,10 @@ class block_attn_res {
   tensor<C, 2, B> lse_, u_;
   std::vector<tensor<S, 2, B>> saved_partial_;
   std::vector<tensor<C, 3, B>> saved_stats_;
+  site_saves<S, C> saves_;
+  std::vector<std::uint64_t> held_partial_, held_stats_;  // per site: saved id + 1, 0 = none
+  tensor<S, 2, B> partial_ws_;                            // the loaded partial sum of a backward site
+  tensor<C, 3, B> stats_ws_;                              // statistics being saved or loaded
   tensor<C, 3, B> dbank_;
   tensor<C, 2, B> grad_, dw_, dg_;
   index_t n_ = 0, l_ = 0, T_ = -1, block_start_ = 0, bl_ = -1;
