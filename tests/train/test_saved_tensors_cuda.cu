@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "k3/backend/cpu/serial.hpp"
 #include "k3/train/saved_tensors.cuh"
 #include "support/error_of.hpp"
 #include "support/random.hpp"
@@ -116,6 +117,49 @@ TEST_CASE("CUDA saved_tensor_store: fp8, kept or offloaded, is the CUDA quantise
   b.deallocate(q, n);
 }
 
+TEST_CASE("CUDA saved_tensor_store: fp8 of bfloat16, kept or offloaded, loads the host store's bits") {
+  k3::cuda::stream_backend b;
+  using bf = k3::bfloat16;
+  for (index_t k : {index_t(200), index_t(128), index_t(1)}) {
+    CAPTURE(k);
+    index_t const m = 5;
+    std::size_t const n = static_cast<std::size_t>(m * k);
+    auto const g = k3::test::gaussian(n, 9, 3.0);
+    std::vector<bf> x(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = bf(static_cast<float>(g[i]));
+    x[3] = bf(0.0f);
+    x[n - 1] = bf(-1e-30f);  // a subnormal step of its tile
+    // The host store's round trip, the reference.
+    k3::cpu::serial host;
+    tr::saved_tensor_store<k3::cpu::serial> hs(host);
+    std::vector<bf> want(n);
+    hs.load(hs.save(k3::tensor_view<bf const, 2>(x.data(), {m, k}), tr::fp8), k3::tensor_view<bf, 2>(want.data(), {m, k}));
+    bf* dx = b.allocate<bf>(n);
+    bf* dy = b.allocate<bf>(n);
+    b.copy(k3::tensor_view<bf const, 1>(x.data(), {index_t(n)}), k3::tensor_view<bf, 1, k3::cuda_device_space>(dx, {index_t(n)}));
+    tr::saved_tensor_store<k3::cuda::stream_backend> store(b);
+    using bview = k3::tensor_view<bf, 2, k3::cuda_device_space>;
+    auto const hk = store.save(bview(dx, {m, k}), tr::fp8);
+    auto const ho = store.save(bview(dx, {m, k}), tr::fp8 | tr::offload);
+    std::size_t const bytes = n + static_cast<std::size_t>(m * ((k + 127) / 128)) * sizeof(float);
+    CHECK(store.stats().saved_bytes == 2 * bytes);
+    CHECK(hs.stats().saved_bytes == bytes);
+    b.zero_fill(dx, n);  // the saved tensor is the store's copy
+    for (auto h : {hk, ho}) {
+      b.zero_fill(dy, n);
+      store.load(h, bview(dy, {m, k}));
+      std::vector<bf> got(n);
+      b.copy(k3::tensor_view<bf const, 1, k3::cuda_device_space>(dy, {index_t(n)}), k3::tensor_view<bf, 1>(got.data(), {index_t(n)}));
+      b.fence();
+      std::size_t same = 0;
+      for (std::size_t i = 0; i < n; ++i) same += got[i].bits == want[i].bits;
+      CHECK(same == n);
+    }
+    b.deallocate(dx, n);
+    b.deallocate(dy, n);
+  }
+}
+
 TEST_CASE("CUDA saved_tensor_store: errors name what went wrong") {
   k3::cuda::stream_backend b;
   tr::saved_tensor_store<k3::cuda::stream_backend> store(b);
@@ -129,7 +173,7 @@ TEST_CASE("CUDA saved_tensor_store: errors name what went wrong") {
   CHECK(k3::test::error_of([&] { store.prefetch(r); }).find("already released") != std::string::npos);
   double* dd = b.allocate<double>(4);
   CHECK(k3::test::error_of([&] { store.save(k3::tensor_view<double, 1, k3::cuda_device_space>(dd, {4}), tr::fp8); })
-            .find("policy fp8 on the CUDA backend holds float32 tensors, got float64") != std::string::npos);
+            .find("policy fp8 on the CUDA backend holds float32 or bfloat16 tensors, got float64") != std::string::npos);
   b.deallocate(dd, 4);
   CHECK(k3::test::error_of([&] { store.save(dview(d, {3, 2}, {4, 2}), tr::keep); }).find("contiguous") != std::string::npos);
   auto const k = store.save(dview(d, {3, 4}), tr::keep);

@@ -10,15 +10,18 @@
 //              for that copy (so the caller may overwrite the tensor), not the host. prefetch()
 //              copies it back to a device buffer on the side stream ahead of use; load() makes
 //              the main stream wait for whichever copy it reads.
-//   fp8        float tensors: k3::quant::cuda's 1x128 E4M3 codes and scales (the host store's
-//              layout and bytes) on the main stream; with offload the codes go to pinned memory
-//              on the side stream, and the store waits for that copy before it frees the device
-//              staging buffer. Other element types are an error on this backend.
+//   fp8        float and bfloat16 tensors: k3::quant::cuda's 1x128 E4M3 codes and scales (the
+//              host store's layout and bytes) on the main stream; with offload the codes go to
+//              pinned memory on the side stream, and the store waits for that copy before it
+//              frees the device staging buffer. A bfloat16 load dequantises in float and rounds
+//              to bfloat16 (to nearest even), as the host store does. Other element types are an
+//              error on this backend.
 // Views must be contiguous (one copy per tensor).
 #pragma once
 #include "k3/backend/cuda/config.cuh"
 // (config.cuh first: it refuses host compilers)
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <type_traits>
@@ -31,6 +34,20 @@
 #include "k3/train/saved_tensors.hpp"
 
 namespace k3::train {
+
+namespace detail {
+
+template <class T>
+inline constexpr bool fp8_device_storable = std::is_same_v<T, float> || std::is_same_v<T, bfloat16>;
+
+// out[i] = bfloat16(in[i]) on the device (a dequantised bfloat16 load).
+struct narrow_to_bfloat16 {
+  float const* in;
+  bfloat16* out;
+  K3_INLINE void operator()(std::int64_t i) const { out[i] = bfloat16(in[i]); }
+};
+
+}  // namespace detail
 
 template <CudaBackend Bk>
 class saved_tensor_store<Bk> {
@@ -59,8 +76,8 @@ class saved_tensor_store<Bk> {
     ::k3::detail::check_view("x", x);
     ::k3::detail::require(x.is_contiguous(), [&] { return "argument 'x': the CUDA store saves contiguous views (shape " + ::k3::detail::shape_of(x) + ")"; });
     detail::check_policy(p, static_cast<bool>(again));
-    ::k3::detail::require(!has_policy(p, fp8) || std::is_same_v<S, float>, [&] {
-      return "save: policy " + policy_name(p) + " on the CUDA backend holds float32 tensors, got " + detail::element_name<S>();
+    ::k3::detail::require(!has_policy(p, fp8) || detail::fp8_device_storable<S>, [&] {
+      return "save: policy " + policy_name(p) + " on the CUDA backend holds float32 or bfloat16 tensors, got " + detail::element_name<S>();
     });
     entry e;
     e.template describe<S>(p, x);
@@ -75,10 +92,10 @@ class saved_tensor_store<Bk> {
         again(tensor_view<S, R, cuda_device_space>(static_cast<S*>(out), shape));
       };
     } else if (has_policy(p, fp8)) {
-      if constexpr (std::is_same_v<S, float>) {
+      if constexpr (detail::fp8_device_storable<S>) {
         bool const off = has_policy(p, offload);
         std::byte* dev = b_.template allocate<std::byte>(e.bytes ? e.bytes : 1);
-        if (e.rows * e.cols > 0) quantize(e, tensor_view<float const, 2, cuda_device_space>(x.data_handle(), {e.rows, e.cols}), dev);
+        if (e.rows * e.cols > 0) quantize(e, tensor_view<S const, 2, cuda_device_space>(x.data_handle(), {e.rows, e.cols}), dev);
         if (off) {
           e.host = pinned(e.bytes);
           host_.add(e.bytes);
@@ -136,7 +153,7 @@ class saved_tensor_store<Bk> {
     if (has_policy(e.policy, recompute)) {
       e.recompute(out.data_handle());
     } else if (has_policy(e.policy, fp8)) {
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (detail::fp8_device_storable<T>) {
         if (e.rows * e.cols > 0) {
           if (e.ready) K3_CUDA_CHECK(cudaStreamWaitEvent(b_.stream(), e.ready, 0));
           std::byte* src = e.device;
@@ -146,10 +163,19 @@ class saved_tensor_store<Bk> {
             K3_CUDA_CHECK(cudaMemcpyAsync(staged, e.host, e.bytes, cudaMemcpyHostToDevice, b_.stream()));
             src = staged;
           }
-          dequantize(e, src, tensor_view<float, 2, cuda_device_space>(out.data_handle(), {e.rows, e.cols}));
-          if (staged) {
+          std::size_t const n = static_cast<std::size_t>(e.rows * e.cols);
+          float* wide = nullptr;
+          if constexpr (std::is_same_v<T, float>) {
+            dequantize(e, src, tensor_view<float, 2, cuda_device_space>(out.data_handle(), {e.rows, e.cols}));
+          } else {
+            wide = b_.template allocate<float>(n);
+            dequantize(e, src, tensor_view<float, 2, cuda_device_space>(wide, {e.rows, e.cols}));
+            b_.for_each(0, static_cast<std::int64_t>(n), detail::narrow_to_bfloat16{wide, out.data_handle()});
+          }
+          if (staged || wide) {
             b_.fence();
-            b_.deallocate(staged, e.bytes);
+            if (staged) b_.deallocate(staged, e.bytes);
+            if (wide) b_.deallocate(wide, n);
           }
         }
       }
@@ -191,10 +217,11 @@ class saved_tensor_store<Bk> {
 
   // fp8 blocks: the scales [rows, ceil(cols / 128)] first (aligned), then the codes [rows, cols].
   static index_t scale_cols(entry const& e) { return (e.cols + 127) / 128; }
-  void quantize(entry const& e, tensor_view<float const, 2, cuda_device_space> x, std::byte* block) const {
+  template <class S>
+  void quantize(entry const& e, tensor_view<S const, 2, cuda_device_space> x, std::byte* block) const {
     auto* sp = reinterpret_cast<float*>(block);
     auto* q = reinterpret_cast<std::uint8_t*>(sp + e.rows * scale_cols(e));
-    ::k3::quant::cuda::fp8_quantize<float>(x, tensor_view<std::uint8_t, 2, cuda_device_space>(q, {e.rows, e.cols}),
+    ::k3::quant::cuda::fp8_quantize<S>(x, tensor_view<std::uint8_t, 2, cuda_device_space>(q, {e.rows, e.cols}),
                                            tensor_view<float, 2, cuda_device_space>(sp, {e.rows, scale_cols(e)}), ::k3::quant::tile_1x128,
                                            ::k3::quant::scale_format::fp32, b_.stream());
   }
