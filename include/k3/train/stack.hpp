@@ -11,7 +11,8 @@
 //   q = l2norm(conv(x W_qᵀ)), k = l2norm(conv(x W_kᵀ)), v = conv(x W_vᵀ)    conv: causal depthwise + SiLU
 //   g = lb · sigmoid(exp(A_log) (x W_gᵀ + dt_bias)),  beta = sigmoid(x W_betaᵀ)
 //   y = x + KDA(q, k, v, g, beta) W_oᵀ                                       chunked form, gate bound lb
-// The MoE layer: y = x + latent_moe(x) (k3/moe/latent_moe.hpp, no shared experts).
+// The MoE layer: y = x + latent_moe(x) (k3/moe/latent_moe.hpp, no shared experts), trained
+// through k3/train/latent_moe_saves.hpp.
 // The step's loss is <y, dy> for the given dy; gradients of every parameter, by the same ops'
 // backward functions.
 //
@@ -51,6 +52,7 @@
 #include "k3/kda.hpp"
 #include "k3/kda/preprocess.hpp"
 #include "k3/moe/latent_moe.hpp"
+#include "k3/train/latent_moe_saves.hpp"
 #include "k3/train/saved_tensors.hpp"
 
 namespace k3::train {
@@ -444,22 +446,19 @@ struct kda_layer {
   }
 };
 
-// The MoE layer: y = x + latent_moe(x); its saved state goes through the store tensor by tensor.
+// The MoE layer: y = x + latent_moe(x), its input and state saved through the store by
+// k3/train/latent_moe_saves.hpp.
 template <class T, HostBackend Bk>
 struct moe_layer {
-  using C = ::k3::moe::detail::lm_compute_t<T>;
-  enum saved_id : std::size_t { x_, z_, hg_, hu_, nrm_, rstd_, p_, ssel_, denom_, idx_, offs_, slot_, zero_sum_ };
-
   Bk const& b;
   stack_config const& c;
   std::array<T const*, moe_param_count> w;
-  layer_saves<Bk> sv;
-  ::k3::moe::detail::lm_dims dims{};
-  // Under recompute every state tensor comes from one re-run of the forward, made on first use.
-  std::shared_ptr<::k3::moe::latent_moe_saved<T>> replay;
+  saved_tensor_store<Bk>& store;
+  step_policy preset;
+  std::optional<latent_moe_record<T, Bk>> rec;
 
-  moe_layer(Bk const& be, stack_config const& cfg, named_tensors<T> const& p, std::size_t first, saved_tensor_store<Bk>& store, step_policy pre)
-      : b(be), c(cfg), sv(store, pre) {
+  moe_layer(Bk const& be, stack_config const& cfg, named_tensors<T> const& p, std::size_t first, saved_tensor_store<Bk>& st, step_policy pre)
+      : b(be), c(cfg), store(st), preset(pre) {
     for (std::size_t i = 0; i < moe_param_count; ++i) w[i] = p.data(first + i);
   }
 
@@ -482,105 +481,18 @@ struct moe_layer {
     return a;
   }
 
-  template <class E, class Src>
-  static void put(std::vector<E>& dst, Src const* src, std::size_t n) {
-    dst.assign(src, src + n);
-  }
-
-  // A state field copied out of st into out (the same order as saved_id).
-  static void field(::k3::moe::detail::lm_state<C> const& st, std::size_t id, void* out) {
-    auto mcopy = [&](auto const& m) { std::memcpy(out, m.data(), static_cast<std::size_t>(m.size()) * sizeof(C)); };
-    auto vcopy = [&](auto const& v) { std::memcpy(out, v.data(), v.size() * sizeof(v[0])); };
-    switch (id) {
-      case z_: mcopy(st.Z); break;
-      case hg_: mcopy(st.Hg); break;
-      case hu_: mcopy(st.Hu); break;
-      case nrm_: mcopy(st.Nrm); break;
-      case rstd_: vcopy(st.rstd); break;
-      case p_: vcopy(st.p); break;
-      case ssel_: vcopy(st.ssel); break;
-      case denom_: vcopy(st.denom); break;
-      case idx_: vcopy(st.idx); break;
-      case offs_: vcopy(st.offs); break;
-      case slot_: vcopy(st.slot); break;
-      case zero_sum_: vcopy(st.zero_sum); break;
-      default: break;
-    }
-  }
-  void replayed(std::size_t id, void* out) {
-    if (!replay) {
-      replay = std::make_shared<::k3::moe::latent_moe_saved<T>>();
-      flat<T> y = make_flat<T>(c.tokens * c.d());
-      auto a = args(sv.template get<T>(x_));
-      a.y = tensor_view<T, 2>(y.data(), {c.tokens, c.d()});
-      a.saved = replay.get();
-      ::k3::moe::latent_moe_forward(b, a, options());
-    }
-    field(replay->state, id, out);
-  }
-
   void forward(T const* x, T* y) {
     index_t const Tn = c.tokens, d = c.d();
-    ::k3::moe::latent_moe_saved<T> saved;
     auto a = args(x);
     a.y = tensor_view<T, 2>(y, {Tn, d});
-    a.saved = &saved;
-    ::k3::moe::latent_moe_forward(b, a, options());
-    for (index_t i = 0; i < Tn * d; ++i) y[i] += x[i];
-    auto const& st = saved.state;
-    dims = st.m;
     using R = saved_role;
-    index_t const slots = Tn * c.top_k;
-    auto re = [this](std::size_t id) { return [this, id](auto* out) { replayed(id, out); }; };
-    sv.template save<T>(x, Tn, d, R::checkpoint);
-    sv.template save<C>(st.Z.data(), Tn, c.latent, R::activation, re(z_));
-    sv.template save<C>(st.Hg.data(), slots, c.expert_ffn, R::activation, re(hg_));
-    sv.template save<C>(st.Hu.data(), slots, c.expert_ffn, R::activation, re(hu_));
-    sv.template save<C>(st.Nrm.data(), Tn, c.latent, R::activation, re(nrm_));
-    sv.template save<C>(st.rstd.data(), 1, Tn, R::routing, re(rstd_));
-    sv.template save<C>(st.p.data(), Tn, c.top_k, R::routing, re(p_));
-    sv.template save<C>(st.ssel.data(), Tn, c.top_k, R::routing, re(ssel_));
-    sv.template save<C>(st.denom.data(), 1, Tn, R::routing, re(denom_));
-    sv.template save<index_t>(st.idx.data(), Tn, c.top_k, R::routing, re(idx_));
-    sv.template save<index_t>(st.offs.data(), 1, c.experts + 1, R::routing, re(offs_));
-    sv.template save<index_t>(st.slot.data(), Tn, c.top_k, R::routing, re(slot_));
-    sv.template save<unsigned char>(st.zero_sum.data(), 1, Tn, R::routing, re(zero_sum_));
-  }
-
-  // The layer's state rebuilt from the store.
-  ::k3::moe::latent_moe_saved<T> restore() {
-    ::k3::moe::latent_moe_saved<T> s;
-    auto& st = s.state;
-    index_t const Tn = c.tokens, slots = Tn * c.top_k;
-    st.m = dims;
-    st.o = options();
-    auto m = [&](auto& dst, std::size_t id, index_t r, index_t cc) {
-      dst.resize(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(cc));
-      if (r * cc > 0) std::memcpy(dst.data(), sv.template get<C>(id), static_cast<std::size_t>(r * cc) * sizeof(C));
-    };
-    m(st.Z, z_, Tn, c.latent);
-    m(st.Hg, hg_, slots, c.expert_ffn);
-    m(st.Hu, hu_, slots, c.expert_ffn);
-    m(st.Nrm, nrm_, Tn, c.latent);
-    put(st.rstd, sv.template get<C>(rstd_), static_cast<std::size_t>(Tn));
-    put(st.p, sv.template get<C>(p_), static_cast<std::size_t>(slots));
-    put(st.ssel, sv.template get<C>(ssel_), static_cast<std::size_t>(slots));
-    put(st.denom, sv.template get<C>(denom_), static_cast<std::size_t>(Tn));
-    put(st.idx, sv.template get<index_t>(idx_), static_cast<std::size_t>(slots));
-    put(st.offs, sv.template get<index_t>(offs_), static_cast<std::size_t>(c.experts + 1));
-    put(st.slot, sv.template get<index_t>(slot_), static_cast<std::size_t>(slots));
-    put(st.zero_sum, sv.template get<unsigned char>(zero_sum_), static_cast<std::size_t>(Tn));
-    st.filled = true;
-    return s;
+    latent_moe_policies const p{policy_for(preset, R::checkpoint, true), policy_for(preset, R::activation, true), policy_for(preset, R::routing, true)};
+    rec = latent_moe_forward(store, b, a, options(), p);
+    for (index_t i = 0; i < Tn * d; ++i) y[i] += x[i];
   }
 
   void backward(T const* dy, T* dx, std::array<T*, moe_param_count> gw) {
     index_t const Tn = c.tokens, d = c.d(), n = c.experts, l = c.latent, f = c.expert_ffn;
-    sv.load_all();
-    replay.reset();
-    auto saved = restore();
-    auto a = args(sv.template get<T>(x_));
-    a.saved = &saved;
     ::k3::moe::latent_moe_gradients<T> g;
     g.dy = const_view<T, 2>(dy, {Tn, d});
     g.dx = tensor_view<T, 2>(dx, {Tn, d});
@@ -591,9 +503,9 @@ struct moe_layer {
     g.dwe_down = tensor_view<T, 3>(gw[we_down], {n, l, f});
     g.dnorm_weight = tensor_view<T, 1>(gw[norm_weight], {l});
     g.dw_up = tensor_view<T, 2>(gw[w_up], {d, l});
-    ::k3::moe::latent_moe_backward(b, a, g, options());
+    latent_moe_backward(store, b, *rec, args(nullptr), g, options());
     for (index_t i = 0; i < Tn * d; ++i) dx[i] += dy[i];
-    sv.clear();
+    rec.reset();
   }
 };
 
@@ -688,9 +600,8 @@ step_result<T> train_step(Bk const& b, stack_config const& c, named_tensors<T> c
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = r.gradients.data(first + i);
     return out;
   };
-  // Each layer loads its own tensors, then prefetches the next layer's (offloaded ones come back
-  // while this layer computes).
-  moe.sv.load_all();
+  // Offloaded tensors of the layer after the current one come back while the current one
+  // computes: each KDA layer loads its own tensors first, then prefetches the next layer's.
   if (!kda.empty()) kda.back()->sv.prefetch_all();
   moe.backward(in.dy.data(), dh.data(),
                slots(static_cast<std::size_t>(c.layers) * detail::kda_param_count, std::integral_constant<std::size_t, detail::moe_param_count>{}));
