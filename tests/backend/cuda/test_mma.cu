@@ -35,13 +35,11 @@ struct dbuf {
   }
 };
 
-// A [16, 16] and C, D [16, 8] row-major; B [16, 8] row-major (B[k][n] at k * 8 + n).
-K3_KERNEL void mma_kernel(bf const* A, bf const* B, float const* C, float* D) {
+// B [16, 8] row-major (B[k][n] at k * 8 + n) and C [16, 8] as fragments, the mma with the A
+// fragments a, this lane's part of D [16, 8] stored.
+__device__ inline void mma_with(std::uint32_t const (&a)[4], bf const* B, float const* C, float* D) {
   unsigned const l = threadIdx.x, g = l / 4, t = l % 4;
-  auto a_at = [&](unsigned r, unsigned c) { return A[r * 16 + c]; };
   auto b_at = [&](unsigned k, unsigned n) { return B[k * 8 + n]; };
-  std::uint32_t const a[4] = {ka::pack_bf16(a_at(g, 2 * t), a_at(g, 2 * t + 1)), ka::pack_bf16(a_at(g + 8, 2 * t), a_at(g + 8, 2 * t + 1)),
-                              ka::pack_bf16(a_at(g, 2 * t + 8), a_at(g, 2 * t + 9)), ka::pack_bf16(a_at(g + 8, 2 * t + 8), a_at(g + 8, 2 * t + 9))};
   std::uint32_t const b[2] = {ka::pack_bf16(b_at(2 * t, g), b_at(2 * t + 1, g)), ka::pack_bf16(b_at(2 * t + 8, g), b_at(2 * t + 9, g))};
   float const c[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t], C[(g + 8) * 8 + 2 * t + 1]};
   float d[4];
@@ -50,6 +48,15 @@ K3_KERNEL void mma_kernel(bf const* A, bf const* B, float const* C, float* D) {
   D[g * 8 + 2 * t + 1] = d[1];
   D[(g + 8) * 8 + 2 * t] = d[2];
   D[(g + 8) * 8 + 2 * t + 1] = d[3];
+}
+
+// A [16, 16] and D [16, 8] row-major.
+K3_KERNEL void mma_kernel(bf const* A, bf const* B, float const* C, float* D) {
+  unsigned const l = threadIdx.x, g = l / 4, t = l % 4;
+  auto a_at = [&](unsigned r, unsigned c) { return A[r * 16 + c]; };
+  std::uint32_t const a[4] = {ka::pack_bf16(a_at(g, 2 * t), a_at(g, 2 * t + 1)), ka::pack_bf16(a_at(g + 8, 2 * t), a_at(g + 8, 2 * t + 1)),
+                              ka::pack_bf16(a_at(g, 2 * t + 8), a_at(g, 2 * t + 9)), ka::pack_bf16(a_at(g + 8, 2 * t + 8), a_at(g + 8, 2 * t + 9))};
+  mma_with(a, B, C, D);
 }
 
 // ldmatrix_x4 from four 8 x 8 matrices M_j (M_j[i][k] = src[j * 64 + i * 8 + k]); out[l * 4 + j]
@@ -69,21 +76,13 @@ K3_KERNEL void ldmatrix_kernel(std::uint16_t const* src, std::uint32_t* out) {
 // 8-15 of columns 0-7, then of columns 8-15), B and C as in mma_kernel.
 K3_KERNEL void mma_ldmatrix_kernel(bf const* A, bf const* B, float const* C, float* D) {
   alignas(16) __shared__ bf sa[16 * 16];
-  unsigned const l = threadIdx.x, g = l / 4, t = l % 4;
+  unsigned const l = threadIdx.x;
   for (unsigned i = l; i < 256; i += 32) sa[i] = A[i];
   __syncthreads();
   unsigned const j = l / 8, i = l % 8;  // lane l: row i of quarter j
   std::uint32_t a[4];
   ka::ldmatrix_x4<false>(a, &sa[(i + 8 * (j & 1)) * 16 + 8 * (j >> 1)]);
-  auto b_at = [&](unsigned k, unsigned n) { return B[k * 8 + n]; };
-  std::uint32_t const b[2] = {ka::pack_bf16(b_at(2 * t, g), b_at(2 * t + 1, g)), ka::pack_bf16(b_at(2 * t + 8, g), b_at(2 * t + 9, g))};
-  float const c[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t], C[(g + 8) * 8 + 2 * t + 1]};
-  float d[4];
-  ka::mma_m16n8k16_bf16(d, a, b, c);
-  D[g * 8 + 2 * t] = d[0];
-  D[g * 8 + 2 * t + 1] = d[1];
-  D[(g + 8) * 8 + 2 * t] = d[2];
-  D[(g + 8) * 8 + 2 * t + 1] = d[3];
+  mma_with(a, B, C, D);
 }
 
 std::vector<float> run_mma(std::vector<bf> const& A, std::vector<bf> const& B, std::vector<float> const& C, bool via_ldmatrix = false) {
