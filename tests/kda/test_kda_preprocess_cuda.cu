@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "support/device_buffer.hpp"
 #include "support/error_of.hpp"
 #include "k3/kda/cuda/kda.cuh"
 #include "k3/kda/preprocess.hpp"
@@ -33,29 +34,7 @@ std::vector<S> randv(std::size_t n, std::uint64_t seed, double scale = 1.0) {
 }
 
 template <class T>
-struct dbuf {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit dbuf(std::size_t count) : n(count) {
-    if (n) {
-      K3_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
-      K3_CUDA_CHECK(cudaMemset(p, 0, n * sizeof(T)));
-    }
-  }
-  explicit dbuf(std::vector<T> const& h) : dbuf(h.size()) {
-    if (n) K3_CUDA_CHECK(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  dbuf(dbuf const&) = delete;
-  ~dbuf() {
-    if (p) cudaFree(p);
-  }
-  std::vector<T> get() const {
-    K3_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<T> h(n);
-    if (n) K3_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using dbuf = k3::test::device_buffer<T>;
 
 // Elementwise |gpu - cpu| <= rtol |cpu| + atol; bfloat16 results may differ by one rounding.
 template <class S>

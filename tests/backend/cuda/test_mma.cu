@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "support/device_buffer.hpp"
 #include "support/random.hpp"
 
 namespace mma_test {
@@ -19,21 +20,7 @@ using bf = k3::bfloat16;
 namespace ka = k3::cuda::arch;
 
 template <class T>
-struct dbuf {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit dbuf(std::vector<T> const& h) : n(h.size()) {
-    K3_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
-    K3_CUDA_CHECK(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  dbuf(dbuf const&) = delete;
-  ~dbuf() { (void)cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    K3_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using dbuf = k3::test::device_buffer<T>;
 
 // B [16, 8] row-major (B[k][n] at k * 8 + n) and C [16, 8] as fragments, the mma with the A
 // fragments a, this lane's part of D [16, 8] stored.

@@ -13,26 +13,14 @@
 #include <stdexcept>
 #include <vector>
 
+#include "support/device_buffer.hpp"
+
 // Kernels have external linkage (nvcc rejects K3_KERNEL's visibility attribute on internal
 // functions): a named namespace, not an anonymous one.
 namespace simt_test {
 
 template <class T>
-struct dbuf {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit dbuf(std::size_t count, int fill = 0) : n(count) {
-    K3_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
-    K3_CUDA_CHECK(cudaMemset(p, fill, n * sizeof(T)));
-  }
-  dbuf(dbuf const&) = delete;
-  ~dbuf() { (void)cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    K3_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using dbuf = k3::test::device_buffer<T>;
 
 // Every thread writes its linear index, waits, reads its neighbour's; threads at or above
 // `exit_from` leave before the barrier (exited threads count as arrived).
