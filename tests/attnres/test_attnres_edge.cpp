@@ -59,7 +59,7 @@ TEST_CASE("attnres mix: stats and gradients overlapping inputs or each other are
   CHECK(names(bwd(at(7), at(7) + 8, at(9), at(10)), "dsources", "dpartial"));
 }
 
-TEST_CASE("attnres two-phase: outputs overlapping inputs are rejected; a bad eps is an error") {
+TEST_CASE("attnres two-phase: outputs overlapping inputs are rejected, a bad eps is an error") {
   index_t const n = 2, nq = 2, T = 3, d = 4;
   std::vector<float> mem(64 * 16, 0.5f);
   for (std::size_t i = 0; i < mem.size(); ++i) mem[i] = 0.02f * float(i % 11) + 0.1f;

@@ -113,7 +113,7 @@ void check_phase1(B const& b, p1_case c, std::uint64_t seed, double tiny_token_s
 
 }  // namespace
 
-TEST_CASE("phase 1 kernels: awkward d, site and source counts against float64; bf16 o is the float o rounded") {
+TEST_CASE("phase 1 kernels: awkward d, site and source counts against float64, bf16 o is the float o rounded") {
   constexpr bool fast = ar::detail::avx512_kernels<xsimd::default_arch>;
   std::string const kernels = fast ? "AVX-512 kernels" : "portable kernels (no AVX-512 in this build)";
   MESSAGE(kernels);
@@ -131,7 +131,7 @@ TEST_CASE("phase 1 kernels: awkward d, site and source counts against float64; b
   }
 }
 
-TEST_CASE("phase 1 kernels: subnormal mixes round exactly; streaming stores on aligned and unaligned rows") {
+TEST_CASE("phase 1 kernels: subnormal mixes round exactly, streaming stores on aligned and unaligned rows") {
   check_phase1(k3::cpu::threads<>(2), p1_case{8, 24, 3, 64}, 7, 1e-39);
   check_phase1(k3::cpu::threads<>(2), p1_case{5, 7, 2, 37}, 8, 1e-40);
   auto const saved = ar::detail::stream_threshold_bytes;
@@ -240,7 +240,7 @@ TEST_CASE("phase2_add kernels: d around the 32-column chunk, T = 1, float and bf
   ar::detail::stream_threshold_bytes = saved;
 }
 
-TEST_CASE("phase2_add kernels: the residual add rounds every bit pattern as k3::bfloat16 does; NaN stays in its token") {
+TEST_CASE("phase2_add kernels: the residual add rounds every bit pattern as k3::bfloat16 does, NaN stays in its token") {
   // prefix and delta over random 16-bit patterns: NaNs (signalling and quiet), infinities,
   // subnormals, zeros of both signs.
   index_t const T = 4, d = 4096 + 17;

@@ -155,7 +155,7 @@ TEST_CASE("driver follows Eq. 6 (float64 reference simulation), several block si
   }
 }
 
-TEST_CASE("block size 1 sublayer is Full AttnRes; K3's block size 1 (one decoder layer) is not") {
+TEST_CASE("block size 1 sublayer is Full AttnRes, K3's block size 1 (one decoder layer) is not") {
   index_t const L = 8, d = 6, T = 2;
   toy::model m(L, d, 3);
   params p(L, d, 4, 3.0);

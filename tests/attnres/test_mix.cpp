@@ -249,7 +249,7 @@ TEST_CASE("bfloat16 storage: float mixing of the rounded inputs, output rounded 
   CHECK(std::max({es.dbank, es.dpart, es.dw, es.dg}) <= 1e-6);
 }
 
-TEST_CASE("zero query gives the mean; one source is returned unchanged; dg = 0 at w = 0") {
+TEST_CASE("zero query gives the mean, one source is returned unchanged, dg = 0 at w = 0") {
   problem p(4, 5, 12, true, 400);
   std::fill(p.w.begin(), p.w.end(), 0.0);
   p.reference();
@@ -291,7 +291,7 @@ TEST_CASE("with eps = 0 the RMSNorm removes a pure-scale advantage") {
   CHECK(std::abs(stats[5] - 0.5) < 1e-14);
 }
 
-TEST_CASE("stored statistics and recomputation give bit-identical gradients; accumulate adds") {
+TEST_CASE("stored statistics and recomputation give bit-identical gradients, accumulate adds") {
   problem p(5, 9, 37, true, 500);
   auto bank = cast<float>(p.bank), part = cast<float>(p.part), w = cast<float>(p.w), g = cast<float>(p.g), dh = cast<float>(p.dh);
   auto src = ar::make_sources(k3::host_view(bank.data(), p.n, p.T, p.d), k3::host_view(part.data(), p.T, p.d));

@@ -129,7 +129,7 @@ TEST_CASE("two-phase equals one-pass for huge rows on the vector backends (float
   }
 }
 
-TEST_CASE("block_rinv is the inverse RMS of each token; phase2_add fuses the residual add") {
+TEST_CASE("block_rinv is the inverse RMS of each token, phase2_add fuses the residual add") {
   index_t const T = 5, d = 19;
   attnres_ref::rng r(3);
   auto x = r.normals<double>(std::size_t(T * d), 0.01);
@@ -156,7 +156,7 @@ TEST_CASE("block_rinv is the inverse RMS of each token; phase2_add fuses the res
   CHECK(h1 == h2);
 }
 
-TEST_CASE("two-phase: a NaN in one token stays there; shape errors name the argument") {
+TEST_CASE("two-phase: a NaN in one token stays there, shape errors name the argument") {
   index_t const n = 3, nq = 4, T = 6, d = 10;
   attnres_ref::rng r(9);
   auto bank = cast<float>(r.normals<double>(std::size_t(n * T * d)));

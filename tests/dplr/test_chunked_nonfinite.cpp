@@ -219,7 +219,7 @@ TEST_CASE("chunked DPLR forward: a NaN or Inf at token t leaves everything befor
   SUBCASE("float") { forward_checks<float>(); }
 }
 
-TEST_CASE("chunked DPLR backward: non-finite inputs stay in their head; k and v at t reach no gradient before t") {
+TEST_CASE("chunked DPLR backward: non-finite inputs stay in their head, k and v at t reach no gradient before t") {
   SUBCASE("double") { backward_checks<double>(); }
   SUBCASE("float") { backward_checks<float>(); }
 }

@@ -75,7 +75,7 @@ TEST_CASE("composed segment maps reproduce the recurrent state (double, 1e-12)")
   }
 }
 
-TEST_CASE("transposed maps give the recurrent state gradient; Mt = M^T") {
+TEST_CASE("transposed maps give the recurrent state gradient, Mt = M^T") {
   std::mt19937_64 rng(22);
   auto p = make<double>(rng, 1, 90, 2, 12, 9, {0, 20, 20, 90});
   index_t const K = p.K, V = p.V, NS = p.N * p.H;

@@ -191,7 +191,7 @@ TEST_CASE("IPLR is DPLR with gk = 0") {
   CHECK(rel_err(dh0, g.dh0) < 1e-12);
 }
 
-TEST_CASE("empty sequences pass h0 through; zero dht and do give zero gradients") {
+TEST_CASE("empty sequences pass h0 through, zero dht and do give zero gradients") {
   std::mt19937_64 rng(6);
   auto p = make<double>(rng, 1, 4, 1, 3, 2, {0, 0, 4, 4});
   auto r = run_fwd(p, recurrent_fwd(p.options()));

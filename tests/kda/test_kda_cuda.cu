@@ -443,7 +443,7 @@ TEST_CASE("chunked forward and backward, float storage, against float64") { chec
 TEST_CASE("chunked forward and backward, bfloat16 storage, against float64") { check_chunked<k3::bfloat16>(5e-3, 2e-5, 1e-4); }
 
 // bfloat16 inputs and o (the reference sees the same rounded inputs); the pool stays fp32.
-TEST_CASE_TEMPLATE("decode on a slot-addressed pool matches the recurrence; other slots untouched", S, float, k3::bfloat16) {
+TEST_CASE_TEMPLATE("decode on a slot-addressed pool matches the recurrence, other slots untouched", S, float, k3::bfloat16) {
   double const tol_o = std::is_same_v<S, float> ? 2e-5 : 5e-3;
   index_t const N = 4, P = 7, H = 2, HV = 4, K = 100, V = 70, steps = 3;
   std::vector<std::int64_t> slots = {5, -1, 0, 3};  // -1: padding, skipped

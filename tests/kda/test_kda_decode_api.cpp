@@ -113,7 +113,7 @@ TEST_CASE("kda decode: slots stored inside the pool, and broadcast outputs, are 
   });
 }
 
-TEST_CASE("kda decode: slots out of range or repeated name the slot and its index; the pool is untouched") {
+TEST_CASE("kda decode: slots out of range or repeated name the slot and its index, the pool is untouched") {
   every_backend([&](auto const& be) {
     decode_buf d;
     auto const before = d.mem;

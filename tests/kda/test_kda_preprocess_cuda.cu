@@ -214,7 +214,7 @@ TEST_CASE_TEMPLATE("short conv on the GPU matches the CPU: batched, varlen, stat
       }
 }
 
-TEST_CASE("short conv decode on a GPU pool matches the CPU decode; padding slots are skipped") {
+TEST_CASE("short conv decode on a GPU pool matches the CPU decode, padding slots are skipped") {
   index_t const C = 12, W = 4, N = 3, P = 6;
   auto w = randv<float>(static_cast<std::size_t>(C * W), 31);
   auto pool = randv<float>(static_cast<std::size_t>(P * C * (W - 1)), 32);

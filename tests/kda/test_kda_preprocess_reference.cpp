@@ -284,7 +284,7 @@ TEST_CASE_TEMPLATE("l2norm_backward: huge rows with an ordinary dy stay finite a
   }
 }
 
-TEST_CASE("l2norm: NaN and Inf stay in their own row; in-place is refused naming both arguments") {
+TEST_CASE("l2norm: NaN and Inf stay in their own row, in-place is refused naming both arguments") {
   index_t const R = 4, D = 5;
   std::vector<float> x(std::size_t(R * D), 0.5f), y(x.size()), dy(x.size(), 1.0f), dx(x.size());
   x[std::size_t(1 * D + 2)] = NAN;
@@ -842,7 +842,7 @@ TEST_CASE_TEMPLATE("short_conv_decode after a prefill equals the full convolutio
     }
 }
 
-TEST_CASE("short_conv in place (final_state is initial_state) equals separate states; partial overlap is refused") {
+TEST_CASE("short_conv in place (final_state is initial_state) equals separate states, partial overlap is refused") {
   std::mt19937 rng(8051);
   index_t const C = 17, W = 4;
   std::vector<std::int64_t> const cu = {0, 0, 1, 3, 3, 10};
@@ -886,7 +886,7 @@ TEST_CASE("short_conv in place (final_state is initial_state) equals separate st
   CHECK(k3::test::names_overlap(e3, "conv_state", "y"));
 }
 
-TEST_CASE("short_conv: NaN/Inf in one sequence stays in that sequence (y, final state, dx, d_initial_state; decode slot)") {
+TEST_CASE("short_conv: NaN/Inf in one sequence stays in that sequence (y, final state, dx, d_initial_state, decode slot)") {
   index_t const C = 3, W = 4;
   std::vector<std::int64_t> const cu = {0, 2, 2, 7, 12};
   index_t const N = 4, T = 12;

@@ -512,7 +512,7 @@ problem_data<double> bounded_problem(shape const& s, std::uint64_t seed) {
 }
 }  // namespace
 
-TEST_CASE("kda: saved states from one backend read by another; h0/ht/dht/dh0 absent in any combination") {
+TEST_CASE("kda: saved states from one backend read by another, h0/ht/dht/dh0 absent in any combination") {
   shape const s{.B = 1, .T = 100, .H = 1, .HV = 2, .K = 6, .V = 5, .cu = {0, 3, 3, 70, 100}};
   auto const d = random_problem(s, 501);
   for (int mask = 0; mask < 16; ++mask) {

@@ -293,7 +293,7 @@ TEST_CASE_TEMPLATE("decode token by token after a prefill equals the full convol
       }
 }
 
-TEST_CASE("batched decode over a pool equals per-sequence decode; no slots means slot n") {
+TEST_CASE("batched decode over a pool equals per-sequence decode, no slots means slot n") {
   index_t const C = 8, W = 4, N = 3, P = 5;
   auto w = randn(static_cast<std::size_t>(C * W), 61);
   auto x = randn(static_cast<std::size_t>(N * C), 62);

@@ -119,7 +119,7 @@ TEST_CASE("CUDA grouped_ffn equals the float64 reference: double to 1e-12, float
   }
 }
 
-TEST_CASE("CUDA grouped_ffn: slot rules; a NaN in one token stays in that token and its experts") {
+TEST_CASE("CUDA grouped_ffn: slot rules, a NaN in one token stays in that token and its experts") {
   auto const q = k3::test::random_grouped_ffn(13, 3, 6, 9, 8, 5, 4, 4, 3);
   auto const r = run<float>(q);
   for (std::size_t s = 0; s < q.idx.size(); ++s) {

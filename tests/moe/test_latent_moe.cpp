@@ -356,7 +356,7 @@ TEST_CASE("latent_moe float64: gradients match central finite differences of <y,
   fd(&layer::wsd, g.dwsd, "dws_down");
 }
 
-TEST_CASE("latent_moe float32 within 2e-5 / 1e-4 and bfloat16 within 2e-2 of float64; the same bits on every thread count") {
+TEST_CASE("latent_moe float32 within 2e-5 / 1e-4 and bfloat16 within 2e-2 of float64, the same bits on every thread count") {
   dims const m{12, 16, 8, 12, 10, 1, 6, 3};
   layer const L = random_layer(m, 17);
   vec const dy = k3::test::gaussian(static_cast<std::size_t>(m.T * m.d), 18);
@@ -459,7 +459,7 @@ TEST_CASE("latent_moe: shape mismatches, k > n, NaN in x and bad options are k3:
   CHECK(k3::test::error_of([&] { moe::latent_moe_forward(k3::cpu::serial{}, a, o); }).find("all three or none") != std::string::npos);
 }
 
-TEST_CASE("latent_moe saved state: 2·k·l values per token fewer than the naive layer; other shapes or options are an error") {
+TEST_CASE("latent_moe saved state: 2·k·l values per token fewer than the naive layer, other shapes or options are an error") {
   dims const m{7, 5, 6, 4, 3, 1, 3, 3};
   layer const L = random_layer(m, 61);
   auto x = L.x, wr = L.wr, wd = L.wd, wg = L.wg, wu = L.wu, wdn = L.wdn, wup = L.wup, dy = L.x, dx = L.x;
@@ -493,7 +493,7 @@ TEST_CASE("latent_moe saved state: 2·k·l values per token fewer than the naive
   CHECK(saved.filled());
 }
 
-TEST_CASE("latent_moe: NaN or Inf in a weight the step reads, in float, double and bfloat16, is an error naming it; an idle expert's weights are not read") {
+TEST_CASE("latent_moe: NaN or Inf in a weight the step reads, in float, double and bfloat16, is an error naming it, an idle expert's weights are not read") {
   dims const m{3, 4, 5, 3, 2, 1, 2, 2};
   layer L = random_layer(m, 71);
   moe::latent_moe_options o;

@@ -336,7 +336,7 @@ TEST_CASE("placement and QB errors name the argument and give the values") {
   CHECK(has(e6, "inf"));
 }
 
-TEST_CASE("group-limited routing: topk_groups = n_groups is plain top-k; k = 1; threads == serial with logits and masks") {
+TEST_CASE("group-limited routing: topk_groups = n_groups is plain top-k, k = 1, threads == serial with logits and masks") {
   k3::cpu::threads<> thr(3);
   std::mt19937_64 gen(5);
   for (index_t n : {6, 12, 30, 64}) {

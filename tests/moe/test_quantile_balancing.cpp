@@ -86,7 +86,7 @@ TEST_CASE("A.6-3 the pooled quantile is not the mean of micro-batch quantiles") 
   CHECK_THROWS_AS(pooled.merge(bad), k3::error);
 }
 
-TEST_CASE("A.6-4 histogram estimate within one bin width of the exact quantile; splits sum bit-exactly") {
+TEST_CASE("A.6-4 histogram estimate within one bin width of the exact quantile, splits sum bit-exactly") {
   index_t const m = 4096, n = 8, k = 2, B = 1000;
   auto s = uniform(m * n, 0, 1, 99);
   std::vector<float> b(n);
@@ -199,7 +199,7 @@ TEST_CASE("A.6-8 causality: batch t is routed identically whether or not its upd
   }
 }
 
-TEST_CASE("lifecycle: eval routing does not accumulate; discard drops a failed step; EMA is centred") {
+TEST_CASE("lifecycle: eval routing does not accumulate, discard drops a failed step, EMA is centred") {
   index_t const m = 128, n = 8, k = 2;
   moe::router_options opt;
   opt.k = k;

@@ -169,7 +169,7 @@ TEST_CASE("weights come from the unbiased scores, renormalised and scaled") {
 // chosen scores summed below ~1e-13 (scores 1e-30 gave weights 1e-10 instead of 1/k; logits
 // below -30 do that). The weights are scale-invariant: scaling all scores by a power of two
 // changes neither the choice nor a single bit of the weights.
-TEST_CASE("weights are scale-invariant for tiny scores; an all-zero choice gives zero weights") {
+TEST_CASE("weights are scale-invariant for tiny scores, an all-zero choice gives zero weights") {
   index_t const m = 37, n = 40, k = 16;  // k = 16: the AVX-512 emit path
   auto s = uniform(m * n, 0.0, 1.0, 91);
   std::vector<float> b(static_cast<std::size_t>(n), 0.f);

@@ -79,7 +79,7 @@ TEST_CASE("Keller's scale is sqrt(max(1, A / B)): a tall matrix gets sqrt(A / B)
   CHECK(worst < 1e-15);
 }
 
-TEST_CASE("AdamW step with bias correction equals the formula; Muon and AdamW parameters in one step") {
+TEST_CASE("AdamW step with bias correction equals the formula, Muon and AdamW parameters in one step") {
   index_t const n = 37;
   auto p = gaussian(n, 6), g = gaussian(n, 7), m = gaussian(n, 8, 0.1), v = gaussian(n, 9, 0.1);
   for (auto& x : v) x = x * x;

@@ -81,7 +81,7 @@ TEST_CASE("newton_schulz in float64 equals the formula written out, wide, tall, 
   }
 }
 
-TEST_CASE("newton_schulz on a rank-2 matrix equals the stack of one; a stack equals each matrix alone") {
+TEST_CASE("newton_schulz on a rank-2 matrix equals the stack of one, a stack equals each matrix alone") {
   index_t const M = 3, A = 12, B = 20;
   auto const g = cast<float>(gaussian(static_cast<std::size_t>(M * A * B), 11));
   k3::cpu::serial s;
@@ -166,7 +166,7 @@ TEST_CASE("NS5's singular values lie in [0.68, 1.14] once the normalised ones ar
   band(k3::bfloat16{}, 0.02);
 }
 
-TEST_CASE("Moonlight's scale: 0.2 sqrt(max(A, B)) of the whole matrix, also per head; update RMS near 0.2") {
+TEST_CASE("Moonlight's scale: 0.2 sqrt(max(A, B)) of the whole matrix, also per head, update RMS near 0.2") {
   index_t const A = 96, B = 160, H = 4;
   auto const g = gaussian(static_cast<std::size_t>(A * B), 9);
   optim::newton_schulz_options opt;
@@ -202,7 +202,7 @@ TEST_CASE("newton_schulz gives the same bits on every backend and thread count, 
   }
 }
 
-TEST_CASE("newton_schulz: a NaN or Inf stays in its matrix or head block; zero and empty inputs") {
+TEST_CASE("newton_schulz: a NaN or Inf stays in its matrix or head block, zero and empty inputs") {
   index_t const M = 3, A = 8, B = 12, H = 4;
   auto g = cast<float>(gaussian(static_cast<std::size_t>(M * A * B), 21));
   auto const clean = ns(k3::cpu::serial{}, g, M, A, B, {.heads = H});

@@ -100,7 +100,7 @@ TEST_CASE("CUDA newton_schulz equals the float64 formula: double to 1e-12, float
   }
 }
 
-TEST_CASE("CUDA newton_schulz: a NaN stays in its head block; empty stacks; checks before any launch") {
+TEST_CASE("CUDA newton_schulz: a NaN stays in its head block, empty stacks, checks before any launch") {
   index_t const M = 2, A = 8, B = 10, H = 2;
   auto g = random_stack<float>(static_cast<std::size_t>(M * A * B), 3);
   g[static_cast<std::size_t>(A * B + 5 * B + 1)] = std::numeric_limits<float>::quiet_NaN();  // matrix 1, head 1

@@ -95,7 +95,7 @@ std::vector<store_config> store_configs() {
           {store_mode::automatic, {false, ~std::size_t{0}}, false}};
 }
 
-TEST_CASE("row_tuning: the automatic store mode streams from the threshold on; forced modes win") {
+TEST_CASE("row_tuning: the automatic store mode streams from the threshold on, forced modes win") {
   using simd_impl::store_mode;
   simd_impl::row_tuning const t{true, 1000};
   CHECK_FALSE(t.stream(store_mode::automatic, 999));

@@ -150,7 +150,7 @@ TEST_CASE("attnres on the store: keep, offload and recomputed statistics give tr
   }
 }
 
-TEST_CASE("attnres on the store: fp8 partial sums cost about a quarter of the bytes; the gradients move by the order of E4M3 rounding") {
+TEST_CASE("attnres on the store: fp8 partial sums cost about a quarter of the bytes, the gradients move by the order of E4M3 rounding") {
   backend b(2);
   toy const p(8, 2, 40, 256, 5u);
   k3::tensor_view<float const, 2> w(p.w.data(), {p.L + 1, p.d}), g(p.g.data(), {p.L + 1, p.d});

@@ -39,7 +39,7 @@ TEST_CASE("parameters: 'embedding + head 2·163840·7168, dense FFN 3·7168·337
   CHECK(p.dense_ffn == 3.0 * 7168 * 33792);
 }
 
-TEST_CASE("weights: 'per-GPU BF16 weights 57B/P·2 B + 2.72T/(P·R)·2 B'; 'Muon state 8 bytes per parameter sharded by N'; 'FP32 gradients 4 bytes per parameter unsharded'") {
+TEST_CASE("weights: 'per-GPU BF16 weights 57B/P·2 B + 2.72T/(P·R)·2 B', 'Muon state 8 bytes per parameter sharded by N', 'FP32 gradients 4 bytes per parameter unsharded'") {
   for (std::int64_t P : {4, 8, 16})
     for (std::int64_t R : {8, 32}) {
       train::parallel_config par;
@@ -67,7 +67,7 @@ TEST_CASE("activations: 'about 70k values per token for a KDA layer, 75k for MLA
   CHECK(close(2 * l.activation_values_per_token.model, 58e6) < 0.01);
 }
 
-TEST_CASE("activations: 'times S, times the micro-batches in flight (rank r holds P − r under 1F1B; virtual stages make it steeper)'") {
+TEST_CASE("activations: 'times S, times the micro-batches in flight (rank r holds P − r under 1F1B, virtual stages make it steeper)'") {
   train::parallel_config par;
   par.vpp = 1;
   auto const a = train::ledger_of({}, par, train::toggles::none());
@@ -83,7 +83,7 @@ TEST_CASE("activations: 'times S, times the micro-batches in flight (rank r hold
   CHECK(v.naive.activations > a.naive.activations);
 }
 
-TEST_CASE("toggles: 'block-FP8 activations (halves them)'; 'offload (only the current and the prefetched layer stay)'") {
+TEST_CASE("toggles: 'block-FP8 activations (halves them)', 'offload (only the current and the prefetched layer stay)'") {
   auto const base = train::ledger_of({}, {}, train::toggles::none());
   auto const fp8 = train::ledger_of({}, {}, only(train::technique::fp8_activations));
   CHECK(fp8.k3.activations / base.naive.activations == doctest::Approx(0.5).epsilon(0.04));  // E4M3 plus one FP32 scale per 128
@@ -113,7 +113,7 @@ TEST_CASE("toggles: 'cross-PP balancing (rank 0's peak becomes the average)'") {
   CHECK(bal.k3.activations < base.naive.activations);
 }
 
-TEST_CASE("toggles: 'Pipeline ZeRO-2 with CPU gradient shards (gradients become two VPP-chunk buffers)'; 'P2P Muon (the full-parameter gather buffer, as large as the BF16 weights, disappears)'") {
+TEST_CASE("toggles: 'Pipeline ZeRO-2 with CPU gradient shards (gradients become two VPP-chunk buffers)', 'P2P Muon (the full-parameter gather buffer, as large as the BF16 weights, disappears)'") {
   train::parallel_config par;
   auto const base = train::ledger_of({}, par, train::toggles::none());
   auto const z2 = train::ledger_of({}, par, only(train::technique::zero2_cpu_grads));
@@ -146,7 +146,7 @@ TEST_CASE("'At the defaults the two columns differ by an order of magnitude'") {
   CHECK((l.naive.activations - l.k3.activations) + (l.naive.comm - l.k3.comm) > 0.9 * gap);
 }
 
-TEST_CASE("ledger: toggles parse by name; bad sliders and names are k3::errors") {
+TEST_CASE("ledger: toggles parse by name, bad sliders and names are k3::errors") {
   auto const t = train::toggles::parse("offload,p2p_muon");
   CHECK(t[train::technique::offload]);
   CHECK(t[train::technique::p2p_muon]);
@@ -163,7 +163,7 @@ TEST_CASE("ledger: toggles parse by name; bad sliders and names are k3::errors")
   CHECK(k3::test::error_of([&] { train::ledger_of(m); }).find("argument 'moe_saved_values'") != std::string::npos);
 }
 
-TEST_CASE("ledger: any K3-like config; a model without MoE or MLA layers") {
+TEST_CASE("ledger: any K3-like config, a model without MoE or MLA layers") {
   train::model_config m;
   m.moe_layers = 0;
   m.mla_layers = 0;

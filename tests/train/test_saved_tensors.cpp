@@ -28,7 +28,7 @@ std::vector<float> random_floats(std::size_t n, unsigned seed) {
 
 }  // namespace
 
-TEST_CASE("saved_tensor_store: keep, offload and recompute give the tensor back bit for bit; the pools count their bytes") {
+TEST_CASE("saved_tensor_store: keep, offload and recompute give the tensor back bit for bit, the pools count their bytes") {
   tr::saved_tensor_store<k3::cpu::serial> store;
   auto x = random_floats(6 * 40, 1);
   k3::tensor_view<float, 2> xv(x.data(), {6, 40});
@@ -92,7 +92,7 @@ TEST_CASE("saved_tensor_store: strided views in and out, rank 1 and 3, empty ten
   store.load(he2, k3::tensor_view<float, 2>(nullptr, {4, 0}));
 }
 
-TEST_CASE("saved_tensor_store: fp8 is the 1x128 E4M3 round trip, at about a quarter of float's bytes; NaN stays in its tile") {
+TEST_CASE("saved_tensor_store: fp8 is the 1x128 E4M3 round trip, at about a quarter of float's bytes, NaN stays in its tile") {
   k3::cpu::threads<> cpu(2);
   tr::saved_tensor_store<k3::cpu::threads<>> store(cpu);
   index_t const m = 7, k = 300;  // three 128-wide tiles per row, the last partial

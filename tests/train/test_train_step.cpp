@@ -102,7 +102,7 @@ TEST_CASE("train_step: float64 gradients of every parameter match central differ
   }
 }
 
-TEST_CASE("train_step: recompute and offload give keep's gradients bit for bit; fp8 and mixed within E4M3's rounding") {
+TEST_CASE("train_step: recompute and offload give keep's gradients bit for bit, fp8 and mixed within E4M3's rounding") {
   k3::cpu::threads<> b(2);
   for (index_t tokens : {index_t(70), index_t(1), index_t(130)}) {
     CAPTURE(tokens);
@@ -148,7 +148,7 @@ TEST_CASE("train_step: the same gradients on 1, 2 and 3 threads and for the seri
   CHECK(!same_bits(other, one));
 }
 
-TEST_CASE("train_step: what each preset saves, resident and offloaded; the pools are empty after the step") {
+TEST_CASE("train_step: what each preset saves, resident and offloaded, the pools are empty after the step") {
   k3::cpu::threads<> b(2);
   for (index_t tokens : {index_t(70), index_t(256)}) {
     CAPTURE(tokens);

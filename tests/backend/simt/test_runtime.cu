@@ -283,7 +283,7 @@ TEST_CASE("host runtime: an exception in a kernel thread is a launch failure") {
 
 #endif  // K3_SIMT_TSAN
 
-TEST_CASE("host runtime: fresh device and shared memory read as NaN; copies check their device side") {
+TEST_CASE("host runtime: fresh device and shared memory read as NaN, copies check their device side") {
   dbuf<float> out(64, 0);
   k3::cuda::launch_kernel(read_fresh_shared_kernel, {dim3(1), dim3(64), 64 * sizeof(float)}, out.p);
   REQUIRE(cudaGetLastError() == cudaSuccess);
