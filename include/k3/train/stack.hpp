@@ -231,7 +231,6 @@ class layer_saves {
     slot s;
     s.rows = rows;
     s.cols = cols;
-    s.bytes = static_cast<std::size_t>(rows * cols) * sizeof(E);
     std::function<void(tensor_view<E, 2>)> rebuild;
     if (p == recompute) {
       ::k3::detail::require(static_cast<bool>(again), "layer_saves: a tensor recomputed under this preset needs its recompute function");
@@ -275,7 +274,6 @@ class layer_saves {
   struct slot {
     saved_handle handle;
     index_t rows = 0, cols = 0;
-    std::size_t bytes = 0;
     std::shared_ptr<void> data;  // the loaded tensor (a flat<E>)
     void* ptr = nullptr;
     std::function<void(slot&)> load;
