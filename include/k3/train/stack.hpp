@@ -321,11 +321,9 @@ struct kda_layer {
   void beta(T const* in, T* out) const {
     ::k3::kda::beta_sigmoid(b, tensor_view<T const, 3>(in, {1, c.tokens, c.heads}), tensor_view<T, 3>(out, {1, c.tokens, c.heads}));
   }
-  ::k3::array<index_t, 3> states_shape() const {
-    // k3::kda::saved_shape's formula for one sequence (it needs the tensors themselves).
-    namespace kd = ::k3::kda::detail;
-    return {c.heads, (c.tokens + kd::chunk_size - 1) / kd::chunk_size, kd::saved_layout{c.head_dim, c.head_dim}.per()};
-  }
+  // The per-chunk states' shape, k3::kda::saved_shape of the forward's q and v (set by forward).
+  ::k3::array<index_t, 3> states_ext{};
+  ::k3::array<index_t, 3> states_shape() const { return states_ext; }
   index_t states_size() const {
     auto const s = states_shape();
     return s[0] * s[1] * s[2];
@@ -355,6 +353,13 @@ struct kda_layer {
     flat<T> qr = buf(Tn * d), kr = buf(Tn * d), vr = buf(Tn * d), gr = buf(Tn * d), br = buf(Tn * H);
     flat<T> qc = buf(Tn * d), kc = buf(Tn * d), q = buf(Tn * d), k = buf(Tn * d), v = buf(Tn * d), g = buf(Tn * d), bt = buf(Tn * H),
             o = buf(Tn * d);
+    {
+      ::k3::kda::forward_args<T, S> shape_of;
+      shape_of.q = heads4(static_cast<T const*>(q.data()));
+      shape_of.v = heads4(static_cast<T const*>(v.data()));
+      auto const e = ::k3::kda::saved_shape(shape_of, kda_options());
+      states_ext = {e[0], e[1], e[2]};
+    }
     flat<S> states = make_flat<S>(states_size());
     project(x, w[w_q], Tn, d, d, qr.data());
     project(x, w[w_k], Tn, d, d, kr.data());
