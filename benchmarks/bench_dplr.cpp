@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
   std::vector<double> yg;
   timing f1, f2v, f2s, mp, b1, b2, kd1, kd2;
   k3::kda::options kopt;
+  kopt.mode = k3::kda::algorithm::chunk;
   kopt.gate_lower_bound = -5.0;
   for (int r = 0; r < reps; ++r) {
     yg.push_back(gemm.gflops());

@@ -138,9 +138,10 @@ int run_sweep(std::vector<index_t> const& Ts, int reps, bool with_backward, int 
     auto ba = in.bwd();
     auto run = [&](int bk, int form, bool bwd) {
       k3::kda::options opt;
-      if (form == 0)
+      if (form == 0) {
+        opt.mode = k3::kda::algorithm::chunk;
         opt.gate_lower_bound = -5.0;
-      else
+      } else
         opt.mode = k3::kda::algorithm::recurrent;
       auto go = [&](auto const& be) {
         if (bwd)
@@ -181,7 +182,7 @@ int run_sweep(std::vector<index_t> const& Ts, int reps, bool with_backward, int 
       double const y = bk == 2 ? mN : m1;
       std::string const ys = bk == 2 ? "eigen_gemm_1024_" + std::to_string(threads) + "t" : std::string("eigen_gemm_1024_1t");
       double const tf = median(cells[ti][c].f), gf = flops / tf * 1e-9;
-      bool const has_b = with_backward && form == 0;  // the recurrent backward (the reference path) is left out: ~40x its forward
+      bool const has_b = with_backward && form == 0;  // the recurrent backward (the reference path) is left out: 6-8x the chunked one
       double const tb = has_b ? median(cells[ti][c].b) : 0.0;
       std::printf("%7lld %10s %8s %10.2f %12.0f %9.1f %7.2f", static_cast<long long>(T), forms[form], backends[bk], tf * 1e3, T / tf, gf,
                   gf / y);
@@ -247,6 +248,7 @@ int main(int argc, char** argv) {
     int const reps = T <= 8192 ? 5 : 3;
     std::vector<double> tc, ts, tb, tt, tbs;
     k3::kda::options chunk_opt, serial_opt;
+    chunk_opt.mode = k3::kda::algorithm::chunk;
     chunk_opt.gate_lower_bound = -5.0;
     serial_opt.mode = k3::kda::algorithm::recurrent;
     auto fa = in.fwd();

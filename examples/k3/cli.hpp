@@ -5,10 +5,13 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "k3/io/npy.hpp"
@@ -18,6 +21,34 @@ namespace k3::cli {
 struct usage_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// Throws k3::error(kind, make()) when `ok` is false: the tool's own checks of its inputs report
+// like the library's, with the message built only on failure.
+template <class MakeMessage>
+  requires std::is_invocable_v<MakeMessage>
+void check(bool ok, k3::error_kind kind, MakeMessage&& make) {
+  if (!ok) throw k3::error(kind, make());
+}
+
+// Runs f(). A k3::error about one of the library's options or arguments that this command sets
+// from a flag (a (field, flag) pair given, matched against error::argument()) is a bad value
+// of that flag: a usage error (exit 2) that names the flag and says what the library said about
+// the value (error::detail()). An input that breaks the promise of such a flag (error::related())
+// stays an error of the input, and says which flag made the promise. Any other error passes
+// through as it is.
+template <class F>
+auto with_option_spellings(std::initializer_list<std::pair<char const*, char const*>> names, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (k3::error const& e) {
+    for (auto const& [field, flag] : names)
+      if (e.argument() == field) throw usage_error("option '--" + std::string(flag) + "'" + std::string(e.detail()));
+    for (auto const& [field, flag] : names)
+      if (e.related() == field && !e.argument().empty())
+        throw k3::error(e.kind(), e.subject() + " '" + e.argument() + "' breaks the promise of --" + flag + std::string(e.detail()));
+    throw;
+  }
+}
 
 struct option_spec {
   std::string name;      // without the leading "--"
@@ -137,7 +168,7 @@ class args {
   // Required input <in>/<name>.npy.
   io::npy_array load(std::string const& name) const {
     std::string p = in_path(name);
-    if (!std::filesystem::exists(p)) throw k3::error("missing input '" + name + ".npy' in " + value("in"));
+    if (!std::filesystem::exists(p)) throw k3::error(k3::error_kind::io, "missing input '" + name + ".npy' in " + value("in"));
     return io::read_npy(p);
   }
   std::optional<io::npy_array> load_optional(std::string const& name) const {
@@ -167,7 +198,7 @@ inline index_t output_elements(std::string const& name, std::vector<index_t> con
   index_t n = 1;
   for (index_t e : shape)
     if (e < 0 || __builtin_mul_overflow(n, e, &n))
-      throw k3::error("output '" + name + "': shape " + detail::format_shape(shape) + " has more elements than can be addressed");
+      throw k3::error(k3::error_kind::shape, "output '" + name + "': shape " + k3::format_shape(shape) + " has more elements than can be addressed");
   return n;
 }
 

@@ -26,11 +26,11 @@ double element(k3::io::npy_array const& a, k3::index_t i) {
 
 template <class C>
 std::vector<C> load_vector(k3::io::npy_array const& a, std::string const& name) {
-  k3::detail::require(a.rank() == 1, [&] {
-    return "argument '" + name + "': expected rank 1 ([d]), got shape " + k3::detail::format_shape(a.shape());
+  k3::cli::check(a.rank() == 1, k3::error_kind::shape, [&] {
+    return "argument '" + name + "': expected rank 1 ([d]), got shape " + k3::format_shape(a.shape());
   });
-  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16 ||
-                          a.type() == k3::io::dtype::uint16,
+  k3::cli::check(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16 ||
+                          a.type() == k3::io::dtype::uint16, k3::error_kind::dtype,
                       [&] { return "argument '" + name + "': expected a floating-point dtype, got " + k3::io::dtype_name(a.type()); });
   std::vector<C> v(static_cast<std::size_t>(a.size()));
   for (k3::index_t i = 0; i < a.size(); ++i) v[static_cast<std::size_t>(i)] = C(element(a, i));
@@ -57,13 +57,13 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
   bool const backward = args.flag("backward");
   if (backward) {
     auto dh_arr = args.load("dh");
-    k3::detail::require(dh_arr.rank() == 2 && dh_arr.shape()[0] == T && dh_arr.shape()[1] == d, [&] {
+    k3::cli::check(dh_arr.rank() == 2 && dh_arr.shape()[0] == T && dh_arr.shape()[1] == d, k3::error_kind::shape, [&] {
       return "argument 'dh': expected shape [" + std::to_string(T) + ", " + std::to_string(d) + "], got " +
-             k3::detail::format_shape(dh_arr.shape());
+             k3::format_shape(dh_arr.shape());
     });
     // Like w and gain: an integer file is not a gradient.
-    k3::detail::require(dh_arr.type() == k3::io::dtype::float32 || dh_arr.type() == k3::io::dtype::float64 ||
-                            dh_arr.type() == k3::io::dtype::bfloat16 || dh_arr.type() == k3::io::dtype::uint16,
+    k3::cli::check(dh_arr.type() == k3::io::dtype::float32 || dh_arr.type() == k3::io::dtype::float64 ||
+                            dh_arr.type() == k3::io::dtype::bfloat16 || dh_arr.type() == k3::io::dtype::uint16, k3::error_kind::dtype,
                         [&] { return std::string("argument 'dh': expected a floating-point dtype, got ") + k3::io::dtype_name(dh_arr.type()); });
     dh.resize(static_cast<std::size_t>(T * d));
     for (k3::index_t i = 0; i < T * d; ++i) dh[static_cast<std::size_t>(i)] = C(element(dh_arr, i));
@@ -96,7 +96,7 @@ int run_attnres(k3::cli::args& args) {
     case k3::io::dtype::bfloat16:
     case k3::io::dtype::uint16: return run_typed<k3::bfloat16>(args, src);  // '<u2': PyTorch's bfloat16 dump
     default:
-      throw k3::error(std::string("argument 'sources': expected float32, float64 or bfloat16, got ") + k3::io::dtype_name(src.type()));
+      throw k3::error(k3::error_kind::dtype, std::string("argument 'sources': expected float32, float64 or bfloat16, got ") + k3::io::dtype_name(src.type()));
   }
 }
 

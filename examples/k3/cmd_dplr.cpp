@@ -12,7 +12,6 @@
 #include <string>
 
 #include "cli.hpp"
-#include "option_names.hpp"
 #include "k3/core/tensor.hpp"
 #include "k3/dplr.hpp"
 
@@ -39,7 +38,7 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q, bool bf16_io = fa
   auto load = [&](char const* name) -> k3::io::npy_array {
     auto x = args.load(name);
     if (bf16_io && !is_bf16(x))
-      throw k3::error(std::string("argument '") + name + "': expected dtype bfloat16 (the dtype of q), got " + k3::io::dtype_name(x.type()));
+      throw k3::error(k3::error_kind::dtype, std::string("argument '") + name + "': expected dtype bfloat16 (the dtype of q), got " + k3::io::dtype_name(x.type()));
     return bf16_io ? widen(std::move(x)) : x;
   };
   // Outputs in the inputs' storage type: bfloat16 ('<u2') for bfloat16 inputs.
@@ -62,15 +61,16 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q, bool bf16_io = fa
                                                                                                        : k3::dplr_long_sequence::value_split;
   if (cu) {
     // An empty array would read as "no cu_seqlens" (a null view) further down.
-    if (cu->rank() == 1 && cu->shape()[0] == 0) throw k3::error("argument 'cu_seqlens': needs at least one offset (N+1 entries), got shape [0]");
+    if (cu->rank() == 1 && cu->shape()[0] == 0) throw k3::error(k3::error_kind::shape, "argument 'cu_seqlens': needs at least one offset (N+1 entries), got shape [0]");
     if (cu->type() == k3::io::dtype::int32) opt.cu_seqlens32 = cu->view<std::int32_t, 1>("cu_seqlens");
     else opt.cu_seqlens = cu->view<std::int64_t, 1>("cu_seqlens");
   }
-  std::string const mode = args.choice("mode", {"chunked", "recurrent"});
+  // "chunked" is the earlier spelling of "chunk", still accepted.
+  std::string const mode = args.choice("mode", {"chunk", "recurrent", "chunked"});
   k3::cpu::threads<> th(args.threads(1));
   index_t B = in.q.extent(0), T_ = in.q.extent(1), H = in.q.extent(2), K = in.q.extent(3), V = in.v.extent(3);
   // Every input shape (and cu_seqlens, h0) checked before the outputs are sized from them.
-  index_t const N = k3::detail::dplr::make_problem(in, opt).N;
+  index_t const N = k3::dplr::state_shape(in, opt)[0];
   k3::cli::output_elements("o", {B, T_, H, V});
   k3::cli::output_elements("ht", {N, H, K, V});
   k3::cli::output_elements("one state", {H, K, V});  // per-sequence scratch, even when N = 0
@@ -109,7 +109,7 @@ int run_dplr_body(k3::cli::args& args) {
   if (q.type() == k3::io::dtype::float64) return run_typed<double>(args, q);
   // bfloat16 ('|V2', or PyTorch's .view(torch.uint16) dump '<u2'): computed in float32.
   if (is_bf16(q)) return run_typed<float>(args, widen(q), true);
-  throw k3::error(std::string("argument 'q': expected dtype float32, float64 or bfloat16, got ") + k3::io::dtype_name(q.type()));
+  throw k3::error(k3::error_kind::dtype, std::string("argument 'q': expected dtype float32, float64 or bfloat16, got ") + k3::io::dtype_name(q.type()));
 }
 
 int run_dplr(k3::cli::args& args) {
@@ -124,7 +124,7 @@ k3::cli::registrar reg({"dplr", "DPLR state update (forward, --backward for grad
                         "h0 ht dht dh0 and write o and the input gradients as bfloat16 ('<u2').",
                         k3::cli::io_options({{"scale", true, "query scale (default K^-1/2)"},
                                              {"chunk-size", true, "chunk length of the chunked form (default 64)"},
-                                             {"mode", true, "chunked (default) or recurrent (token by token)"},
+                                             {"mode", true, "chunk (default; also spelled chunked) or recurrent (token by token)"},
                                              {"threads", true, "threads (default 1; 0 = one per hardware thread)"},
                                              {"long-sequence", true, "value-split (default) or segment-maps: how one sequence uses all threads"},
                                              {"backward", false, "also compute gradients from do (and dht)"}}),

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "cli.hpp"
-#include "option_names.hpp"
 #include "k3/kda.hpp"
 
 namespace {
@@ -28,8 +27,10 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   index_t const B = qv.extent(0), T_ = qv.extent(1), K = qv.extent(3), HV = vv.extent(2), V = vv.extent(3);
   // The outputs are sized from q's and v's extents: check them (and cu_seqlens) before
   // allocating, so that inconsistent shapes give the shape error, not a huge allocation.
-  k3::detail::check_shape("v", vv, {B, T_, k3::detail::any_extent, k3::detail::any_extent});
-  index_t const N = k3::kda::detail::make_problem<T>(qv, vv, opt).N;
+  k3::kda::forward_args<T, S> shape_of;
+  shape_of.q = qv;
+  shape_of.v = vv;
+  index_t const N = k3::kda::state_shape(shape_of, opt)[0];
   std::vector<T> o(std::size_t(k3::cli::output_elements("o", {B, T_, HV, V})));
   std::vector<S> ht(std::size_t(k3::cli::output_elements("ht", {N, HV, K, V})));
   k3::cli::output_elements("one state", {HV, K, V});  // per-sequence scratch, even when N = 0
@@ -42,11 +43,11 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
   a.o = k3::host_view(o.data(), B, T_, HV, V);
   if (h0) a.h0 = h0->view<S, 4>("h0");
   a.ht = k3::host_view(ht.data(), std::max<index_t>(N, 0), HV, K, V);
-  // With --backward in chunk mode the forward also keeps what the backward needs per chunk
+  // With --backward in the chunked form the forward also keeps what the backward needs per chunk
   // (forward_args::saved), so the backward does not recompute the state recurrence; the
   // gradients are the same bit for bit.
   std::vector<S> saved;
-  if (backward && opt.mode == k3::kda::algorithm::chunk) {
+  if (backward && opt.mode != k3::kda::algorithm::recurrent) {
     auto const sh = k3::kda::saved_shape(a, opt);
     saved.resize(std::size_t(sh[0] * sh[1] * sh[2]));
     a.saved = k3::host_view(saved.data(), sh[0], sh[1], sh[2]);
@@ -90,7 +91,8 @@ int run_typed(k3::cli::args& args, k3::kda::options opt) {
 int run_kda_body(k3::cli::args& args) {
   args.threads(0);  // a bad --threads is reported before any input is read
   k3::kda::options opt;
-  opt.mode = args.choice("mode", {"chunk", "recurrent"}) == "chunk" ? k3::kda::algorithm::chunk : k3::kda::algorithm::recurrent;
+  std::string const mode = args.choice("mode", {"automatic", "chunk", "recurrent"});
+  opt.mode = mode == "chunk" ? k3::kda::algorithm::chunk : mode == "recurrent" ? k3::kda::algorithm::recurrent : k3::kda::algorithm::automatic;
   if (args.has("scale")) opt.scale = args.number("scale", 0);
   if (args.has("gate-lower-bound")) opt.gate_lower_bound = args.number("gate-lower-bound", -5);
   auto q = args.load("q");
@@ -98,7 +100,7 @@ int run_kda_body(k3::cli::args& args) {
   auto kind = [](k3::io::dtype x) { return x == k3::io::dtype::uint16 ? k3::io::dtype::bfloat16 : x; };
   k3::io::dtype const t = kind(q.type());
   if (t != k3::io::dtype::float32 && t != k3::io::dtype::float64 && t != k3::io::dtype::bfloat16)
-    throw k3::error(std::string("argument 'q': expected dtype float32, float64 or bfloat16, got ") + k3::io::dtype_name(q.type()));
+    throw k3::error(k3::error_kind::dtype, std::string("argument 'q': expected dtype float32, float64 or bfloat16, got ") + k3::io::dtype_name(q.type()));
   // The states are float32 for float32 and bfloat16 inputs (as in fla), float64 for float64.
   k3::io::dtype const st = t == k3::io::dtype::float64 ? t : k3::io::dtype::float32;
   std::vector<std::string> names = {"k", "v", "g", "beta"};
@@ -109,20 +111,20 @@ int run_kda_body(k3::cli::args& args) {
   for (auto const& extra : states)
     if (auto x = args.load_optional(extra)) {
       if (x->type() != st)
-        throw k3::error("argument '" + extra + "': expected dtype " + k3::io::dtype_name(st) + " (the state type for q of dtype " +
+        throw k3::error(k3::error_kind::dtype, "argument '" + extra + "': expected dtype " + k3::io::dtype_name(st) + " (the state type for q of dtype " +
                         k3::io::dtype_name(t) + "), got " + k3::io::dtype_name(x->type()));
     }
   for (auto const& n : names) {
     auto x = args.load(n);
     if (kind(x.type()) != t)
-      throw k3::error("argument '" + n + "': expected dtype " + k3::io::dtype_name(t) + " (the dtype of q), got " +
+      throw k3::error(k3::error_kind::dtype, "argument '" + n + "': expected dtype " + k3::io::dtype_name(t) + " (the dtype of q), got " +
                       k3::io::dtype_name(x.type()));
   }
   std::vector<std::int64_t> cu;
   if (auto c = args.load_optional("cu_seqlens")) {
     if (c->type() != k3::io::dtype::int32 && c->type() != k3::io::dtype::int64)
-      throw k3::error(std::string("argument 'cu_seqlens': expected dtype int32 or int64, got ") + k3::io::dtype_name(c->type()));
-    if (c->rank() != 1) throw k3::error("argument 'cu_seqlens': expected rank 1, got shape " + k3::detail::format_shape(c->shape()));
+      throw k3::error(k3::error_kind::dtype, std::string("argument 'cu_seqlens': expected dtype int32 or int64, got ") + k3::io::dtype_name(c->type()));
+    if (c->rank() != 1) throw k3::error(k3::error_kind::shape, "argument 'cu_seqlens': expected rank 1, got shape " + k3::format_shape(c->shape()));
     for (index_t i = 0; i < c->size(); ++i) cu.push_back(c->as_int(i));
     opt.cu_seqlens = cu;
   }
@@ -142,7 +144,9 @@ k3::cli::registrar reg({"kda",
                         "g and beta are used as given (already gated). float32 or float64 inputs compute in their dtype;\n"
                         "bfloat16 inputs ('|V2' or PyTorch's '<u2' dump) compute in float32 with float32 states h0 ht dht\n"
                         "dh0 and write o and the input gradients as bfloat16 ('<u2').",
-                        k3::cli::io_options({{"mode", true, "chunk (default) or recurrent"},
+                        k3::cli::io_options({{"mode", true,
+                                              "automatic (default: the recurrence for a forward alone, the chunked form with --backward), "
+                                              "chunk or recurrent"},
                                              {"scale", true, "query scale (default K^-1/2)"},
                                              {"gate-lower-bound", true, "promise g >= this bound (in [-5, 0)): dense diagonal tiles"},
                                              {"backward", false, "also compute the gradients from do.npy [dht.npy]"},

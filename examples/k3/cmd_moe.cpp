@@ -27,12 +27,12 @@ template <class T>
 tensor_in<T> read_as(std::optional<k3::io::npy_array> const& a, std::string const& name, std::size_t rank) {
   tensor_in<T> t;
   if (!a) return t;
-  k3::detail::require(a->rank() == rank, [&] {
-    return "argument '" + name + "': expected rank " + std::to_string(rank) + ", got shape " + k3::detail::format_shape(a->shape());
+  k3::cli::check(a->rank() == rank, k3::error_kind::shape, [&] {
+    return "argument '" + name + "': expected rank " + std::to_string(rank) + ", got shape " + k3::format_shape(a->shape());
   });
   auto const ty = a->type();
   bool const bits = ty == k3::io::dtype::uint16 || ty == k3::io::dtype::bfloat16;
-  k3::detail::require(ty == k3::io::dtype::float32 || ty == k3::io::dtype::float64 || bits, [&] {
+  k3::cli::check(ty == k3::io::dtype::float32 || ty == k3::io::dtype::float64 || bits, k3::error_kind::dtype, [&] {
     return "argument '" + name + "': expected a float32, float64 or bfloat16 array, got " + std::string(k3::io::dtype_name(ty));
   });
   t.shape = a->shape();
@@ -66,7 +66,7 @@ int run_typed(k3::cli::args const& args, moe::latent_moe_options const& o) {
                             view_of<T, 3>(we_gate), view_of<T, 3>(we_up),   view_of<T, 3>(we_down),     view_of<T, 1>(norm_weight),
                             view_of<T, 2>(w_up),   view_of<T, 3>(ws_gate),  view_of<T, 3>(ws_up),       view_of<T, 3>(ws_down)};
   index_t const Tn = x.shape[0], d = x.shape[1];
-  k3::detail::require(o.k >= 1 && w_router.shape.size() == 2 && o.k <= w_router.shape[0], [&] {
+  k3::cli::check(o.k >= 1 && w_router.shape.size() == 2 && o.k <= w_router.shape[0], k3::error_kind::shape, [&] {
     return "option '--k': expected 1 <= k <= n = " + std::to_string(w_router.shape.empty() ? 0 : w_router.shape[0]) + " experts, got " +
            std::to_string(o.k);
   });
@@ -143,7 +143,7 @@ int run_moe(k3::cli::args& args) {
     case k3::io::dtype::bfloat16:
     case k3::io::dtype::uint16: return run_typed<k3::bfloat16>(args, o);
     default:
-      throw k3::error("argument 'x': expected a float32, float64 or bfloat16 array, got " + std::string(k3::io::dtype_name(x.type())));
+      throw k3::error(k3::error_kind::dtype, "argument 'x': expected a float32, float64 or bfloat16 array, got " + std::string(k3::io::dtype_name(x.type())));
   }
 }
 

@@ -30,8 +30,8 @@ struct stack_shape {
 };
 
 stack_shape shape_of(k3::io::npy_array const& g) {
-  k3::detail::require(g.rank() == 2 || g.rank() == 3, [&] {
-    return "argument 'g': expected a matrix [A, B] or a stack [M, A, B], got shape " + k3::detail::format_shape(g.shape());
+  k3::cli::check(g.rank() == 2 || g.rank() == 3, k3::error_kind::shape, [&] {
+    return "argument 'g': expected a matrix [A, B] or a stack [M, A, B], got shape " + k3::format_shape(g.shape());
   });
   stack_shape s;
   s.matrix = g.rank() == 2;
@@ -87,7 +87,6 @@ int run_distributed(k3::cli::args const& args, k3::io::npy_array& g, stack_shape
   optim::p2p_stats const st = optim::p2p_newton_schulz(
       backend, optim::p2p_newton_schulz_args<k3::mpi_communicator, T>{comm, plan, shapes, gin, oout}, rq.opt);
   // Rank 0 assembles o to write it (outside the optimizer step: not in recv_bytes).
-  using W = optim::detail::p2p_word_t<T>;
   constexpr int gather_tag = 0x7102;
   if (me == 0) {
     std::vector<T> o(static_cast<std::size_t>(s.M * E));
@@ -97,13 +96,13 @@ int run_distributed(k3::cli::args const& args, k3::io::npy_array& g, stack_shape
       if (r == 0)
         part = o_shard;
       else if (!part.empty())
-        comm.recv(optim::detail::p2p_wire(part.data(), static_cast<index_t>(part.size())), r, gather_tag);
+        comm.recv(k3::wire_view(part.data(), static_cast<index_t>(part.size())), r, gather_tag);
       for (index_t j = 0; j < s.M; ++j)
         std::copy(part.begin() + j * sh.size(), part.begin() + (j + 1) * sh.size(), o.begin() + j * E + sh.begin);
     }
     write_o(args, s, o.data());
   } else if (!o_shard.empty()) {
-    comm.send(k3::tensor_view<W const, 1>(reinterpret_cast<W const*>(o_shard.data()), {static_cast<index_t>(o_shard.size())}), 0, gather_tag);
+    comm.send(k3::wire_view(static_cast<T const*>(o_shard.data()), static_cast<index_t>(o_shard.size())), 0, gather_tag);
   }
   std::string owned;
   for (index_t j : plan.owned(me)) owned += (owned.empty() ? "" : ", ") + std::to_string(j);
@@ -134,9 +133,9 @@ int run_muon(k3::cli::args& args) {
   rq.distributed = args.flag("distributed");
   k3::io::npy_array g = args.load("g");
   stack_shape const s = shape_of(g);
-  k3::detail::require(s.A % rq.opt.heads == 0, [&] {
+  k3::cli::check(s.A % rq.opt.heads == 0, k3::error_kind::shape, [&] {
     return "option '--heads': " + std::to_string(rq.opt.heads) + " heads do not divide the A = " + std::to_string(s.A) + " rows of g " +
-           k3::detail::format_shape(g.shape());
+           k3::format_shape(g.shape());
   });
   switch (g.type()) {
     case k3::io::dtype::float32: return run_typed<float>(args, g, s, rq);
@@ -144,7 +143,7 @@ int run_muon(k3::cli::args& args) {
     case k3::io::dtype::bfloat16:
     case k3::io::dtype::uint16: return run_typed<k3::bfloat16>(args, g, s, rq);
     default:
-      throw k3::error("argument 'g': expected a float32, float64 or bfloat16 array, got " + std::string(k3::io::dtype_name(g.type())));
+      throw k3::error(k3::error_kind::dtype, "argument 'g': expected a float32, float64 or bfloat16 array, got " + std::string(k3::io::dtype_name(g.type())));
   }
 }
 

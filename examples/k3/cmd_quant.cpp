@@ -89,7 +89,7 @@ spec parse(k3::cli::args const& a) {
 
 // rows x last view over an array of any rank >= 1.
 std::pair<index_t, index_t> matrix_shape(std::vector<index_t> const& shape, char const* name) {
-  if (shape.empty()) throw k3::error(std::string("argument '") + name + "': expected rank >= 1, got a scalar");
+  if (shape.empty()) throw k3::error(k3::error_kind::shape, std::string("argument '") + name + "': expected rank >= 1, got a scalar");
   index_t rows = 1;
   for (std::size_t r = 0; r + 1 < shape.size(); ++r) rows *= shape[r];
   return {rows, shape.back()};
@@ -123,7 +123,7 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
   } else if (s.fam == family::mx) {
     index_t const qc = q::mx_code_columns(s.elem, k);
     if (k % q::mx_block != 0)
-      throw k3::error("argument 'x': MX needs the last extent (" + std::to_string(k) + ") to be a multiple of 32");
+      throw k3::error(k3::error_kind::shape, "argument 'x': MX needs the last extent (" + std::to_string(k) + ") to be a multiple of 32");
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * qc)), scales(static_cast<std::size_t>(m * (k / 32)));
     if (!empty) {
       q::mx_quantize(be, x, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), s.elem, s.rule);
@@ -133,7 +133,7 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
     k3::io::write_npy(a.out_path("scales"), k3::io::dtype::uint8, with_last(xa.shape(), k / 32), scales.data());
   } else {
     if (k % q::nvfp4_block != 0)
-      throw k3::error("argument 'x': NVFP4 needs the last extent (" + std::to_string(k) + ") to be a multiple of 16");
+      throw k3::error(k3::error_kind::shape, "argument 'x': NVFP4 needs the last extent (" + std::to_string(k) + ") to be a multiple of 16");
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k / 2)), scales(static_cast<std::size_t>(m * (k / 16)));
     float g = empty ? 1.f : q::nvfp4_tensor_scale(be, x);
     if (!empty) {
@@ -163,7 +163,7 @@ int run_quant(k3::cli::args& a) {
     for (index_t i = 0; i < xa.size(); ++i) dst[i] = static_cast<float>(src[i]);
     return quantize_as<float>(a, s, f);
   }
-  throw k3::error(std::string("argument 'x': expected float32, bfloat16 or float64, got ") + k3::io::dtype_name(xa.type()));
+  throw k3::error(k3::error_kind::dtype, std::string("argument 'x': expected float32, bfloat16 or float64, got ") + k3::io::dtype_name(xa.type()));
 }
 
 int run_dequant(k3::cli::args& a) {
@@ -174,7 +174,7 @@ int run_dequant(k3::cli::args& a) {
   auto [m, qc] = matrix_shape(ca.shape(), "codes");
   bool const packed = s.fam == family::nvfp4 || (s.fam == family::mx && s.elem == q::mx_element::e2m1);
   if (packed && qc > std::numeric_limits<index_t>::max() / 2)
-    throw k3::error("argument 'codes': shape " + k3::detail::format_shape(ca.shape()) + " unpacks to more elements than can be addressed");
+    throw k3::error(k3::error_kind::shape, "argument 'codes': shape " + k3::format_shape(ca.shape()) + " unpacks to more elements than can be addressed");
   index_t const k = packed ? 2 * qc : qc;
   k3::cli::output_elements("x", {m, k});
   std::vector<float> y(static_cast<std::size_t>(m * k));
@@ -182,8 +182,8 @@ int run_dequant(k3::cli::args& a) {
   auto const sshape = matrix_shape(sa.shape(), "scales");
   // The library names its arguments q/s/y; check the files here so the error names them.
   if (s.fam != family::deepseek && k % (s.fam == family::mx ? q::mx_block : q::nvfp4_block) != 0)
-    throw k3::error("argument 'codes': " + std::string(s.fam == family::mx ? "MX" : "NVFP4") + " codes of shape " +
-                    k3::detail::format_shape(ca.shape()) + " hold " + std::to_string(k) + " elements per row, not a multiple of " +
+    throw k3::error(k3::error_kind::shape, "argument 'codes': " + std::string(s.fam == family::mx ? "MX" : "NVFP4") + " codes of shape " +
+                    k3::format_shape(ca.shape()) + " hold " + std::to_string(k) + " elements per row, not a multiple of " +
                     std::to_string(s.fam == family::mx ? q::mx_block : q::nvfp4_block));
   index_t const want_r = s.fam == family::deepseek ? (m + s.tile.rows - 1) / s.tile.rows : m;
   index_t const want_c = s.fam == family::deepseek ? (k + s.tile.cols - 1) / s.tile.cols : k / (s.fam == family::mx ? q::mx_block : q::nvfp4_block);
@@ -193,34 +193,34 @@ int run_dequant(k3::cli::args& a) {
   bool const layout_ok = s.fam == family::deepseek ? sa.rank() == 2
                                                    : (sa.rank() == 2 || sa.shape() == with_last(ca.shape(), want_c));
   if (sshape.first != want_r || sshape.second != want_c || !layout_ok)
-    throw k3::error("argument 'scales': expected shape " +
-                    (s.fam == family::deepseek ? k3::detail::format_shape({want_r, want_c})
-                                               : k3::detail::format_shape(with_last(ca.shape(), want_c)) + " (or " +
-                                                     k3::detail::format_shape({want_r, want_c}) + ")") +
-                    " for codes of shape " + k3::detail::format_shape(ca.shape()) + " (" + std::to_string(m) + " rows of " + std::to_string(k) +
-                    " elements), got shape " + k3::detail::format_shape(sa.shape()));
+    throw k3::error(k3::error_kind::shape, "argument 'scales': expected shape " +
+                    (s.fam == family::deepseek ? k3::format_shape({want_r, want_c})
+                                               : k3::format_shape(with_last(ca.shape(), want_c)) + " (or " +
+                                                     k3::format_shape({want_r, want_c}) + ")") +
+                    " for codes of shape " + k3::format_shape(ca.shape()) + " (" + std::to_string(m) + " rows of " + std::to_string(k) +
+                    " elements), got shape " + k3::format_shape(sa.shape()));
   auto flat = [&](k3::io::npy_array const& arr, char const* name, auto tag, index_t rows, index_t cols) {
     using E = decltype(tag);
-    if (arr.shape().empty()) throw k3::error(std::string("argument '") + name + "': expected rank >= 1");
+    if (arr.shape().empty()) throw k3::error(k3::error_kind::shape, std::string("argument '") + name + "': expected rank >= 1");
     auto const* p = static_cast<E const*>(arr.data());
     return k3::tensor_view<E const, 2>(p, {rows, cols});
   };
-  if (ca.type() != k3::io::dtype::uint8) throw k3::error(std::string("argument 'codes': expected uint8, got ") + k3::io::dtype_name(ca.type()));
+  if (ca.type() != k3::io::dtype::uint8) throw k3::error(k3::error_kind::dtype, std::string("argument 'codes': expected uint8, got ") + k3::io::dtype_name(ca.type()));
   auto cv = flat(ca, "codes", std::uint8_t{}, m, qc);
   if (s.fam == family::mx && (s.elem == q::mx_element::e3m2 || s.elem == q::mx_element::e2m3)) {
     // One FP6 code per byte in the low 6 bits: a set high bit means the file holds something else.
     auto const* c = static_cast<std::uint8_t const*>(ca.data());
     for (index_t i = 0; i < m * qc; ++i)
       if (c[i] > 0x3F)
-        throw k3::error("argument 'codes': FP6 codes use the low 6 bits of each byte, got " + std::to_string(c[i]) + " at flat index " +
+        throw k3::error(k3::error_kind::value, "argument 'codes': FP6 codes use the low 6 bits of each byte, got " + std::to_string(c[i]) + " at flat index " +
                         std::to_string(i));
   }
   if (s.fam == family::deepseek) {
-    if (sa.type() != k3::io::dtype::float32) throw k3::error("argument 'scales': expected float32 DeepSeek scales");
+    if (sa.type() != k3::io::dtype::float32) throw k3::error(k3::error_kind::dtype, "argument 'scales': expected float32 DeepSeek scales");
     auto sv = flat(sa, "scales", float{}, sshape.first, sshape.second);
     if (m != 0 && k != 0) q::fp8_dequantize(be, cv, sv, yv, s.tile);  // an empty [2^34, 0] file: no row walk
   } else {
-    if (sa.type() != k3::io::dtype::uint8) throw k3::error("argument 'scales': expected uint8 E8M0/UE4M3 scales");
+    if (sa.type() != k3::io::dtype::uint8) throw k3::error(k3::error_kind::dtype, "argument 'scales': expected uint8 E8M0/UE4M3 scales");
     auto sv = flat(sa, "scales", std::uint8_t{}, sshape.first, sshape.second);
     if (s.fam == family::mx) {
       if (m != 0 && k != 0) q::mx_dequantize(be, cv, sv, yv, s.elem);
@@ -230,10 +230,10 @@ int run_dequant(k3::cli::args& a) {
       auto const* sc = static_cast<std::uint8_t const*>(sa.data());
       for (index_t i = 0; i < sa.size(); ++i)
         if (sc[i] > 0x7F)
-          throw k3::error("argument 'scales': NVFP4 UE4M3 scales use the low 7 bits of each byte, got " + std::to_string(sc[i]) +
+          throw k3::error(k3::error_kind::value, "argument 'scales': NVFP4 UE4M3 scales use the low 7 bits of each byte, got " + std::to_string(sc[i]) +
                           " at flat index " + std::to_string(i));
       auto ga = a.load("tensor_scale");
-      if (ga.type() != k3::io::dtype::float32 || ga.size() != 1) throw k3::error("argument 'tensor_scale': expected one float32");
+      if (ga.type() != k3::io::dtype::float32 || ga.size() != 1) throw k3::error(k3::error_kind::dtype, "argument 'tensor_scale': expected one float32");
       float const g = *static_cast<float const*>(ga.data());
       if (m != 0 && k != 0) q::nvfp4_dequantize(be, cv, sv, g, yv);
       else if (!(std::isfinite(g) && g > 0)) q::nvfp4_dequantize(be, cv, sv, g, yv);  // the library's tensor_scale check

@@ -9,18 +9,17 @@
 #include <vector>
 
 #include "cli.hpp"
-#include "option_names.hpp"
 #include "k3/moe.hpp"
 
 namespace {
 
 // float32 as is; float64 / bfloat16 converted (a float32 copy).
 std::vector<float> as_float(k3::io::npy_array const& a, std::string const& name, std::size_t rank) {
-  k3::detail::require(a.rank() == rank, [&] {
-    return "argument '" + name + "': expected rank " + std::to_string(rank) + ", got shape " + k3::detail::format_shape(a.shape());
+  k3::cli::check(a.rank() == rank, k3::error_kind::shape, [&] {
+    return "argument '" + name + "': expected rank " + std::to_string(rank) + ", got shape " + k3::format_shape(a.shape());
   });
   bool const bf16_bits = a.type() == k3::io::dtype::uint16;  // '<u2': PyTorch's bfloat16 dump (k3/io/npy.hpp)
-  k3::detail::require(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16 || bf16_bits,
+  k3::cli::check(a.type() == k3::io::dtype::float32 || a.type() == k3::io::dtype::float64 || a.type() == k3::io::dtype::bfloat16 || bf16_bits, k3::error_kind::dtype,
                       [&] { return "argument '" + name + "': expected a float32/float64/bfloat16 array, got " + k3::io::dtype_name(a.type()); });
   std::vector<float> v(static_cast<std::size_t>(a.size()));
   for (k3::index_t i = 0; i < a.size(); ++i)
@@ -47,33 +46,33 @@ int run_route_body(k3::cli::args& args) {
   auto logits_file = args.load_optional("logits");
   // Both present: which one to route on is a guess, so neither is picked silently.
   if (scores_file && logits_file)
-    throw k3::error("ambiguous input: both scores.npy and logits.npy are in " + args.value("in") + "; give one of them");
+    throw k3::error(k3::error_kind::io, "ambiguous input: both scores.npy and logits.npy are in " + args.value("in") + "; give one of them");
   if (!input) {
     input = std::move(logits_file);
     in_name = "logits";
     opt.input = moe::score_kind::logits;
   }
-  if (!input) throw k3::error("missing input: need scores.npy or logits.npy [m, n] in " + args.value("in"));
+  if (!input) throw k3::error(k3::error_kind::io, "missing input: need scores.npy or logits.npy [m, n] in " + args.value("in"));
   std::vector<float> s = as_float(*input, in_name, 2);
   k3::index_t const m = input->shape()[0], n = input->shape()[1];
   // Before anything is sized from n (a zero-token file may declare 2^34 experts).
-  k3::detail::require(m >= 1, [&] { return "argument '" + in_name + "': zero tokens (shape " + k3::detail::format_shape(input->shape()) + "); need m >= 1"; });
+  k3::cli::check(m >= 1, k3::error_kind::shape, [&] { return "argument '" + in_name + "': zero tokens (shape " + k3::format_shape(input->shape()) + "); need m >= 1"; });
   std::vector<float> bias(static_cast<std::size_t>(n), 0.f);
   if (auto b = args.load_optional("bias")) {
     bias = as_float(*b, "bias", 1);
-    k3::detail::require(static_cast<k3::index_t>(bias.size()) == n, [&] {
+    k3::cli::check(static_cast<k3::index_t>(bias.size()) == n, k3::error_kind::shape, [&] {
       return "argument 'bias': expected shape [" + std::to_string(n) + "] (one entry per expert), got [" + std::to_string(bias.size()) + "]";
     });
   }
   std::vector<std::uint8_t> mask;
   if (auto mk = args.load_optional("mask")) {
-    k3::detail::require(mk->rank() == 1 && mk->shape()[0] == m, [&] {
-      return "argument 'mask': expected shape [" + std::to_string(m) + "], got " + k3::detail::format_shape(mk->shape());
+    k3::cli::check(mk->rank() == 1 && mk->shape()[0] == m, k3::error_kind::shape, [&] {
+      return "argument 'mask': expected shape [" + std::to_string(m) + "], got " + k3::format_shape(mk->shape());
     });
     mask.resize(static_cast<std::size_t>(m));
     for (k3::index_t i = 0; i < m; ++i) {
       double const v = mk->as_double(i);
-      k3::detail::require(std::isfinite(v), [&] { return "argument 'mask': non-finite value at token " + std::to_string(i); });
+      k3::cli::check(std::isfinite(v), k3::error_kind::value, [&] { return "argument 'mask': non-finite value at token " + std::to_string(i); });
       mask[static_cast<std::size_t>(i)] = v != 0 ? 1 : 0;
     }
   }
@@ -127,7 +126,7 @@ int run_route_body(k3::cli::args& args) {
       if (opt.input == moe::score_kind::scores)
         for (k3::index_t i = 0; i < m * n; ++i)
           if ((mask.empty() || mask[static_cast<std::size_t>(i / n)]) && !(s[static_cast<std::size_t>(i)] >= 0.f && s[static_cast<std::size_t>(i)] <= 1.f) && std::isfinite(s[static_cast<std::size_t>(i)]))
-            throw k3::error("argument 'scores': --update histogram needs router probabilities in [0, 1], got " +
+            throw k3::error(k3::error_kind::value, "argument 'scores': --update histogram needs router probabilities in [0, 1], got " +
                             std::to_string(s[static_cast<std::size_t>(i)]) + " at [" + std::to_string(i / n) + ", " + std::to_string(i % n) +
                             "] (use --update exact, or give logits.npy)");
       // The bins span [min(b) - 1, max(b) + 1] in float32: with |b| >= ~1e7 that range is empty
@@ -137,7 +136,7 @@ int run_route_body(k3::cli::args& args) {
         float const lo = *std::min_element(bias.begin(), bias.end()) - 1.f, hi = *std::max_element(bias.begin(), bias.end()) + 1.f;
         float const inv_w = float(bins) / (hi - lo);
         if (!(hi > lo && std::isfinite(inv_w) && inv_w > 0.f))
-          throw k3::error("argument 'bias': --update histogram bins the margins over [min(bias) - 1, max(bias) + 1] = [" + std::to_string(lo) +
+          throw k3::error(k3::error_kind::value, "argument 'bias': --update histogram bins the margins over [min(bias) - 1, max(bias) + 1] = [" + std::to_string(lo) +
                           ", " + std::to_string(hi) + "] in float32, which cannot be split into " + std::to_string(bins) +
                           " bins (use --update exact)");
       }

@@ -112,8 +112,9 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
     detail::zero_fill(a.o);
     return;
   }
+  algorithm const form = detail::host_form(opt, present(a.saved), false);
   if constexpr (detail::SimdBackend<B>) {
-    if (p.lower_bound && p.T > 0 && opt.mode == algorithm::recurrent) {
+    if (p.lower_bound && p.T > 0 && form == algorithm::recurrent) {
       index_t parts = 1;
       if constexpr (requires { be.concurrency(); }) parts = std::min<index_t>(p.T, 4 * index_t(be.concurrency()));
       std::vector<char> hit(std::size_t(parts), 0);
@@ -122,7 +123,7 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
     }
   }
   index_t const tasks = p.N * p.HV;
-  if (opt.mode == algorithm::recurrent) {
+  if (form == algorithm::recurrent) {
     if constexpr (detail::SimdBackend<B>) {
       if (detail::simd_recurrent_ok<typename B::arch_type, S>(p.V)) {
         index_t const gs = detail::recurrent_head_group(p.N, p.HV, detail::concurrency_of(be)), groups = (p.HV + gs - 1) / gs;
@@ -164,7 +165,7 @@ void backward(B const& be, backward_args<In, S> const& a, options const& opt = {
     return;
   }
   index_t const tasks = p.N * p.H;  // one task per q/k head: dq and dk sum over its value heads
-  if (opt.mode == algorithm::recurrent) {
+  if (detail::host_form(opt, present(a.saved), true) == algorithm::recurrent) {
     detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_backward_task<S>(p, a, i / p.H, i % p.H); });
   } else {
     if constexpr (detail::SimdBackend<B>) {

@@ -66,12 +66,12 @@ void route(B const& backend, const_view<float, 2> scores, const_view<float, 1> b
            router_options const& opt, const_view<std::uint8_t, 1> mask = {}, qb_histogram* hist = nullptr) {
   detail::validate_route(scores, bias, out, opt, mask);
   if (hist) {
-    detail::require(opt.n_groups == 1, [&] { return detail::qb_groups_message(opt.n_groups); });
-    detail::require(hist->experts() == scores.extent(1), [&] {
+    detail::require(opt.n_groups == 1, error_kind::value, [&] { return detail::qb_groups_message(opt.n_groups); });
+    detail::require(hist->experts() == scores.extent(1), error_kind::shape, [&] {
       return "argument 'hist': built for " + std::to_string(hist->experts()) + " experts, scores have " +
              std::to_string(scores.extent(1));
     });
-    detail::require(hist->experts() * hist->bins() <= index_t(0x7fffffff), [&] {
+    detail::require(hist->experts() * hist->bins() <= index_t(0x7fffffff), error_kind::value, [&] {
       return "argument 'hist': experts x bins = " + std::to_string(hist->experts() * hist->bins()) + " exceeds 2^31 - 1";
     });
   }
@@ -107,8 +107,8 @@ class quantile_balancer {
  public:
   quantile_balancer(std::vector<float> bias, router_options ropt, qb_options qopt = {})
       : bias_(std::move(bias)), ropt_(ropt), qopt_(qopt) {
-    detail::require(!bias_.empty(), "quantile_balancer: argument 'bias' is empty");
-    detail::require(ropt_.n_groups == 1, [&] { return detail::qb_groups_message(ropt_.n_groups); });
+    detail::require(!bias_.empty(), error_kind::value, "quantile_balancer: argument 'bias' is empty");
+    detail::require(ropt_.n_groups == 1, error_kind::value, [&] { return detail::qb_groups_message(ropt_.n_groups); });
     detail::check_ema(qopt_.ema);
     reset_stats();
   }
@@ -153,7 +153,7 @@ class quantile_balancer {
       hist_.all_reduce(comm);
       changed = qb_histogram_update(hist_, ropt_.k, b, qopt_.ema);
     } else {
-      detail::require(comm.size() == 1, "quantile_balancer: exact mode is single-process; use qb_mode::histogram across ranks");
+      detail::require(comm.size() == 1, error_kind::unsupported, "quantile_balancer: exact mode is single-process; use qb_mode::histogram across ranks");
       if (exact_rows_ > 0) {
         router_options o = ropt_;
         o.input = score_kind::scores;

@@ -39,10 +39,10 @@ class loopback {
   template <class T, std::size_t R>
   void recv(k3::tensor_view<T, R> v, int peer, int tag) const {
     auto& d = m_->q[{peer, rank_, tag}];
-    k3::detail::require(!d.empty(), "loopback: nothing to receive");
+    k3::detail::require(!d.empty(), k3::error_kind::value, "loopback: nothing to receive");
     auto [code, bytes] = std::move(d.front());
     d.pop_front();
-    k3::detail::require(code == k3::detail::comm_type_code<T>() && bytes.size() == std::size_t(v.size()) * sizeof(T),
+    k3::detail::require(code == k3::detail::comm_type_code<T>() && bytes.size() == std::size_t(v.size()) * sizeof(T), k3::error_kind::value,
                         "loopback: type or count mismatch");
     if (!bytes.empty()) std::memcpy(v.data_handle(), bytes.data(), bytes.size());
   }

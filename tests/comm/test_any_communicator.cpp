@@ -23,7 +23,7 @@ struct recording_communicator {
   }
   template <class T, class U, std::size_t R1, std::size_t R2>
   void all_gather(k3::tensor_view<T, R1> in, k3::tensor_view<U, R2> out) const {
-    if (out.size() != 3 * in.size()) throw k3::error("all_gather: argument 'out' must hold 3 * " + std::to_string(in.size()));
+    if (out.size() != 3 * in.size()) throw k3::error(k3::error_kind::shape, "all_gather: argument 'out' must hold 3 * " + std::to_string(in.size()));
     for (int r = 0; r < 3; ++r)
       for (k3::index_t i = 0; i < in.size(); ++i) out.data_handle()[r * in.size() + i] = in.data_handle()[i] + U(r);
     log.push_back("all_gather " + std::to_string(in.size()));

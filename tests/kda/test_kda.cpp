@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -444,4 +445,54 @@ TEST_CASE("decode validates slots") {
   a.slots32 = host_view(ok.data(), N);
   a.state_pool = host_view(pool.data(), P, HV, K, V - 1);
   CHECK(has(error_of([&] { kda::decode(cpu::serial{}, a); }), "'state_pool'"));
+}
+
+// algorithm::automatic (the default): the recurrence for a forward alone, the chunked form for a
+// forward that fills `saved` and for the backward, the same bits as asking for that form.
+TEST_CASE("kda: the automatic form runs the form it names, bit for bit") {
+  kda_case c{.B = 1, .T = 77, .H = 1, .HV = 2, .K = 12, .V = 20, .cu = {0, 30, 30, 77}, .gate = gate_kind::lower_bound, .seed = 41};
+  typed_data<float> d(make_data(c));
+  cpu::threads<> be(2);
+  kda::forward_args<float> fa;
+  CHECK(kda::options{}.mode == kda::algorithm::automatic);
+  CHECK(kda::chosen_form(be, fa) == kda::algorithm::recurrent);
+  kda::options rec;
+  rec.mode = kda::algorithm::recurrent;
+  CHECK(kda::chosen_form(be, fa, rec) == kda::algorithm::recurrent);
+  kda::backward_args<float> ba;
+  CHECK(kda::chosen_form(cpu::serial{}, ba) == kda::algorithm::chunk);
+  CHECK(kda::chosen_form(cpu::serial{}, ba, rec) == kda::algorithm::recurrent);
+
+  // A forward alone: the recurrence (it differs from the chunked form in its last bits here).
+  auto const fa_auto = run_forward(d, kda::algorithm::automatic, be);
+  auto const fa_rec = run_forward(d, kda::algorithm::recurrent, be);
+  auto const fa_chunk = run_forward(d, kda::algorithm::chunk, be);
+  CHECK(fa_auto.o == fa_rec.o);
+  CHECK(fa_auto.ht == fa_rec.ht);
+  CHECK(fa_rec.o != fa_chunk.o);
+
+  // A training forward (saved states wanted): the chunked form, and the saved states it fills.
+  saved_states<float> s_auto, s_chunk;
+  auto const ft_auto = run_forward(d, kda::algorithm::automatic, be, &s_auto);
+  auto const ft_chunk = run_forward(d, kda::algorithm::chunk, be, &s_chunk);
+  fa.saved = s_auto.view();
+  CHECK(kda::chosen_form(be, fa) == kda::algorithm::chunk);
+  CHECK(ft_auto.o == ft_chunk.o);
+  CHECK(ft_auto.ht == ft_chunk.ht);
+  // Bit for bit (entries no chunk record uses keep the NaN poison run_forward wrote).
+  REQUIRE(s_auto.data.size() == s_chunk.data.size());
+  CHECK(std::memcmp(s_auto.data.data(), s_chunk.data.data(), s_auto.data.size() * sizeof(float)) == 0);
+
+  // The backward, with and without the saved states: the chunked form.
+  for (bool with_saved : {false, true}) {
+    CAPTURE(with_saved);
+    auto const b_auto = run_backward(d, kda::algorithm::automatic, be, with_saved ? &s_auto : nullptr);
+    auto const b_chunk = run_backward(d, kda::algorithm::chunk, be, with_saved ? &s_chunk : nullptr);
+    CHECK(b_auto.dq == b_chunk.dq);
+    CHECK(b_auto.dk == b_chunk.dk);
+    CHECK(b_auto.dv == b_chunk.dv);
+    CHECK(b_auto.dg == b_chunk.dg);
+    CHECK(b_auto.dbeta == b_chunk.dbeta);
+    CHECK(b_auto.dh0 == b_chunk.dh0);
+  }
 }

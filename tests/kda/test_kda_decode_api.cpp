@@ -229,7 +229,7 @@ TEST_CASE("kda decode after a packed chunked prefill equals one chunked run (emp
 }
 
 // Values just past the gate bound were printed rounded ("%g" / std::to_string): a g one ulp
-// below -5 read "value -5 ... is below option 'gate_lower_bound' = -5", a lower bound of
+// below -5 read "value -5 ... is below the gate lower bound = -5", a lower bound of
 // -5.0000001 read "got -5.000000". Now the shortest text that reads back.
 TEST_CASE("kda: errors about the gate bound print values that read back exactly") {
   std::vector<float> x(2 * 3 * 2 * 4, 0.5f), g(x.size());
@@ -250,8 +250,8 @@ TEST_CASE("kda: errors about the gate bound print values that read back exactly"
     gf[7] = std::nextafter(-5.0f, -6.0f);
     kda::options opt;
     opt.gate_lower_bound = -5;
-    std::string const want = as_float ? "value -5.000000476837158 at [0, 2, 0, 1] is below option 'gate_lower_bound' = -5"
-                                      : "value -5.000000000000001 at [0, 2, 0, 1] is below option 'gate_lower_bound' = -5";
+    std::string const want = as_float ? "value -5.000000476837158 at [0, 2, 0, 1] is below the gate lower bound = -5"
+                                      : "value -5.000000000000001 at [0, 2, 0, 1] is below the gate lower bound = -5";
     if (as_float) {
       auto c = [](std::vector<float> const& a, index_t t, index_t h, index_t d) { return host_view(a.data(), 1, t, h, d); };
       e = error_of([&] {
@@ -269,6 +269,13 @@ TEST_CASE("kda: errors about the gate bound print values that read back exactly"
                      opt);
       };
       e = error_of(run);
+      try {
+        run();
+      } catch (k3::error const& err) {  // the input breaks the option's promise: both named as fields
+        CHECK(err.kind() == k3::error_kind::value);
+        CHECK(err.argument() == "g");
+        CHECK(err.related() == "gate_lower_bound");
+      }
       opt.gate_lower_bound = -5.000000001;
       std::string const e2 = error_of(run);
       CHECK_MESSAGE(e2.find("got -5.000000001") != std::string::npos, e2);

@@ -112,12 +112,12 @@ class block_attn_res {
   block_attn_res(block_config cfg, tensor_view<C const, 2> w, tensor_view<C const, 2> gain, B backend = B{})
       : cfg_(cfg), w_(w), g_(gain), b_(std::move(backend)) {
     static_assert(Storage<S>, "block_attn_res: storage must be float, double or bfloat16");
-    detail::require(cfg.d >= 1, [&] { return "block_config: d must be >= 1, got " + std::to_string(cfg.d); });
-    detail::require(cfg.tokens >= 0, [&] { return "block_config: tokens must be >= 0, got " + std::to_string(cfg.tokens); });
-    detail::require(cfg.sublayers >= 0, [&] { return "block_config: sublayers must be >= 0, got " + std::to_string(cfg.sublayers); });
-    detail::require(cfg.block_sublayers >= 1,
+    detail::require(cfg.d >= 1, error_kind::value, [&] { return "block_config: d must be >= 1, got " + std::to_string(cfg.d); });
+    detail::require(cfg.tokens >= 0, error_kind::value, [&] { return "block_config: tokens must be >= 0, got " + std::to_string(cfg.tokens); });
+    detail::require(cfg.sublayers >= 0, error_kind::value, [&] { return "block_config: sublayers must be >= 0, got " + std::to_string(cfg.sublayers); });
+    detail::require(cfg.block_sublayers >= 1, error_kind::value,
                     [&] { return "block_config: block_sublayers must be >= 1, got " + std::to_string(cfg.block_sublayers); });
-    detail::require(cfg.eps >= 0 && std::isfinite(cfg.eps), [&] { return "block_config: eps must be finite and >= 0, got " + std::to_string(cfg.eps); });
+    detail::require(cfg.eps >= 0 && std::isfinite(cfg.eps), error_kind::value, [&] { return "block_config: eps must be finite and >= 0, got " + std::to_string(cfg.eps); });
     detail::check_view("w", w);
     detail::check_view("gain", gain);
     detail::check_shape("w", w, {cfg.sublayers + 1, cfg.d});
@@ -143,9 +143,9 @@ class block_attn_res {
   // Training: each site's partial sum and statistics go to s's functions (save_partial and
   // load_partial are required; without save_stats the backward recomputes the statistics).
   void save_sites_through(site_saves<S, C> s) {
-    detail::require(training(), "block_attn_res::save_sites_through: the driver was not built in a training mode");
-    detail::require(s.save_partial && s.load_partial && s.release, "block_attn_res::save_sites_through: save_partial, load_partial and release are required");
-    detail::require(!s.save_stats == !s.load_stats, "block_attn_res::save_sites_through: save_stats and load_stats come together");
+    detail::require(training(), error_kind::unsupported, "block_attn_res::save_sites_through: the driver was not built in a training mode");
+    detail::require(s.save_partial && s.load_partial && s.release, error_kind::value, "block_attn_res::save_sites_through: save_partial, load_partial and release are required");
+    detail::require(!s.save_stats == !s.load_stats, error_kind::value, "block_attn_res::save_sites_through: save_stats and load_stats come together");
     saves_ = std::move(s);
     held_partial_.assign(std::size_t(cfg_.sublayers + 1), 0);
     held_stats_.assign(std::size_t(cfg_.sublayers + 1), 0);
@@ -169,7 +169,7 @@ class block_attn_res {
     static_assert(std::is_same_v<std::remove_const_t<E>, S>, "begin: the embedding has the storage type");
     detail::check_view("embedding", embedding);
     detail::check_shape("embedding", embedding, {detail::any_extent, cfg_.d});
-    detail::require(embedding.extent(0) <= cfg_.tokens, [&] {
+    detail::require(embedding.extent(0) <= cfg_.tokens, error_kind::shape, [&] {
       return "argument 'embedding': " + std::to_string(embedding.extent(0)) + " tokens exceed the driver's capacity of " +
              std::to_string(cfg_.tokens);
     });
@@ -186,12 +186,12 @@ class block_attn_res {
   // Writes the input of site l = site() into x [T, d]. Closes the block first at a boundary.
   template <class X>
   void input(tensor_view<X, 2> x) {
-    detail::require(T_ >= 0 && l_ <= cfg_.sublayers && !output_done_, [&] {
+    detail::require(T_ >= 0 && l_ <= cfg_.sublayers && !output_done_, error_kind::value, [&] {
       return "block_attn_res::input: no site left (site " + std::to_string(l_) + " of " + std::to_string(cfg_.sublayers) + ")";
     });
     // A second input() for the same site would close the block at a boundary twice (a
     // duplicated bank row, every later site mixing the wrong sources).
-    detail::require(!awaiting_add_, [&] {
+    detail::require(!awaiting_add_, error_kind::value, [&] {
       return "block_attn_res::input: site " + std::to_string(l_) + " already handed out its input; call add() with its output first";
     });
     detail::check_view("x", x);
@@ -248,7 +248,7 @@ class block_attn_res {
   // The output-head mix (site L), before the final norm.
   template <class X>
   void output(tensor_view<X, 2> x) {
-    detail::require(l_ == cfg_.sublayers && !awaiting_add_ && !output_done_, [&] {
+    detail::require(l_ == cfg_.sublayers && !awaiting_add_ && !output_done_, error_kind::value, [&] {
       return "block_attn_res::output: the output mix comes after all " + std::to_string(cfg_.sublayers) +
              " sublayers; at site " + std::to_string(l_);
     });
@@ -258,7 +258,7 @@ class block_attn_res {
   // Adds sublayer l's output y [T, d] into the running sum and moves to site l + 1.
   template <class Y>
   void add(tensor_view<Y, 2> y) {
-    detail::require(awaiting_add_, "block_attn_res::add: call input() for the site first");
+    detail::require(awaiting_add_, error_kind::value, "block_attn_res::add: call input() for the site first");
     detail::check_view("y", y);
     detail::check_shape("y", y, {T_, cfg_.d});
     auto p = cur_prefix();
@@ -312,7 +312,7 @@ class block_attn_res {
   // ---- backward (training modes) ----------------------------------------------------------
 
   void backward_begin() {
-    detail::require(output_done_, "block_attn_res::backward_begin: run the forward through output() first");
+    detail::require(output_done_, error_kind::value, "block_attn_res::backward_begin: run the forward through output() first");
     backward_prepare();
     bl_ = cfg_.sublayers;
   }
@@ -320,7 +320,7 @@ class block_attn_res {
   // Allocates and zeroes the gradient buffers (backward_begin does it; a pipeline stage that
   // does not hold the output site calls it before its first backward hop).
   void backward_prepare() {
-    detail::require(training(), "block_attn_res::backward: the driver was not built in a training mode");
+    detail::require(training(), error_kind::unsupported, "block_attn_res::backward: the driver was not built in a training mode");
     if (dbank_.extent(1) != T_ || dbank_.extent(2) != cfg_.d) {  // also T = 0 on first use
       dbank_ = tensor<C, 3, B>({cfg_.max_blocks(), T_, cfg_.d}, b_);
       grad_ = tensor<C, 2, B>({T_, cfg_.d}, b_);
@@ -339,7 +339,7 @@ class block_attn_res {
   // Gradient of the loss w.r.t. the input the driver handed out at site l = next_backward_site().
   template <class DH>
   void backward_site(tensor_view<DH, 2> dh) {
-    detail::require(training() && bl_ >= 0, "block_attn_res::backward_site: no site left (call backward_begin first)");
+    detail::require(training() && bl_ >= 0, error_kind::value, "block_attn_res::backward_site: no site left (call backward_begin first)");
     detail::check_view("dh", dh);
     detail::check_shape("dh", dh, {T_, cfg_.d});
     index_t const l = bl_;
@@ -352,13 +352,13 @@ class block_attn_res {
       if (saves_.save_partial) {
         std::size_t const i = std::size_t(l);
         if (has_partial) {
-          detail::require(held_partial_[i] != 0, [&] { return "block_attn_res::backward_site: nothing saved for site " + std::to_string(l); });
+          detail::require(held_partial_[i] != 0, error_kind::value, [&] { return "block_attn_res::backward_site: nothing saved for site " + std::to_string(l); });
           partial_ws_ = tensor<S, 2, B>({T_, cfg_.d}, b_);
           saves_.load_partial(std::exchange(held_partial_[i], 0) - 1, partial_ws_.view());
           part = partial_ws_.view();
         }
         if (saves_.save_stats) {
-          detail::require(held_stats_[i] != 0, [&] { return "block_attn_res::backward_site: nothing saved for site " + std::to_string(l); });
+          detail::require(held_stats_[i] != 0, error_kind::value, [&] { return "block_attn_res::backward_site: nothing saved for site " + std::to_string(l); });
           stats_ws_ = tensor<C, 3, B>({T_, nl + (has_partial ? 1 : 0), 3}, b_);
           saves_.load_stats(std::exchange(held_stats_[i], 0) - 1, stats_ws_.view());
           st = stats_ws_.view();
@@ -403,7 +403,7 @@ class block_attn_res {
   tensor_view<C, 2> grad_storage() noexcept { return grad_.view(); }
   // Resumes a forward pass at `site` with n bank rows (filled by the caller) and the running sum.
   void resume(index_t site, index_t n, index_t T, bool prefix_empty) {
-    detail::require(site >= 0 && site <= cfg_.sublayers && n == (site == 0 ? 0 : cfg_.bank_rows_at(site - 1)) && T <= cfg_.tokens,
+    detail::require(site >= 0 && site <= cfg_.sublayers && n == (site == 0 ? 0 : cfg_.bank_rows_at(site - 1)) && T <= cfg_.tokens, error_kind::value,
                     [&] { return "block_attn_res::resume: inconsistent state (site " + std::to_string(site) + ", bank rows " + std::to_string(n) + ")"; });
     l_ = site;
     n_ = n;
@@ -419,14 +419,14 @@ class block_attn_res {
   // nothing left to run here (a stage whose chunk was empty, its first site 0): the received
   // running-sum gradient is the embedding's.
   void resume_backward(index_t site) {
-    detail::require(training() && dbank_.extent(1) == T_ && dbank_.extent(2) == cfg_.d && site >= -1 && site <= cfg_.sublayers, [&] {
+    detail::require(training() && dbank_.extent(1) == T_ && dbank_.extent(2) == cfg_.d && site >= -1 && site <= cfg_.sublayers, error_kind::value, [&] {
       return "block_attn_res::resume_backward: call backward_prepare() first (site " + std::to_string(site) + ")";
     });
     bl_ = site;
   }
   // Sets the token count of an incoming pipeline state before its rows are received.
   void resume_tokens(index_t T) {
-    detail::require(T >= 0 && T <= cfg_.tokens, [&] { return "block_attn_res: " + std::to_string(T) + " tokens exceed the capacity"; });
+    detail::require(T >= 0 && T <= cfg_.tokens, error_kind::value, [&] { return "block_attn_res: " + std::to_string(T) + " tokens exceed the capacity"; });
     T_ = T;
   }
 
@@ -434,7 +434,7 @@ class block_attn_res {
   tensor_view<S, 2> cur_prefix() noexcept { return prefix_.view().sub(0, 0, T_); }
 
   void push_block() {
-    detail::require(n_ < bank_.extent(0), [&] {
+    detail::require(n_ < bank_.extent(0), error_kind::value, [&] {
       return "block_attn_res: bank full (" + std::to_string(bank_.extent(0)) + " rows) at site " + std::to_string(l_);
     });
     auto row = bank_.view().slice(0, n_).sub(0, 0, T_);

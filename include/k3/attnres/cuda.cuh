@@ -246,10 +246,10 @@ tensor_view<T, 1, cuda_device_space> flat(T* p, index_t n) {
 }
 
 inline void check_sizes(char const* op, index_t m, index_t T, index_t d) {
-  k3::detail::require(m >= 0 && m <= max_sources, [&] {
+  k3::detail::require(m >= 0 && m <= max_sources, error_kind::unsupported, [&] {
     return std::string(op) + ": " + std::to_string(m) + " sources exceed the CUDA kernels' limit of " + std::to_string(max_sources);
   });
-  k3::detail::require(T >= 0 && T <= 0x7fffffff && d >= 1, [&] {
+  k3::detail::require(T >= 0 && T <= 0x7fffffff && d >= 1, error_kind::value, [&] {
     return std::string(op) + ": need 0 <= T < 2^31 and d >= 1, got T = " + std::to_string(T) + ", d = " + std::to_string(d);
   });
 }
@@ -260,7 +260,7 @@ template <class S>
 void mix_forward(S const* bank, index_t n, S const* partial, index_t T, index_t d, float const* u, float eps, S* h, stream_t stream) {
   index_t const m = n + (partial ? 1 : 0);
   detail::check_sizes("attnres::mix_forward", m, T, d);
-  k3::detail::require(m >= 1, "attnres::mix_forward: a mixing site needs at least one source");
+  k3::detail::require(m >= 1, error_kind::value, "attnres::mix_forward: a mixing site needs at least one source");
   k3::detail::check_outputs_apart([&](auto&& f) { f("h", detail::flat(h, T * d)); },
                                   [&](auto&& f) {
                                     f("bank", detail::flat(bank, n * T * d));
@@ -277,7 +277,7 @@ void mix_backward(S const* bank, index_t n, S const* partial, index_t T, index_t
                   float const* dh, float* dbank, float* dpartial, float* dw, float* dgain, float* du_workspace, stream_t stream) {
   index_t const m = n + (partial ? 1 : 0);
   detail::check_sizes("attnres::mix_backward", m, T, d);
-  k3::detail::require(m >= 1, "attnres::mix_backward: a mixing site needs at least one source");
+  k3::detail::require(m >= 1, error_kind::value, "attnres::mix_backward: a mixing site needs at least one source");
   k3::detail::check_outputs_apart(
       [&](auto&& f) {
         f("dbank", detail::flat(dbank, n * T * d));
@@ -315,7 +315,7 @@ template <class S>
 void phase1(S const* bank, float const* rinv, index_t n, index_t T, index_t d, float const* u, index_t nq, S* o, float* lse,
             stream_t stream) {
   detail::check_sizes("attnres::phase1", n, T, d);
-  k3::detail::require(nq >= 0, "attnres::phase1: nq must be >= 0");
+  k3::detail::require(nq >= 0, error_kind::value, "attnres::phase1: nq must be >= 0");
   k3::detail::check_outputs_apart(
       [&](auto&& f) {
         f("o", detail::flat(o, nq * T * d));

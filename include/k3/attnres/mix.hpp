@@ -124,7 +124,7 @@ void check_sources(sources<S> const& s, index_t& T, index_t& d) {
     check_view("partial", s.partial);
     check_inner_contiguous("partial", s.partial);
   }
-  require(s.count() >= 1, "argument 'sources': a mixing site needs at least one source (bank has 0 rows and no partial)");
+  require(s.count() >= 1, error_kind::shape, "argument 'sources': a mixing site needs at least one source (bank has 0 rows and no partial)");
   if (s.bank.extent(0) > 0) {
     T = s.bank.extent(1);
     d = s.bank.extent(2);
@@ -330,13 +330,13 @@ void mix_forward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor
   detail::check_shape("gain", g, {d});
   detail::check_shape("h", h, {T, d});
   detail::check_inner_contiguous("h", h);
-  detail::require(opt.eps >= 0 && std::isfinite(opt.eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
+  detail::require(opt.eps >= 0 && std::isfinite(opt.eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
   index_t const m = src.count();
   bool const keep = stats.size() > 0;
   if (keep) {
     detail::check_view("stats", stats);
     detail::check_shape("stats", stats, {T, m, 3});
-    detail::require(stats.is_contiguous(), "argument 'stats': must be contiguous");
+    detail::require(stats.is_contiguous(), error_kind::shape, "argument 'stats': must be contiguous");
   }
   // h and stats: neither broadcast (a stride-0 dimension: several tokens into one row, racing
   // between threads), over the other or over an input.
@@ -399,12 +399,12 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
   detail::check_view("dgain", dg);
   detail::check_shape("dw", dw, {d});
   detail::check_shape("dgain", dg, {d});
-  detail::require(opt.eps >= 0 && std::isfinite(opt.eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
+  detail::require(opt.eps >= 0 && std::isfinite(opt.eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
   bool const have_stats = stats.size() > 0;
   if (have_stats) {
     detail::check_view("stats", stats);
     detail::check_shape("stats", stats, {T, m, 3});
-    detail::require(stats.is_contiguous(), "argument 'stats': must be contiguous");
+    detail::require(stats.is_contiguous(), error_kind::shape, "argument 'stats': must be contiguous");
   }
   {
     // Every output against every input and the outputs pairwise: a gradient written over an

@@ -49,7 +49,7 @@ class pipeline_cache {
     check_peer(peer);
     using C = compute_t<S>;
     std::int64_t const n = ar.bank_count(), k = known_[std::size_t(peer)], T = ar.tokens();
-    detail::require(k >= 0 && k <= n, [&] { return "pipeline_cache: rank " + std::to_string(peer) + " holds more rows than the sender"; });
+    detail::require(k >= 0 && k <= n, error_kind::shape, [&] { return "pipeline_cache: rank " + std::to_string(peer) + " holds more rows than the sender"; });
     known_[std::size_t(peer)] = n;
     known_[std::size_t(comm_.rank())] = n;
     std::vector<std::int64_t> header = {ar.site(), n, k, T, ar.prefix_empty() ? 1 : 0};
@@ -102,7 +102,7 @@ class pipeline_cache {
       bool wellformed = T >= 0 && k >= 0 && n >= k;
       for (std::size_t r = 0; r < known_.size(); ++r) wellformed = wellformed && header[5 + r] >= 0 && header[5 + r] <= n;
       if (wellformed) drain(n > k ? 3 : 1, peer, tag);
-      throw k3::error(why);
+      throw k3::error(wellformed ? error_kind::value : error_kind::io, why);
     }
     for (std::size_t r = 0; r < known_.size(); ++r) known_[r] = header[5 + r];
     ar.resume_tokens(T);
@@ -133,7 +133,7 @@ class pipeline_cache {
   template <class S, class B>
   void send_backward(block_attn_res<S, B>& ar, int peer, int tag) {
     check_peer(peer);
-    detail::require(!received_.empty(), "pipeline_cache::send_backward: no forward hop to mirror");
+    detail::require(!received_.empty(), error_kind::value, "pipeline_cache::send_backward: no forward hop to mirror");
     auto const [k, n, site_unused] = received_.back();
     static_cast<void>(site_unused);
     received_.pop_back();
@@ -151,7 +151,7 @@ class pipeline_cache {
   void recv_backward(block_attn_res<S, B>& ar, int peer, int tag) {
     check_peer(peer);
     using C = compute_t<S>;
-    detail::require(!sent_.empty(), "pipeline_cache::recv_backward: no forward hop to mirror");
+    detail::require(!sent_.empty(), error_kind::value, "pipeline_cache::recv_backward: no forward hop to mirror");
     auto [k, n, site] = sent_.back();
     sent_.pop_back();
     index_t const T = ar.tokens(), d = ar.config().d;
@@ -189,7 +189,7 @@ class pipeline_cache {
   }
 
   void check_peer(int peer) const {
-    detail::require(peer >= 0 && peer < comm_.size() && peer != comm_.rank(), [&] {
+    detail::require(peer >= 0 && peer < comm_.size() && peer != comm_.rank(), error_kind::value, [&] {
       return "pipeline_cache: peer " + std::to_string(peer) + " is not another rank of this job of " + std::to_string(comm_.size());
     });
   }

@@ -174,7 +174,7 @@ void block_rinv(B const& b, tensor_view<S, 2> block, tensor_view<R, 1> rinv, dou
   detail::check_view("rinv", rinv);
   detail::check_shape("rinv", rinv, {T});
   detail::check_outputs_apart([&](auto&& f) { f("rinv", rinv); }, [&](auto&& f) { f("block", block); });
-  detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
+  detail::require(eps >= 0 && std::isfinite(eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
   using Ops = typename detail::ops_for<B>::template type<C>;
   index_t const tasks = detail::token_tasks(b, T);
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
@@ -358,7 +358,7 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
                                 if (has_partial) f("partial", partial);
                                 f("u", u);
                               });
-  detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
+  detail::require(eps >= 0 && std::isfinite(eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
   using Ops = typename detail::ops_for<B>::template type<C>;
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
@@ -436,7 +436,7 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
         f("lse", lse);
         f("u", u);
       });
-  detail::require(eps >= 0 && std::isfinite(eps), [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
+  detail::require(eps >= 0 && std::isfinite(eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
   using Ops = typename detail::ops_for<B>::template type<C>;
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));

@@ -84,7 +84,7 @@ class any_communicator {
       case elem::i64: return f(std::int64_t{});
       case elem::i32: return f(std::int32_t{});
     }
-    throw k3::error("any_communicator: unknown element type code " + std::to_string(static_cast<int>(e)));
+    throw k3::error(error_kind::dtype, "any_communicator: unknown element type code " + std::to_string(static_cast<int>(e)));
   }
 
   struct ops {

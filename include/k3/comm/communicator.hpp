@@ -10,9 +10,11 @@
 #include <concepts>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "k3/core/error.hpp"
+#include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/tensor_view.hpp"
 
 namespace k3 {
@@ -48,6 +50,18 @@ template <class C>
 concept NonBlockingCommunicator = Communicator<C> && detail::posts_nonblocking<C> &&
                                   requires(C const& c, detail::comm_request_t<C>& r) { c.wait(r); };
 
+// The words a communicator carries for elements of type T: bfloat16 travels as its 16 bits
+// (communicators move float, double, 32/64-bit integers and unsigned words).
+template <class T>
+using wire_word_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, bfloat16>, std::uint16_t, std::remove_const_t<T>>;
+
+// The n elements at p as a view of the words a communicator sends or receives for them.
+template <class T>
+auto wire_view(T* p, index_t n) {
+  using W = std::conditional_t<std::is_const_v<T>, wire_word_t<T> const, wire_word_t<T>>;
+  return tensor_view<W, 1>(reinterpret_cast<W*>(p), {n});
+}
+
 namespace detail {
 // Element-type codes carried in message headers so receivers can reject mismatches.
 template <class T>
@@ -64,7 +78,7 @@ constexpr std::int64_t comm_type_code() noexcept {
 
 template <class V>
 void check_comm_view(char const* what, V const& v) {
-  detail::require(v.is_contiguous() && (v.size() == 0 || v.data_handle() != nullptr), [&] {
+  detail::require(v.is_contiguous() && (v.size() == 0 || v.data_handle() != nullptr), error_kind::shape, [&] {
     return std::string(what) + ": communicator buffers must be contiguous host views (shape " + format_shape(v.extents()) + ")";
   });
 }
@@ -84,7 +98,7 @@ class single_process {
   void all_gather(tensor_view<T, R1> in, tensor_view<U, R2> out) const {
     detail::check_comm_view("all_gather input", in);
     detail::check_comm_view("all_gather output", out);
-    detail::require(out.size() == in.size(), [&] {
+    detail::require(out.size() == in.size(), error_kind::shape, [&] {
       return "all_gather: output must hold size() * " + std::to_string(in.size()) + " = " + std::to_string(in.size()) +
              " elements, got " + std::to_string(out.size());
     });
@@ -92,11 +106,11 @@ class single_process {
   }
   template <class T, std::size_t R>
   void send(tensor_view<T, R>, int peer, int) const {
-    throw k3::error("single_process::send: no rank " + std::to_string(peer) + " in a job of size 1");
+    throw k3::error(error_kind::value, "single_process::send: no rank " + std::to_string(peer) + " in a job of size 1");
   }
   template <class T, std::size_t R>
   void recv(tensor_view<T, R>, int peer, int) const {
-    throw k3::error("single_process::recv: no rank " + std::to_string(peer) + " in a job of size 1");
+    throw k3::error(error_kind::value, "single_process::recv: no rank " + std::to_string(peer) + " in a job of size 1");
   }
   void barrier() const noexcept {}
 };

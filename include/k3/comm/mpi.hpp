@@ -34,7 +34,7 @@ inline void mpi_check(int rc, char const* what) {
     char msg[MPI_MAX_ERROR_STRING];
     int len = 0;
     MPI_Error_string(rc, msg, &len);
-    throw k3::error(std::string(what) + ": MPI error: " + std::string(msg, static_cast<std::size_t>(len)));
+    throw k3::error(error_kind::io, std::string(what) + ": MPI error: " + std::string(msg, static_cast<std::size_t>(len)));
   }
 }
 }  // namespace detail
@@ -92,7 +92,7 @@ class mpi_communicator {
     agree("all_gather", in.size(), detail::comm_type_code<E>(), local_error([&] {
             detail::check_comm_view("all_gather input", in);
             detail::check_comm_view("all_gather output", out);
-            detail::require(out.size() == in.size() * size_, [&] {
+            detail::require(out.size() == in.size() * size_, error_kind::shape, [&] {
               return "all_gather: output must hold " + std::to_string(size_) + " * " + std::to_string(in.size()) + " elements, got " +
                      std::to_string(out.size());
             });
@@ -131,7 +131,7 @@ class mpi_communicator {
     std::int64_t header[2] = {0, 0};
     detail::mpi_check(MPI_Recv(header, 2, MPI_INT64_T, peer, header_tag(tag), comm_, MPI_STATUS_IGNORE), "recv header");
     if (header[0] < 0)
-      throw k3::error("recv from rank " + std::to_string(peer) + ": the sender rejected its buffer (see the error on rank " +
+      throw k3::error(error_kind::io, "recv from rank " + std::to_string(peer) + ": the sender rejected its buffer (see the error on rank " +
                       std::to_string(peer) + ")");
     if (bad || header[0] != v.size() || header[1] != detail::comm_type_code<T>()) {
       if (header[0] > 0) {
@@ -143,7 +143,7 @@ class mpi_communicator {
         MPI_Recv(sink.data(), bytes, MPI_BYTE, peer, tag, comm_, MPI_STATUS_IGNORE);
       }
       if (bad) std::rethrow_exception(bad);
-      throw k3::error("recv from rank " + std::to_string(peer) + ": expected " + std::to_string(v.size()) +
+      throw k3::error(error_kind::io, "recv from rank " + std::to_string(peer) + ": expected " + std::to_string(v.size()) +
                       " elements of type code " + std::to_string(detail::comm_type_code<T>()) + ", peer sent " +
                       std::to_string(header[0]) + " of type code " + std::to_string(header[1]));
     }
@@ -189,7 +189,7 @@ class mpi_communicator {
     if (r.expected >= 0) {
       int got = 0;
       MPI_Get_count(&st, r.type, &got);
-      detail::require(got == r.expected, [&] {
+      detail::require(got == r.expected, error_kind::io, [&] {
         return "irecv from rank " + std::to_string(r.peer) + ": expected " + std::to_string(r.expected) + " elements, peer sent " +
                std::to_string(got);
       });
@@ -199,12 +199,12 @@ class mpi_communicator {
  private:
   static int header_tag(int tag) { return tag + (1 << 20); }
   static void check_count(char const* what, std::int64_t n) {
-    detail::require(n <= std::numeric_limits<int>::max(), [&] {
+    detail::require(n <= std::numeric_limits<int>::max(), error_kind::shape, [&] {
       return std::string(what) + ": " + std::to_string(n) + " elements is more than one MPI message can carry (at most 2^31 - 1)";
     });
   }
   void check_peer(char const* what, int peer) const {
-    detail::require(peer >= 0 && peer < size_ && peer != rank_, [&] {
+    detail::require(peer >= 0 && peer < size_ && peer != rank_, error_kind::value, [&] {
       return std::string(what) + ": peer rank " + std::to_string(peer) + " is not another rank of this job (size " +
              std::to_string(size_) + ", this rank " + std::to_string(rank_) + ")";
     });
@@ -221,10 +221,10 @@ class mpi_communicator {
     detail::mpi_check(MPI_Allreduce(mine, all, 5, MPI_INT64_T, MPI_MAX, comm_), what);
     if (bad) std::rethrow_exception(bad);
     if (all[4])
-      throw k3::error(std::string(what) + ": another rank's buffer failed its checks (see the error there); this is rank " +
+      throw k3::error(error_kind::shape, std::string(what) + ": another rank's buffer failed its checks (see the error there); this is rank " +
                       std::to_string(rank_));
     if (all[0] != -all[1] || all[2] != -all[3])
-      throw k3::error(std::string(what) + ": ranks passed different element counts or types (this rank " + std::to_string(rank_) +
+      throw k3::error(error_kind::shape, std::string(what) + ": ranks passed different element counts or types (this rank " + std::to_string(rank_) +
                       ": " + std::to_string(count) + " elements, type code " + std::to_string(type) + "; counts range " +
                       std::to_string(-all[1]) + ".." + std::to_string(all[0]) + ")");
   }

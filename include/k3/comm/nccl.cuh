@@ -34,7 +34,7 @@ namespace k3 {
 class nccl_error : public k3::error {
  public:
   nccl_error(ncclResult_t r, char const* what)
-      : k3::error(std::string("NCCL error in ") + what + ": " + ncclGetErrorString(r)), code_(r) {}
+      : k3::error(error_kind::io, std::string("NCCL error in ") + what + ": " + ncclGetErrorString(r)), code_(r) {}
   ncclResult_t code() const noexcept { return code_; }
 
  private:
@@ -88,7 +88,7 @@ class nccl_communicator {
   // calls this (collectively) with the same id, obtained by one rank from unique_id().
   nccl_communicator(ncclUniqueId const& id, int rank, int size, cuda::stream_backend backend = {})
       : backend_(backend), owns_(true) {
-    detail::require(size >= 1 && rank >= 0 && rank < size, [&] {
+    detail::require(size >= 1 && rank >= 0 && rank < size, error_kind::value, [&] {
       return "nccl_communicator: rank " + std::to_string(rank) + " is not in a job of size " + std::to_string(size);
     });
     cuda::detail::device_guard g(backend_.requested_device());
@@ -103,7 +103,7 @@ class nccl_communicator {
 
   // Wraps a communicator created elsewhere (not destroyed here).
   nccl_communicator(ncclComm_t comm, cuda::stream_backend backend) : comm_(comm), backend_(backend), owns_(false) {
-    detail::require(comm != nullptr, "nccl_communicator: argument 'comm' is null");
+    detail::require(comm != nullptr, error_kind::value, "nccl_communicator: argument 'comm' is null");
     finish_init();
   }
 
@@ -174,7 +174,7 @@ class nccl_communicator {
     check_buffer("all_gather input", in);
     check_buffer("all_gather output", out);
     agree("all_gather", in.size(), detail::nccl_type<E>());
-    detail::require(out.size() == in.size() * size_, [&] {
+    detail::require(out.size() == in.size() * size_, error_kind::shape, [&] {
       return "all_gather: argument 'out' must hold " + std::to_string(size_) + " * " + std::to_string(in.size()) +
              " elements, got " + std::to_string(out.size());
     });
@@ -226,7 +226,7 @@ class nccl_communicator {
         detail::nccl_check(ncclRecv(sink.get(), static_cast<std::size_t>(bytes), ncclUint8, peer, comm_, stream()), "recv");
         K3_CUDA_CHECK(cudaStreamSynchronize(stream()));
       }
-      throw k3::error("recv from rank " + std::to_string(peer) + ": expected " + std::to_string(v.size()) +
+      throw k3::error(error_kind::io, "recv from rank " + std::to_string(peer) + ": expected " + std::to_string(v.size()) +
                       " elements of NCCL type " + std::to_string(detail::nccl_type<T>()) + " with tag " +
                       std::to_string(tag) + ", peer sent " + std::to_string(header[0]) + " of type " +
                       std::to_string(header[1]) + " with tag " + std::to_string(header[2]));
@@ -281,13 +281,13 @@ class nccl_communicator {
     using Space = typename V::memory_space;
     static_assert(std::is_same_v<Space, host_space> || std::is_same_v<Space, cuda_device_space>,
                   "nccl_communicator moves host or CUDA device views");
-    detail::require(v.is_contiguous() && (v.size() == 0 || v.data_handle() != nullptr), [&] {
+    detail::require(v.is_contiguous() && (v.size() == 0 || v.data_handle() != nullptr), error_kind::shape, [&] {
       return std::string(what) + ": communicator buffers must be contiguous views with data (shape " +
              detail::format_shape(v.extents()) + ", strides " + detail::format_shape(v.strides()) + ")";
     });
   }
   void check_peer(char const* what, int peer) const {
-    detail::require(peer >= 0 && peer < size_ && peer != rank_, [&] {
+    detail::require(peer >= 0 && peer < size_ && peer != rank_, error_kind::value, [&] {
       return std::string(what) + ": peer rank " + std::to_string(peer) + " is not another rank of this job (size " +
              std::to_string(size_) + ", this rank " + std::to_string(rank_) + ")";
     });
@@ -301,7 +301,7 @@ class nccl_communicator {
     K3_CUDA_CHECK(cudaMemcpyAsync(all, scratch_, sizeof all, cudaMemcpyDeviceToHost, stream()));
     K3_CUDA_CHECK(cudaStreamSynchronize(stream()));
     if (all[0] != -all[1] || all[2] != -all[3])
-      throw k3::error(std::string(what) + ": ranks passed different element counts or types (this rank " +
+      throw k3::error(error_kind::shape, std::string(what) + ": ranks passed different element counts or types (this rank " +
                       std::to_string(rank_) + ": " + std::to_string(count) + " elements, NCCL type " + std::to_string(type) +
                       "; counts range " + std::to_string(-all[1]) + ".." + std::to_string(all[0]) + ")");
   }

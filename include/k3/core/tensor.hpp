@@ -23,7 +23,7 @@ class tensor {
   explicit tensor(extents_type const& ext, B backend = B{}) : backend_(std::move(backend)), ext_(ext) {
     index_t n = 1;
     for (std::size_t r = 0; r < Rank; ++r) {
-      detail::require(ext[r] >= 0, [&] { return "tensor: negative extent in shape " + detail::format_shape(ext); });
+      detail::require(ext[r] >= 0, error_kind::shape, [&] { return "tensor: negative extent in shape " + detail::format_shape(ext); });
       n *= ext[r];
     }
     n_ = static_cast<std::size_t>(n);

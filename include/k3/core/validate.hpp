@@ -37,7 +37,7 @@ void check_shape(std::string_view name, V const& v, std::initializer_list<index_
       first = false;
     }
     exp += "]";
-    throw ::k3::error("argument '" + std::string(name) + "': expected shape " + exp + ", got " + shape_of(v));
+    throw ::k3::error(error_kind::shape, "argument '" + std::string(name) + "': expected shape " + exp + ", got " + shape_of(v));
   }
 }
 
@@ -46,11 +46,11 @@ template <class V>
 void check_view(std::string_view name, V const& v) {
   for (std::size_t r = 0; r < V::rank(); ++r) {
     if (v.extent(r) < 0 || v.stride(r) < 0)
-      throw ::k3::error("argument '" + std::string(name) + "': negative extent or stride (shape " + shape_of(v) +
+      throw ::k3::error(error_kind::shape, "argument '" + std::string(name) + "': negative extent or stride (shape " + shape_of(v) +
                         ", strides " + format_shape(v.strides()) + ")");
   }
   if (v.size() > 0 && v.data_handle() == nullptr)
-    throw ::k3::error("argument '" + std::string(name) + "': null data for non-empty shape " + shape_of(v));
+    throw ::k3::error(error_kind::shape, "argument '" + std::string(name) + "': null data for non-empty shape " + shape_of(v));
 }
 
 // The last dimension must be unit-stride (vectorised kernels read rows contiguously).
@@ -58,7 +58,7 @@ template <class V>
 void check_inner_contiguous(std::string_view name, V const& v) {
   if constexpr (V::rank() > 0) {
     if (v.extent(V::rank() - 1) > 1 && v.stride(V::rank() - 1) != 1)
-      throw ::k3::error("argument '" + std::string(name) + "': the last dimension must have stride 1, got strides " +
+      throw ::k3::error(error_kind::shape, "argument '" + std::string(name) + "': the last dimension must have stride 1, got strides " +
                         format_shape(v.strides()));
   }
 }
@@ -81,7 +81,7 @@ void check_no_overlap(std::string_view name_a, A const& a, std::string_view name
   byte_range(a, a0, a1);
   byte_range(b, b0, b1);
   if (a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1)
-    throw ::k3::error("arguments '" + std::string(name_a) + "' and '" + std::string(name_b) +
+    throw ::k3::error(error_kind::aliasing, "arguments '" + std::string(name_a) + "' and '" + std::string(name_b) +
                       "' overlap in memory; outputs must not alias inputs or other outputs");
 }
 
@@ -92,7 +92,7 @@ void check_not_broadcast(std::string_view name, V const& v) {
   if (v.size() == 0) return;  // writes nothing (contiguous empty views have zero outer strides)
   for (std::size_t r = 0; r < V::rank(); ++r)
     if (v.extent(r) > 1 && v.stride(r) == 0)
-      throw ::k3::error("argument '" + std::string(name) + "': dimension " + std::to_string(r) + " (extent " + std::to_string(v.extent(r)) +
+      throw ::k3::error(error_kind::aliasing, "argument '" + std::string(name) + "': dimension " + std::to_string(r) + " (extent " + std::to_string(v.extent(r)) +
                         ") has stride 0; an output must not alias itself (strides " + format_shape(v.strides()) + ")");
 }
 

@@ -5,6 +5,7 @@
 // o_t = S_t^T (scale * q_t), the state after token t. Token-major q k a b gk [B,T,H,K],
 // v and o [B,T,H,V]; states [N,H,K,V] in float for float inputs and double for double.
 #pragma once
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -96,19 +97,19 @@ inline bool has_varlen(dplr_options const& o) { return !absent(o.cu_seqlens) || 
 template <class I>
 void read_offsets(const_view<I, 1> cu, index_t B, index_t T, std::vector<sequence>& seqs) {
   check_view("cu_seqlens", cu);
-  require(B == 1, [&] { return "argument 'cu_seqlens': packed sequences need batch size 1, got B = " + std::to_string(B); });
-  require(cu.extent(0) >= 1, "argument 'cu_seqlens': needs at least one offset (N+1 entries)");
-  require(cu(0) == 0, [&] { return "argument 'cu_seqlens': must start at 0, got " + std::to_string(cu(0)); });
+  require(B == 1, error_kind::shape, [&] { return "argument 'cu_seqlens': packed sequences need batch size 1, got B = " + std::to_string(B); });
+  require(cu.extent(0) >= 1, error_kind::shape, "argument 'cu_seqlens': needs at least one offset (N+1 entries)");
+  require(cu(0) == 0, error_kind::value, [&] { return "argument 'cu_seqlens': must start at 0, got " + std::to_string(cu(0)); });
   for (index_t i = 0; i + 1 < cu.extent(0); ++i) {
     index_t lo = static_cast<index_t>(cu(i)), hi = static_cast<index_t>(cu(i + 1));
-    require(hi >= lo, [&] {
+    require(hi >= lo, error_kind::value, [&] {
       return "argument 'cu_seqlens': offsets must be non-decreasing, got " + std::to_string(lo) + " then " + std::to_string(hi) +
              " at index " + std::to_string(i + 1);
     });
     seqs.push_back({0, lo, hi});
   }
   index_t last = static_cast<index_t>(cu(cu.extent(0) - 1));
-  require(last == T, [&] {
+  require(last == T, error_kind::value, [&] {
     return "argument 'cu_seqlens': must end at T = " + std::to_string(T) + ", got " + std::to_string(last);
   });
 }
@@ -133,11 +134,11 @@ problem make_problem(dplr_inputs<T> const& in, dplr_options const& opt) {
     check_view(name, v);
     check_inner_contiguous(name, v);
   }
-  require(opt.chunk_size >= 1, [&] { return "option 'chunk_size': must be >= 1, got " + std::to_string(opt.chunk_size); });
+  require(opt.chunk_size >= 1, error_kind::value, [&] { return "option 'chunk_size': must be >= 1, got " + std::to_string(opt.chunk_size); });
   p.chunk = opt.chunk_size;
   p.scale = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
-  require(std::isfinite(p.scale), [&] { return "option 'scale': must be finite, got " + std::to_string(p.scale); });
-  require(absent(opt.cu_seqlens) || absent(opt.cu_seqlens32), "argument 'cu_seqlens': give the int64 or the int32 offsets, not both");
+  require(std::isfinite(p.scale), error_kind::value, [&] { return "option 'scale': must be finite, got " + std::to_string(p.scale); });
+  require(absent(opt.cu_seqlens) || absent(opt.cu_seqlens32), error_kind::value, "argument 'cu_seqlens': give the int64 or the int32 offsets, not both");
   if (!absent(opt.cu_seqlens)) read_offsets(opt.cu_seqlens, p.B, p.T, p.seqs);
   else if (!absent(opt.cu_seqlens32)) read_offsets(opt.cu_seqlens32, p.B, p.T, p.seqs);
   else
@@ -232,4 +233,16 @@ head_views<T> head_of(dplr_inputs<T> const& in, sequence const& s, index_t h) {
 }
 
 }  // namespace detail::dplr
+
+namespace dplr {
+
+// Shape of dplr_outputs::ht (and h0) for these inputs and options: {N sequences, H, K, V}. Checks
+// every input and cu_seqlens first, so a caller can size its outputs before it has them.
+template <class T>
+std::array<index_t, 4> state_shape(dplr_inputs<T> const& in, dplr_options const& opt = {}) {
+  auto const p = detail::dplr::make_problem(in, opt);
+  return {p.N, p.H, p.K, p.V};
+}
+
+}  // namespace dplr
 }  // namespace k3

@@ -48,7 +48,7 @@ void cp_agree(C const& comm, char const* what, std::exception_ptr const& failed,
   for (index_t r = 0; r < P; ++r)
     if (all[r * n]) bad += (bad.empty() ? "" : ", ") + std::to_string(r);
   if (!bad.empty())
-    throw k3::error(std::string(what) + ": rank " + bad + " rejected its arguments (see the error there); this is rank " +
+    throw k3::error(error_kind::shape, std::string(what) + ": rank " + bad + " rejected its arguments (see the error there); this is rank " +
                     std::to_string(comm.rank()));
   auto show = [&](index_t i, std::int64_t x) {
     return std::string_view(names[i]) == "scale" ? std::to_string(std::bit_cast<double>(x)) : std::to_string(x);
@@ -56,7 +56,7 @@ void cp_agree(C const& comm, char const* what, std::exception_ptr const& failed,
   for (index_t r = 1; r < P; ++r)
     for (index_t i = 0; i + 1 < n; ++i)
       if (all[r * n + 1 + i] != all[1 + i])
-        throw k3::error(std::string(what) + ": ranks disagree on " + names[i] + ": rank 0 has " + show(i, all[1 + i]) + ", rank " +
+        throw k3::error(error_kind::shape, std::string(what) + ": ranks disagree on " + names[i] + ": rank 0 has " + show(i, all[1 + i]) + ", rank " +
                         std::to_string(r) + " has " + show(i, all[r * n + 1 + i]) + " (this is rank " + std::to_string(comm.rank()) + ")");
 }
 
@@ -103,7 +103,7 @@ void dplr_cp_forward(C const& comm, dplr_inputs<T> const& in, dplr_outputs<T> co
   local_in.h0 = {};
   d::problem p;
   std::exception_ptr const failed = detail::capture_error([&] {
-    detail::require(!d::has_varlen(opt), "dplr_cp_forward: cu_seqlens is not supported; split every sequence across ranks instead");
+    detail::require(!d::has_varlen(opt), error_kind::unsupported, "dplr_cp_forward: cu_seqlens is not supported; split every sequence across ranks instead");
     p = d::make_problem(local_in, opt);
     if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
     d::check_outputs(p, in, out);  // with h0: o and ht must not overlap it either
@@ -154,7 +154,7 @@ void dplr_cp_backward(C const& comm, dplr_inputs<T> const& in, dplr_grad_inputs<
   lg.dh0 = {};
   d::problem p;
   std::exception_ptr const failed = detail::capture_error([&] {
-    detail::require(!d::has_varlen(opt), "dplr_cp_backward: cu_seqlens is not supported; split every sequence across ranks instead");
+    detail::require(!d::has_varlen(opt), error_kind::unsupported, "dplr_cp_backward: cu_seqlens is not supported; split every sequence across ranks instead");
     p = d::make_problem(local_in, opt);
     if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
     d::check_grads(p, in, gin, g);  // h0, dht and dh0 against everything else too

@@ -41,7 +41,7 @@ kda_dims check_kda(kda_inputs<T> const& in) {
   check_shape("k", in.k, {d.B, d.T, d.H, d.K});
   check_view("v", in.v);
   check_shape("v", in.v, {d.B, d.T, any_extent, any_extent});
-  require(d.H > 0 ? d.HV % d.H == 0 : d.HV == 0, [&] {
+  require(d.H > 0 ? d.HV % d.H == 0 : d.HV == 0, error_kind::shape, [&] {
     return "argument 'v': the value head count HV = " + std::to_string(d.HV) + " must be a multiple of the q/k head count H = " +
            std::to_string(d.H);
   });

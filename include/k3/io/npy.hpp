@@ -100,7 +100,7 @@ class npy_array {
   template <class T, std::size_t Rank>
   tensor_view<T const, Rank> view(std::string_view name = "array") const& {
     check_type<T>(name);
-    detail::require(shape_.size() == Rank, [&] {
+    detail::require(shape_.size() == Rank, error_kind::shape, [&] {
       return "argument '" + std::string(name) + "': expected rank " + std::to_string(Rank) + ", got shape " +
              detail::format_shape(shape_);
     });
@@ -140,7 +140,7 @@ class npy_array {
       case dtype::int64: return read<std::int64_t>(p);
       case dtype::uint8: return *p;
       case dtype::uint16: return read<std::uint16_t>(p);
-      default: throw k3::error(std::string("expected an integer array, got ") + dtype_name(type_));
+      default: throw k3::error(error_kind::dtype, std::string("expected an integer array, got ") + dtype_name(type_));
     }
   }
 
@@ -148,7 +148,7 @@ class npy_array {
   void check_type(std::string_view name) const {
     constexpr dtype want = dtype_of<T>();
     bool ok = type_ == want || (want == dtype::bfloat16 && type_ == dtype::uint16);
-    detail::require(ok, [&] {
+    detail::require(ok, error_kind::dtype, [&] {
       return "argument '" + std::string(name) + "': expected dtype " + dtype_name(want) + ", got " + dtype_name(type_);
     });
   }
@@ -211,7 +211,7 @@ class npy_header_parser {
   }
 
  private:
-  [[noreturn]] void fail(std::string const& what) const { throw k3::error("malformed .npy header: " + what); }
+  [[noreturn]] void fail(std::string const& what) const { throw k3::error(error_kind::io, "malformed .npy header: " + what); }
   char peek() const { return i_ < s_.size() ? s_[i_] : '\0'; }
   void skip_ws() {
     while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r')) ++i_;
@@ -286,7 +286,7 @@ inline dtype parse_descr(std::string const& d_in) {
   if (d == "<i8") return dtype::int64;
   if (d == "|u1" || d == "<u1") return dtype::uint8;
   if (d == "|b1") return dtype::uint8;  // numpy bool: one byte, 0 or 1 (e.g. a token mask)
-  throw k3::error("unsupported .npy dtype '" + d_in +
+  throw k3::error(error_kind::io, "unsupported .npy dtype '" + d_in +
                   "' (supported: <f4 <f8 <u2/|V2 (bfloat16) <i4 <i8 |u1 |b1, and >f4 >f8 >u2 >i4 >i8)");
 }
 
@@ -337,10 +337,10 @@ inline void fortran_to_c_order(unsigned char const* src, unsigned char* dst, std
 // Parses a whole .npy file held in memory. Throws k3::error on anything malformed.
 inline npy_array parse_npy(std::span<unsigned char const> bytes) {
   constexpr unsigned char magic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
-  detail::require(bytes.size() >= 10, "malformed .npy file: shorter than the fixed preamble (10 bytes)");
-  detail::require(std::memcmp(bytes.data(), magic, 6) == 0, "malformed .npy file: bad magic string");
+  detail::require(bytes.size() >= 10, error_kind::io, "malformed .npy file: shorter than the fixed preamble (10 bytes)");
+  detail::require(std::memcmp(bytes.data(), magic, 6) == 0, error_kind::io, "malformed .npy file: bad magic string");
   unsigned const major = bytes[6];
-  detail::require(major >= 1 && major <= 3, [&] {
+  detail::require(major >= 1 && major <= 3, error_kind::io, [&] {
     return "unsupported .npy format version " + std::to_string(major) + "." + std::to_string(bytes[7]);
   });
   std::size_t header_len = 0, pre = 0;
@@ -348,11 +348,11 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
     header_len = bytes[8] | (std::size_t(bytes[9]) << 8);
     pre = 10;
   } else {
-    detail::require(bytes.size() >= 12, "malformed .npy file: truncated preamble");
+    detail::require(bytes.size() >= 12, error_kind::io, "malformed .npy file: truncated preamble");
     header_len = bytes[8] | (std::size_t(bytes[9]) << 8) | (std::size_t(bytes[10]) << 16) | (std::size_t(bytes[11]) << 24);
     pre = 12;
   }
-  detail::require(header_len <= bytes.size() - pre, "malformed .npy file: header length runs past the end of the file");
+  detail::require(header_len <= bytes.size() - pre, error_kind::io, "malformed .npy file: header length runs past the end of the file");
   std::string_view header(reinterpret_cast<char const*>(bytes.data() + pre), header_len);
   std::string descr;
   bool fortran = false;
@@ -367,7 +367,7 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
   constexpr auto max_elems = static_cast<std::uint64_t>(std::numeric_limits<index_t>::max());
   for (index_t e : shape) {
     if (e != 0 && n > max_elems / static_cast<std::uint64_t>(e))
-      throw k3::error("malformed .npy file: shape " + detail::format_shape(shape) + " overflows");
+      throw k3::error(error_kind::io, "malformed .npy file: shape " + detail::format_shape(shape) + " overflows");
     n *= static_cast<std::uint64_t>(e);
   }
   // Views compute C-order strides from the right (stride(0) = product of the later extents), so
@@ -377,11 +377,11 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
   for (index_t e : shape) {
     if (e == 0) continue;
     if (nz > max_elems / static_cast<std::uint64_t>(e))
-      throw k3::error("malformed .npy file: shape " + detail::format_shape(shape) + " overflows (its nonzero extents multiply past 2^63)");
+      throw k3::error(error_kind::io, "malformed .npy file: shape " + detail::format_shape(shape) + " overflows (its nonzero extents multiply past 2^63)");
     nz *= static_cast<std::uint64_t>(e);
   }
   std::size_t const isz = dtype_size(t);
-  detail::require(n <= avail / isz && n * isz == avail, [&] {
+  detail::require(n <= avail / isz && n * isz == avail, error_kind::io, [&] {
     return "malformed .npy file: shape " + detail::format_shape(shape) + " of " + dtype_name(t) + " needs " +
            (n <= std::numeric_limits<std::uint64_t>::max() / isz ? std::to_string(n * isz) : std::string("too many")) +
            " data bytes, file has " + std::to_string(avail);
@@ -401,17 +401,17 @@ inline npy_array parse_npy(std::span<unsigned char const> bytes) {
 
 inline npy_array read_npy(std::string const& path) {
   std::ifstream f(path, std::ios::binary);
-  detail::require(static_cast<bool>(f), [&] { return "cannot open '" + path + "' for reading"; });
+  detail::require(static_cast<bool>(f), error_kind::io, [&] { return "cannot open '" + path + "' for reading"; });
   std::vector<unsigned char> buf;
   try {  // a directory opens, then throws std::ios_base::failure on the first read
     buf.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
   } catch (std::exception const& e) {
-    throw k3::error("cannot read '" + path + "': " + e.what());
+    throw k3::error(error_kind::io, "cannot read '" + path + "': " + e.what());
   }
   try {
     return parse_npy(buf);
   } catch (k3::error const& e) {
-    throw k3::error(path + ": " + (std::string(e.what()).substr(4)));
+    throw k3::error(e.kind(), path + ": " + std::string(e.message()));
   }
 }
 
@@ -420,7 +420,7 @@ inline std::vector<unsigned char> format_npy(dtype t, std::vector<index_t> const
   std::string dict = std::string("{'descr': '") + detail::descr_of(t) + "', 'fortran_order': False, 'shape': (";
   std::uint64_t n = 1;
   for (std::size_t i = 0; i < shape.size(); ++i) {
-    detail::require(shape[i] >= 0, "format_npy: negative extent");
+    detail::require(shape[i] >= 0, error_kind::shape, "format_npy: negative extent");
     dict += std::to_string(shape[i]);
     if (shape.size() == 1 || i + 1 < shape.size()) dict += ",";
     if (i + 1 < shape.size()) dict += " ";
@@ -447,9 +447,9 @@ inline std::vector<unsigned char> format_npy(dtype t, std::vector<index_t> const
 inline void write_npy(std::string const& path, dtype t, std::vector<index_t> const& shape, void const* data) {
   auto buf = format_npy(t, shape, data);
   std::ofstream f(path, std::ios::binary);
-  detail::require(static_cast<bool>(f), [&] { return "cannot open '" + path + "' for writing"; });
+  detail::require(static_cast<bool>(f), error_kind::io, [&] { return "cannot open '" + path + "' for writing"; });
   f.write(reinterpret_cast<char const*>(buf.data()), static_cast<std::streamsize>(buf.size()));
-  detail::require(static_cast<bool>(f), [&] { return "failed writing '" + path + "'"; });
+  detail::require(static_cast<bool>(f), error_kind::io, [&] { return "failed writing '" + path + "'"; });
 }
 
 // Writes any host view (strided views are gathered into C order first).

@@ -30,7 +30,11 @@ using default_state_t = std::conditional_t<std::is_same_v<In, double>, double, f
 template <class T>
 concept Storage = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, bfloat16>;
 
-enum class algorithm { chunk, recurrent };
+// automatic (the default) is the fastest correct form for the call: on the host backends the
+// recurrence for a forward that keeps no saved states (the chunked forward runs at 0.6-0.7x its
+// speed there, benchmarks/kda.md), the chunked form for a forward that fills forward_args::saved
+// and for the backward. chosen_form says what it resolves to.
+enum class algorithm { automatic, chunk, recurrent };
 
 // Packed variable-length sequences: N+1 offsets into T, int32 or int64. Empty = not packed.
 class cu_seqlens_view {
@@ -61,7 +65,7 @@ class cu_seqlens_view {
 };
 
 struct options {
-  algorithm mode = algorithm::chunk;
+  algorithm mode = algorithm::automatic;
   std::optional<double> scale;  // default K^-1/2; multiplies q only
   // When set (in [-5, 0)), every g must be >= it: the chunked form then evaluates its 16x16
   // diagonal tiles as dense products (the bound keeps both exponential factors < e^40).
@@ -184,7 +188,7 @@ inline std::string fmt(double x) { return ::k3::detail::format_number(x); }
 inline std::optional<double> checked_lower_bound(options const& opt) {
   if (opt.gate_lower_bound) {
     double const lb = *opt.gate_lower_bound;
-    ::k3::detail::require(lb >= -5.0 && lb < 0.0,
+    ::k3::detail::require(lb >= -5.0 && lb < 0.0, error_kind::value,
                           [&] { return "option 'gate_lower_bound': expected a value in [-5, 0), got " + fmt(lb); });
   }
   return opt.gate_lower_bound;
@@ -201,35 +205,35 @@ problem make_problem(tensor_view<In const, 4> q, tensor_view<In const, 4> v, opt
   p.K = q.extent(3);
   p.HV = v.extent(2);
   p.V = v.extent(3);
-  ::k3::detail::require(p.H >= 1, [&] { return "argument 'q': expected at least one head, got shape " + ::k3::detail::shape_of(q); });
-  ::k3::detail::require(p.HV >= 1 && p.HV % p.H == 0, [&] {
+  ::k3::detail::require(p.H >= 1, error_kind::shape, [&] { return "argument 'q': expected at least one head, got shape " + ::k3::detail::shape_of(q); });
+  ::k3::detail::require(p.HV >= 1 && p.HV % p.H == 0, error_kind::shape, [&] {
     return "argument 'v': the number of value heads HV (" + std::to_string(p.HV) + ") must be a positive multiple of the q/k heads H (" +
            std::to_string(p.H) + ")";
   });
   p.G = p.HV / p.H;
   double const sc = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
-  ::k3::detail::require(std::isfinite(sc), [&] { return "option 'scale': must be finite, got " + fmt(sc); });
+  ::k3::detail::require(std::isfinite(sc), error_kind::value, [&] { return "option 'scale': must be finite, got " + fmt(sc); });
   p.scale = sc;
   p.lower_bound = checked_lower_bound(opt);
   auto const& cs = opt.cu_seqlens;
   if (cs.present()) {
     p.varlen = true;
-    ::k3::detail::require(p.B == 1, [&] {
+    ::k3::detail::require(p.B == 1, error_kind::shape, [&] {
       return "argument 'cu_seqlens': packed sequences need batch size B = 1, got q of shape " + ::k3::detail::shape_of(q);
     });
-    ::k3::detail::require(cs.size() >= 1, "argument 'cu_seqlens': expected at least one offset (N+1 values), got 0");
+    ::k3::detail::require(cs.size() >= 1, error_kind::shape, "argument 'cu_seqlens': expected at least one offset (N+1 values), got 0");
     p.N = cs.size() - 1;
     p.offsets.resize(std::size_t(cs.size()));
     for (index_t i = 0; i < cs.size(); ++i) p.offsets[std::size_t(i)] = cs[i];
-    ::k3::detail::require(p.offsets.front() == 0, [&] {
+    ::k3::detail::require(p.offsets.front() == 0, error_kind::value, [&] {
       return "argument 'cu_seqlens': expected the first offset to be 0, got " + std::to_string(p.offsets.front());
     });
     for (index_t i = 1; i < cs.size(); ++i)
-      ::k3::detail::require(p.offsets[std::size_t(i)] >= p.offsets[std::size_t(i - 1)], [&] {
+      ::k3::detail::require(p.offsets[std::size_t(i)] >= p.offsets[std::size_t(i - 1)], error_kind::value, [&] {
         return "argument 'cu_seqlens': offsets must be non-decreasing, got " + std::to_string(p.offsets[std::size_t(i - 1)]) +
                " then " + std::to_string(p.offsets[std::size_t(i)]) + " at index " + std::to_string(i);
       });
-    ::k3::detail::require(p.offsets.back() == p.T, [&] {
+    ::k3::detail::require(p.offsets.back() == p.T, error_kind::value, [&] {
       return "argument 'cu_seqlens': expected the last offset to equal T = " + std::to_string(p.T) + ", got " +
              std::to_string(p.offsets.back());
     });
@@ -295,9 +299,10 @@ void check_gate_bound(problem const& p, tensor_view<In const, 4> g) {
           // Compare in the storage precision's terms: a g equal to lb rounded to float or to
           // the storage type is fine.
           if (x < static_cast<double>(static_cast<float>(*p.lower_bound)) && x < *p.lower_bound && x < lb_stored)
-            throw ::k3::error("argument 'g': value " + fmt(x) + " at [" + std::to_string(b) + ", " + std::to_string(t) + ", " +
-                              std::to_string(h) + ", " + std::to_string(d) + "] is below option 'gate_lower_bound' = " +
-                              fmt(*p.lower_bound));
+            throw ::k3::error(error_kind::value, "argument 'g': value " + fmt(x) + " at [" + std::to_string(b) + ", " + std::to_string(t) + ", " +
+                              std::to_string(h) + ", " + std::to_string(d) + "] is below the gate lower bound = " +
+                                                         fmt(*p.lower_bound),
+                              "gate_lower_bound");
         }
       }
 }
@@ -328,7 +333,7 @@ void check_shared_inputs(Args const& a, problem const& p) {
 template <class V>
 void check_saved(V const& saved, problem const& p, options const& opt) {
   if (!present(saved)) return;
-  ::k3::detail::require(opt.mode == algorithm::chunk,
+  ::k3::detail::require(opt.mode != algorithm::recurrent, error_kind::value,
                         "argument 'saved': saved states belong to the chunked form, got options::mode = recurrent");
   check_input("saved", saved, {p.HV, p.total_chunks(), saved_layout{p.K, p.V}.per()});
 }
@@ -389,7 +394,7 @@ problem validate(backward_args<In, S> const& a, options const& opt) {
 
 template <class In, class S>
 problem validate(decode_args<In, S> const& a, options const& opt) {
-  ::k3::detail::require(!opt.cu_seqlens.present(), "option 'cu_seqlens': not used by the decode step (one token per sequence)");
+  ::k3::detail::require(!opt.cu_seqlens.present(), error_kind::value, "option 'cu_seqlens': not used by the decode step (one token per sequence)");
   check_view("q", a.q);
   check_view("v", a.v);
   problem p;
@@ -400,14 +405,14 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
   p.K = a.q.extent(2);
   p.HV = a.v.extent(1);
   p.V = a.v.extent(2);
-  ::k3::detail::require(p.H >= 1, [&] { return "argument 'q': expected at least one head, got shape " + ::k3::detail::shape_of(a.q); });
-  ::k3::detail::require(p.HV >= 1 && p.HV % p.H == 0, [&] {
+  ::k3::detail::require(p.H >= 1, error_kind::shape, [&] { return "argument 'q': expected at least one head, got shape " + ::k3::detail::shape_of(a.q); });
+  ::k3::detail::require(p.HV >= 1 && p.HV % p.H == 0, error_kind::shape, [&] {
     return "argument 'v': the number of value heads HV (" + std::to_string(p.HV) + ") must be a positive multiple of the q/k heads H (" +
            std::to_string(p.H) + ")";
   });
   p.G = p.HV / p.H;
   p.scale = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
-  ::k3::detail::require(std::isfinite(p.scale), [&] { return "option 'scale': must be finite, got " + fmt(p.scale); });
+  ::k3::detail::require(std::isfinite(p.scale), error_kind::value, [&] { return "option 'scale': must be finite, got " + fmt(p.scale); });
   // The step is exact for any gate, so g is not checked against the bound; an out-of-range
   // bound is still a bad option (as for forward and backward), not silently ignored.
   checked_lower_bound(opt);
@@ -422,7 +427,7 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
   check_shape("state_pool", a.state_pool, {::k3::detail::any_extent, HV, K, V});
   check_inner_contiguous("state_pool", a.state_pool);
   bool const has32 = present(a.slots32), has64 = present(a.slots64);
-  ::k3::detail::require(has32 != has64 || (N == 0 && !has32),
+  ::k3::detail::require(has32 != has64 || (N == 0 && !has32), error_kind::value,
                         "argument 'slots': give exactly one of slots32 (int32) or slots64 (int64)");
   if (has32) check_shape("slots", a.slots32, {N});
   if (has64) check_shape("slots", a.slots64, {N});
@@ -431,11 +436,11 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
   for (index_t n = 0; n < N; ++n) {
     index_t s = has32 ? index_t(a.slots32(n)) : index_t(a.slots64(n));
     if (s < 0) continue;  // padding: skipped by decode
-    ::k3::detail::require(s < P, [&] {
+    ::k3::detail::require(s < P, error_kind::value, [&] {
       return "argument 'slots': slot " + std::to_string(s) + " at index " + std::to_string(n) + " is out of range for a pool of " +
              std::to_string(P) + " states";
     });
-    ::k3::detail::require(!used[std::size_t(s)], [&] {
+    ::k3::detail::require(!used[std::size_t(s)], error_kind::value, [&] {
       return "argument 'slots': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
     });
     used[std::size_t(s)] = 1;
@@ -461,6 +466,23 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
 
 }  // namespace detail
 
+namespace detail {
+// What algorithm::automatic stands for on the host backends (see algorithm).
+inline algorithm host_form(options const& opt, bool saved, bool backward_pass) noexcept {
+  if (opt.mode != algorithm::automatic) return opt.mode;
+  return saved || backward_pass ? algorithm::chunk : algorithm::recurrent;
+}
+}  // namespace detail
+
+// The form a call of forward (or backward) with these arguments and options runs: options::mode,
+// or what algorithm::automatic resolves to. Any args type with `saved`; `Backend` is a host
+// backend (every host backend resolves the same way).
+template <class Backend, class Args>
+algorithm chosen_form(Backend const&, Args const& a, options const& opt = {}) noexcept {
+  constexpr bool backward_pass = requires { a.d_o; };
+  return detail::host_form(opt, present(a.saved), backward_pass);
+}
+
 // Shape of forward_args::saved / backward_args::saved for these arguments and options:
 // {HV, number of 64-token chunks over all sequences, floats per chunk record}. Any args type
 // with q and v (forward_args or backward_args).
@@ -469,6 +491,17 @@ std::array<index_t, 3> saved_shape(Args const& a, options const& opt = {}) {
   using In = typename decltype(a.q)::value_type;
   detail::problem const p = detail::make_problem<In>(a.q, a.v, opt);
   return {p.HV, p.total_chunks(), detail::saved_layout{p.K, p.V}.per()};
+}
+
+// Shape of forward_args::ht (and h0, dht, backward_args::dh0) for these arguments and options:
+// {N sequences (B, or the count cu_seqlens gives), HV, K, V}. Checks q, v and cu_seqlens first,
+// so a caller can size its outputs before it has them. Any args type with q and v.
+template <class Args>
+std::array<index_t, 4> state_shape(Args const& a, options const& opt = {}) {
+  using In = typename decltype(a.q)::value_type;
+  ::k3::detail::check_shape("v", a.v, {a.q.extent(0), a.q.extent(1), ::k3::detail::any_extent, ::k3::detail::any_extent});
+  detail::problem const p = detail::make_problem<In>(a.q, a.v, opt);
+  return {p.N, p.HV, p.K, p.V};
 }
 
 }  // namespace k3::kda

@@ -105,7 +105,7 @@ template <class Score>
 void route_launch(route_args const& a, CUstream_st* stream) {
   static_assert(std::is_same_v<Score, float>, "the CUDA router reads float32 scores");
   auto need = [](bool ok, char const* msg) {
-    if (!ok) throw k3::error(msg);
+    if (!ok) throw k3::error(error_kind::value, msg);
   };
   need(a.m > 0, "cuda route: argument 'scores': zero tokens");
   need(a.k >= 1 && a.k < a.n, "cuda route: argument 'k': need 1 <= k < n");

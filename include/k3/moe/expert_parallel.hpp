@@ -38,10 +38,10 @@ class moonep_buffers {
  public:
   moonep_buffers(int ranks, index_t tokens_per_rank, index_t k, index_t experts, index_t latent, index_t intermediate)
       : R(ranks), S(tokens_per_rank), K(k), E(experts), l(latent), f(intermediate) {
-    ::k3::detail::require(R >= 1 && E >= R && E % R == 0, [&] {
+    ::k3::detail::require(R >= 1 && E >= R && E % R == 0, error_kind::shape, [&] {
       return "moonep_buffers: experts (" + std::to_string(E) + ") must be a positive multiple of ranks (" + std::to_string(R) + ")";
     });
-    ::k3::detail::require(S >= 0 && K >= 1 && K <= E && l >= 1 && f >= 1, "moonep_buffers: expected S >= 0, 1 <= k <= experts, l >= 1, f >= 1");
+    ::k3::detail::require(S >= 0 && K >= 1 && K <= E && l >= 1 && f >= 1, error_kind::value, "moonep_buffers: expected S >= 0, 1 <= k <= experts, l >= 1, f >= 1");
     std::size_t const pairs = static_cast<std::size_t>(S * K), all = pairs * static_cast<std::size_t>(R);
     index_t const per = E / R;
     send.resize(pairs * static_cast<std::size_t>(2 * l + 1));
@@ -123,7 +123,7 @@ void ep_layout(moonep_buffers<C>& B, int me) {
     for (index_t q = 0; q < pairs; ++q) {
       std::size_t const g = static_cast<std::size_t>(o * pairs + q);
       if (B.rank_of[g] == me) {
-        ::k3::detail::require(B.slot_of[g] >= 0 && B.slot_of[g] < pairs, "moonep: a slot outside S·K");
+        ::k3::detail::require(B.slot_of[g] >= 0 && B.slot_of[g] < pairs, error_kind::value, "moonep: a slot outside S·K");
         ++B.recv_count[static_cast<std::size_t>(o)];
         B.row_expert[static_cast<std::size_t>(B.slot_of[g])] = B.gidx[g];
       }
@@ -140,9 +140,9 @@ void ep_layout(moonep_buffers<C>& B, int me) {
     for (index_t q = 0; q < pairs; ++q) {
       std::size_t const g = static_cast<std::size_t>(o * pairs + q);
       if (B.rank_of[g] == me)
-        ::k3::detail::require(B.slot_of[g] == B.recv_off[static_cast<std::size_t>(o)] + seen++, "moonep: an origin's slots are not one block");
+        ::k3::detail::require(B.slot_of[g] == B.recv_off[static_cast<std::size_t>(o)] + seen++, error_kind::value, "moonep: an origin's slots are not one block");
     }
-  ::k3::detail::require(ro == pairs, [&] { return "moonep: rank " + std::to_string(me) + " received " + std::to_string(ro) + " pairs, the plan guarantees " + std::to_string(pairs); });
+  ::k3::detail::require(ro == pairs, error_kind::shape, [&] { return "moonep: rank " + std::to_string(me) + " received " + std::to_string(ro) + " pairs, the plan guarantees " + std::to_string(pairs); });
   std::vector<index_t> next(B.send_off);
   for (index_t q = 0; q < pairs; ++q) {
     std::size_t const d = static_cast<std::size_t>(B.rank_of[static_cast<std::size_t>(me * pairs + q)]);
@@ -369,16 +369,16 @@ void ep_experts_backward(Bk const& b, Comm const& comm, moonep_buffers<C>& B, la
 template <class T, class Comm>
 lm_dims ep_check(moonep_latent_moe_args<T, Comm> const& a, latent_moe_options const& o, lm_dims const& m) {
   auto const& B = *a.buffers;
-  ::k3::detail::require(B.R == a.comm->size(), [&] {
+  ::k3::detail::require(B.R == a.comm->size(), error_kind::shape, [&] {
     return "argument 'buffers': made for " + std::to_string(B.R) + " ranks, the communicator has " + std::to_string(a.comm->size());
   });
-  ::k3::detail::require(B.S == m.T && B.K == o.k && B.E == m.n && B.l == m.l && B.f == m.f, [&] {
+  ::k3::detail::require(B.S == m.T && B.K == o.k && B.E == m.n && B.l == m.l && B.f == m.f, error_kind::value, [&] {
     return "argument 'buffers': made for S = " + std::to_string(B.S) + ", k = " + std::to_string(B.K) + ", experts = " + std::to_string(B.E) +
            ", l = " + std::to_string(B.l) + ", f = " + std::to_string(B.f) + "; the layer has S = " + std::to_string(m.T) + ", k = " +
            std::to_string(o.k) + ", experts = " + std::to_string(m.n) + ", l = " + std::to_string(m.l) + ", f = " + std::to_string(m.f);
   });
   for (auto const* v : {&a.layer.we_gate, &a.layer.we_up, &a.layer.we_down})
-    ::k3::detail::require(v->is_contiguous(), "arguments 'we_gate', 'we_up', 'we_down': expert-parallel weights must be contiguous (they travel as replicas)");
+    ::k3::detail::require(v->is_contiguous(), error_kind::shape, "arguments 'we_gate', 'we_up', 'we_down': expert-parallel weights must be contiguous (they travel as replicas)");
   return m;
 }
 
@@ -394,7 +394,7 @@ void ep_agree(Comm const& comm, F&& checks) {
   }
   std::int64_t bad = err.empty() ? 0 : 1;
   comm.all_reduce_sum(tensor_view<std::int64_t, 1>(&bad, {1}));
-  if (bad) throw k3::error(err.empty() ? "moonep_latent_moe: another rank's arguments were rejected" : err);
+  if (bad) throw k3::error(error_kind::value, err.empty() ? "moonep_latent_moe: another rank's arguments were rejected" : err);
 }
 
 }  // namespace detail
@@ -405,8 +405,8 @@ template <HostBackend Bk, class T, NonBlockingCommunicator Comm>
 void moonep_latent_moe_forward(Bk const& b, moonep_latent_moe_args<T, Comm> const& a, latent_moe_options const& o = {}) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "moonep_latent_moe: storage must be float or double");
   using C = detail::lm_compute_t<T>;
-  ::k3::detail::require(a.comm != nullptr && a.buffers != nullptr, "arguments 'comm', 'buffers': required");
-  ::k3::detail::require(a.comm->size() >= 1 && a.layer.w_router.extent(0) % a.comm->size() == 0, [&] {
+  ::k3::detail::require(a.comm != nullptr && a.buffers != nullptr, error_kind::value, "arguments 'comm', 'buffers': required");
+  ::k3::detail::require(a.comm->size() >= 1 && a.layer.w_router.extent(0) % a.comm->size() == 0, error_kind::shape, [&] {
     return "argument 'w_router': experts (" + std::to_string(a.layer.w_router.extent(0)) + ") must be a multiple of ranks (" +
            std::to_string(a.comm->size()) + ")";
   });
@@ -428,10 +428,10 @@ void moonep_latent_moe_backward(Bk const& b, moonep_latent_moe_args<T, Comm> con
                                 latent_moe_options const& o = {}) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "moonep_latent_moe: storage must be float or double");
   using C = detail::lm_compute_t<T>;
-  ::k3::detail::require(a.comm != nullptr && a.buffers != nullptr, "arguments 'comm', 'buffers': required");
+  ::k3::detail::require(a.comm != nullptr && a.buffers != nullptr, error_kind::value, "arguments 'comm', 'buffers': required");
   detail::lm_dims m{};
   detail::ep_agree(*a.comm, [&] {
-    ::k3::detail::require(a.layer.saved != nullptr && a.layer.saved->filled(),
+    ::k3::detail::require(a.layer.saved != nullptr && a.layer.saved->filled(), error_kind::value,
                           "argument 'saved': the expert-parallel backward needs the state its forward saved");
     latent_moe_args<T> checked = a.layer;
     checked.y = {};
@@ -456,7 +456,7 @@ void moonep_latent_moe_backward(Bk const& b, moonep_latent_moe_args<T, Comm> con
     detail::lm_check_out("dws_down", g.dws_down, {m.s, m.d, m.F});
     detail::lm_dims const& sm = a.layer.saved->state.m;
     ::k3::detail::require(sm.T == m.T && sm.d == m.d && sm.n == m.n && sm.l == m.l && sm.f == m.f && sm.s == m.s && sm.F == m.F &&
-                              detail::lm_same_options<C>(a.layer.saved->state.o, o),
+                              detail::lm_same_options<C>(a.layer.saved->state.o, o), error_kind::shape,
                           "argument 'saved': filled by a forward with other shapes or options");
   });
   detail::lm_state<C> const& st = a.layer.saved->state;

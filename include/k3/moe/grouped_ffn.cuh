@@ -283,7 +283,7 @@ void gf_group_device(Bk const& b, gf_dview<std::int64_t const> idx, index_t n, g
     std::int64_t e = 0;
     b.copy(tensor_view<std::int64_t const, 1, cuda_device_space>(idx.data_handle() + t * idx.stride(0) + j * idx.stride(1), {1}),
            tensor_view<std::int64_t, 1>(&e, {1}));
-    throw ::k3::error(gf_bad_index(t, j, e, n));
+    throw ::k3::error(error_kind::value, gf_bad_index(t, j, e, n));
   }
   std::vector<index_t> ho(static_cast<std::size_t>(n + 1), 0), ht;
   for (index_t e = 0; e < n; ++e) {

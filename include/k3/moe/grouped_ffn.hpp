@@ -111,16 +111,16 @@ gf_dims check_grouped_ffn(grouped_ffn_args<T, Space> const& a, grouped_ffn_optio
   kd::check_shape("w_gate", a.w_gate, {m.n, m.f, m.l});
   kd::check_shape("w_up", a.w_up, {m.n, m.f, m.l});
   kd::check_shape("w_down", a.w_down, {m.n, m.l, m.f});
-  kd::require(std::isfinite(o.beta_gate) && o.beta_gate > 0, [&] {
+  kd::require(std::isfinite(o.beta_gate) && o.beta_gate > 0, error_kind::value, [&] {
     return "option 'beta_gate': expected a finite value > 0, got " + kd::format_number(o.beta_gate);
   });
-  kd::require(std::isfinite(o.beta_up) && o.beta_up > 0, [&] {
+  kd::require(std::isfinite(o.beta_up) && o.beta_up > 0, error_kind::value, [&] {
     return "option 'beta_up': expected a finite value > 0, got " + kd::format_number(o.beta_up);
   });
   if (backward) {
-    kd::require(m.T == 0 || (gf_present(a.h_gate) && gf_present(a.h_up)), "arguments 'h_gate', 'h_up': the backward reads the pre-activations the forward wrote");
+    kd::require(m.T == 0 || (gf_present(a.h_gate) && gf_present(a.h_up)), error_kind::value, "arguments 'h_gate', 'h_up': the backward reads the pre-activations the forward wrote");
   } else {
-    kd::require(m.T == 0 || gf_present(a.u), "argument 'u': the forward's output is required");
+    kd::require(m.T == 0 || gf_present(a.u), error_kind::value, "argument 'u': the forward's output is required");
     kd::check_view("u", a.u);
     if (gf_present(a.u)) kd::check_shape("u", a.u, {m.T, m.l});
   }

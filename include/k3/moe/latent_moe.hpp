@@ -151,13 +151,13 @@ template <class V>
 void lm_check_finite_slow(char const* name, V const& v) {
   if constexpr (V::rank() == 1) {
     for (index_t i = 0; i < v.extent(0); ++i)
-      ::k3::detail::require(std::isfinite(load_as<double>(v(i))), [&] {
+      ::k3::detail::require(std::isfinite(load_as<double>(v(i))), error_kind::value, [&] {
         return std::string("argument '") + name + "': non-finite value at [" + std::to_string(i) + "]";
       });
   } else if constexpr (V::rank() == 2) {
     for (index_t i = 0; i < v.extent(0); ++i)
       for (index_t j = 0; j < v.extent(1); ++j)
-        ::k3::detail::require(std::isfinite(load_as<double>(v(i, j))), [&] {
+        ::k3::detail::require(std::isfinite(load_as<double>(v(i, j))), error_kind::value, [&] {
           return std::string("argument '") + name + "': non-finite value at [" + std::to_string(i) + ", " + std::to_string(j) + "]" +
                  (std::string(name) == "x" || std::string(name) == "dy" ? " (token " + std::to_string(i) + ")" : "");
         });
@@ -165,7 +165,7 @@ void lm_check_finite_slow(char const* name, V const& v) {
     for (index_t e = 0; e < v.extent(0); ++e)
       for (index_t i = 0; i < v.extent(1); ++i)
         for (index_t j = 0; j < v.extent(2); ++j)
-          ::k3::detail::require(std::isfinite(load_as<double>(v(e, i, j))), [&] {
+          ::k3::detail::require(std::isfinite(load_as<double>(v(e, i, j))), error_kind::value, [&] {
             return std::string("argument '") + name + "': non-finite value at [" + std::to_string(e) + ", " + std::to_string(i) + ", " +
                    std::to_string(j) + "]";
           });
@@ -279,7 +279,7 @@ lm_dims check_latent_moe(Bk const& b, latent_moe_args<T> const& a, latent_moe_op
   if (lm_present(a.bias)) ::k3::detail::check_shape("bias", a.bias, {m.n});
   if (lm_present(a.norm_weight)) ::k3::detail::check_shape("norm_weight", a.norm_weight, {m.l});
   bool const sg = lm_present(a.ws_gate), su = lm_present(a.ws_up), sd = lm_present(a.ws_down);
-  ::k3::detail::require(sg == su && su == sd, "arguments 'ws_gate', 'ws_up', 'ws_down': the shared experts need all three or none");
+  ::k3::detail::require(sg == su && su == sd, error_kind::value, "arguments 'ws_gate', 'ws_up', 'ws_down': the shared experts need all three or none");
   if (sg) {
     m.s = a.ws_gate.extent(0);
     m.F = a.ws_gate.extent(1);
@@ -287,12 +287,12 @@ lm_dims check_latent_moe(Bk const& b, latent_moe_args<T> const& a, latent_moe_op
     ::k3::detail::check_shape("ws_up", a.ws_up, {m.s, m.F, m.d});
     ::k3::detail::check_shape("ws_down", a.ws_down, {m.s, m.d, m.F});
   }
-  ::k3::detail::require(o.k >= 1 && o.k <= m.n, [&] {
+  ::k3::detail::require(o.k >= 1 && o.k <= m.n, error_kind::value, [&] {
     return "option 'k': expected 1 <= k <= n = " + std::to_string(m.n) + " experts, got " + std::to_string(o.k);
   });
-  ::k3::detail::require(std::isfinite(o.scale), "option 'scale': must be finite");
-  ::k3::detail::require(std::isfinite(o.eps) && o.eps > 0, [&] { return "option 'eps': expected a finite value > 0, got " + ::k3::detail::format_number(o.eps); });
-  ::k3::detail::require(std::isfinite(o.beta_gate) && o.beta_gate > 0 && std::isfinite(o.beta_up) && o.beta_up > 0,
+  ::k3::detail::require(std::isfinite(o.scale), error_kind::value, "option 'scale': must be finite");
+  ::k3::detail::require(std::isfinite(o.eps) && o.eps > 0, error_kind::value, [&] { return "option 'eps': expected a finite value > 0, got " + ::k3::detail::format_number(o.eps); });
+  ::k3::detail::require(std::isfinite(o.beta_gate) && o.beta_gate > 0 && std::isfinite(o.beta_up) && o.beta_up > 0, error_kind::value,
                         "options 'beta_gate', 'beta_up': expected finite values > 0");
   lm_check_out("y", a.y, {m.T, m.d});
   lm_check_out("indices", a.indices, {m.T, o.k});
@@ -471,7 +471,7 @@ template <class T>
     auto const m = v.slice(0, e);
     for (index_t i = 0; i < m.extent(0); ++i)
       for (index_t j = 0; j < m.extent(1); ++j)
-        ::k3::detail::require(std::isfinite(load_as<double>(m(i, j))), [&] {
+        ::k3::detail::require(std::isfinite(load_as<double>(m(i, j))), error_kind::value, [&] {
           return std::string("argument '") + name + "': non-finite value at [" + std::to_string(e) + ", " + std::to_string(i) + ", " +
                  std::to_string(j) + "]";
         });
@@ -479,7 +479,7 @@ template <class T>
   one("we_gate", a.we_gate);
   one("we_up", a.we_up);
   one("we_down", a.we_down);
-  throw k3::error("latent_moe: expert " + std::to_string(e) + " overflowed (its pre-activations or outputs are not finite for finite inputs)");
+  throw k3::error(error_kind::value, "latent_moe: expert " + std::to_string(e) + " overflowed (its pre-activations or outputs are not finite for finite inputs)");
 }
 
 // The experts of the single-process layer: slots grouped by expert (each expert's in token
@@ -862,7 +862,7 @@ void latent_moe_backward(Bk const& b, latent_moe_args<T> const& a, latent_moe_gr
     detail::lm_state<C> const& st = a.saved->state;
     detail::lm_dims const& sm = st.m;
     ::k3::detail::require(sm.T == m.T && sm.d == m.d && sm.n == m.n && sm.l == m.l && sm.f == m.f && sm.s == m.s && sm.F == m.F &&
-                              detail::lm_same_options<C>(st.o, o),
+                              detail::lm_same_options<C>(st.o, o), error_kind::shape,
                           "argument 'saved': filled by a forward with other shapes or options (clear() it, or pass the forward's)");
     detail::lm_backward<C>(b, a, g, st, detail::lm_local_backward_fn(b, a, g));
   } else if (a.saved) {
@@ -892,7 +892,7 @@ inline gf_grouping gf_group(const_view<std::int64_t, 2> idx, index_t n) {
   for (index_t t = 0; t < T_; ++t)
     for (index_t j = 0; j < k; ++j) {
       std::int64_t const e = idx(t, j);
-      if (e < -1 || e >= n) throw ::k3::error(gf_bad_index(t, j, e, n));
+      if (e < -1 || e >= n) throw ::k3::error(error_kind::value, gf_bad_index(t, j, e, n));
       if (e >= 0) ++g.offs[static_cast<std::size_t>(e + 1)];
     }
   for (index_t e = 0; e < n; ++e) g.offs[static_cast<std::size_t>(e + 1)] += g.offs[static_cast<std::size_t>(e)];

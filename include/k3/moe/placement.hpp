@@ -88,29 +88,29 @@ inline eplb_plan eplb_rebalance(const_view<double, 2> load, index_t physical, in
   using ::k3::detail::require;
   index_t const L = load.extent(0), E = load.extent(1);
   ::k3::detail::check_view("load", load);
-  require(L >= 1 && E >= 1, [&] { return "argument 'load': expected shape [layers >= 1, experts >= 1], got " + ::k3::detail::shape_of(load); });
+  require(L >= 1 && E >= 1, error_kind::shape, [&] { return "argument 'load': expected shape [layers >= 1, experts >= 1], got " + ::k3::detail::shape_of(load); });
   // The packing sorts by load: a NaN breaks the ordering the sort relies on, and a negative
   // or infinite load has no meaning as a token count.
   for (index_t l = 0; l < L; ++l)
     for (index_t e = 0; e < E; ++e)
-      require(std::isfinite(load(l, e)) && load(l, e) >= 0, [&] {
+      require(std::isfinite(load(l, e)) && load(l, e) >= 0, error_kind::value, [&] {
         return "argument 'load': expected finite values >= 0, got " + std::to_string(load(l, e)) + " at layer " + std::to_string(l) +
                ", expert " + std::to_string(e);
       });
-  require(groups >= 1 && nodes >= 1 && gpus >= 1, [&] {
+  require(groups >= 1 && nodes >= 1 && gpus >= 1, error_kind::value, [&] {
     return "eplb: arguments 'groups', 'nodes' and 'gpus' must be >= 1, got groups = " + std::to_string(groups) + ", nodes = " +
            std::to_string(nodes) + ", gpus = " + std::to_string(gpus);
   });
-  require(physical >= E && physical % gpus == 0, [&] {
+  require(physical >= E && physical % gpus == 0, error_kind::shape, [&] {
     return "argument 'physical': need physical >= experts (" + std::to_string(E) + ") and a multiple of gpus (" + std::to_string(gpus) +
            "), got " + std::to_string(physical);
   });
-  require(gpus % nodes == 0, [&] {
+  require(gpus % nodes == 0, error_kind::shape, [&] {
     return "eplb: argument 'gpus' (" + std::to_string(gpus) + ") must be a multiple of 'nodes' (" + std::to_string(nodes) + ")";
   });
   if (groups % nodes != 0) groups = nodes = 1;
-  require(E % groups == 0, [&] { return "eplb: experts (" + std::to_string(E) + ") must be a multiple of groups (" + std::to_string(groups) + ")"; });
-  require(physical % nodes == 0 && physical / nodes >= E / nodes, [&] {
+  require(E % groups == 0, error_kind::shape, [&] { return "eplb: experts (" + std::to_string(E) + ") must be a multiple of groups (" + std::to_string(groups) + ")"; });
+  require(physical % nodes == 0 && physical / nodes >= E / nodes, error_kind::shape, [&] {
     return "eplb: argument 'physical' (" + std::to_string(physical) + ") must be a multiple of nodes (" + std::to_string(nodes) +
            ") with at least experts / nodes (" + std::to_string(E / nodes) + ") slots per node";
   });
@@ -229,15 +229,15 @@ inline moonep_plan moonep_rebalance(const_view<std::int64_t, 1> counts, index_t 
   using ::k3::detail::require;
   ::k3::detail::check_view("counts", counts);
   index_t const E = counts.extent(0);
-  require(ranks >= 1 && E >= ranks && E % ranks == 0, [&] {
+  require(ranks >= 1 && E >= ranks && E % ranks == 0, error_kind::shape, [&] {
     return "argument 'ranks': experts (" + std::to_string(E) + ") must be a positive multiple of ranks (" + std::to_string(ranks) + ")";
   });
   std::int64_t total = 0;
   for (index_t e = 0; e < E; ++e) {
-    require(counts(e) >= 0, [&] { return "argument 'counts': negative count at expert " + std::to_string(e); });
+    require(counts(e) >= 0, error_kind::value, [&] { return "argument 'counts': negative count at expert " + std::to_string(e); });
     total += counts(e);
   }
-  require(total % ranks == 0, [&] {
+  require(total % ranks == 0, error_kind::shape, [&] {
     return "argument 'counts': total pairs " + std::to_string(total) + " is not a multiple of ranks " + std::to_string(ranks) +
            " (every rank holds S*K)";
   });
@@ -340,13 +340,13 @@ inline void moonep_dispatch(const_view<std::int32_t, 2> indices, moonep_plan con
         f("slot_of", slot_of);
       },
       [&](auto&& f) { f("indices", indices); });
-  ::k3::detail::require(p.ranks >= 1 && p.experts >= p.ranks && p.experts % p.ranks == 0, [&] {
+  ::k3::detail::require(p.ranks >= 1 && p.experts >= p.ranks && p.experts % p.ranks == 0, error_kind::shape, [&] {
     return "argument 'plan': experts (" + std::to_string(p.experts) + ") must be a positive multiple of ranks (" +
            std::to_string(p.ranks) + ")";
   });
   std::vector<std::vector<moonep_assignment>> parts(static_cast<std::size_t>(p.experts));
   for (auto const& a : p.parts) {
-    ::k3::detail::require(a.expert >= 0 && a.expert < p.experts && a.rank >= 0 && a.rank < p.ranks && a.count >= 0, [&] {
+    ::k3::detail::require(a.expert >= 0 && a.expert < p.experts && a.rank >= 0 && a.rank < p.ranks && a.count >= 0, error_kind::shape, [&] {
       return "argument 'plan': part (expert " + std::to_string(a.expert) + ", rank " + std::to_string(a.rank) + ", count " +
              std::to_string(a.count) + ") outside experts [0, " + std::to_string(p.experts) + "), ranks [0, " + std::to_string(p.ranks) +
              "), count >= 0";
@@ -362,13 +362,13 @@ inline void moonep_dispatch(const_view<std::int32_t, 2> indices, moonep_plan con
         rank_of(t, r) = slot_of(t, r) = -1;
         continue;
       }
-      ::k3::detail::require(e < p.experts, [&] {
+      ::k3::detail::require(e < p.experts, error_kind::value, [&] {
         return "argument 'indices': expert id " + std::to_string(e) + " at (" + std::to_string(t) + ", " + std::to_string(r) +
                ") outside the plan's experts [0, " + std::to_string(p.experts) + ")";
       });
       auto& ps = parts[e];
       while (cur[e] < ps.size() && used[e] == ps[cur[e]].count) ++cur[e], used[e] = 0;
-      ::k3::detail::require(cur[e] < ps.size(), [&] {
+      ::k3::detail::require(cur[e] < ps.size(), error_kind::value, [&] {
         return "moonep_dispatch: expert " + std::to_string(e) + " has more routed pairs than the plan places";
       });
       ++used[e];

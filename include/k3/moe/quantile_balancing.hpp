@@ -50,17 +50,17 @@ class qb_histogram {
  public:
   qb_histogram() = default;
   qb_histogram(index_t experts, index_t bins, float lo, float hi) : n_(experts), bins_(bins), lo_(lo), hi_(hi) {
-    detail::require(experts >= 1, [&] { return "qb_histogram: argument 'experts' must be >= 1, got " + std::to_string(experts); });
-    detail::require(bins >= 1 && bins <= (index_t(1) << 24), [&] {
+    detail::require(experts >= 1, error_kind::value, [&] { return "qb_histogram: argument 'experts' must be >= 1, got " + std::to_string(experts); });
+    detail::require(bins >= 1 && bins <= (index_t(1) << 24), error_kind::value, [&] {
       return "qb_histogram: argument 'bins' must be in [1, 2^24], got " + std::to_string(bins);
     });
-    detail::require(std::isfinite(lo) && std::isfinite(hi) && hi > lo, [&] {
+    detail::require(std::isfinite(lo) && std::isfinite(hi) && hi > lo, error_kind::value, [&] {
       return "qb_histogram: need finite bounds lo < hi, got [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
     });
     inv_w_ = float(bins) / (hi - lo);
     // hi - lo can overflow to inf (inverse 0: every margin in bin 0) or be so small that the
     // inverse is inf (0 * inf = NaN bin indices): neither gives a usable histogram.
-    detail::require(std::isfinite(inv_w_) && inv_w_ > 0.f, [&] {
+    detail::require(std::isfinite(inv_w_) && inv_w_ > 0.f, error_kind::value, [&] {
       return "qb_histogram: " + std::to_string(bins) + " bins over [" + std::to_string(lo) + ", " + std::to_string(hi) +
              "] give a bin width whose inverse is not a finite positive float";
     });
@@ -72,10 +72,10 @@ class qb_histogram {
   // every margin when scores lie in (0, 1). Build it from the bias USED for routing.
   static qb_histogram for_bias(const_view<float, 1> bias, index_t bins = 1000) {
     ::k3::detail::check_view("bias", bias);
-    detail::require(bias.extent(0) >= 1, "qb_histogram::for_bias: argument 'bias' is empty");
+    detail::require(bias.extent(0) >= 1, error_kind::value, "qb_histogram::for_bias: argument 'bias' is empty");
     float lo = bias(0), hi = bias(0);
     for (index_t j = 0; j < bias.extent(0); ++j) {
-      detail::require(std::isfinite(bias(j)), [&] { return "argument 'bias': non-finite value at expert " + std::to_string(j); });
+      detail::require(std::isfinite(bias(j)), error_kind::value, [&] { return "argument 'bias': non-finite value at expert " + std::to_string(j); });
       lo = std::min(lo, bias(j));
       hi = std::max(hi, bias(j));
     }
@@ -144,7 +144,7 @@ class qb_histogram {
   }
   // Adds another partial histogram (another micro-batch or shard) built with the same bounds.
   void merge(qb_histogram const& o) {
-    detail::require(same_geometry(o), [&] {
+    detail::require(same_geometry(o), error_kind::value, [&] {
       return "qb_histogram::merge: geometry differs (experts " + std::to_string(n_) + " vs " + std::to_string(o.n_) + ", bins " +
              std::to_string(bins_) + " vs " + std::to_string(o.bins_) + ", bounds must be identical)";
     });
@@ -175,10 +175,10 @@ inline void check_qb_inputs(const_view<float, 2> scores, const_view<float, 1> cu
                             router_options const& opt) {
   ::k3::detail::check_view("scores", scores);
   index_t const m = scores.extent(0), n = scores.extent(1);
-  ::k3::detail::require(opt.k >= 1 && opt.k < n, [&] {
+  ::k3::detail::require(opt.k >= 1 && opt.k < n, error_kind::value, [&] {
     return "argument 'k': need 1 <= k < n, got k = " + std::to_string(opt.k) + ", n = " + std::to_string(n);
   });
-  ::k3::detail::require(opt.n_groups == 1, [&] { return detail::qb_groups_message(opt.n_groups); });
+  ::k3::detail::require(opt.n_groups == 1, error_kind::value, [&] { return detail::qb_groups_message(opt.n_groups); });
   ::k3::detail::check_view("cutoff", cutoff);
   ::k3::detail::check_shape("cutoff", cutoff, {m});
   if (!mask.empty()) {
@@ -189,9 +189,9 @@ inline void check_qb_inputs(const_view<float, 2> scores, const_view<float, 1> cu
   // nth_element relies on: reject non-finite values of the real (non-padding) tokens.
   for (index_t i = 0; i < m; ++i) {
     if (!mask.empty() && mask(i) == 0) continue;
-    ::k3::detail::require(std::isfinite(cutoff(i)), [&] { return "argument 'cutoff': non-finite value at token " + std::to_string(i); });
+    ::k3::detail::require(std::isfinite(cutoff(i)), error_kind::value, [&] { return "argument 'cutoff': non-finite value at token " + std::to_string(i); });
     for (index_t j = 0; j < n; ++j)
-      ::k3::detail::require(std::isfinite(scores(i, j)), [&] { return nonfinite_message(i, j, opt.input); });
+      ::k3::detail::require(std::isfinite(scores(i, j)), error_kind::value, [&] { return nonfinite_message(i, j, opt.input); });
   }
 }
 
@@ -212,7 +212,7 @@ inline void finish_bias(std::vector<double>& b_new, tensor_view<float, 1> bias, 
 }
 
 inline void check_ema(double ema) {
-  ::k3::detail::require(ema >= 0 && ema < 1, [&] { return "argument 'ema': need 0 <= ema < 1, got " + std::to_string(ema); });
+  ::k3::detail::require(ema >= 0 && ema < 1, error_kind::value, [&] { return "argument 'ema': need 0 <= ema < 1, got " + std::to_string(ema); });
 }
 
 }  // namespace detail
@@ -223,7 +223,7 @@ inline void qb_accumulate(const_view<float, 2> scores, const_view<float, 1> cuto
                           router_options const& opt, const_view<std::uint8_t, 1> mask = {}) {
   detail::check_qb_inputs(scores, cutoff, mask, opt);
   index_t const m = scores.extent(0), n = scores.extent(1);
-  detail::require(hist.experts() == n, [&] {
+  detail::require(hist.experts() == n, error_kind::value, [&] {
     return "argument 'hist': built for " + std::to_string(hist.experts()) + " experts, scores have " + std::to_string(n);
   });
   auto const bins = static_cast<std::int32_t>(hist.bins());
@@ -242,7 +242,7 @@ inline void qb_accumulate(const_view<float, 2> scores, const_view<float, 1> cuto
 // Returns false (and leaves `out` alone) when the histogram is empty.
 inline bool qb_histogram_quantile(qb_histogram const& hist, index_t k, std::vector<double>& out) {
   index_t const n = hist.experts(), B = hist.bins();
-  detail::require(k >= 1 && k < n, [&] { return "argument 'k': need 1 <= k < n = " + std::to_string(n) + ", got " + std::to_string(k); });
+  detail::require(k >= 1 && k < n, error_kind::value, [&] { return "argument 'k': need 1 <= k < n = " + std::to_string(n) + ", got " + std::to_string(k); });
   std::int64_t const m = hist.tokens();
   if (m == 0) return false;
   double const q = double(m) * double(k) / double(n);
@@ -337,14 +337,14 @@ inline void qb_offline_solve(const_view<float, 2> scores, router_options const& 
                              const_view<std::uint8_t, 1> mask = {}, qb_cut cut = qb_cut::midpoint) {
   ::k3::detail::check_view("scores", scores);
   index_t const m = scores.extent(0), n = scores.extent(1);
-  detail::require(m > 0, "argument 'scores': zero tokens");
-  detail::require(opt.k >= 1 && opt.k < n, [&] {
+  detail::require(m > 0, error_kind::value, "argument 'scores': zero tokens");
+  detail::require(opt.k >= 1 && opt.k < n, error_kind::value, [&] {
     return "argument 'k': need 1 <= k < n, got k = " + std::to_string(opt.k) + ", n = " + std::to_string(n);
   });
-  detail::require(iterations >= 1, [&] { return "argument 'iterations': must be >= 1, got " + std::to_string(iterations); });
+  detail::require(iterations >= 1, error_kind::value, [&] { return "argument 'iterations': must be >= 1, got " + std::to_string(iterations); });
   // Like the per-step updates: the solver ranks all n experts per token, which group-limited
   // routing would not do, so its bias would not balance the routing it is used with.
-  detail::require(opt.n_groups == 1, [&] { return detail::qb_groups_message(opt.n_groups); });
+  detail::require(opt.n_groups == 1, error_kind::value, [&] { return detail::qb_groups_message(opt.n_groups); });
   ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {n});
   if (!mask.empty()) {
@@ -360,13 +360,13 @@ inline void qb_offline_solve(const_view<float, 2> scores, router_options const& 
   for (index_t i = 0; i < m; ++i)
     if (mask.empty() || mask(i) != 0) rows.push_back(i);
   index_t const mr = static_cast<index_t>(rows.size());
-  detail::require(mr > 0, "argument 'mask': every token is padding");
+  detail::require(mr > 0, error_kind::value, "argument 'mask': every token is padding");
   index_t const q = mr * opt.k / n;
   std::vector<double> s(static_cast<std::size_t>(mr * n));
   for (index_t t = 0; t < mr; ++t)
     for (index_t j = 0; j < n; ++j) {
       float x = scores(rows[static_cast<std::size_t>(t)], j);
-      detail::require(std::isfinite(x), [&] { return detail::nonfinite_message(rows[static_cast<std::size_t>(t)], j, opt.input); });
+      detail::require(std::isfinite(x), error_kind::value, [&] { return detail::nonfinite_message(rows[static_cast<std::size_t>(t)], j, opt.input); });
       s[static_cast<std::size_t>(t * n + j)] = detail::load_score(x, opt.input);
     }
   std::vector<double> alpha(static_cast<std::size_t>(mr)), beta(static_cast<std::size_t>(n), 0.0), buf;

@@ -56,21 +56,21 @@ struct route_outputs {
 // gives the allowed range and the value.
 inline void check_router_options(router_options const& opt, index_t n) {
   using ::k3::detail::require;
-  require(opt.k >= 1 && opt.k < n, [&] {
+  require(opt.k >= 1 && opt.k < n, error_kind::value, [&] {
     return "option 'k': must be in [1, n - 1] = [1, " + std::to_string(n - 1) + "] for n = " + std::to_string(n) +
            " experts (the cut-off is the (k+1)-th expert), got " + std::to_string(opt.k);
   });
-  require(std::isfinite(opt.routed_scale),
+  require(std::isfinite(opt.routed_scale), error_kind::value,
           [&] { return "option 'routed_scale': must be finite, got " + ::k3::detail::format_number(opt.routed_scale); });
-  require(opt.n_groups >= 1 && n % opt.n_groups == 0, [&] {
+  require(opt.n_groups >= 1 && n % opt.n_groups == 0, error_kind::value, [&] {
     return "option 'n_groups': must divide n = " + std::to_string(n) + ", got " + std::to_string(opt.n_groups);
   });
-  require(opt.topk_groups >= 1 && opt.topk_groups <= opt.n_groups, [&] {
+  require(opt.topk_groups >= 1 && opt.topk_groups <= opt.n_groups, error_kind::value, [&] {
     return "option 'topk_groups': must be in [1, option 'n_groups'] = [1, " + std::to_string(opt.n_groups) + "], got " +
            std::to_string(opt.topk_groups);
   });
   index_t const kept = opt.topk_groups * (n / opt.n_groups);
-  require(opt.n_groups == 1 || opt.k <= kept, [&] {
+  require(opt.n_groups == 1 || opt.k <= kept, error_kind::value, [&] {
     return "option 'k': must be at most " + std::to_string(kept) + ", the experts group-limited routing keeps (option 'topk_groups' = " +
            std::to_string(opt.topk_groups) + " of option 'n_groups' = " + std::to_string(opt.n_groups) + " groups of " +
            std::to_string(n / opt.n_groups) + "), got " + std::to_string(opt.k);
@@ -107,16 +107,16 @@ inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bia
   using ::k3::detail::require;
   ::k3::detail::check_view("scores", scores);
   index_t const m = scores.extent(0), n = scores.extent(1);
-  require(m > 0, [&] { return "argument 'scores': zero tokens (shape " + ::k3::detail::shape_of(scores) + "); need m >= 1"; });
-  require(n >= 2, [&] { return "argument 'scores': need at least 2 experts, got shape " + ::k3::detail::shape_of(scores); });
+  require(m > 0, error_kind::shape, [&] { return "argument 'scores': zero tokens (shape " + ::k3::detail::shape_of(scores) + "); need m >= 1"; });
+  require(n >= 2, error_kind::shape, [&] { return "argument 'scores': need at least 2 experts, got shape " + ::k3::detail::shape_of(scores); });
   ::k3::detail::check_inner_contiguous("scores", scores);
   check_router_options(opt, n);
   ::k3::detail::check_view("bias", bias);
-  require(bias.extent(0) == n, [&] {
+  require(bias.extent(0) == n, error_kind::shape, [&] {
     return "argument 'bias': expected shape [" + std::to_string(n) + "] (one entry per expert), got " + ::k3::detail::shape_of(bias);
   });
   for (index_t j = 0; j < n; ++j)
-    require(std::isfinite(bias(j)), [&] { return "argument 'bias': non-finite value at expert " + std::to_string(j); });
+    require(std::isfinite(bias(j)), error_kind::value, [&] { return "argument 'bias': non-finite value at expert " + std::to_string(j); });
   ::k3::detail::check_view("indices", out.indices);
   check_shape("indices", out.indices, {m, opt.k});
   ::k3::detail::check_view("weights", out.weights);
@@ -235,7 +235,7 @@ inline void route_serial(const_view<float, 2> scores, const_view<float, 1> bias,
   for (index_t i = 0; i < m; ++i) {
     for (index_t j = 0; j < n; ++j) {
       float x = scores(i, j);
-      if (!std::isfinite(x)) throw k3::error(detail::nonfinite_message(i, j, opt.input));
+      if (!std::isfinite(x)) throw k3::error(error_kind::value, detail::nonfinite_message(i, j, opt.input));
       s[j] = detail::load_score(x, opt.input);
     }
     if (!mask.empty() && mask(i) == 0) {

@@ -135,9 +135,9 @@ void check_ffn(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T
   ::k3::detail::check_view("b_down", w.b_down);
   // softcap(x, c) = c tanh(x / c) needs a finite positive cap (0 gives NaN, a negative cap
   // flips the sign of the activation).
-  require(std::isfinite(double(w.act.beta1)) && w.act.beta1 > T(0),
+  require(std::isfinite(double(w.act.beta1)) && w.act.beta1 > T(0), error_kind::value,
           [&] { return "argument 'beta1': the gate soft-cap must be finite and > 0, got " + std::to_string(double(w.act.beta1)); });
-  require(std::isfinite(double(w.act.beta2)) && w.act.beta2 > T(0),
+  require(std::isfinite(double(w.act.beta2)) && w.act.beta2 > T(0), error_kind::value,
           [&] { return "argument 'beta2': the linear soft-cap must be finite and > 0, got " + std::to_string(double(w.act.beta2)); });
   check_shape("idx", idx, {Tn, ::k3::detail::any_extent});
   check_shape("p", p, {Tn, K});
@@ -147,7 +147,7 @@ void check_ffn(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T
   if (!w.b_down.empty()) check_shape("b_down", w.b_down, {E, d});
   for (index_t t = 0; t < Tn; ++t)
     for (index_t r = 0; r < K; ++r)
-      require(idx(t, r) >= -1 && idx(t, r) < E, [&] {
+      require(idx(t, r) >= -1 && idx(t, r) < E, error_kind::value, [&] {
         return "argument 'idx': expert id " + std::to_string(idx(t, r)) + " at (" + std::to_string(t) + ", " + std::to_string(r) +
                ") outside [-1, " + std::to_string(E) + ")";
       });
@@ -337,7 +337,7 @@ template <class T>
 void expert_ffn_backward_naive(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p,
                                expert_ffn_weights<T> const& w, const_view<T, 3> h_gate, const_view<T, 3> h_up, const_view<T, 3> y,
                                const_view<T, 2> d_o, expert_ffn_grads<T>& g) {
-  ::k3::detail::require(!y.empty(), "argument 'y': the naive backward needs the stored expert outputs");
+  ::k3::detail::require(!y.empty(), error_kind::value, "argument 'y': the naive backward needs the stored expert outputs");
   detail::expert_ffn_backward_impl<T>(x, idx, p, w, h_gate, h_up, y, d_o, g);
 }
 

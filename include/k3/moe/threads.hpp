@@ -839,7 +839,7 @@ void route_threads_impl(cpu::threads<Arch> const& backend, const_view<float, 2> 
     for (std::int64_t p = 0; p < parts; ++p)
       if (bad_token[p] >= 0) i = std::min(i, bad_token[p]);
     for (index_t j = 0; j < n; ++j)
-      if (!std::isfinite(scores(i, j))) throw k3::error(nonfinite_message(i, j, opt.input));
+      if (!std::isfinite(scores(i, j))) throw k3::error(error_kind::value, nonfinite_message(i, j, opt.input));
   }
   if (!out.load.empty())
     for (index_t j = 0; j < n; ++j) {

@@ -74,13 +74,13 @@ tensor_view<E, 3, Space> ns_as_stack(tensor_view<E, Rank, Space> const& v) {
 }
 
 inline void check_newton_schulz_options(newton_schulz_options const& opt, index_t rows, std::string const& shape) {
-  ::k3::detail::require(opt.steps >= 1, [&] { return "option 'steps': expected >= 1, got " + std::to_string(opt.steps); });
-  ::k3::detail::require(opt.heads >= 1, [&] { return "option 'heads': expected >= 1, got " + std::to_string(opt.heads); });
-  ::k3::detail::require(rows % opt.heads == 0, [&] {
+  ::k3::detail::require(opt.steps >= 1, error_kind::value, [&] { return "option 'steps': expected >= 1, got " + std::to_string(opt.steps); });
+  ::k3::detail::require(opt.heads >= 1, error_kind::value, [&] { return "option 'heads': expected >= 1, got " + std::to_string(opt.heads); });
+  ::k3::detail::require(rows % opt.heads == 0, error_kind::shape, [&] {
     return "option 'heads': " + std::to_string(opt.heads) + " heads do not divide the A = " + std::to_string(rows) + " rows of g " + shape;
   });
-  ::k3::detail::require(std::isfinite(opt.eps) && opt.eps >= 0, [&] { return "option 'eps': expected a finite value >= 0, got " + ::k3::detail::format_number(opt.eps); });
-  ::k3::detail::require(std::isfinite(opt.a) && std::isfinite(opt.b) && std::isfinite(opt.c), "options 'a', 'b', 'c': the coefficients must be finite");
+  ::k3::detail::require(std::isfinite(opt.eps) && opt.eps >= 0, error_kind::value, [&] { return "option 'eps': expected a finite value >= 0, got " + ::k3::detail::format_number(opt.eps); });
+  ::k3::detail::require(std::isfinite(opt.a) && std::isfinite(opt.b) && std::isfinite(opt.c), error_kind::value, "options 'a', 'b', 'c': the coefficients must be finite");
 }
 
 
@@ -92,7 +92,7 @@ bool check_newton_schulz(newton_schulz_args<T, Rank, Space> const& args, newton_
   static_assert(ns_storage<std::remove_const_t<T>>, "newton_schulz: storage must be float, double or k3::bfloat16");
   ::k3::detail::check_view("g", args.g);
   ::k3::detail::check_view("o", args.o);
-  ::k3::detail::require(args.o.extents() == args.g.extents(), [&] {
+  ::k3::detail::require(args.o.extents() == args.g.extents(), error_kind::shape, [&] {
     return "argument 'o': expected the shape of g " + ::k3::detail::shape_of(args.g) + ", got " + ::k3::detail::shape_of(args.o);
   });
   ::k3::detail::check_not_broadcast("o", args.o);

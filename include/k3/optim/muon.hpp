@@ -97,7 +97,7 @@ void check_parameter(parameter<T> const& p, std::size_t i) {
     ::k3::detail::check_no_overlap(at + ".second_moment", p.second_moment, at + ".momentum", p.momentum);
     ::k3::detail::check_no_overlap(at + ".second_moment", p.second_moment, at + ".value", p.value);
   } else {
-    ::k3::detail::require(p.heads >= 1 && A % p.heads == 0, [&] {
+    ::k3::detail::require(p.heads >= 1 && A % p.heads == 0, error_kind::shape, [&] {
       return "argument '" + at + ".heads': " + std::to_string(p.heads) + " heads do not divide the A = " + std::to_string(A) + " rows of " +
              ::k3::detail::shape_of(p.value);
     });
@@ -106,13 +106,13 @@ void check_parameter(parameter<T> const& p, std::size_t i) {
 
 inline void check_step_options(step_options const& o) {
   auto finite = [](double x) { return std::isfinite(x); };
-  ::k3::detail::require(o.step >= 1, [&] { return "option 'step': expected >= 1 (1-based), got " + std::to_string(o.step); });
-  ::k3::detail::require(finite(o.muon.lr) && finite(o.muon.weight_decay) && finite(o.muon.momentum) && o.muon.momentum >= 0 && o.muon.momentum < 1,
+  ::k3::detail::require(o.step >= 1, error_kind::value, [&] { return "option 'step': expected >= 1 (1-based), got " + std::to_string(o.step); });
+  ::k3::detail::require(finite(o.muon.lr) && finite(o.muon.weight_decay) && finite(o.muon.momentum) && o.muon.momentum >= 0 && o.muon.momentum < 1, error_kind::value,
                         [&] { return "option 'muon': lr and weight_decay must be finite and momentum in [0, 1), got momentum " +
                                      ::k3::detail::format_number(o.muon.momentum); });
-  ::k3::detail::require(o.muon.steps >= 1, [&] { return "option 'muon.steps': expected >= 1, got " + std::to_string(o.muon.steps); });
+  ::k3::detail::require(o.muon.steps >= 1, error_kind::value, [&] { return "option 'muon.steps': expected >= 1, got " + std::to_string(o.muon.steps); });
   ::k3::detail::require(finite(o.adamw.lr) && finite(o.adamw.weight_decay) && o.adamw.beta1 >= 0 && o.adamw.beta1 < 1 && o.adamw.beta2 >= 0 &&
-                            o.adamw.beta2 < 1 && finite(o.adamw.eps) && o.adamw.eps >= 0,
+                            o.adamw.beta2 < 1 && finite(o.adamw.eps) && o.adamw.eps >= 0, error_kind::value,
                         "option 'adamw': lr, weight_decay and eps must be finite, eps >= 0 and beta1, beta2 in [0, 1)");
 }
 

@@ -62,8 +62,8 @@ struct p2p_plan {
 
 // Owners for the matrices, balanced by NS5 FLOPs (steps: Newton–Schulz steps).
 inline p2p_plan make_p2p_plan(std::span<matrix_shape const> shapes, int ranks, int steps = 5) {
-  ::k3::detail::require(ranks >= 1, [&] { return "argument 'ranks': expected >= 1, got " + std::to_string(ranks); });
-  ::k3::detail::require(steps >= 1, [&] { return "argument 'steps': expected >= 1, got " + std::to_string(steps); });
+  ::k3::detail::require(ranks >= 1, error_kind::value, [&] { return "argument 'ranks': expected >= 1, got " + std::to_string(ranks); });
+  ::k3::detail::require(steps >= 1, error_kind::value, [&] { return "argument 'steps': expected >= 1, got " + std::to_string(steps); });
   p2p_plan plan;
   plan.ranks = ranks;
   plan.owner.assign(shapes.size(), 0);
@@ -71,7 +71,7 @@ inline p2p_plan make_p2p_plan(std::span<matrix_shape const> shapes, int ranks, i
   std::vector<double> cost(shapes.size());
   for (std::size_t j = 0; j < shapes.size(); ++j) {
     matrix_shape const& s = shapes[j];
-    ::k3::detail::require(s.rows >= 0 && s.cols >= 0 && s.heads >= 1 && (s.heads == 0 || s.rows % s.heads == 0), [&] {
+    ::k3::detail::require(s.rows >= 0 && s.cols >= 0 && s.heads >= 1 && (s.heads == 0 || s.rows % s.heads == 0), error_kind::shape, [&] {
       return "argument 'shapes[" + std::to_string(j) + "]': [" + std::to_string(s.rows) + ", " + std::to_string(s.cols) + "] with " +
              std::to_string(s.heads) + " heads (heads must be >= 1 and divide the rows)";
     });
@@ -130,16 +130,6 @@ namespace detail {
 
 inline constexpr int p2p_shard_tag = 0x7100, p2p_result_tag = 0x7101;
 
-// Words on the wire: bfloat16 travels as its 16 bits.
-template <class T>
-using p2p_word_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, bfloat16>, std::uint16_t, std::remove_const_t<T>>;
-
-template <class T>
-auto p2p_wire(T* p, index_t n) {
-  using W = std::conditional_t<std::is_const_v<T>, p2p_word_t<T> const, p2p_word_t<T>>;
-  return tensor_view<W, 1>(reinterpret_cast<W*>(p), {n});
-}
-
 // f(r, shard) for every other rank r whose shard of an E-element matrix is not empty.
 template <class F>
 void p2p_for_peers(index_t E, int me, int N, F&& f) {
@@ -169,7 +159,7 @@ void p2p_agree(Comm const& comm, p2p_plan const& plan, std::span<matrix_shape co
   comm.all_reduce_sum(tensor_view<std::int64_t, 1>(sum, {1}));
   std::int64_t bad[1] = {sum[0] != mine * comm.size() ? 1 : 0};
   comm.all_reduce_sum(tensor_view<std::int64_t, 1>(bad, {1}));
-  ::k3::detail::require(bad[0] == 0, [&] {
+  ::k3::detail::require(bad[0] == 0, error_kind::value, [&] {
     return "p2p_newton_schulz: the ranks do not hold the same plan, shapes and element type (" + std::to_string(bad[0]) +
            " of " + std::to_string(comm.size()) + " ranks differ; this is rank " + std::to_string(comm.rank()) + ")";
   });
@@ -185,11 +175,11 @@ p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& 
   Comm const& comm = args.comm;
   int const me = comm.rank(), N = comm.size();
   std::size_t const n = args.shapes.size();
-  ::k3::detail::require(args.plan.ranks == N && args.plan.owner.size() == n, [&] {
+  ::k3::detail::require(args.plan.ranks == N && args.plan.owner.size() == n, error_kind::shape, [&] {
     return "argument 'plan': made for " + std::to_string(args.plan.ranks) + " ranks and " + std::to_string(args.plan.owner.size()) +
            " matrices, the job has " + std::to_string(N) + " ranks and " + std::to_string(n) + " matrices";
   });
-  ::k3::detail::require(args.g_shards.size() == n && args.o_shards.size() == n, [&] {
+  ::k3::detail::require(args.g_shards.size() == n && args.o_shards.size() == n, error_kind::shape, [&] {
     return "arguments 'g_shards', 'o_shards': expected " + std::to_string(n) + " shards each (one per matrix), got " +
            std::to_string(args.g_shards.size()) + " and " + std::to_string(args.o_shards.size());
   });
@@ -197,17 +187,17 @@ p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& 
   for (std::size_t j = 0; j < n; ++j) {
     matrix_shape const& s = args.shapes[j];
     std::string const at = "[" + std::to_string(j) + "]";
-    ::k3::detail::require(s.rows >= 0 && s.cols >= 0 && s.heads >= 1 && s.rows % s.heads == 0, [&] {
+    ::k3::detail::require(s.rows >= 0 && s.cols >= 0 && s.heads >= 1 && s.rows % s.heads == 0, error_kind::shape, [&] {
       return "argument 'shapes" + at + "': [" + std::to_string(s.rows) + ", " + std::to_string(s.cols) + "] with " + std::to_string(s.heads) +
              " heads (heads must be >= 1 and divide the rows)";
     });
-    ::k3::detail::require(args.plan.owner[j] >= 0 && args.plan.owner[j] < N, "argument 'plan': an owner is not a rank of this job");
+    ::k3::detail::require(args.plan.owner[j] >= 0 && args.plan.owner[j] < N, error_kind::value, "argument 'plan': an owner is not a rank of this job");
     index_t const want = shard_of(s.elements(), me, N).size();
     ::k3::detail::check_view("g_shards" + at, args.g_shards[j]);
     ::k3::detail::check_view("o_shards" + at, args.o_shards[j]);
     ::k3::detail::check_shape("g_shards" + at, args.g_shards[j], {want});
     ::k3::detail::check_shape("o_shards" + at, args.o_shards[j], {want});
-    ::k3::detail::require(args.g_shards[j].is_contiguous() && args.o_shards[j].is_contiguous(),
+    ::k3::detail::require(args.g_shards[j].is_contiguous() && args.o_shards[j].is_contiguous(), error_kind::shape,
                           [&] { return "arguments 'g_shards" + at + "', 'o_shards" + at + "': shards must be contiguous"; });
   }
   std::int64_t const word = static_cast<std::int64_t>(sizeof(S));
@@ -243,17 +233,17 @@ p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& 
       if (owner == me) {
         gather_own(j);
         detail::p2p_for_peers(E, me, N, [&](int r, shard_range sh) {
-          gathers[j].push_back(comm.irecv(detail::p2p_wire(whole[j].data() + sh.begin, sh.size()), r, detail::p2p_shard_tag));
+          gathers[j].push_back(comm.irecv(::k3::wire_view(whole[j].data() + sh.begin, sh.size()), r, detail::p2p_shard_tag));
           stats.recv_bytes += word * sh.size();
         });
       } else if (args.o_shards[j].size() > 0) {
-        pending.push_back(comm.irecv(detail::p2p_wire(args.o_shards[j].data_handle(), args.o_shards[j].size()), owner, detail::p2p_result_tag));
+        pending.push_back(comm.irecv(::k3::wire_view(args.o_shards[j].data_handle(), args.o_shards[j].size()), owner, detail::p2p_result_tag));
         stats.recv_bytes += word * args.o_shards[j].size();
       }
     }
     for (std::size_t j = 0; j < n; ++j)
       if (args.plan.owner[j] != me && args.g_shards[j].size() > 0) {
-        pending.push_back(comm.isend(detail::p2p_wire(args.g_shards[j].data_handle(), args.g_shards[j].size()), args.plan.owner[j],
+        pending.push_back(comm.isend(::k3::wire_view(args.g_shards[j].data_handle(), args.g_shards[j].size()), args.plan.owner[j],
                                      detail::p2p_shard_tag));
         stats.sent_bytes += word * args.g_shards[j].size();
       }
@@ -263,7 +253,7 @@ p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& 
       run_owned(j);
       index_t const E = args.shapes[j].elements();
       detail::p2p_for_peers(E, me, N, [&](int r, shard_range sh) {
-        pending.push_back(comm.isend(detail::p2p_wire(static_cast<S const*>(whole[j].data() + sh.begin), sh.size()), r, detail::p2p_result_tag));
+        pending.push_back(comm.isend(::k3::wire_view(static_cast<S const*>(whole[j].data() + sh.begin), sh.size()), r, detail::p2p_result_tag));
         stats.sent_bytes += word * sh.size();
       });
     }
@@ -276,18 +266,18 @@ p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& 
       if (owner == me) {
         gather_own(j);
         detail::p2p_for_peers(E, me, N, [&](int r, shard_range sh) {
-          comm.recv(detail::p2p_wire(whole[j].data() + sh.begin, sh.size()), r, detail::p2p_shard_tag);
+          comm.recv(::k3::wire_view(whole[j].data() + sh.begin, sh.size()), r, detail::p2p_shard_tag);
           stats.recv_bytes += word * sh.size();
         });
         run_owned(j);
         detail::p2p_for_peers(E, me, N, [&](int r, shard_range sh) {
-          comm.send(detail::p2p_wire(static_cast<S const*>(whole[j].data() + sh.begin), sh.size()), r, detail::p2p_result_tag);
+          comm.send(::k3::wire_view(static_cast<S const*>(whole[j].data() + sh.begin), sh.size()), r, detail::p2p_result_tag);
           stats.sent_bytes += word * sh.size();
         });
       } else if (args.g_shards[j].size() > 0) {
-        comm.send(detail::p2p_wire(args.g_shards[j].data_handle(), args.g_shards[j].size()), owner, detail::p2p_shard_tag);
+        comm.send(::k3::wire_view(args.g_shards[j].data_handle(), args.g_shards[j].size()), owner, detail::p2p_shard_tag);
         stats.sent_bytes += word * args.g_shards[j].size();
-        comm.recv(detail::p2p_wire(args.o_shards[j].data_handle(), args.o_shards[j].size()), owner, detail::p2p_result_tag);
+        comm.recv(::k3::wire_view(args.o_shards[j].data_handle(), args.o_shards[j].size()), owner, detail::p2p_result_tag);
         stats.recv_bytes += word * args.o_shards[j].size();
       }
     }

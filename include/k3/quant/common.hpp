@@ -168,20 +168,20 @@ K3_INLINE float nvfp4_scaled(float x, nvfp4_scale const& sc) noexcept { return s
 inline index_t ceil_div(index_t a, index_t b) noexcept { return (a + b - 1) / b; }
 
 inline void check_tile(tile t) {
-  k3::detail::require(t.rows > 0 && t.cols > 0, [&] {
+  k3::detail::require(t.rows > 0 && t.cols > 0, error_kind::shape, [&] {
     return "argument 'tile': expected positive extents, got " + std::to_string(t.rows) + "x" + std::to_string(t.cols);
   });
 }
 
 inline void check_divides(char const* arg, index_t k, index_t block) {
-  k3::detail::require(k % block == 0, [&] {
+  k3::detail::require(k % block == 0, error_kind::shape, [&] {
     return std::string("argument '") + arg + "': the last extent (" + std::to_string(k) + ") must be a multiple of the block size " +
            std::to_string(block);
   });
 }
 
 inline void check_tensor_scale(float g) {
-  k3::detail::require(std::isfinite(g) && g > 0, [&] {
+  k3::detail::require(std::isfinite(g) && g > 0, error_kind::value, [&] {
     return "argument 'tensor_scale': expected a finite positive float, got " + std::to_string(g);
   });
 }
@@ -238,7 +238,7 @@ tensor_view<T, 2> as_matrix(tensor_view<T, R> v) {
     for (std::size_t r = 0; r + 1 < R; ++r) {
       rows *= v.extent(r);
       if (r + 2 < R && v.extent(r) > 1)
-        k3::detail::require(v.stride(r) == v.stride(r + 1) * v.extent(r + 1), [&] {
+        k3::detail::require(v.stride(r) == v.stride(r + 1) * v.extent(r + 1), error_kind::shape, [&] {
           return "argument 'x': the leading dimensions of shape " + k3::detail::format_shape(v.extents()) + " with strides " +
                  k3::detail::format_shape(v.strides()) + " cannot be flattened into rows";
         });

@@ -41,12 +41,15 @@ struct kda_record {
 
 // The forward (a.o, a.ht as given; a.saved is not used), saving what the backward reads.
 template <HostBackend Bk, ::k3::kda::Storage In, ::k3::Real S>
-kda_record<In, S> kda_forward(saved_tensor_store<Bk>& store, Bk const& b, ::k3::kda::forward_args<In, S> a, ::k3::kda::options const& opt,
+kda_record<In, S> kda_forward(saved_tensor_store<Bk>& store, Bk const& b, ::k3::kda::forward_args<In, S> a, ::k3::kda::options opt,
                               kda_policies const& p) {
-  ::k3::detail::require(!has_policy(p.inputs, recompute),
+  // A training forward runs the chunked form unless told otherwise, whether or not it keeps the
+  // states: every policy then computes the same forward, bit for bit.
+  if (opt.mode == ::k3::kda::algorithm::automatic) opt.mode = ::k3::kda::algorithm::chunk;
+  ::k3::detail::require(!has_policy(p.inputs, recompute), error_kind::value,
                         "kda_forward: policy recompute for 'inputs': q, k, v, g, beta are the caller's tensors, nothing here can recompute them");
   detail::check_policy(p.states, true);
-  bool const keep_states = opt.mode == ::k3::kda::algorithm::chunk && p.states != recompute;
+  bool const keep_states = opt.mode != ::k3::kda::algorithm::recurrent && p.states != recompute;
   ::k3::tensor<S, 3> states;
   if (keep_states) {
     auto const shape = ::k3::kda::saved_shape(a, opt);

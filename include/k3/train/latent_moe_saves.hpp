@@ -97,7 +97,7 @@ struct lm_replay {
   ::k3::moe::latent_moe_options o{};
   std::unique_ptr<::k3::moe::latent_moe_saved<T>> state;
   void write(std::size_t id, void* out) {
-    ::k3::detail::require(a.x.data_handle() != nullptr || a.x.size() == 0, "latent_moe_backward: a recompute before x was loaded");
+    ::k3::detail::require(a.x.data_handle() != nullptr || a.x.size() == 0, error_kind::value, "latent_moe_backward: a recompute before x was loaded");
     if (!state) {
       state = std::make_unique<::k3::moe::latent_moe_saved<T>>();
       ::k3::tensor<T, 2> y({a.x.extent(0), a.w_up.extent(0)});
@@ -131,7 +131,7 @@ struct latent_moe_record {
 template <HostBackend Bk, class T>
 latent_moe_record<T, Bk> latent_moe_forward(saved_tensor_store<Bk>& store, Bk const& b, ::k3::moe::latent_moe_args<T> a,
                                             ::k3::moe::latent_moe_options const& o, latent_moe_policies const& p) {
-  ::k3::detail::require(!has_policy(p.input, recompute), "latent_moe_forward: policy recompute for 'input': x is the caller's tensor, nothing here can recompute it");
+  ::k3::detail::require(!has_policy(p.input, recompute), error_kind::value, "latent_moe_forward: policy recompute for 'input': x is the caller's tensor, nothing here can recompute it");
   ::k3::moe::latent_moe_saved<T> saved;
   a.saved = &saved;
   ::k3::moe::latent_moe_forward(b, a, o);
@@ -167,7 +167,7 @@ void latent_moe_prefetch(saved_tensor_store<Bk>& store, latent_moe_record<T, Bk>
 template <HostBackend Bk, class T>
 void latent_moe_backward(saved_tensor_store<Bk>& store, Bk const& b, latent_moe_record<T, Bk>& r, ::k3::moe::latent_moe_args<T> a,
                          ::k3::moe::latent_moe_gradients<T> const& g, ::k3::moe::latent_moe_options const& o) {
-  ::k3::detail::require(::k3::moe::detail::lm_same_options<double>(o, r.options),
+  ::k3::detail::require(::k3::moe::detail::lm_same_options<double>(o, r.options), error_kind::value,
                         "latent_moe_backward: options differ from the forward's that filled the record");
   ::k3::tensor<T, 2> x({r.dims.T, r.dims.d});
   store.load(r.x, x.view());

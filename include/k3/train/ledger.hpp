@@ -83,7 +83,7 @@ struct toggles {
       if (it == technique_names.end()) {
         std::string known;
         for (auto n : technique_names) known += (known.empty() ? "" : ", ") + std::string(n);
-        throw k3::error("toggles: unknown technique '" + std::string(name) + "' (expected all, none or a comma-separated list of: " + known + ")");
+        throw k3::error(error_kind::value, "toggles: unknown technique '" + std::string(name) + "' (expected all, none or a comma-separated list of: " + known + ")");
       }
       t.on[static_cast<std::size_t>(it - technique_names.begin())] = true;
       pos = end + 1;
@@ -144,7 +144,7 @@ inline double in_flight(parallel_config const& p, std::int64_t r) noexcept {
 
 inline void check_configs(model_config const& m, parallel_config const& p) {
   auto pos = [](char const* name, std::int64_t v) {
-    ::k3::detail::require(v >= 1, [&] { return std::string("argument '") + name + "': expected >= 1, got " + std::to_string(v); });
+    ::k3::detail::require(v >= 1, error_kind::value, [&] { return std::string("argument '") + name + "': expected >= 1, got " + std::to_string(v); });
   };
   pos("pp", p.pp);
   pos("vpp", p.vpp);
@@ -154,13 +154,13 @@ inline void check_configs(model_config const& m, parallel_config const& p) {
   pos("d", m.d);
   pos("experts", m.experts);
   pos("top_k", m.top_k);
-  ::k3::detail::require(m.top_k <= m.experts, "argument 'top_k': more experts per token than experts");
-  ::k3::detail::require(m.moe_saved_values >= 2 * m.top_k * m.latent, [&] {
+  ::k3::detail::require(m.top_k <= m.experts, error_kind::value, "argument 'top_k': more experts per token than experts");
+  ::k3::detail::require(m.moe_saved_values >= 2 * m.top_k * m.latent, error_kind::value, [&] {
     return "argument 'moe_saved_values': " + std::to_string(m.moe_saved_values) + " cannot hold the 2 x top_k x latent = " +
            std::to_string(2 * m.top_k * m.latent) + " dispatched copies and expert outputs it includes";
   });
   for (std::int64_t v : {m.kda_layers, m.mla_layers, m.moe_layers, m.dense_layers, m.kda_saved_values, m.mla_saved_values})
-    ::k3::detail::require(v >= 0, "model_config: layer and value counts must be >= 0");
+    ::k3::detail::require(v >= 0, error_kind::value, "model_config: layer and value counts must be >= 0");
 }
 
 // One pipeline rank's bytes under the given toggles.

@@ -74,9 +74,9 @@ class saved_tensor_store<Bk> {
     static_assert(R >= 1, "saved_tensor_store: a tensor of rank >= 1");
     tensor_view<S const, R, cuda_device_space> const x = x_in;
     ::k3::detail::check_view("x", x);
-    ::k3::detail::require(x.is_contiguous(), [&] { return "argument 'x': the CUDA store saves contiguous views (shape " + ::k3::detail::shape_of(x) + ")"; });
+    ::k3::detail::require(x.is_contiguous(), error_kind::shape, [&] { return "argument 'x': the CUDA store saves contiguous views (shape " + ::k3::detail::shape_of(x) + ")"; });
     detail::check_policy(p, static_cast<bool>(again));
-    ::k3::detail::require(!has_policy(p, fp8) || detail::fp8_device_storable<S>, [&] {
+    ::k3::detail::require(!has_policy(p, fp8) || detail::fp8_device_storable<S>, error_kind::dtype, [&] {
       return "save: policy " + policy_name(p) + " on the CUDA backend holds float32 or bfloat16 tensors, got " + detail::element_name<S>();
     });
     entry e;
@@ -149,7 +149,7 @@ class saved_tensor_store<Bk> {
     entry& e = book_.find(h, "load");
     ::k3::detail::check_view("out", out);
     e.template check_target<T>(out);
-    ::k3::detail::require(out.is_contiguous(), "argument 'out': the CUDA store loads into contiguous views");
+    ::k3::detail::require(out.is_contiguous(), error_kind::shape, "argument 'out': the CUDA store loads into contiguous views");
     if (has_policy(e.policy, recompute)) {
       e.recompute(out.data_handle());
     } else if (has_policy(e.policy, fp8)) {

@@ -171,17 +171,17 @@ struct saved_meta {
     if (same) return;
     std::string s = "[";
     for (std::size_t r = 0; r < shape.size(); ++r) s += (r ? ", " : "") + std::to_string(shape[r]);
-    throw ::k3::error("argument 'out': expected a " + type_name + " tensor of shape " + s + "], got " + element_name<T>() + " " +
+    throw ::k3::error(error_kind::shape, "argument 'out': expected a " + type_name + " tensor of shape " + s + "], got " + element_name<T>() + " " +
                       ::k3::detail::shape_of(out));
   }
 };
 
 // The policy bits a save may carry: recompute alone (with its callable), or any of fp8, offload.
 inline void check_policy(save_policy p, bool has_callable) {
-  ::k3::detail::require(static_cast<unsigned>(p) <= 7u, [&] { return "save: unknown policy bits " + std::to_string(static_cast<unsigned>(p)); });
+  ::k3::detail::require(static_cast<unsigned>(p) <= 7u, error_kind::value, [&] { return "save: unknown policy bits " + std::to_string(static_cast<unsigned>(p)); });
   if (!has_policy(p, recompute)) return;
-  ::k3::detail::require(p == recompute, [&] { return "save: policy " + policy_name(p) + ": recompute stores nothing and combines with no other policy"; });
-  ::k3::detail::require(has_callable, "save: policy recompute needs the callable that recomputes the tensor");
+  ::k3::detail::require(p == recompute, error_kind::value, [&] { return "save: policy " + policy_name(p) + ": recompute stores nothing and combines with no other policy"; });
+  ::k3::detail::require(has_callable, error_kind::value, "save: policy recompute needs the callable that recomputes the tensor");
 }
 
 // The handles of one store: each issued once, each entry loaded or released once.
@@ -198,9 +198,9 @@ class saved_book {
     if (it != entries_.end()) return it->second;
     auto gone = gone_.find(h.id);
     if (gone != gone_.end())
-      throw ::k3::error(std::string(what) + ": saved tensor " + std::to_string(h.id) + " was already " + gone->second +
+      throw ::k3::error(error_kind::value, std::string(what) + ": saved tensor " + std::to_string(h.id) + " was already " + gone->second +
                         " (each saved tensor is loaded once)");
-    throw ::k3::error(std::string(what) + ": handle " + std::to_string(h.id) + " was not issued by this store");
+    throw ::k3::error(error_kind::value, std::string(what) + ": handle " + std::to_string(h.id) + " was not issued by this store");
   }
   void consume(saved_handle h, char const* how) {
     entries_.erase(h.id);
@@ -247,7 +247,7 @@ class saved_tensor_store<Bk> {
       e.recompute = [again = std::move(again), shape = x.extents()](void* out) { again(tensor_view<S, R>(static_cast<S*>(out), shape)); };
     } else if (has_policy(p, fp8)) {
       if constexpr (!detail::fp8_storable<S>) {
-        throw ::k3::error("save: policy " + policy_name(p) + " cannot apply to a tensor of " + e.type_name + " (block FP8 holds float, float64 or bfloat16)");
+        throw ::k3::error(error_kind::dtype, "save: policy " + policy_name(p) + " cannot apply to a tensor of " + e.type_name + " (block FP8 holds float, float64 or bfloat16)");
       } else {
         index_t const sc = (cols + 127) / 128;
         e.rows = rows;

@@ -137,7 +137,7 @@ namespace detail {
 
 inline void check_stack_config(stack_config const& c) {
   auto pos = [](char const* name, index_t v) {
-    ::k3::detail::require(v >= 1, [&] { return std::string("stack_config: '") + name + "' must be >= 1, got " + std::to_string(v); });
+    ::k3::detail::require(v >= 1, error_kind::value, [&] { return std::string("stack_config: '") + name + "' must be >= 1, got " + std::to_string(v); });
   };
   pos("layers", c.layers);
   pos("tokens", c.tokens);
@@ -148,10 +148,10 @@ inline void check_stack_config(stack_config const& c) {
   pos("latent", c.latent);
   pos("expert_ffn", c.expert_ffn);
   pos("conv_width", c.conv_width);
-  ::k3::detail::require(c.top_k <= c.experts, [&] {
+  ::k3::detail::require(c.top_k <= c.experts, error_kind::value, [&] {
     return "stack_config: 'top_k' must be <= experts (" + std::to_string(c.experts) + "), got " + std::to_string(c.top_k);
   });
-  ::k3::detail::require(c.gate_lower_bound >= -5.0 && c.gate_lower_bound < 0.0,
+  ::k3::detail::require(c.gate_lower_bound >= -5.0 && c.gate_lower_bound < 0.0, error_kind::value,
                         [&] { return "stack_config: 'gate_lower_bound' must lie in [-5, 0), got " + std::to_string(c.gate_lower_bound); });
 }
 
@@ -233,7 +233,7 @@ class layer_saves {
     s.cols = cols;
     std::function<void(tensor_view<E, 2>)> rebuild;
     if (p == recompute) {
-      ::k3::detail::require(static_cast<bool>(again), "layer_saves: a tensor recomputed under this preset needs its recompute function");
+      ::k3::detail::require(static_cast<bool>(again), error_kind::value, "layer_saves: a tensor recomputed under this preset needs its recompute function");
       rebuild = [again = std::move(again), n = rows * cols](tensor_view<E, 2> out) {
         // Into an aligned buffer first, as every first computation of the step runs.
         flat<E> tmp = make_flat<E>(n);
@@ -565,17 +565,17 @@ step_result<T> train_step(Bk const& b, stack_config const& c, named_tensors<T> c
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "train_step: float or double parameters");
   detail::check_stack_config(c);
   std::size_t const expected = static_cast<std::size_t>(c.layers) * detail::kda_param_count + detail::moe_param_count;
-  ::k3::detail::require(params.size() == expected, [&] {
+  ::k3::detail::require(params.size() == expected, error_kind::shape, [&] {
     return "train_step: argument 'params': expected " + std::to_string(expected) + " tensors (stack_parameters of the same config), got " +
            std::to_string(params.size());
   });
   named_tensors<T> shape_ref = stack_parameters<T>(stack_config{c.layers, 1, c.heads, c.head_dim, c.experts, c.top_k, c.latent, c.expert_ffn,
                                                                  c.conv_width, c.gate_lower_bound, 0});
   for (std::size_t i = 0; i < expected; ++i)
-    ::k3::detail::require(params.shapes[i] == shape_ref.shapes[i] && params.values[i].size() == shape_ref.values[i].size(),
+    ::k3::detail::require(params.shapes[i] == shape_ref.shapes[i] && params.values[i].size() == shape_ref.values[i].size(), error_kind::shape,
                           [&] { return "train_step: argument 'params': tensor '" + params.names[i] + "' has another shape than the config's"; });
   std::size_t const td = static_cast<std::size_t>(c.tokens * c.d());
-  ::k3::detail::require(in.x.size() == td && in.dy.size() == td, [&] {
+  ::k3::detail::require(in.x.size() == td && in.dy.size() == td, error_kind::shape, [&] {
     return "train_step: argument 'in': x and dy must hold tokens * d = " + std::to_string(td) + " values, got " + std::to_string(in.x.size()) +
            " and " + std::to_string(in.dy.size());
   });

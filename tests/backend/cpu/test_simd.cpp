@@ -73,7 +73,7 @@ TEST_CASE("threads backend: shared pools, dynamic tasks, exceptions, bad pool") 
   CHECK(sum.load() == -5);
   CHECK_THROWS_AS(a.for_each(0, 100,
                              [&](std::int64_t i) {
-                               if (i == 50) throw k3::error("task failed");
+                               if (i == 50) throw k3::error(k3::error_kind::value, "task failed");
                              }),
                   k3::error);
   CHECK_THROWS_AS(k3::cpu::threads<>(std::shared_ptr<k3::cpu::thread_pool>{}), k3::error);

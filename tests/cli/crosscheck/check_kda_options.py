@@ -549,7 +549,7 @@ dplr_case("dplr long single sequence segment-maps", dplr_inputs(1, 400, 1, 3, 2,
 # Zero-width heads (K = 0 or V = 0): an empty state, so o = 0, every gradient 0, dh0 = dht.
 for K, V in ((0, 3), (3, 0)):
     for cmd in ("kda", "dplr"):
-        for mode in (("chunk", "recurrent") if cmd == "kda" else ("chunked", "recurrent")):
+        for mode in (("automatic", "chunk", "recurrent") if cmd == "kda" else ("chunk", "chunked", "recurrent")):
             lab = f"{cmd} zero width K={K} V={V} {mode}"
             if not ck.want(lab):
                 continue

@@ -112,7 +112,7 @@ class threads {
   // n <= 0: one thread per hardware thread. Copies share the pool.
   explicit threads(int n = 0) : pool_(std::make_shared<thread_pool>(n)) {}
   explicit threads(std::shared_ptr<thread_pool> pool) : pool_(std::move(pool)) {
-    detail::require(pool_ != nullptr, "cpu::threads: the thread pool must not be null");
+    detail::require(pool_ != nullptr, error_kind::value, "cpu::threads: the thread pool must not be null");
   }
 
   template <class T>

@@ -126,7 +126,7 @@ template <class S, class D>
 void check_copy_args(S const& src, D const& dst) {
   ::k3::detail::check_view("src", src);
   ::k3::detail::check_view("dst", dst);
-  ::k3::detail::require(src.extents() == dst.extents(), [&] {
+  ::k3::detail::require(src.extents() == dst.extents(), error_kind::shape, [&] {
     return "cuda::copy: argument 'dst': expected shape " + ::k3::detail::format_shape(src.extents()) +
            " (the shape of 'src'), got " + ::k3::detail::format_shape(dst.extents());
   });
@@ -178,7 +178,7 @@ class stream_backend {
   template <class T>
   T* allocate(std::size_t n) const {
     if (n == 0) return nullptr;
-    if (n > std::size_t(-1) / sizeof(T)) throw k3::error("cuda::stream_backend::allocate: " + std::to_string(n) + " elements overflow");
+    if (n > std::size_t(-1) / sizeof(T)) throw k3::error(error_kind::shape, "cuda::stream_backend::allocate: " + std::to_string(n) + " elements overflow");
     detail::device_guard g(device_);
     void* p = nullptr;
     K3_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
@@ -222,8 +222,8 @@ class stream_backend {
   template <class... Params, class... Args>
   void launch(dim3 grid, dim3 block, std::size_t shared_bytes, void (*kernel)(Params...), Args&&... args) const {
     static_assert(sizeof...(Params) == sizeof...(Args), "launch: argument count does not match the kernel");
-    k3::detail::require(kernel != nullptr, "cuda::launch: argument 'kernel' is null");
-    k3::detail::require(grid.x && grid.y && grid.z && block.x && block.y && block.z, [&] {
+    k3::detail::require(kernel != nullptr, error_kind::value, "cuda::launch: argument 'kernel' is null");
+    k3::detail::require(grid.x && grid.y && grid.z && block.x && block.y && block.z, error_kind::value, [&] {
       return "cuda::launch: arguments 'grid' and 'block' must be non-zero, got grid [" + std::to_string(grid.x) + ", " +
              std::to_string(grid.y) + ", " + std::to_string(grid.z) + "], block [" + std::to_string(block.x) + ", " +
              std::to_string(block.y) + ", " + std::to_string(block.z) + "]";

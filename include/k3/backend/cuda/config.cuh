@@ -23,7 +23,7 @@ namespace k3::cuda {
 class cuda_error : public k3::error {
  public:
   cuda_error(cudaError_t e, char const* what)
-      : k3::error(std::string("CUDA error in ") + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")"),
+      : k3::error(error_kind::io, std::string("CUDA error in ") + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")"),
         code_(e) {}
   cudaError_t code() const noexcept { return code_; }
 

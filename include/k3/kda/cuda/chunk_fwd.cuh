@@ -159,7 +159,7 @@ inline void set_smem(void const* kernel, std::size_t bytes) {
   int dev = 0, optin = 0;
   K3_CUDA_CHECK(cudaGetDevice(&dev));
   K3_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  ::k3::detail::require(bytes <= static_cast<std::size_t>(optin), [&] {
+  ::k3::detail::require(bytes <= static_cast<std::size_t>(optin), error_kind::unsupported, [&] {
     return "argument 'K': the chunked kernel needs " + std::to_string(bytes) + " bytes of shared memory per block, the device allows " +
            std::to_string(optin);
   });

@@ -365,7 +365,7 @@ void gate_bwd(gate_params const& p, S const* x, S const* dg, S* dx, float* dA_lo
 template <class S>
 void short_conv_fwd(conv_params const& p, S const* x, S* y, float const* initial_state, float* final_state, CUstream_st* stream) {
   index_t const N = detail::check(p);
-  ::k3::detail::require(final_state == nullptr || final_state != initial_state,
+  ::k3::detail::require(final_state == nullptr || final_state != initial_state, error_kind::aliasing,
                         "arguments 'final_state' and 'initial_state': must not alias on the GPU (copy the state first)");
   index_t const states = N * p.C * (p.W - 1);
   ::k3::detail::check_outputs_apart(
@@ -398,7 +398,7 @@ template <class S>
 void short_conv_bwd(conv_params const& p, S const* x, S const* dy, S* dx, float* dweight, float* dbias, float const* initial_state,
                     float* d_initial_state, CUstream_st* stream) {
   index_t const N = detail::check(p);
-  ::k3::detail::require(d_initial_state == nullptr || initial_state != nullptr,
+  ::k3::detail::require(d_initial_state == nullptr || initial_state != nullptr, error_kind::value,
                         "argument 'd_initial_state': needs the initial_state it differentiates");
   index_t const states = N * p.C * (p.W - 1), tokens = p.B * p.T * p.C;
   ::k3::detail::check_outputs_apart(
@@ -437,11 +437,11 @@ void short_conv_bwd(conv_params const& p, S const* x, S const* dy, S* dx, float*
 template <class S>
 void short_conv_decode(conv_params const& p, S const* x, S* y, index_t N, float* conv_state, index_t P, std::int64_t const* slots,
                        CUstream_st* stream) {
-  ::k3::detail::require(p.C >= 1 && p.W >= 1, [&] {
+  ::k3::detail::require(p.C >= 1 && p.W >= 1, error_kind::value, [&] {
     return "arguments 'C', 'W': need C >= 1 and W >= 1, got C = " + std::to_string(p.C) + ", W = " + std::to_string(p.W);
   });
-  ::k3::detail::require(N >= 0 && P >= 0, "arguments 'N', 'P': must be >= 0");
-  ::k3::detail::require(slots != nullptr || P >= N, [&] {
+  ::k3::detail::require(N >= 0 && P >= 0, error_kind::value, "arguments 'N', 'P': must be >= 0");
+  ::k3::detail::require(slots != nullptr || P >= N, error_kind::value, [&] {
     return "argument 'conv_state': without slots the pool needs at least N = " + std::to_string(N) + " states, got P = " + std::to_string(P);
   });
   if (N == 0) return;

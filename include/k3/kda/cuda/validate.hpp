@@ -20,20 +20,20 @@ struct layout {
 };
 
 inline void require_ptr(void const* p, char const* name, bool needed) {
-  ::k3::detail::require(!needed || p != nullptr, [&] { return std::string("argument '") + name + "': null device pointer"; });
+  ::k3::detail::require(!needed || p != nullptr, error_kind::value, [&] { return std::string("argument '") + name + "': null device pointer"; });
 }
 
 inline void check_dims(index_t B, index_t T, index_t H, index_t HV, index_t K, index_t V) {
-  ::k3::detail::require(B >= 0 && T >= 0, [&] {
+  ::k3::detail::require(B >= 0 && T >= 0, error_kind::value, [&] {
     return "arguments 'B', 'T': must be >= 0, got B = " + std::to_string(B) + ", T = " + std::to_string(T);
   });
-  ::k3::detail::require(H >= 1 && HV >= 1 && HV % H == 0, [&] {
+  ::k3::detail::require(H >= 1 && HV >= 1 && HV % H == 0, error_kind::shape, [&] {
     return "argument 'HV': must be a positive multiple of H, got H = " + std::to_string(H) + ", HV = " + std::to_string(HV);
   });
-  ::k3::detail::require(K >= 1 && K <= max_head_dim_k, [&] {
+  ::k3::detail::require(K >= 1 && K <= max_head_dim_k, error_kind::unsupported, [&] {
     return "argument 'K': the CUDA kernels support 1 <= K <= " + std::to_string(max_head_dim_k) + ", got " + std::to_string(K);
   });
-  ::k3::detail::require(V >= 1, [&] { return "argument 'V': must be >= 1, got " + std::to_string(V); });
+  ::k3::detail::require(V >= 1, error_kind::value, [&] { return "argument 'V': must be >= 1, got " + std::to_string(V); });
 }
 
 inline float effective_scale(float scale, index_t K) {
@@ -44,23 +44,23 @@ inline float effective_scale(float scale, index_t K) {
 inline layout check_sequences(index_t B, index_t T, index_t N, std::int64_t const* cu, std::int64_t const* cu_host) {
   layout l;
   if (cu == nullptr) {
-    ::k3::detail::require(cu_host == nullptr, "argument 'cu_seqlens': cu_seqlens_host given without the device cu_seqlens");
+    ::k3::detail::require(cu_host == nullptr, error_kind::shape, "argument 'cu_seqlens': cu_seqlens_host given without the device cu_seqlens");
     l.N = B;
     l.max_len = T;
     return l;
   }
-  ::k3::detail::require(cu_host != nullptr, "argument 'cu_seqlens_host': needed (same values on the host) when cu_seqlens is given");
-  ::k3::detail::require(B == 1, [&] { return "argument 'cu_seqlens': needs batch size 1, got B = " + std::to_string(B); });
-  ::k3::detail::require(N >= 0, [&] { return "argument 'N': must be >= 0, got " + std::to_string(N); });
-  ::k3::detail::require(cu_host[0] == 0, [&] { return "argument 'cu_seqlens': must start at 0, got " + std::to_string(cu_host[0]); });
+  ::k3::detail::require(cu_host != nullptr, error_kind::shape, "argument 'cu_seqlens_host': needed (same values on the host) when cu_seqlens is given");
+  ::k3::detail::require(B == 1, error_kind::shape, [&] { return "argument 'cu_seqlens': needs batch size 1, got B = " + std::to_string(B); });
+  ::k3::detail::require(N >= 0, error_kind::value, [&] { return "argument 'N': must be >= 0, got " + std::to_string(N); });
+  ::k3::detail::require(cu_host[0] == 0, error_kind::value, [&] { return "argument 'cu_seqlens': must start at 0, got " + std::to_string(cu_host[0]); });
   for (index_t i = 1; i <= N; ++i) {
-    ::k3::detail::require(cu_host[i] >= cu_host[i - 1], [&] {
+    ::k3::detail::require(cu_host[i] >= cu_host[i - 1], error_kind::value, [&] {
       return "argument 'cu_seqlens': must be non-decreasing, got " + std::to_string(cu_host[i - 1]) + " then " +
              std::to_string(cu_host[i]) + " at index " + std::to_string(i);
     });
     l.max_len = std::max<index_t>(l.max_len, cu_host[i] - cu_host[i - 1]);
   }
-  ::k3::detail::require(cu_host[N] == T, [&] {
+  ::k3::detail::require(cu_host[N] == T, error_kind::value, [&] {
     return "argument 'cu_seqlens': must end at T = " + std::to_string(T) + ", got " + std::to_string(cu_host[N]);
   });
   l.N = N;
@@ -154,10 +154,10 @@ float check(decode_args<S> const& a) {
   require_ptr(a.beta, "beta", any);
   require_ptr(a.o, "o", any);
   require_ptr(a.state, "state", any && a.P > 0);
-  ::k3::detail::require(a.P >= 0, [&] { return "argument 'P': must be >= 0, got " + std::to_string(a.P); });
+  ::k3::detail::require(a.P >= 0, error_kind::value, [&] { return "argument 'P': must be >= 0, got " + std::to_string(a.P); });
   if (a.slots == nullptr) {
-    ::k3::detail::require(a.slots_host == nullptr, "argument 'slots': slots_host given without the device slots");
-    ::k3::detail::require(a.P >= a.N, [&] {
+    ::k3::detail::require(a.slots_host == nullptr, error_kind::value, "argument 'slots': slots_host given without the device slots");
+    ::k3::detail::require(a.P >= a.N, error_kind::value, [&] {
       return "argument 'state': without slots the pool needs at least N = " + std::to_string(a.N) + " states, got P = " +
              std::to_string(a.P);
     });
@@ -167,11 +167,11 @@ float check(decode_args<S> const& a) {
     for (index_t n = 0; n < a.N; ++n) {
       std::int64_t const s = a.slots_host[n];
       if (s < 0) continue;  // padding
-      ::k3::detail::require(s < a.P, [&] {
+      ::k3::detail::require(s < a.P, error_kind::value, [&] {
         return "argument 'slots': slot " + std::to_string(s) + " at index " + std::to_string(n) + " is outside the pool [0, " +
                std::to_string(a.P) + ")";
       });
-      ::k3::detail::require(!seen[static_cast<std::size_t>(s)], [&] {
+      ::k3::detail::require(!seen[static_cast<std::size_t>(s)], error_kind::value, [&] {
         return "argument 'slots': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
       });
       seen[static_cast<std::size_t>(s)] = 1;
@@ -194,29 +194,29 @@ float check(decode_args<S> const& a) {
 }
 
 inline void check_rows(index_t rows, index_t D) {
-  ::k3::detail::require(rows >= 0 && D >= 0, [&] {
+  ::k3::detail::require(rows >= 0 && D >= 0, error_kind::shape, [&] {
     return "arguments 'rows', 'D': must be >= 0, got rows = " + std::to_string(rows) + ", D = " + std::to_string(D);
   });
 }
 
 inline void check(gate_params const& p) {
-  ::k3::detail::require(p.rows >= 0 && p.HV >= 1 && p.K >= 1, [&] {
+  ::k3::detail::require(p.rows >= 0 && p.HV >= 1 && p.K >= 1, error_kind::shape, [&] {
     return "arguments 'rows', 'HV', 'K': need rows >= 0, HV >= 1, K >= 1, got " + std::to_string(p.rows) + ", " +
            std::to_string(p.HV) + ", " + std::to_string(p.K);
   });
   if (p.kind == gate_kind::lower_bound)
-    ::k3::detail::require(p.lower_bound >= -5.0f && p.lower_bound < 0.0f, [&] {
+    ::k3::detail::require(p.lower_bound >= -5.0f && p.lower_bound < 0.0f, error_kind::value, [&] {
       return "argument 'lower_bound': must lie in [-5, 0), got " + ::k3::detail::format_number(p.lower_bound);
     });
 }
 
 // Returns the number of sequences.
 inline index_t check(conv_params const& p) {
-  ::k3::detail::require(p.C >= 1 && p.W >= 1, [&] {
+  ::k3::detail::require(p.C >= 1 && p.W >= 1, error_kind::value, [&] {
     return "arguments 'C', 'W': need C >= 1 and W >= 1, got C = " + std::to_string(p.C) + ", W = " + std::to_string(p.W);
   });
   require_ptr(p.weight, "weight", true);
-  ::k3::detail::require(p.B >= 0 && p.T >= 0, [&] {
+  ::k3::detail::require(p.B >= 0 && p.T >= 0, error_kind::value, [&] {
     return "arguments 'B', 'T': must be >= 0, got B = " + std::to_string(p.B) + ", T = " + std::to_string(p.T);
   });
   return check_sequences(p.B, p.T, p.N, p.cu_seqlens, p.cu_seqlens_host).N;

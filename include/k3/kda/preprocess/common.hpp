@@ -120,7 +120,7 @@ void pp_check_same_shape(std::string_view name_a, A const& a, std::string_view n
   bool ok = true;
   for (std::size_t r = 0; r < A::rank(); ++r) ok = ok && a.extent(r) == b.extent(r);
   if (!ok)
-    throw ::k3::error("argument '" + std::string(name_b) + "': expected shape " + pp_shape_list(a) + " (the shape of '" +
+    throw ::k3::error(error_kind::shape, "argument '" + std::string(name_b) + "': expected shape " + pp_shape_list(a) + " (the shape of '" +
                       std::string(name_a) + "'), got " + pp_shape_list(b));
 }
 
@@ -318,20 +318,20 @@ std::vector<pp_sequence> pp_sequences(index_t B, index_t T, Cu const& cu_seqlens
     static_assert(std::is_integral_v<I>, "cu_seqlens must hold integers (int32 or int64)");
     ::k3::detail::check_view("cu_seqlens", cu_seqlens);
     index_t const n = cu_seqlens.extent(0);
-    ::k3::detail::require(B == 1, [&] { return "argument 'cu_seqlens': needs batch size 1, got B = " + std::to_string(B); });
-    ::k3::detail::require(n >= 1, "argument 'cu_seqlens': needs at least one entry (0)");
-    ::k3::detail::require(static_cast<index_t>(cu_seqlens(0)) == 0, [&] {
+    ::k3::detail::require(B == 1, error_kind::shape, [&] { return "argument 'cu_seqlens': needs batch size 1, got B = " + std::to_string(B); });
+    ::k3::detail::require(n >= 1, error_kind::shape, "argument 'cu_seqlens': needs at least one entry (0)");
+    ::k3::detail::require(static_cast<index_t>(cu_seqlens(0)) == 0, error_kind::value, [&] {
       return "argument 'cu_seqlens': must start at 0, got " + std::to_string(static_cast<index_t>(cu_seqlens(0)));
     });
     for (index_t i = 1; i < n; ++i) {
       index_t const a = static_cast<index_t>(cu_seqlens(i - 1)), c = static_cast<index_t>(cu_seqlens(i));
-      ::k3::detail::require(c >= a, [&] {
+      ::k3::detail::require(c >= a, error_kind::value, [&] {
         return "argument 'cu_seqlens': must be non-decreasing, got " + std::to_string(a) + " then " + std::to_string(c) +
                " at index " + std::to_string(i);
       });
     }
     index_t const last = static_cast<index_t>(cu_seqlens(n - 1));
-    ::k3::detail::require(last == T, [&] {
+    ::k3::detail::require(last == T, error_kind::value, [&] {
       return "argument 'cu_seqlens': must end at T = " + std::to_string(T) + ", got " + std::to_string(last);
     });
     seqs.reserve(static_cast<std::size_t>(n - 1));

@@ -89,7 +89,7 @@ std::vector<pp_sequence> pp_check_conv(X const& x, Wt const& weight, Bias const&
   index_t const B = x.extent(0), T = x.extent(1), C = x.extent(2);
   ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
   index_t const W = weight.extent(1);
-  ::k3::detail::require(W >= 1, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
+  ::k3::detail::require(W >= 1, error_kind::shape, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
   if constexpr (!pp_is_none<Bias>) {
     ::k3::detail::check_view("bias", bias);
     ::k3::detail::check_shape("bias", bias, {C});
@@ -476,7 +476,7 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
   index_t const N = x.extent(0), C = x.extent(1);
   ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
   index_t const W = weight.extent(1);
-  ::k3::detail::require(W >= 1, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
+  ::k3::detail::require(W >= 1, error_kind::shape, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
   if constexpr (!detail::pp_is_none<Bias>) {
     ::k3::detail::check_view("bias", bias);
     ::k3::detail::check_shape("bias", bias, {C});
@@ -486,7 +486,7 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
   index_t const P = conv_state.extent(0);
   std::vector<index_t> slot(static_cast<std::size_t>(N));
   if constexpr (detail::pp_is_none<Slots>) {
-    ::k3::detail::require(P >= N, [&] {
+    ::k3::detail::require(P >= N, error_kind::shape, [&] {
       return "argument 'conv_state': without slots the pool needs at least N = " + std::to_string(N) + " states, got " +
              ::k3::detail::shape_of(conv_state);
     });
@@ -499,11 +499,11 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
     std::vector<char> used(static_cast<std::size_t>(P), 0);
     for (index_t n = 0; n < N; ++n) {
       index_t const s = static_cast<index_t>(slots(n));
-      ::k3::detail::require(s >= 0 && s < P, [&] {
+      ::k3::detail::require(s >= 0 && s < P, error_kind::value, [&] {
         return "argument 'slots': slot " + std::to_string(s) + " at index " + std::to_string(n) + " is outside the pool [0, " +
                std::to_string(P) + ")";
       });
-      ::k3::detail::require(!used[static_cast<std::size_t>(s)], [&] {
+      ::k3::detail::require(!used[static_cast<std::size_t>(s)], error_kind::value, [&] {
         return "argument 'slots': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
       });
       used[static_cast<std::size_t>(s)] = 1;

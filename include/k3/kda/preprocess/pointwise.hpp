@@ -264,7 +264,7 @@ void pp_check_gate(std::string_view gname, X const& x, A const& A_log, Bias cons
 
 
 inline void pp_check_lower_bound(double lb) {
-  ::k3::detail::require(lb >= -5.0 && lb < 0.0, [&] {
+  ::k3::detail::require(lb >= -5.0 && lb < 0.0, error_kind::value, [&] {
     return "argument 'lower_bound': must lie in [-5, 0), got " + ::k3::detail::format_number(lb);
   });
 }

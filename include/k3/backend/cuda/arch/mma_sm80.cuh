@@ -41,7 +41,7 @@ inline void gather_warp(std::uint64_t v, std::uint64_t (&out)[32]) {
   auto& s = ::k3::simt::detail::running();
   unsigned const parity = s.publish(v);
   std::uint32_t const present = s.present_lanes(parity);
-  ::k3::detail::require(present == 0xFFFFFFFFu, "mma/ldmatrix: every lane of the warp must take part (.sync.aligned)");
+  ::k3::detail::require(present == 0xFFFFFFFFu, error_kind::value, "mma/ldmatrix: every lane of the warp must take part (.sync.aligned)");
   for (unsigned l = 0; l < 32; ++l) out[l] = s.exchanged(parity, l);
 }
 
@@ -120,7 +120,7 @@ K3_INLINE void ldmatrix_x4(std::uint32_t (&r)[4], void const* row) {
 #endif
 #elif defined(K3_SIMT_RUNTIME)
   std::uint64_t rows[32];
-  ::k3::detail::require((reinterpret_cast<std::uintptr_t>(row) & 15u) == 0, "ldmatrix: a row address must be 16-byte aligned");
+  ::k3::detail::require((reinterpret_cast<std::uintptr_t>(row) & 15u) == 0, error_kind::value, "ldmatrix: a row address must be 16-byte aligned");
   detail::gather_warp(static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(row)), rows);
   unsigned const lane = detail::lane_id(), g = lane / 4, t = lane % 4;
   auto elem = [&](unsigned j, unsigned i, unsigned k) {  // M_j[i][k]
