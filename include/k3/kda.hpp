@@ -13,7 +13,10 @@
 // recomputing them (same gradients, bit for bit).
 // Backends: k3::cpu::serial (one thread; with algorithm::recurrent it is the reference),
 // k3::cpu::simd<Arch> (one thread, vectorised kernels) and k3::cpu::threads<Arch> (the same
-// kernels over (sequence x head) tasks on a thread pool).
+// kernels over (sequence x head) tasks on a thread pool); k3::cuda::stream_backend with args of
+// device views, forward_args<In, float, cuda_device_space> (k3/kda/cuda/backend.cuh, in a TU
+// compiled by nvcc or against the SIMT host runtime). Views of the wrong memory space for the
+// backend are a compile error that says so.
 //
 // Non-finite values. g = -inf is a hard reset (e^g = 0), exact in both forms: the chunked form
 // clamps log decays at the underflow of e^g (k3/core/math.hpp full_decay_log), where they
@@ -213,6 +216,26 @@ void decode(B const& be, decode_args<In, S> const& a, options const& opt = {}) {
     run([](index_t j) { return j; });
   else
     run([&](index_t j) { return live[std::size_t(j)]; });
+}
+
+// Device views handed to a host backend: a compile error naming the fix, not a failed overload set.
+template <HostBackend B, Storage In, Real S>
+void forward(B const&, forward_args<In, S, cuda_device_space> const&, options const& = {}) {
+  static_assert(detail::views_in_wrong_space<B>,
+                "k3::kda::forward: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "pass k3::cuda::stream_backend (k3/kda/cuda/backend.cuh) or host views");
+}
+template <HostBackend B, Storage In, Real S>
+void backward(B const&, backward_args<In, S, cuda_device_space> const&, options const& = {}) {
+  static_assert(detail::views_in_wrong_space<B>,
+                "k3::kda::backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "pass k3::cuda::stream_backend (k3/kda/cuda/backend.cuh) or host views");
+}
+template <HostBackend B, Storage In, Real S>
+void decode(B const&, decode_args<In, S, cuda_device_space> const&, options const& = {}) {
+  static_assert(detail::views_in_wrong_space<B>,
+                "k3::kda::decode: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "pass k3::cuda::stream_backend (k3/kda/cuda/backend.cuh) or host views");
 }
 
 }  // namespace k3::kda

@@ -80,47 +80,49 @@ bool present(V const& v) noexcept {
   return v.data_handle() != nullptr;
 }
 
-template <Storage In, class S = default_state_t<In>>
+// The views live in `Space`: host_space for the CPU backends, cuda_device_space for
+// k3::cuda::stream_backend (k3/kda/cuda/backend.cuh). Options and cu_seqlens stay on the host.
+template <Storage In, class S = default_state_t<In>, class Space = host_space>
 struct forward_args {
-  tensor_view<In const, 4> q, k, v, g;
-  tensor_view<In const, 3> beta;
-  tensor_view<In, 4> o;
-  tensor_view<S const, 4> h0 = {};  // optional initial state [N,HV,K,V]
-  tensor_view<S, 4> ht = {};        // optional final state [N,HV,K,V]
+  tensor_view<In const, 4, Space> q, k, v, g;
+  tensor_view<In const, 3, Space> beta;
+  tensor_view<In, 4, Space> o;
+  tensor_view<S const, 4, Space> h0 = {};  // optional initial state [N,HV,K,V]
+  tensor_view<S, 4, Space> ht = {};        // optional final state [N,HV,K,V]
   // Optional, chunked form only: what the backward needs per chunk (see saved_shape), so that
   // backward_args::saved can skip recomputing the forward's state recurrence.
-  tensor_view<S, 3> saved = {};
+  tensor_view<S, 3, Space> saved = {};
 };
 
-template <Storage In, class S = default_state_t<In>>
+template <Storage In, class S = default_state_t<In>, class Space = host_space>
 struct backward_args {
-  tensor_view<In const, 4> q, k, v, g;
-  tensor_view<In const, 3> beta;
-  tensor_view<S const, 4> h0 = {};
-  tensor_view<In const, 4> d_o;      // gradient of o
-  tensor_view<S const, 4> dht = {};  // optional gradient of the final state
-  tensor_view<In, 4> dq, dk, dv, dg;
-  tensor_view<In, 3> dbeta;
-  tensor_view<S, 4> dh0 = {};  // optional
+  tensor_view<In const, 4, Space> q, k, v, g;
+  tensor_view<In const, 3, Space> beta;
+  tensor_view<S const, 4, Space> h0 = {};
+  tensor_view<In const, 4, Space> d_o;      // gradient of o
+  tensor_view<S const, 4, Space> dht = {};  // optional gradient of the final state
+  tensor_view<In, 4, Space> dq, dk, dv, dg;
+  tensor_view<In, 3, Space> dbeta;
+  tensor_view<S, 4, Space> dh0 = {};  // optional
   // Optional: forward_args::saved as filled by a chunked forward on the SAME inputs (q, k, v,
   // g, beta, h0) and options (any CPU backend). Only its shape can be checked here; contents
   // from other inputs give wrong gradients. Absent: the backward recomputes the states.
-  tensor_view<S const, 3> saved = {};
+  tensor_view<S const, 3, Space> saved = {};
 };
 
 // One decode step for N independent sequences whose states live in a pool, addressed by slot.
-template <Storage In, class S = default_state_t<In>>
+template <Storage In, class S = default_state_t<In>, class Space = host_space>
 struct decode_args {
-  tensor_view<In const, 3> q, k;  // [N,H,K]
-  tensor_view<In const, 3> v;     // [N,HV,V]
-  tensor_view<In const, 3> g;     // [N,HV,K]
-  tensor_view<In const, 2> beta;  // [N,HV]
-  tensor_view<In, 3> o;           // [N,HV,V]
-  tensor_view<S, 4> state_pool;   // [P,HV,K,V], updated in place
+  tensor_view<In const, 3, Space> q, k;  // [N,H,K]
+  tensor_view<In const, 3, Space> v;     // [N,HV,V]
+  tensor_view<In const, 3, Space> g;     // [N,HV,K]
+  tensor_view<In const, 2, Space> beta;  // [N,HV]
+  tensor_view<In, 3, Space> o;           // [N,HV,V]
+  tensor_view<S, 4, Space> state_pool;   // [P,HV,K,V], updated in place
   // Exactly one of slots32 / slots64: the pool slot of each sequence; a negative slot marks
   // a padding entry, skipped (its o is left untouched), on every backend.
-  tensor_view<std::int32_t const, 1> slots32 = {};
-  tensor_view<std::int64_t const, 1> slots64 = {};
+  tensor_view<std::int32_t const, 1, Space> slots32 = {};
+  tensor_view<std::int64_t const, 1, Space> slots64 = {};
 };
 
 namespace detail {
@@ -194,8 +196,8 @@ inline std::optional<double> checked_lower_bound(options const& opt) {
   return opt.gate_lower_bound;
 }
 
-template <class In>
-problem make_problem(tensor_view<In const, 4> q, tensor_view<In const, 4> v, options const& opt) {
+template <class In, class Space>
+problem make_problem(tensor_view<In const, 4, Space> q, tensor_view<In const, 4, Space> v, options const& opt) {
   problem p;
   check_view("q", q);
   check_view("v", v);
@@ -299,9 +301,9 @@ void check_gate_bound(problem const& p, tensor_view<In const, 4> g) {
           // Compare in the storage precision's terms: a g equal to lb rounded to float or to
           // the storage type is fine.
           if (x < static_cast<double>(static_cast<float>(*p.lower_bound)) && x < *p.lower_bound && x < lb_stored)
-            throw ::k3::error(error_kind::value, "argument 'g': value " + fmt(x) + " at [" + std::to_string(b) + ", " + std::to_string(t) + ", " +
-                              std::to_string(h) + ", " + std::to_string(d) + "] is below the gate lower bound = " +
-                                                         fmt(*p.lower_bound),
+            throw ::k3::error(error_kind::value,
+                              "argument 'g': value " + fmt(x) + " at [" + std::to_string(b) + ", " + std::to_string(t) + ", " +
+                                  std::to_string(h) + ", " + std::to_string(d) + "] is below the gate lower bound = " + fmt(*p.lower_bound),
                               "gate_lower_bound");
         }
       }
@@ -340,8 +342,10 @@ void check_saved(V const& saved, problem const& p, options const& opt) {
 
 // check_gate: false leaves the gate bound to the caller (the threaded forward scans g in
 // parallel first, see kda.hpp).
-template <class In, class S>
-problem validate(forward_args<In, S> const& a, options const& opt, bool check_gate = true) {
+// Device views (cuda_device_space) are checked for everything but their values: the CUDA
+// kernels are exact for any gate, so there the bound is a promise k3 does not read g to check.
+template <class In, class S, class Space>
+problem validate(forward_args<In, S, Space> const& a, options const& opt, bool check_gate = true) {
   problem p = make_problem<In>(a.q, a.v, opt);
   index_t const B = p.B, T = p.T, HV = p.HV, K = p.K, V = p.V, N = p.N;
   check_shared_inputs(a, p);
@@ -355,12 +359,13 @@ problem validate(forward_args<In, S> const& a, options const& opt, bool check_ga
         f("saved", a.saved);
       },
       [&](auto&& f) { for_each_shared_input(a, f); });
-  if (check_gate) check_gate_bound<In>(p, a.g);
+  if constexpr (Space::host_accessible)
+    if (check_gate) check_gate_bound<In>(p, a.g);
   return p;
 }
 
-template <class In, class S>
-problem validate(backward_args<In, S> const& a, options const& opt) {
+template <class In, class S, class Space>
+problem validate(backward_args<In, S, Space> const& a, options const& opt) {
   problem p = make_problem<In>(a.q, a.v, opt);
   index_t const B = p.B, T = p.T, H = p.H, HV = p.HV, K = p.K, V = p.V, N = p.N;
   check_shared_inputs(a, p);
@@ -388,12 +393,37 @@ problem validate(backward_args<In, S> const& a, options const& opt) {
         f("dht", a.dht);
         f("saved", a.saved);
       });
-  check_gate_bound<In>(p, a.g);
+  if constexpr (Space::host_accessible) check_gate_bound<In>(p, a.g);
   return p;
 }
 
-template <class In, class S>
-problem validate(decode_args<In, S> const& a, options const& opt) {
+// False for every backend: the condition of the static_asserts that reject args whose views
+// live in a memory space the backend cannot reach (k3/kda.hpp, k3/kda/cuda/backend.cuh).
+template <class B>
+inline constexpr bool views_in_wrong_space = false;
+
+// Every slot(n) of the N sequences inside a pool of P states and used once; negative slots
+// (padding) are skipped.
+template <class SlotOf>
+void check_slots(SlotOf&& slot, index_t N, index_t P) {
+  std::vector<char> used(std::size_t(P), 0);
+  for (index_t n = 0; n < N; ++n) {
+    index_t const s = slot(n);
+    if (s < 0) continue;  // padding: skipped by decode
+    ::k3::detail::require(s < P, error_kind::value, [&] {
+      return "argument 'slots': slot " + std::to_string(s) + " at index " + std::to_string(n) + " is out of range for a pool of " +
+             std::to_string(P) + " states";
+    });
+    ::k3::detail::require(!used[std::size_t(s)], error_kind::value, [&] {
+      return "argument 'slots': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
+    });
+    used[std::size_t(s)] = 1;
+  }
+}
+
+// Device slots are checked by the caller (the CUDA backend copies them to the host first).
+template <class In, class S, class Space>
+problem validate(decode_args<In, S, Space> const& a, options const& opt) {
   ::k3::detail::require(!opt.cu_seqlens.present(), error_kind::value, "option 'cu_seqlens': not used by the decode step (one token per sequence)");
   check_view("q", a.q);
   check_view("v", a.v);
@@ -431,20 +461,8 @@ problem validate(decode_args<In, S> const& a, options const& opt) {
                         "argument 'slots': give exactly one of slots32 (int32) or slots64 (int64)");
   if (has32) check_shape("slots", a.slots32, {N});
   if (has64) check_shape("slots", a.slots64, {N});
-  index_t const P = a.state_pool.extent(0);
-  std::vector<char> used(std::size_t(P), 0);
-  for (index_t n = 0; n < N; ++n) {
-    index_t s = has32 ? index_t(a.slots32(n)) : index_t(a.slots64(n));
-    if (s < 0) continue;  // padding: skipped by decode
-    ::k3::detail::require(s < P, error_kind::value, [&] {
-      return "argument 'slots': slot " + std::to_string(s) + " at index " + std::to_string(n) + " is out of range for a pool of " +
-             std::to_string(P) + " states";
-    });
-    ::k3::detail::require(!used[std::size_t(s)], error_kind::value, [&] {
-      return "argument 'slots': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
-    });
-    used[std::size_t(s)] = 1;
-  }
+  if constexpr (Space::host_accessible)
+    check_slots([&](index_t n) { return has32 ? index_t(a.slots32(n)) : index_t(a.slots64(n)); }, N, a.state_pool.extent(0));
   // The pool is read and written in place: checked as an output (not broadcast, apart from
   // o and from every input).
   check_outputs_apart(
