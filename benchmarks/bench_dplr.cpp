@@ -73,9 +73,8 @@ struct data {
     return k3::host_view(x.data(), 1, t < 0 ? T : t, 1, D);
   }
   k3::tensor_view<float, 4> mv(std::vector<float>& x, k3::index_t D, k3::index_t t = -1) { return k3::host_view(x.data(), 1, t < 0 ? T : t, 1, D); }
-  k3::dplr_inputs<float> in(k3::index_t t = -1) const {
-    return {cv(q, K, t), cv(k, K, t), cv(v, V, t), cv(a, K, t), cv(b, K, t), cv(gk, K, t), {}};
-  }
+  // The first t tokens (all when t < 0); outputs unset.
+  k3::dplr::forward_args<float> in(k3::index_t t = -1) const { return {cv(q, K, t), cv(k, K, t), cv(v, V, t), cv(a, K, t), cv(b, K, t), cv(gk, K, t)}; }
   // KDA on the same tokens: k = a (unit rows, as the delta rule wants), g = gk (>= -5).
   k3::kda::forward_args<float> kda() {
     k3::kda::forward_args<float> x;
@@ -121,15 +120,20 @@ int main(int argc, char** argv) {
   data d(T, K, V);
   gemm_yardstick gemm(1, 512);
   k3::cpu::threads<> t1(1), t2(2);
-  k3::dplr_options vs, sm;
+  k3::dplr::options vs, sm;
   vs.chunk_size = sm.chunk_size = C;
-  vs.long_sequence = k3::dplr_long_sequence::value_split;
-  sm.long_sequence = k3::dplr_long_sequence::segment_maps;
-  k3::dplr_outputs<float> out{d.mv(d.o, V), k3::host_view(d.ht.data(), 1, 1, K, V)};
+  vs.long_sequence = k3::dplr::sequence_split::value_split;
+  sm.long_sequence = k3::dplr::sequence_split::segment_maps;
+  auto fwd = d.in();
+  fwd.o = d.mv(d.o, V);
+  fwd.ht = k3::host_view(d.ht.data(), 1, 1, K, V);
   std::vector<float> M(K * K), N(K * V);
+  k3::dplr::maps_args<float> const maps{fwd.q, fwd.k, fwd.v, fwd.a, fwd.b, fwd.gk, k3::host_view(M.data(), 1, 1, K, K), k3::host_view(N.data(), 1, 1, K, V)};
   auto bwd = [&](auto const& bk) {
-    k3::dplr_grads<float> g{d.mv(d.dq, K, Tb), d.mv(d.dk, K, Tb), d.mv(d.dv, V, Tb), d.mv(d.da, K, Tb), d.mv(d.db, K, Tb), d.mv(d.dg, K, Tb), {}};
-    k3::dplr_chunked_backward(bk, d.in(Tb), k3::dplr_grad_inputs<float>{d.cv(d.dO, V, Tb), {}}, g, vs);
+    auto const in = d.in(Tb);
+    k3::dplr::backward_args<float> g{in.q, in.k, in.v, in.a, in.b, in.gk, {}, d.cv(d.dO, V, Tb)};
+    g.dq = d.mv(d.dq, K, Tb), g.dk = d.mv(d.dk, K, Tb), g.dv = d.mv(d.dv, V, Tb), g.da = d.mv(d.da, K, Tb), g.db = d.mv(d.db, K, Tb), g.dgk = d.mv(d.dg, K, Tb);
+    k3::dplr::backward(bk, g, vs);
   };
   std::vector<double> yg;
   timing f1, f2v, f2s, mp, b1, b2, kd1, kd2;
@@ -138,10 +142,10 @@ int main(int argc, char** argv) {
   kopt.gate_lower_bound = -5.0;
   for (int r = 0; r < reps; ++r) {
     yg.push_back(gemm.gflops());
-    f1.add([&] { k3::dplr_chunked_forward(t1, d.in(), out, vs); });
-    f2v.add([&] { k3::dplr_chunked_forward(t2, d.in(), out, vs); });
-    f2s.add([&] { k3::dplr_chunked_forward(t2, d.in(), out, sm); });
-    mp.add([&] { k3::dplr_segment_maps(d.in(), k3::host_view(M.data(), 1, 1, K, K), k3::host_view(N.data(), 1, 1, K, V), vs); });
+    f1.add([&] { k3::dplr::forward(t1, fwd, vs); });
+    f2v.add([&] { k3::dplr::forward(t2, fwd, vs); });
+    f2s.add([&] { k3::dplr::forward(t2, fwd, sm); });
+    mp.add([&] { k3::dplr::segment_maps(k3::cpu::serial{}, maps, vs); });
     b1.add([&] { bwd(t1); });
     b2.add([&] { bwd(t2); });
     kd1.add([&] { k3::kda::forward(t1, d.kda(), kopt); });

@@ -43,28 +43,42 @@ int main(int argc, char** argv) {
   std::vector<float> o(static_cast<std::size_t>(T * V)), ht(static_cast<std::size_t>(K * V)), M(K * K), N(K * V);
   auto view = [&](std::vector<float> const& x, index_t D, index_t s, index_t c) { return k3::host_view(x.data() + s * D, 1, c, 1, D); };
   auto in = [&](index_t s, index_t c) {
-    return k3::dplr_inputs<float>{view(q, K, s, c), view(k, K, s, c), view(v, V, s, c), view(a, K, s, c), view(b, K, s, c), view(gk, K, s, c), {}};
+    return k3::dplr::forward_args<float>{view(q, K, s, c), view(k, K, s, c), view(v, V, s, c), view(a, K, s, c), view(b, K, s, c), view(gk, K, s, c)};
   };
-  k3::dplr_options opt;
+  // This rank's tokens with the communicator: the context-parallel call.
+  auto on_ranks = [&](k3::dplr::forward_args<float> const& x) {
+    return k3::dplr::cp_forward_args<float, k3::mpi_communicator>{&comm, x.q, x.k, x.v, x.a, x.b, x.gk, x.h0, x.o, x.ht};
+  };
+  auto with_o = [](k3::dplr::forward_args<float> x, k3::tensor_view<float, 4> o, k3::tensor_view<float, 4> ht = {}) {
+    x.o = o;
+    x.ht = ht;
+    return x;
+  };
+  k3::dplr::options opt;
   std::vector<double> whole, cp, fwd_local, map_local;
   for (int r = 0; r < reps; ++r) {
     comm.barrier();
     if (rank == 0)
       whole.push_back(seconds([&] {
-        k3::dplr_chunked_forward(k3::cpu::serial{}, in(0, T), k3::dplr_outputs<float>{k3::host_view(o.data(), 1, T, 1, V), {}}, opt);
+        k3::dplr::forward(k3::cpu::serial{}, with_o(in(0, T), k3::host_view(o.data(), 1, T, 1, V)), opt);
       }));
     comm.barrier();
     double t = seconds([&] {
-      k3::dplr_cp_forward(comm, in(t0, n), k3::dplr_outputs<float>{k3::host_view(o.data() + t0 * V, 1, n, 1, V), k3::host_view(ht.data(), 1, 1, K, V)}, opt);
+      k3::dplr::forward(k3::cpu::serial{}, on_ranks(with_o(in(t0, n), k3::host_view(o.data() + t0 * V, 1, n, 1, V), k3::host_view(ht.data(), 1, 1, K, V))), opt);
     });
     double tmax = t;
     MPI_Allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     cp.push_back(tmax);
     if (rank == 0) {
       fwd_local.push_back(seconds([&] {
-        k3::dplr_chunked_forward(k3::cpu::serial{}, in(t0, n), k3::dplr_outputs<float>{k3::host_view(o.data(), 1, n, 1, V), {}}, opt);
+        k3::dplr::forward(k3::cpu::serial{}, with_o(in(t0, n), k3::host_view(o.data(), 1, n, 1, V)), opt);
       }));
-      map_local.push_back(seconds([&] { k3::dplr_segment_maps(in(t0, n), k3::host_view(M.data(), 1, 1, K, K), k3::host_view(N.data(), 1, 1, K, V), opt); }));
+      map_local.push_back(seconds([&] {
+        auto const x = in(t0, n);
+        k3::dplr::segment_maps(k3::cpu::serial{}, k3::dplr::maps_args<float>{x.q, x.k, x.v, x.a, x.b, x.gk, k3::host_view(M.data(), 1, 1, K, K),
+                                                                             k3::host_view(N.data(), 1, 1, K, V)},
+                               opt);
+      }));
     }
   }
   if (rank == 0) {

@@ -34,7 +34,7 @@ k3::io::npy_array widen(k3::io::npy_array x) {
 
 template <class T>
 int run_typed(k3::cli::args& args, k3::io::npy_array const& q, bool bf16_io = false) {
-  using S = k3::dplr_state_t<T>;
+  using S = k3::dplr::state_t<T>;
   auto load = [&](char const* name) -> k3::io::npy_array {
     auto x = args.load(name);
     if (bf16_io && !is_bf16(x))
@@ -52,13 +52,13 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q, bool bf16_io = fa
   k3::io::npy_array k = load("k"), v = load("v"), a = load("a"), b = load("b"), gk = load("gk");
   auto h0 = args.load_optional("h0");
   auto cu = args.load_optional("cu_seqlens");
-  k3::dplr_inputs<T> in{q.view<T, 4>("q"), k.view<T, 4>("k"), v.view<T, 4>("v"), a.view<T, 4>("a"), b.view<T, 4>("b"), gk.view<T, 4>("gk"), {}};
+  k3::dplr::forward_args<T> in{q.view<T, 4>("q"), k.view<T, 4>("k"), v.view<T, 4>("v"), a.view<T, 4>("a"), b.view<T, 4>("b"), gk.view<T, 4>("gk")};
   if (h0) in.h0 = h0->view<S, 4>("h0");
-  k3::dplr_options opt;
+  k3::dplr::options opt;
   if (args.has("scale")) opt.scale = args.number("scale", 0);
   opt.chunk_size = args.integer("chunk-size", 64);
-  opt.long_sequence = args.choice("long-sequence", {"value-split", "segment-maps"}) == "segment-maps" ? k3::dplr_long_sequence::segment_maps
-                                                                                                       : k3::dplr_long_sequence::value_split;
+  opt.long_sequence = args.choice("long-sequence", {"value-split", "segment-maps"}) == "segment-maps" ? k3::dplr::sequence_split::segment_maps
+                                                                                                       : k3::dplr::sequence_split::value_split;
   if (cu) {
     // An empty array would read as "no cu_seqlens" (a null view) further down.
     if (cu->rank() == 1 && cu->shape()[0] == 0) throw k3::error(k3::error_kind::shape, "argument 'cu_seqlens': needs at least one offset (N+1 entries), got shape [0]");
@@ -67,6 +67,7 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q, bool bf16_io = fa
   }
   // "chunked" is the earlier spelling of "chunk", still accepted.
   std::string const mode = args.choice("mode", {"chunk", "recurrent", "chunked"});
+  opt.mode = mode == "recurrent" ? k3::dplr::algorithm::recurrent : k3::dplr::algorithm::chunk;
   k3::cpu::threads<> th(args.threads(1));
   index_t B = in.q.extent(0), T_ = in.q.extent(1), H = in.q.extent(2), K = in.q.extent(3), V = in.v.extent(3);
   // Every input shape (and cu_seqlens, h0) checked before the outputs are sized from them.
@@ -76,21 +77,20 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q, bool bf16_io = fa
   k3::cli::output_elements("one state", {H, K, V});  // per-sequence scratch, even when N = 0
   k3::tensor<T, 4> o({B, T_, H, V});
   k3::tensor<S, 4> ht({N, H, K, V});
-  k3::dplr_outputs<T> out{o.view(), ht.view()};
-  if (mode == "recurrent") k3::dplr_recurrent_forward(in, out, opt);
-  else k3::dplr_chunked_forward(th, in, out, opt);
+  in.o = o.view();
+  in.ht = ht.view();
+  k3::dplr::forward(th, in, opt);
   save("o", o.view());
   args.save("ht", ht.view());
   if (args.flag("backward")) {
     k3::io::npy_array dO = load("do");
     auto dht = args.load_optional("dht");
-    k3::dplr_grad_inputs<T> gin{dO.view<T, 4>("do"), {}};
-    if (dht) gin.dht = dht->view<S, 4>("dht");
     k3::tensor<T, 4> dq({B, T_, H, K}), dk({B, T_, H, K}), dv({B, T_, H, V}), da({B, T_, H, K}), db({B, T_, H, K}), dg({B, T_, H, K});
     k3::tensor<S, 4> dh0({N, H, K, V});
-    k3::dplr_grads<T> g{dq.view(), dk.view(), dv.view(), da.view(), db.view(), dg.view(), dh0.view()};
-    if (mode == "recurrent") k3::dplr_recurrent_backward(in, gin, g, opt);
-    else k3::dplr_chunked_backward(th, in, gin, g, opt);
+    k3::dplr::backward_args<T> g{in.q, in.k, in.v, in.a, in.b, in.gk, in.h0, dO.view<T, 4>("do")};
+    if (dht) g.dht = dht->view<S, 4>("dht");
+    g.dq = dq.view(), g.dk = dk.view(), g.dv = dv.view(), g.da = da.view(), g.db = db.view(), g.dgk = dg.view(), g.dh0 = dh0.view();
+    k3::dplr::backward(th, g, opt);
     save("dq", dq.view());
     save("dk", dk.view());
     save("dv", dv.view());

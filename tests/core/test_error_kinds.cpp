@@ -115,11 +115,12 @@ TEST_CASE("error kinds: unsupported for a valid request the op does not serve") 
   std::vector<float> x(2 * 4 * 1 * 3, 0.1f), gk(x.size(), -0.1f), o(x.size());
   std::vector<std::int64_t> cu{0, 2};
   auto v4 = host_view(static_cast<float const*>(x.data()), 1, 2, 1, 3);
-  dplr_inputs<float> in{v4, v4, v4, v4, v4, host_view(static_cast<float const*>(gk.data()), 1, 2, 1, 3), {}};
-  dplr_outputs<float> out{host_view(o.data(), 1, 2, 1, 3), {}};
-  dplr_options opt;
+  single_process const one;
+  dplr::cp_forward_args<float, single_process> in{&one, v4, v4, v4, v4, v4, host_view(static_cast<float const*>(gk.data()), 1, 2, 1, 3), {},
+                                                  host_view(o.data(), 1, 2, 1, 3)};
+  dplr::options opt;
   opt.cu_seqlens = host_view(static_cast<std::int64_t const*>(cu.data()), 2);
-  caught const c = catch_error([&] { dplr_cp_forward(single_process{}, in, out, opt); });
+  caught const c = catch_error([&] { dplr::forward(cpu::serial{}, in, opt); });
   REQUIRE(c.thrown);
   CHECK(c.kind == error_kind::unsupported);
 }

@@ -26,7 +26,7 @@ std::vector<T> block(std::vector<T> const& x, index_t B, index_t T_, index_t H, 
 template <class T, class Comm>
 cp_errors cp_check(Comm const& comm, int rank, std::uint64_t seed, index_t B, index_t Tn, index_t H, index_t K, index_t V,
               index_t chunk, std::vector<index_t> cuts, bool with_h0) {
-  using S = k3::dplr_state_t<T>;
+  using S = k3::dplr::state_t<T>;
   std::mt19937_64 rng(seed);
   auto p = make<T>(rng, B, Tn, H, K, V, {}, with_h0);
   auto dO = randn<T>(rng, p.nv());
@@ -40,11 +40,11 @@ cp_errors cp_check(Comm const& comm, int rank, std::uint64_t seed, index_t B, in
   lp.b = block(p.b, B, Tn, H, K, t0, n), lp.gk = block(p.gk, B, Tn, H, K, t0, n), lp.v = block(p.v, B, Tn, H, V, t0, n);
   auto ldO = block(dO, B, Tn, H, V, t0, n);
   auto opt = lp.options(chunk);
-  auto got = run_fwd(lp, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(comm, in, out, opt); });
+  auto got = run_fwd(lp, [&](auto const& a) { k3::dplr::forward(k3::cpu::serial{}, on(comm, a), opt); });
   auto want_o = block(ref.o, B, Tn, H, V, t0, n);
   cp_errors e;
   e.o = rel_err(got.o, want_o), e.ht = rel_err(got.ht, ref.ht);
-  auto g = run_bwd(lp, ldO, dht, [&](auto const& in, auto const& gin, auto const& gg) { k3::dplr_cp_backward(comm, in, gin, gg, opt); });
+  auto g = run_bwd(lp, ldO, dht, [&](auto const& a) { k3::dplr::backward(k3::cpu::serial{}, on(comm, a), opt); });
   double& eb = e.grads;
   eb = std::max(eb, rel_err(g.dq, block(gref.dq, B, Tn, H, K, t0, n)));
   eb = std::max(eb, rel_err(g.dk, block(gref.dk, B, Tn, H, K, t0, n)));
@@ -55,7 +55,7 @@ cp_errors cp_check(Comm const& comm, int rank, std::uint64_t seed, index_t B, in
   e.dh0 = rel_err(g.dh0, gref.dh0);
   // threaded backend inside each rank gives the same
   k3::cpu::threads<> th(2);
-  auto got2 = run_fwd(lp, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(comm, in, out, opt, th); });
+  auto got2 = run_fwd(lp, [&](auto const& a) { k3::dplr::forward(th, on(comm, a), opt); });
   e.threaded = std::max(rel_err(got2.o, want_o), rel_err(got2.ht, ref.ht));
   return e;
 }

@@ -15,7 +15,7 @@ using k3::index_t;
 
 template <class T>
 struct problem {
-  using S = k3::dplr_state_t<T>;
+  using S = k3::dplr::state_t<T>;
   index_t B = 1, T_ = 1, H = 1, K = 1, V = 1, N = 1;
   std::vector<T> q, k, v, a, b, gk;
   std::vector<S> h0;
@@ -23,13 +23,14 @@ struct problem {
   bool with_h0 = false;
 
   k3::const_view<T, 4> kv(std::vector<T> const& x, index_t D) const { return k3::host_view(x.data(), B, T_, H, D); }
-  k3::dplr_inputs<T> inputs() const {
-    k3::dplr_inputs<T> in{kv(q, K), kv(k, K), kv(v, V), kv(a, K), kv(b, K), kv(gk, K), {}};
+  // The inputs (h0 when with_h0) as forward args; outputs unset.
+  k3::dplr::forward_args<T> inputs() const {
+    k3::dplr::forward_args<T> in{kv(q, K), kv(k, K), kv(v, V), kv(a, K), kv(b, K), kv(gk, K)};
     if (with_h0) in.h0 = k3::host_view(h0.data(), N, H, K, V);
     return in;
   }
-  k3::dplr_options options(index_t chunk = 64) const {
-    k3::dplr_options o;
+  k3::dplr::options options(index_t chunk = 64) const {
+    k3::dplr::options o;
     o.chunk_size = chunk;
     if (!cu.empty()) o.cu_seqlens = k3::host_view(cu.data(), static_cast<index_t>(cu.size()));
     return o;
@@ -128,37 +129,64 @@ double rel_err(std::vector<A> const& x, std::vector<B> const& y) {
 template <class T>
 struct fwd_result {
   std::vector<T> o;
-  std::vector<k3::dplr_state_t<T>> ht;
+  std::vector<k3::dplr::state_t<T>> ht;
 };
 
 template <class T>
 struct bwd_result {
   std::vector<T> dq, dk, dv, da, db, dgk;
-  std::vector<k3::dplr_state_t<T>> dh0;
+  std::vector<k3::dplr::state_t<T>> dh0;
 };
+
+// The inputs of forward args (h0 included) as backward args, gradients unset.
+template <class T>
+k3::dplr::backward_args<T> backward_of(k3::dplr::forward_args<T> const& a) {
+  return {a.q, a.k, a.v, a.a, a.b, a.gk, a.h0};
+}
+// The span inputs of forward args (h0 dropped) with the map outputs.
+template <class T, class M>
+k3::dplr::maps_args<T> maps_of(k3::dplr::forward_args<T> const& a, M const& m, M const& n) {
+  return {a.q, a.k, a.v, a.a, a.b, a.gk, m, n};
+}
+template <class T, class D, class M>
+k3::dplr::transposed_maps_args<T> transposed_maps_of(k3::dplr::forward_args<T> const& a, D const& d_o, M const& mt, M const& g) {
+  return {a.q, a.k, a.v, a.a, a.b, a.gk, d_o, mt, g};
+}
+// Forward or backward args with a communicator: the context-parallel calls.
+template <class C, class T>
+k3::dplr::cp_forward_args<T, C> on(C const& comm, k3::dplr::forward_args<T> const& a) {
+  return {&comm, a.q, a.k, a.v, a.a, a.b, a.gk, a.h0, a.o, a.ht};
+}
+template <class C, class T>
+k3::dplr::cp_backward_args<T, C> on(C const& comm, k3::dplr::backward_args<T> const& a) {
+  return {&comm, a.q, a.k, a.v, a.a, a.b, a.gk, a.h0, a.d_o, a.dht, a.dq, a.dk, a.dv, a.da, a.db, a.dgk, a.dh0};
+}
 
 template <class T, class F>
 fwd_result<T> run_fwd(problem<T> const& p, F&& f) {
   fwd_result<T> r;
   r.o.assign(static_cast<std::size_t>(p.nv()), T(0));
   r.ht.assign(static_cast<std::size_t>(p.ns()), 0);
-  k3::dplr_outputs<T> out{k3::host_view(r.o.data(), p.B, p.T_, p.H, p.V), k3::host_view(r.ht.data(), p.N, p.H, p.K, p.V)};
-  f(p.inputs(), out);
+  auto a = p.inputs();
+  a.o = k3::host_view(r.o.data(), p.B, p.T_, p.H, p.V);
+  a.ht = k3::host_view(r.ht.data(), p.N, p.H, p.K, p.V);
+  f(a);
   return r;
 }
 
 template <class T, class F>
-bwd_result<T> run_bwd(problem<T> const& p, std::vector<T> const& dO, std::vector<k3::dplr_state_t<T>> const& dht, F&& f) {
+bwd_result<T> run_bwd(problem<T> const& p, std::vector<T> const& dO, std::vector<k3::dplr::state_t<T>> const& dht, F&& f) {
   bwd_result<T> r;
   for (auto* x : {&r.dq, &r.dk, &r.da, &r.db, &r.dgk}) x->assign(static_cast<std::size_t>(p.nk()), T(0));
   r.dv.assign(static_cast<std::size_t>(p.nv()), T(0));
   r.dh0.assign(static_cast<std::size_t>(p.ns()), 0);
-  k3::dplr_grad_inputs<T> gin{k3::host_view(dO.data(), p.B, p.T_, p.H, p.V), {}};
-  if (!dht.empty()) gin.dht = k3::host_view(dht.data(), p.N, p.H, p.K, p.V);
+  auto g = backward_of(p.inputs());
+  g.d_o = k3::host_view(dO.data(), p.B, p.T_, p.H, p.V);
+  if (!dht.empty()) g.dht = k3::host_view(dht.data(), p.N, p.H, p.K, p.V);
   auto v4 = [&](std::vector<T>& x, index_t D) { return k3::host_view(x.data(), p.B, p.T_, p.H, D); };
-  k3::dplr_grads<T> g{v4(r.dq, p.K), v4(r.dk, p.K), v4(r.dv, p.V), v4(r.da, p.K), v4(r.db, p.K), v4(r.dgk, p.K),
-                      k3::host_view(r.dh0.data(), p.N, p.H, p.K, p.V)};
-  f(p.inputs(), gin, g);
+  g.dq = v4(r.dq, p.K), g.dk = v4(r.dk, p.K), g.dv = v4(r.dv, p.V), g.da = v4(r.da, p.K), g.db = v4(r.db, p.K), g.dgk = v4(r.dgk, p.K);
+  g.dh0 = k3::host_view(r.dh0.data(), p.N, p.H, p.K, p.V);
+  f(g);
   return r;
 }
 
@@ -179,19 +207,23 @@ double max_err(bwd_result<T> const& x, bwd_result<T> const& y) {
   return e;
 }
 
-inline auto recurrent_fwd(k3::dplr_options o) {
-  return [o](auto const& in, auto const& out) { k3::dplr_recurrent_forward(in, out, o); };
+inline k3::dplr::options recurrent(k3::dplr::options o) {
+  o.mode = k3::dplr::algorithm::recurrent;
+  return o;
 }
-inline auto recurrent_bwd(k3::dplr_options o) {
-  return [o](auto const& in, auto const& gin, auto const& g) { k3::dplr_recurrent_backward(in, gin, g, o); };
+inline auto recurrent_fwd(k3::dplr::options o) {
+  return [o](auto const& a) { k3::dplr::forward(k3::cpu::serial{}, a, recurrent(o)); };
+}
+inline auto recurrent_bwd(k3::dplr::options o) {
+  return [o](auto const& a) { k3::dplr::backward(k3::cpu::serial{}, a, recurrent(o)); };
 }
 template <class Bk>
-auto chunked_fwd(Bk bk, k3::dplr_options o) {
-  return [bk, o](auto const& in, auto const& out) { k3::dplr_chunked_forward(bk, in, out, o); };
+auto chunked_fwd(Bk bk, k3::dplr::options o) {
+  return [bk, o](auto const& a) { k3::dplr::forward(bk, a, o); };
 }
 template <class Bk>
-auto chunked_bwd(Bk bk, k3::dplr_options o) {
-  return [bk, o](auto const& in, auto const& gin, auto const& g) { k3::dplr_chunked_backward(bk, in, gin, g, o); };
+auto chunked_bwd(Bk bk, k3::dplr::options o) {
+  return [bk, o](auto const& a) { k3::dplr::backward(bk, a, o); };
 }
 
 }  // namespace dplr_test

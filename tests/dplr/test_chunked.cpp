@@ -13,7 +13,19 @@ using k3::test::rel_rms;
 
 namespace {
 
-void compare(problem<double> const& p, index_t chunk, k3::dplr_intra mode, double tol = 1e-12) {
+// k3::dplr::forward and backward take every CPU backend (the recurrent mode included: any host
+// backend); `compare` below runs both modes through them.
+template <class B, class T>
+constexpr bool takes = requires(B const& be, k3::dplr::forward_args<T> const& f, k3::dplr::backward_args<T> const& g, k3::dplr::options const& o) {
+  k3::dplr::forward(be, f, o);
+  k3::dplr::backward(be, g, o);
+  k3::dplr::forward(be, f);
+};
+static_assert(takes<k3::cpu::serial, float> && takes<k3::cpu::simd<>, float> && takes<k3::cpu::threads<>, float>);
+static_assert(takes<k3::cpu::serial, double> && takes<k3::cpu::simd<>, double> && takes<k3::cpu::threads<>, double>);
+static_assert(!takes<int, float>);
+
+void compare(problem<double> const& p, index_t chunk, k3::dplr::intra_form mode, double tol = 1e-12) {
   std::mt19937_64 rng(static_cast<std::uint64_t>(p.T_ * 131 + p.K * 7 + p.V + chunk));
   auto o = p.options(chunk);
   o.intra = mode;
@@ -40,7 +52,7 @@ TEST_CASE("chunked DPLR equals recurrent on awkward shapes (double, 1e-12)") {
       index_t K = Ds[i % 4], V = Ds[(i + 1 + j) % 4];
       INFO("T=" << T << " K=" << K << " V=" << V);
       auto p = make<double>(rng, 1, T, 2, K, V, {}, true, gate::normal, j == 1);
-      compare(p, 64, k3::dplr_intra::automatic);
+      compare(p, 64, k3::dplr::intra_form::automatic);
     }
   }
 }
@@ -50,31 +62,31 @@ TEST_CASE("chunked DPLR: small chunks, both intra forms, hard resets, zero gates
   for (index_t chunk : {1, 7, 16}) {
     auto p = make<double>(rng, 2, 37, 1, 9, 5);
     INFO("chunk=" << chunk);
-    compare(p, chunk, k3::dplr_intra::factored);
-    compare(p, chunk, k3::dplr_intra::pairwise);
+    compare(p, chunk, k3::dplr::intra_form::factored);
+    compare(p, chunk, k3::dplr::intra_form::pairwise);
   }
   auto pr = make<double>(rng, 1, 70, 2, 12, 8, {}, true, gate::resets);
-  compare(pr, 32, k3::dplr_intra::automatic);  // resets push chunks onto the pairwise form
-  compare(pr, 32, k3::dplr_intra::pairwise);
+  compare(pr, 32, k3::dplr::intra_form::automatic);  // resets push chunks onto the pairwise form
+  compare(pr, 32, k3::dplr::intra_form::pairwise);
   // Resets far below the underflow of e^g, down to -inf: clamped in the chunk-local cumsum.
   for (gate gk : {gate::huge_resets, gate::infinite_resets}) {
     auto ph = make<double>(rng, 1, 70, 2, 12, 8, {}, true, gk);
-    compare(ph, 32, k3::dplr_intra::automatic);
-    compare(ph, 16, k3::dplr_intra::factored);
+    compare(ph, 32, k3::dplr::intra_form::automatic);
+    compare(ph, 16, k3::dplr::intra_form::factored);
   }
   auto pz = make<double>(rng, 1, 40, 1, 8, 8, {}, true, gate::zero);
-  compare(pz, 16, k3::dplr_intra::automatic);
+  compare(pz, 16, k3::dplr::intra_form::automatic);
   auto ps = make<double>(rng, 1, 50, 1, 8, 6, {}, false, gate::strong);
-  compare(ps, 16, k3::dplr_intra::automatic);
+  compare(ps, 16, k3::dplr::intra_form::automatic);
 }
 
 TEST_CASE("chunked DPLR varlen with short and empty sequences") {
   std::mt19937_64 rng(13);
   auto p = make<double>(rng, 1, 200, 2, 16, 60, {0, 15, 15, 100, 101, 164, 200});
-  compare(p, 64, k3::dplr_intra::automatic);
-  compare(p, 16, k3::dplr_intra::pairwise);
+  compare(p, 64, k3::dplr::intra_form::automatic);
+  compare(p, 16, k3::dplr::intra_form::pairwise);
   auto p2 = make<double>(rng, 1, 65, 1, 60, 16, {0, 1, 64, 65}, false);
-  compare(p2, 64, k3::dplr_intra::automatic);
+  compare(p2, 64, k3::dplr::intra_form::automatic);
 }
 
 TEST_CASE("chunked DPLR in float tracks the double reference") {
@@ -157,7 +169,7 @@ TEST_CASE("threaded paths equal the single-thread result") {
     auto dht = randn<double>(rng, p->ns());
     auto ref = run_fwd(*p, chunked_fwd(k3::cpu::serial{}, p->options(32)));
     auto gref = run_bwd(*p, dO, dht, chunked_bwd(k3::cpu::serial{}, p->options(32)));
-    for (auto mode : {k3::dplr_long_sequence::value_split, k3::dplr_long_sequence::segment_maps}) {
+    for (auto mode : {k3::dplr::sequence_split::value_split, k3::dplr::sequence_split::segment_maps}) {
       auto o = p->options(32);
       o.long_sequence = mode;
       INFO("mode=" << int(mode) << " T=" << p->T_);
@@ -174,14 +186,19 @@ TEST_CASE("context-parallel entry points on a single-process communicator") {
   auto dht = randn<double>(rng, p.ns());
   k3::single_process one;
   auto ref = run_fwd(p, recurrent_fwd(p.options()));
-  auto got = run_fwd(p, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(one, in, out, p.options(16)); });
+  auto got = run_fwd(p, [&](auto const& a) { k3::dplr::forward(k3::cpu::serial{}, on(one, a), p.options(16)); });
   CHECK(max_err(got, ref) < 1e-12);
   auto gref = run_bwd(p, dO, dht, recurrent_bwd(p.options()));
-  auto g = run_bwd(p, dO, dht, [&](auto const& in, auto const& gin, auto const& gg) { k3::dplr_cp_backward(one, in, gin, gg, p.options(16)); });
+  auto g = run_bwd(p, dO, dht, [&](auto const& a) { k3::dplr::backward(k3::cpu::serial{}, on(one, a), p.options(16)); });
   CHECK(max_err(g, gref) < 1e-12);
   auto p1 = make<double>(rng, 1, 70, 1, 4, 4, {0, 70});
-  CHECK_THROWS_WITH_AS(run_fwd(p1, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(one, in, out, p1.options()); }),
+  CHECK_THROWS_WITH_AS(run_fwd(p1, [&](auto const& a) { k3::dplr::forward(k3::cpu::serial{}, on(one, a), p1.options()); }),
                        doctest::Contains("cu_seqlens"), k3::error);
+  // Only the chunked form runs across ranks, and the args must carry a communicator.
+  CHECK_THROWS_WITH_AS(run_fwd(p, [&](auto const& a) { k3::dplr::forward(k3::cpu::serial{}, on(one, a), recurrent({})); }),
+                       doctest::Contains("option 'mode'"), k3::error);
+  k3::dplr::cp_forward_args<double, k3::single_process> const no_comm{};
+  CHECK_THROWS_WITH_AS(k3::dplr::forward(k3::cpu::serial{}, no_comm), doctest::Contains("argument 'comm'"), k3::error);
 }
 
 TEST_CASE("single-sequence pipeline: awkward shapes, more threads than work, nested inline call") {
@@ -208,13 +225,13 @@ TEST_CASE("single-sequence pipeline: awkward shapes, more threads than work, nes
       std::vector<double> M1(static_cast<std::size_t>(s.K * s.K)), G1(static_cast<std::size_t>(s.K * s.V)), M2 = M1, G2 = G1;
       auto in = p.inputs();
       auto dOv = k3::host_view(static_cast<double const*>(dO.data()), index_t(1), s.T, index_t(1), s.V);
-      k3::dplr_segment_maps_transposed(in, dOv, k3::host_view(M1.data(), 1, 1, s.K, s.K), k3::host_view(G1.data(), 1, 1, s.K, s.V), o);
-      k3::dplr_segment_maps_transposed(in, dOv, k3::host_view(M2.data(), 1, 1, s.K, s.K), k3::host_view(G2.data(), 1, 1, s.K, s.V), o, th);
+      k3::dplr::segment_maps_transposed(k3::cpu::serial{}, transposed_maps_of(in, dOv, k3::host_view(M1.data(), 1, 1, s.K, s.K), k3::host_view(G1.data(), 1, 1, s.K, s.V)), o);
+      k3::dplr::segment_maps_transposed(th, transposed_maps_of(in, dOv, k3::host_view(M2.data(), 1, 1, s.K, s.K), k3::host_view(G2.data(), 1, 1, s.K, s.V)), o);
       CHECK(rel_err(M2, M1) < 1e-12);
       CHECK(rel_err(G2, G1) < 1e-12);
       // and the forward map (K + V columns split across the threads)
-      k3::dplr_segment_maps(in, k3::host_view(M1.data(), 1, 1, s.K, s.K), k3::host_view(G1.data(), 1, 1, s.K, s.V), o);
-      k3::dplr_segment_maps(in, k3::host_view(M2.data(), 1, 1, s.K, s.K), k3::host_view(G2.data(), 1, 1, s.K, s.V), o, th);
+      k3::dplr::segment_maps(k3::cpu::serial{}, maps_of(in, k3::host_view(M1.data(), 1, 1, s.K, s.K), k3::host_view(G1.data(), 1, 1, s.K, s.V)), o);
+      k3::dplr::segment_maps(th, maps_of(in, k3::host_view(M2.data(), 1, 1, s.K, s.K), k3::host_view(G2.data(), 1, 1, s.K, s.V)), o);
       CHECK(rel_err(M2, M1) < 1e-12);
       CHECK(rel_err(G2, G1) < 1e-12);
     }

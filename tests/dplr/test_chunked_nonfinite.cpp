@@ -109,10 +109,10 @@ void for_each_path(index_t chunk, problem<double> const& shape, F&& f) {
   // 3 threads: fewer (sequence, head) pairs than threads in the varlen single-head case (the
   // single-sequence pipeline), more in the batched case (one pair per thread).
   k3::cpu::threads<> th(3);
-  for (auto mode : {k3::dplr_long_sequence::value_split, k3::dplr_long_sequence::segment_maps}) {
+  for (auto mode : {k3::dplr::sequence_split::value_split, k3::dplr::sequence_split::segment_maps}) {
     auto om = o;
     om.long_sequence = mode;
-    f(mode == k3::dplr_long_sequence::value_split ? "threads value_split" : "threads segment_maps", chunked_fwd(th, om), chunked_bwd(th, om));
+    f(mode == k3::dplr::sequence_split::value_split ? "threads value_split" : "threads segment_maps", chunked_fwd(th, om), chunked_bwd(th, om));
   }
 }
 
@@ -173,7 +173,7 @@ void backward_checks() {
   for (auto const& sc : scenarios()) {
     auto const clean = convert<T>(sc.p);
     auto dO0 = randn<T>(rng, clean.nv());
-    auto dht0 = randn<k3::dplr_state_t<T>>(rng, clean.ns());
+    auto dht0 = randn<k3::dplr::state_t<T>>(rng, clean.ns());
     for (index_t t : sc.tokens) {
       // prefix setup for (bn, bh): no gradient from its outputs at or after t, none from its final state
       auto dO = dO0;
@@ -264,7 +264,7 @@ TEST_CASE("segment maps: a non-finite k or v reaches N but not M") {
   auto maps = [&](problem<double> const& x, auto const& bk, std::vector<double>& M, std::vector<double>& N) {
     M.assign(std::size_t(K * K), 0);
     N.assign(std::size_t(K * V), 0);
-    k3::dplr_segment_maps(x.inputs(), k3::host_view(M.data(), 1, 1, K, K), k3::host_view(N.data(), 1, 1, K, V), x.options(16), bk);
+    k3::dplr::segment_maps(bk, maps_of(x.inputs(), k3::host_view(M.data(), 1, 1, K, K), k3::host_view(N.data(), 1, 1, K, V)), x.options(16));
   };
   auto run = [&](auto const& bk, char const* name) {
     std::vector<double> Mc, Nc, Mb, Nb;

@@ -53,7 +53,7 @@ void kda_case(Comm const& comm, int rank, int P) {
   auto beta = gen(B * Tn * HV, [&] { return ud(rng); }), dO = gen(B * Tn * HV * V, [&] { return nd(rng); });
   auto inputs = [&](index_t n, std::vector<double> const& q_, std::vector<double> const& k_, std::vector<double> const& v_,
                     std::vector<double> const& g_, std::vector<double> const& b_) {
-    return k3::kda_inputs<double>{k3::const_view<double, 4>(q_.data(), {B, n, H, K}), k3::const_view<double, 4>(k_.data(), {B, n, H, K}),
+    return k3::dplr::kda_inputs<double>{k3::const_view<double, 4>(q_.data(), {B, n, H, K}), k3::const_view<double, 4>(k_.data(), {B, n, H, K}),
                                   k3::const_view<double, 4>(v_.data(), {B, n, HV, V}), k3::const_view<double, 4>(g_.data(), {B, n, HV, K}),
                                   k3::const_view<double, 3>(b_.data(), {B, n, HV}), {}};
   };
@@ -65,33 +65,39 @@ void kda_case(Comm const& comm, int rank, int P) {
   struct result {
     std::vector<double> o, ht, dq, dk, dv, dg, dbeta;
   };
-  auto run = [&](k3::kda_inputs<double> const& in, index_t n_, std::vector<double> const& dO_, auto&& fwd, auto&& bwd) {
-    k3::kda_as_dplr<double> m(in);
+  auto run = [&](k3::dplr::kda_inputs<double> const& in, index_t n_, std::vector<double> const& dO_, auto&& fwd, auto&& bwd) {
+    k3::dplr::kda_as_dplr<double> m(in);
     result r;
     r.o.resize(static_cast<std::size_t>(B * n_ * HV * V));
     r.ht.resize(static_cast<std::size_t>(B * HV * K * V));
-    fwd(m.inputs(), k3::dplr_outputs<double>{k3::host_view(r.o.data(), B, n_, HV, V), k3::host_view(r.ht.data(), B, HV, K, V)});
+    auto fa = m.forward_inputs();
+    fa.o = k3::host_view(r.o.data(), B, n_, HV, V);
+    fa.ht = k3::host_view(r.ht.data(), B, HV, K, V);
+    fwd(fa);
     std::vector<double> dq(static_cast<std::size_t>(B * n_ * HV * K)), dk(dq.size()), da(dq.size()), db(dq.size()), dgk(dq.size()),
         dv(static_cast<std::size_t>(B * n_ * HV * V));
-    k3::dplr_grads<double> gd{k3::host_view(dq.data(), B, n_, HV, K), k3::host_view(dk.data(), B, n_, HV, K), k3::host_view(dv.data(), B, n_, HV, V),
-                              k3::host_view(da.data(), B, n_, HV, K), k3::host_view(db.data(), B, n_, HV, K), k3::host_view(dgk.data(), B, n_, HV, K), {}};
-    bwd(m.inputs(), k3::dplr_grad_inputs<double>{k3::const_view<double, 4>(dO_.data(), {B, n_, HV, V}), {}}, gd);
+    auto gd = m.backward_inputs();
+    gd.d_o = k3::const_view<double, 4>(dO_.data(), {B, n_, HV, V});
+    gd.dq = k3::host_view(dq.data(), B, n_, HV, K), gd.dk = k3::host_view(dk.data(), B, n_, HV, K), gd.dv = k3::host_view(dv.data(), B, n_, HV, V);
+    gd.da = k3::host_view(da.data(), B, n_, HV, K), gd.db = k3::host_view(db.data(), B, n_, HV, K), gd.dgk = k3::host_view(dgk.data(), B, n_, HV, K);
+    bwd(gd);
     r.dq.resize(static_cast<std::size_t>(B * n_ * H * K));
     r.dk.resize(r.dq.size());
     r.dv.resize(dv.size());
     r.dg.resize(static_cast<std::size_t>(B * n_ * HV * K));
     r.dbeta.resize(static_cast<std::size_t>(B * n_ * HV));
-    m.grads_to_kda(gd, k3::kda_grads<double>{k3::host_view(r.dq.data(), B, n_, H, K), k3::host_view(r.dk.data(), B, n_, H, K),
+    m.grads_to_kda(gd, k3::dplr::kda_grads<double>{k3::host_view(r.dq.data(), B, n_, H, K), k3::host_view(r.dk.data(), B, n_, H, K),
                                               k3::host_view(r.dv.data(), B, n_, HV, V), k3::host_view(r.dg.data(), B, n_, HV, K),
                                               k3::host_view(r.dbeta.data(), B, n_, HV)});
     return r;
   };
-  k3::dplr_options opt;
+  k3::dplr::options opt;
   opt.chunk_size = 32;
-  auto ref = run(inputs(Tn, q, k, v, g, beta), Tn, dO, [&](auto const& in, auto const& out) { k3::dplr_chunked_forward(k3::cpu::serial{}, in, out, opt); },
-                 [&](auto const& in, auto const& gin, auto const& gd) { k3::dplr_chunked_backward(k3::cpu::serial{}, in, gin, gd, opt); });
-  auto got = run(inputs(n, lq, lk, lv, lg, lb), n, ldO, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(comm, in, out, opt); },
-                 [&](auto const& in, auto const& gin, auto const& gd) { k3::dplr_cp_backward(comm, in, gin, gd, opt); });
+  k3::cpu::serial const one;
+  auto ref = run(inputs(Tn, q, k, v, g, beta), Tn, dO, [&](auto const& a) { k3::dplr::forward(one, a, opt); },
+                 [&](auto const& a) { k3::dplr::backward(one, a, opt); });
+  auto got = run(inputs(n, lq, lk, lv, lg, lb), n, ldO, [&](auto const& a) { k3::dplr::forward(one, on(comm, a), opt); },
+                 [&](auto const& a) { k3::dplr::backward(one, on(comm, a), opt); });
   double const eo = rel_err(got.o, block(ref.o, B, Tn, HV, V, t0, n)), eh = rel_err(got.ht, ref.ht);
   double eg = rel_err(got.dq, block(ref.dq, B, Tn, H, K, t0, n));
   eg = std::max(eg, rel_err(got.dk, block(ref.dk, B, Tn, H, K, t0, n)));
@@ -126,7 +132,7 @@ int main(int argc, char** argv) {
     auto p = make<double>(rng, 1, 10, 1, K, 3);
     std::string msg;
     try {
-      run_fwd(p, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(comm, in, out, p.options()); });
+      run_fwd(p, [&](auto const& a) { k3::dplr::forward(k3::cpu::serial{}, on(comm, a), p.options()); });
     } catch (k3::error const& e) {
       msg = e.what();
     }
@@ -139,7 +145,7 @@ int main(int argc, char** argv) {
     auto p = make<double>(rng, 1, 10, 1, 4, 3, {}, rank == 0);
     std::string msg;
     try {
-      run_fwd(p, [&](auto const& in, auto const& out) { k3::dplr_cp_forward(comm, in, out, p.options()); });
+      run_fwd(p, [&](auto const& a) { k3::dplr::forward(k3::cpu::serial{}, on(comm, a), p.options()); });
     } catch (k3::error const& e) {
       msg = e.what();
     }

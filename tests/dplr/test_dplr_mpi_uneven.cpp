@@ -202,7 +202,7 @@ struct cp_case {
 template <class T>
 struct cp_raw {
   std::vector<T> o, dq, dk, dv, da, db, dgk;
-  std::vector<k3::dplr_state_t<T>> ht, dh0;
+  std::vector<k3::dplr::state_t<T>> ht, dh0;
   bool operator==(cp_raw const&) const = default;
 };
 
@@ -212,7 +212,7 @@ struct cp_raw {
 template <class T, class Comm>
 double run_case(Comm const& comm, cp_case const& c, std::string const& label, global_problem const* given = nullptr,
                 cp_raw<T>* raw = nullptr) {
-  using S = k3::dplr_state_t<T>;
+  using S = k3::dplr::state_t<T>;
   int const me = comm.rank();
   auto gp = given ? *given : make_problem(c.seed, c.B, c.T, c.H, c.K, c.V, c.gm);
   if constexpr (!std::is_same_v<T, double>) {  // the reference gets the values the ranks see
@@ -228,15 +228,15 @@ double run_case(Comm const& comm, cp_case const& c, std::string const& label, gl
        dO = block<T>(gp.dO, B, c.T, H, V, t0, n);
   auto h0 = cast<S>(gp.h0), dht = cast<S>(gp.dht);
   auto kv = [&](std::vector<T> const& x, index_t D) { return k3::const_view<T, 4>(x.data(), {B, n, H, D}); };
-  k3::dplr_inputs<T> in{kv(q, K), kv(k, K), kv(v, V), kv(a, K), kv(b, K), kv(gk, K), {}};
+  k3::dplr::cp_forward_args<T, Comm> in{&comm, kv(q, K), kv(k, K), kv(v, V), kv(a, K), kv(b, K), kv(gk, K)};
   if (c.h0) in.h0 = k3::const_view<S, 4>(h0.data(), {B, H, K, V});
-  k3::dplr_options opt;
+  k3::dplr::options opt;
   opt.chunk_size = c.chunk;
   std::vector<T> o(std::size_t(B * n * H * V), T(-7));
   std::vector<S> ht(std::size_t(B * H * K * V), S(-7));
-  k3::dplr_outputs<T> out{k3::host_view(o.data(), B, n, H, V), {}};
-  if (c.ht) out.ht = k3::host_view(ht.data(), B, H, K, V);
-  k3::dplr_cp_forward(comm, in, out, opt);
+  in.o = k3::host_view(o.data(), B, n, H, V);
+  if (c.ht) in.ht = k3::host_view(ht.data(), B, H, K, V);
+  k3::dplr::forward(k3::cpu::serial{}, in, opt);
   if (raw) {
     raw->o = o;
     raw->ht = ht;
@@ -247,12 +247,12 @@ double run_case(Comm const& comm, cp_case const& c, std::string const& label, gl
 
   std::vector<T> dq(q.size(), T(-7)), dk(q.size(), T(-7)), da(q.size(), T(-7)), db(q.size(), T(-7)), dgk(q.size(), T(-7)), dv(v.size(), T(-7));
   std::vector<S> dh0(h0.size(), S(-7));
-  k3::dplr_grad_inputs<T> gin{kv(dO, V), {}};
-  if (c.dht) gin.dht = k3::const_view<S, 4>(dht.data(), {B, H, K, V});
   auto g4 = [&](std::vector<T>& x, index_t D) { return k3::host_view(x.data(), B, n, H, D); };
-  k3::dplr_grads<T> g{g4(dq, K), g4(dk, K), g4(dv, V), g4(da, K), g4(db, K), g4(dgk, K), {}};
+  k3::dplr::cp_backward_args<T, Comm> g{&comm, in.q, in.k, in.v, in.a, in.b, in.gk, in.h0, kv(dO, V)};
+  if (c.dht) g.dht = k3::const_view<S, 4>(dht.data(), {B, H, K, V});
+  g.dq = g4(dq, K), g.dk = g4(dk, K), g.dv = g4(dv, V), g.da = g4(da, K), g.db = g4(db, K), g.dgk = g4(dgk, K);
   if (c.dh0) g.dh0 = k3::host_view(dh0.data(), B, H, K, V);
-  k3::dplr_cp_backward(comm, in, gin, g, opt);
+  k3::dplr::backward(k3::cpu::serial{}, g, opt);
   if (raw) {
     *raw = cp_raw<T>{o, dq, dk, dv, da, db, dgk, ht, dh0};
     return 0;
@@ -365,11 +365,12 @@ int main(int argc, char** argv) {
       std::vector<double> x(std::size_t(n * K), 0.1), vv(std::size_t(n * V), 0.2), o(std::size_t((n + (bad_o ? 1 : 0)) * V));
       std::vector<std::int64_t> cu = {0, n};
       auto kv = [&](std::vector<double> const& y, index_t D) { return k3::const_view<double, 4>(y.data(), {1, n, 1, D}); };
-      k3::dplr_inputs<double> in{kv(x, K), kv(x, K), kv(vv, V), kv(x, K), kv(x, K), kv(x, K), {}};
-      k3::dplr_options opt;
+      using cp = k3::dplr::cp_forward_args<double, k3::mpi_communicator>;
+      cp in{&comm, kv(x, K), kv(x, K), kv(vv, V), kv(x, K), kv(x, K), kv(x, K), {}, k3::host_view(o.data(), 1, n + (bad_o ? 1 : 0), 1, V)};
+      k3::dplr::options opt;
       if (scale_or_0 != 0) opt.scale = scale_or_0;
       if (varlen) opt.cu_seqlens = k3::host_view(cu.data(), 2);
-      k3::dplr_cp_forward(comm, in, k3::dplr_outputs<double>{k3::host_view(o.data(), 1, n + (bad_o ? 1 : 0), 1, V), {}}, opt);
+      k3::dplr::forward(k3::cpu::serial{}, in, opt);
     };
   };
   bool const last = me == P - 1;
@@ -386,13 +387,13 @@ int main(int argc, char** argv) {
       if (me == 0) {
         std::vector<float> x(std::size_t(n * K), 0.1f), o(std::size_t(n * V));
         auto kv = [&](index_t D) { return k3::const_view<float, 4>(x.data(), {1, n, 1, D}); };
-        k3::dplr_cp_forward(comm, k3::dplr_inputs<float>{kv(K), kv(K), kv(V), kv(K), kv(K), kv(K), {}},
-                            k3::dplr_outputs<float>{k3::host_view(o.data(), 1, n, 1, V), {}});
+        using cp = k3::dplr::cp_forward_args<float, k3::mpi_communicator>;
+        k3::dplr::forward(k3::cpu::serial{}, cp{&comm, kv(K), kv(K), kv(V), kv(K), kv(K), kv(K), {}, k3::host_view(o.data(), 1, n, 1, V)});
       } else {
         std::vector<double> x(std::size_t(n * K), 0.1), o(std::size_t(n * V));
         auto kv = [&](index_t D) { return k3::const_view<double, 4>(x.data(), {1, n, 1, D}); };
-        k3::dplr_cp_forward(comm, k3::dplr_inputs<double>{kv(K), kv(K), kv(V), kv(K), kv(K), kv(K), {}},
-                            k3::dplr_outputs<double>{k3::host_view(o.data(), 1, n, 1, V), {}});
+        using cp = k3::dplr::cp_forward_args<double, k3::mpi_communicator>;
+        k3::dplr::forward(k3::cpu::serial{}, cp{&comm, kv(K), kv(K), kv(V), kv(K), kv(K), kv(K), {}, k3::host_view(o.data(), 1, n, 1, V)});
       }
     };
     expect_error_everywhere(me, "element type", f, "disagree on element type");
@@ -406,11 +407,11 @@ int main(int argc, char** argv) {
         std::vector<double> dq(std::size_t((n + 1) * K)), dk(x.size()), da(x.size()), db(x.size()), dg(x.size()), dv(vv.size());
         auto kv = [&](std::vector<double> const& y, index_t D) { return k3::const_view<double, 4>(y.data(), {1, n, 1, D}); };
         auto g4 = [&](std::vector<double>& y, index_t D) { return k3::host_view(y.data(), 1, n, 1, D); };
-        k3::dplr_inputs<double> in{kv(x, K), kv(x, K), kv(vv, V), kv(x, K), kv(x, K), kv(x, K), {}};
-        k3::dplr_grad_inputs<double> gin{kv(vv, V), {}};
-        if (with_dht) gin.dht = k3::const_view<double, 4>(st.data(), {1, 1, K, V});
-        k3::dplr_grads<double> g{bad_dq ? k3::host_view(dq.data(), 1, n + 1, 1, K) : g4(dq, K), g4(dk, K), g4(dv, V), g4(da, K), g4(db, K), g4(dg, K), {}};
-        k3::dplr_cp_backward(comm, in, gin, g);
+        k3::dplr::cp_backward_args<double, k3::mpi_communicator> g{&comm, kv(x, K), kv(x, K), kv(vv, V), kv(x, K), kv(x, K), kv(x, K), {}, kv(vv, V)};
+        if (with_dht) g.dht = k3::const_view<double, 4>(st.data(), {1, 1, K, V});
+        g.dq = bad_dq ? k3::host_view(dq.data(), 1, n + 1, 1, K) : g4(dq, K);
+        g.dk = g4(dk, K), g.dv = g4(dv, V), g.da = g4(da, K), g.db = g4(db, K), g.dgk = g4(dg, K);
+        k3::dplr::backward(k3::cpu::serial{}, g);
       };
     };
     expect_error_everywhere(me, "dht on one rank", bwd(me == 0, false), "dht given");

@@ -22,11 +22,11 @@ struct problem {
     q[0] = 1.f;
     h0[0] = tiny;
   }
-  k3::dplr_inputs<float> in() const {
+  k3::dplr::forward_args<float> args() {
     auto k4 = [](std::vector<float> const& x, k3::index_t D) { return k3::host_view(x.data(), 1, 1, 1, D); };
-    return {k4(q, K), k4(zk, K), k4(zv, V), k4(zk, K), k4(zk, K), k4(zk, K), k3::host_view(h0.data(), 1, 1, K, V)};
+    return {k4(q, K),  k4(zk, K), k4(zv, V), k4(zk, K), k4(zk, K), k4(zk, K), k3::host_view(h0.data(), 1, 1, K, V),
+            k3::host_view(o.data(), 1, 1, 1, V), k3::host_view(ht.data(), 1, 1, K, V)};
   }
-  k3::dplr_outputs<float> out() { return {k3::host_view(o.data(), 1, 1, 1, V), k3::host_view(ht.data(), 1, 1, K, V)}; }
 };
 
 }  // namespace
@@ -36,14 +36,14 @@ TEST_CASE("DPLR: chunk forms flush subnormals on every backend, the recurrent re
   float_env const before = float_env::current();
   {
     problem p;
-    k3::dplr_recurrent_forward(p.in(), p.out());
+    k3::dplr::forward(k3::cpu::serial{}, p.args(), {.mode = k3::dplr::algorithm::recurrent});
     CHECK(p.o[0] == tiny / 4);  // scale = 1/sqrt(16)
     CHECK(p.ht[0] == tiny);
   }
   auto chunked = [&](auto const& be) {
     CAPTURE(be.name());
     problem p;
-    k3::dplr_chunked_forward(be, p.in(), p.out());
+    k3::dplr::forward(be, p.args());
     CHECK(float_env::current() == before);
     if (k3::detail::can_flush_subnormals) {
       CHECK(p.o[0] == 0.f);

@@ -132,11 +132,11 @@ struct views {
         h0(A4{d.s.N(), d.s.H, d.s.K, d.s.V}, {1, 0, 2}, 2, NAN) {
     q.set(d.q), k.set(d.k), v.set(d.v), a.set(d.a), b.set(d.b), gk.set(d.gk), h0.set(d.h0);
   }
-  dplr_inputs<double> in() const { return {q.view, k.view, v.view, a.view, b.view, gk.view, h0.view}; }
+  dplr::forward_args<double> in() const { return {q.view, k.view, v.view, a.view, b.view, gk.view, h0.view}; }
 };
 
-dplr_options options_for(shape const& s, index_t chunk) {
-  dplr_options o;
+dplr::options options_for(shape const& s, index_t chunk) {
+  dplr::options o;
   o.chunk_size = chunk;
   if (!s.cu.empty()) o.cu_seqlens = const_view<std::int64_t, 1>(s.cu.data(), {index_t(s.cu.size())});
   return o;
@@ -145,14 +145,17 @@ dplr_options options_for(shape const& s, index_t chunk) {
 // Forward and backward of `run` (chunked on a backend, or recurrent) on padded permuted views,
 // against the reference.
 template <class Fwd, class Bwd>
-void check_all(data<double> const& d, dplr_options const& opt, Fwd&& fwd, Bwd&& bwd, grads const& gr, std::vector<double> const& d_o,
+void check_all(data<double> const& d, dplr::options const& opt, Fwd&& fwd, Bwd&& bwd, grads const& gr, std::vector<double> const& d_o,
                std::vector<double> const& dht) {
   auto const& s = d.s;
   std::vector<double> o_ref, ht_ref;
   reference(d, o_ref, ht_ref);
   views x(d);
   strided<double, 4> o(A4{s.B, s.T, s.H, s.V}, {2, 1, 0}, 2, -3), ht(A4{s.N(), s.H, s.K, s.V}, {2, 1, 0}, 1, -3);
-  fwd(x.in(), dplr_outputs<double>{o.view, ht.view}, opt);
+  auto fa = x.in();
+  fa.o = o.view;
+  fa.ht = ht.view;
+  fwd(fa, opt);
   CHECK(rel_rms(o.get(), o_ref) <= 1e-12);
   CHECK(rel_rms(ht.get(), ht_ref) <= 1e-12);
   CHECK(o.padding_is(-3));
@@ -162,7 +165,9 @@ void check_all(data<double> const& d, dplr_options const& opt, Fwd&& fwd, Bwd&& 
   strided<double, 4> dq(A4{s.B, s.T, s.H, s.K}, {1, 0, 2}, 1, -3), dk(A4{s.B, s.T, s.H, s.K}, {2, 1, 0}, 2, -3),
       dv(A4{s.B, s.T, s.H, s.V}, {1, 0, 2}, 3, -3), da(A4{s.B, s.T, s.H, s.K}, {2, 0, 1}, 1, -3), db(A4{s.B, s.T, s.H, s.K}, {0, 2, 1}, 1, -3),
       dgk(A4{s.B, s.T, s.H, s.K}, {1, 2, 0}, 2, -3), dh0(A4{s.N(), s.H, s.K, s.V}, {1, 2, 0}, 1, -3);
-  bwd(x.in(), dplr_grad_inputs<double>{dov.view, dhtv.view}, dplr_grads<double>{dq.view, dk.view, dv.view, da.view, db.view, dgk.view, dh0.view},
+  auto const in = x.in();
+  bwd(dplr::backward_args<double>{in.q, in.k, in.v, in.a, in.b, in.gk, in.h0, dov.view, dhtv.view, dq.view, dk.view, dv.view, da.view, db.view,
+                                  dgk.view, dh0.view},
       opt);
   CHECK(rel_rms(dq.get(), gr.dq) <= 1e-11);
   CHECK(rel_rms(dk.get(), gr.dk) <= 1e-11);
@@ -195,13 +200,15 @@ TEST_CASE("dplr: chunked and recurrent forms at 1e-12 on padded views, general a
     CAPTURE(s.K);
     {
       INFO("recurrent");
+      auto rec = options_for(s, 64);
+      rec.mode = dplr::algorithm::recurrent;
       check_all(
-          d, options_for(s, 64), [](auto const& in, auto const& out, auto const& o) { dplr_recurrent_forward(in, out, o); },
-          [](auto const& in, auto const& gi, auto const& g, auto const& o) { dplr_recurrent_backward(in, gi, g, o); }, gr, d_o, dht);
+          d, rec, [](auto const& a, auto const& o) { dplr::forward(cpu::serial{}, a, o); },
+          [](auto const& a, auto const& o) { dplr::backward(cpu::serial{}, a, o); }, gr, d_o, dht);
     }
     for (index_t chunk : {1, 3, 16, 17, 40, 100}) {
-      for (auto intra : {dplr_intra::automatic, dplr_intra::factored, dplr_intra::pairwise}) {
-        for (auto ls : {dplr_long_sequence::value_split, dplr_long_sequence::segment_maps}) {
+      for (auto intra : {dplr::intra_form::automatic, dplr::intra_form::factored, dplr::intra_form::pairwise}) {
+        for (auto ls : {dplr::sequence_split::value_split, dplr::sequence_split::segment_maps}) {
           auto opt = options_for(s, chunk);
           opt.intra = intra;
           opt.long_sequence = ls;
@@ -210,10 +217,10 @@ TEST_CASE("dplr: chunked and recurrent forms at 1e-12 on padded views, general a
           CAPTURE(int(ls));
           auto run = [&](auto const& be) {
             check_all(
-                d, opt, [&](auto const& in, auto const& out, auto const& o) { dplr_chunked_forward(be, in, out, o); },
-                [&](auto const& in, auto const& gi, auto const& g, auto const& o) { dplr_chunked_backward(be, in, gi, g, o); }, gr, d_o, dht);
+                d, opt, [&](auto const& a, auto const& o) { dplr::forward(be, a, o); }, [&](auto const& a, auto const& o) { dplr::backward(be, a, o); },
+                gr, d_o, dht);
           };
-          if (ls == dplr_long_sequence::value_split && intra == dplr_intra::automatic) {
+          if (ls == dplr::sequence_split::value_split && intra == dplr::intra_form::automatic) {
             run(cpu::serial{});
             run(cpu::simd<>{});
           }
@@ -238,16 +245,18 @@ span_maps maps_of(data<double> const& d, index_t t0, index_t t1, index_t chunk, 
   views x(d);
   auto in = x.in();
   auto sub = [&](const_view<double, 4> v) { return v.sub(1, t0, t1 - t0); };
-  dplr_inputs<double> part{sub(in.q), sub(in.k), sub(in.v), sub(in.a), sub(in.b), sub(in.gk), {}};
   strided<double, 4> M(A4{s.N(), s.H, s.K, s.K}, {1, 0, 2}, 2, -3), N(A4{s.N(), s.H, s.K, s.V}, {2, 0, 1}, 1, -3);
-  dplr_options opt;
+  dplr::options opt;
   opt.chunk_size = chunk;
   if (d_o) {
     strided<double, 4> dov(A4{s.B, s.T, s.H, s.V}, {2, 1, 0}, 1, NAN);
     dov.set(*d_o);
-    dplr_segment_maps_transposed(part, const_view<double, 4>(dov.view).sub(1, t0, t1 - t0), M.view, N.view, opt, bk);
+    dplr::segment_maps_transposed(bk,
+                                  dplr::transposed_maps_args<double>{sub(in.q), sub(in.k), sub(in.v), sub(in.a), sub(in.b), sub(in.gk),
+                                                                     const_view<double, 4>(dov.view).sub(1, t0, t1 - t0), M.view, N.view},
+                                  opt);
   } else {
-    dplr_segment_maps(part, M.view, N.view, opt, bk);
+    dplr::segment_maps(bk, dplr::maps_args<double>{sub(in.q), sub(in.k), sub(in.v), sub(in.a), sub(in.b), sub(in.gk), M.view, N.view}, opt);
   }
   CHECK(M.padding_is(-3));
   CHECK(N.padding_is(-3));
@@ -284,15 +293,17 @@ TEST_CASE("dplr: segment maps of any split compose and apply to the one-pass sta
         for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
           auto seg = maps_of(d, cuts[c], cuts[c + 1], chunk, bk);
           std::vector<double> M2(M.size()), N2(N.size());
-          dplr_compose_maps(cv(seg.M, s.N(), s.H, s.K, s.K), cv(seg.N, s.N(), s.H, s.K, s.V), cv(M, s.N(), s.H, s.K, s.K), cv(N, s.N(), s.H, s.K, s.V),
-                            mv(M2, s.N(), s.H, s.K, s.K), mv(N2, s.N(), s.H, s.K, s.V));
+          dplr::compose_maps(bk, dplr::compose_args<double>{cv(seg.M, s.N(), s.H, s.K, s.K), cv(seg.N, s.N(), s.H, s.K, s.V), cv(M, s.N(), s.H, s.K, s.K),
+                                                            cv(N, s.N(), s.H, s.K, s.V), mv(M2, s.N(), s.H, s.K, s.K), mv(N2, s.N(), s.H, s.K, s.V)});
           M.swap(M2), N.swap(N2);
         }
         std::vector<double> ht(N.size());
-        dplr_apply_map(cv(M, s.N(), s.H, s.K, s.K), cv(N, s.N(), s.H, s.K, s.V), cv(d.h0, s.N(), s.H, s.K, s.V), mv(ht, s.N(), s.H, s.K, s.V));
+        dplr::apply_map(bk, dplr::apply_args<double>{cv(M, s.N(), s.H, s.K, s.K), cv(N, s.N(), s.H, s.K, s.V), cv(d.h0, s.N(), s.H, s.K, s.V),
+                                                     mv(ht, s.N(), s.H, s.K, s.V)});
         CHECK(rel_rms(ht, ht_ref) <= 1e-12);
         // In place over N.
-        dplr_apply_map(cv(M, s.N(), s.H, s.K, s.K), cv(N, s.N(), s.H, s.K, s.V), cv(d.h0, s.N(), s.H, s.K, s.V), mv(N, s.N(), s.H, s.K, s.V));
+        dplr::apply_map(bk, dplr::apply_args<double>{cv(M, s.N(), s.H, s.K, s.K), cv(N, s.N(), s.H, s.K, s.V), cv(d.h0, s.N(), s.H, s.K, s.V),
+                                                     mv(N, s.N(), s.H, s.K, s.V)});
         CHECK(rel_rms(N, ht_ref) <= 1e-12);
         // Backward: dS_in = Mt dS_out + G; compose from the last segment to the first.
         std::vector<double> Mt(M.size(), 0), G(N.size(), 0);
@@ -302,12 +313,13 @@ TEST_CASE("dplr: segment maps of any split compose and apply to the one-pass sta
           auto seg = maps_of(d, cuts[c], cuts[c + 1], chunk, bk, &d_o);
           // (Mt_seg, G_seg) after (Mt, G): dS_in = Mt_seg (Mt dS + G) + G_seg.
           std::vector<double> M2(Mt.size()), G2(G.size());
-          dplr_compose_maps(cv(seg.M, s.N(), s.H, s.K, s.K), cv(seg.N, s.N(), s.H, s.K, s.V), cv(Mt, s.N(), s.H, s.K, s.K),
-                            cv(G, s.N(), s.H, s.K, s.V), mv(M2, s.N(), s.H, s.K, s.K), mv(G2, s.N(), s.H, s.K, s.V));
+          dplr::compose_maps(bk, dplr::compose_args<double>{cv(seg.M, s.N(), s.H, s.K, s.K), cv(seg.N, s.N(), s.H, s.K, s.V), cv(Mt, s.N(), s.H, s.K, s.K),
+                                                            cv(G, s.N(), s.H, s.K, s.V), mv(M2, s.N(), s.H, s.K, s.K), mv(G2, s.N(), s.H, s.K, s.V)});
           Mt.swap(M2), G.swap(G2);
         }
         std::vector<double> dh0(G.size());
-        dplr_apply_map(cv(Mt, s.N(), s.H, s.K, s.K), cv(G, s.N(), s.H, s.K, s.V), cv(dht, s.N(), s.H, s.K, s.V), mv(dh0, s.N(), s.H, s.K, s.V));
+        dplr::apply_map(bk, dplr::apply_args<double>{cv(Mt, s.N(), s.H, s.K, s.K), cv(G, s.N(), s.H, s.K, s.V), cv(dht, s.N(), s.H, s.K, s.V),
+                                                     mv(dh0, s.N(), s.H, s.K, s.V)});
         CHECK(rel_rms(dh0, gr.dh0) <= 1e-11);
       };
       run(cpu::serial{});
@@ -327,10 +339,12 @@ TEST_CASE("dplr: maps of packed sequences equal the per-sequence states (empty a
     for (unsigned th : {1u, 4u}) {
       auto opt = options_for(s, chunk);
       strided<double, 4> M(A4{s.N(), s.H, s.K, s.K}, {2, 1, 0}, 1, -3), N(A4{s.N(), s.H, s.K, s.V}, {1, 0, 2}, 3, -3);
-      dplr_segment_maps(x.in(), M.view, N.view, opt, cpu::threads<>(th));
+      auto const in = x.in();
+      dplr::segment_maps(cpu::threads<>(th), dplr::maps_args<double>{in.q, in.k, in.v, in.a, in.b, in.gk, M.view, N.view}, opt);
       std::vector<double> ht(std::size_t(s.N() * s.H * s.K * s.V));
       auto Mv = M.get(), Nv = N.get();
-      dplr_apply_map(cv(Mv, s.N(), s.H, s.K, s.K), cv(Nv, s.N(), s.H, s.K, s.V), cv(d.h0, s.N(), s.H, s.K, s.V), mv(ht, s.N(), s.H, s.K, s.V));
+      dplr::apply_map(cpu::serial{}, dplr::apply_args<double>{cv(Mv, s.N(), s.H, s.K, s.K), cv(Nv, s.N(), s.H, s.K, s.V), cv(d.h0, s.N(), s.H, s.K, s.V),
+                                                              mv(ht, s.N(), s.H, s.K, s.V)});
       CHECK(rel_rms(ht, ht_ref) <= 1e-12);
       CHECK(M.padding_is(-3));
       CHECK(N.padding_is(-3));
@@ -366,15 +380,15 @@ TEST_CASE("dplr: KDA segment maps with grouped value heads equal the KDA recurre
         }
       }
     }
-  kda_inputs<double> in{host_view(static_cast<double const*>(q.data()), B, T, H, K), host_view(static_cast<double const*>(k.data()), B, T, H, K),
-                        host_view(static_cast<double const*>(v.data()), B, T, HV, V), host_view(static_cast<double const*>(g.data()), B, T, HV, K),
-                        host_view(static_cast<double const*>(beta.data()), B, T, HV), {}};
+  dplr::kda_inputs<double> in{host_view(static_cast<double const*>(q.data()), B, T, H, K), host_view(static_cast<double const*>(k.data()), B, T, H, K),
+                              host_view(static_cast<double const*>(v.data()), B, T, HV, V), host_view(static_cast<double const*>(g.data()), B, T, HV, K),
+                              host_view(static_cast<double const*>(beta.data()), B, T, HV), {}};
   for (index_t chunk : {3, 64}) {
     std::vector<double> M(std::size_t(B * HV * K * K)), N(std::size_t(B * HV * K * V)), ht(N.size());
-    dplr_options opt;
+    dplr::options opt;
     opt.chunk_size = chunk;
-    kda_segment_maps(in, mv(M, B, HV, K, K), mv(N, B, HV, K, V), opt, cpu::threads<>(3));
-    dplr_apply_map(cv(M, B, HV, K, K), cv(N, B, HV, K, V), cv(h0, B, HV, K, V), mv(ht, B, HV, K, V));
+    dplr::kda_segment_maps(cpu::threads<>(3), dplr::kda_maps_args<double>{in.q, in.k, in.v, in.g, in.beta, mv(M, B, HV, K, K), mv(N, B, HV, K, V)}, opt);
+    dplr::apply_map(cpu::serial{}, dplr::apply_args<double>{cv(M, B, HV, K, K), cv(N, B, HV, K, V), cv(h0, B, HV, K, V), mv(ht, B, HV, K, V)});
     CHECK(rel_rms(ht, ht_ref) <= 1e-12);
   }
 }
@@ -390,8 +404,17 @@ TEST_CASE("dplr: context-parallel entry points on one process equal the referenc
   grads const gr = reference_grads(d, d_o, dht);
   single_process comm;
   check_all(
-      d, options_for(s, 7), [&](auto const& in, auto const& out, auto const& o) { dplr_cp_forward(comm, in, out, o, cpu::threads<>(2)); },
-      [&](auto const& in, auto const& gi, auto const& g, auto const& o) { dplr_cp_backward(comm, in, gi, g, o, cpu::threads<>(2)); }, gr, d_o, dht);
+      d, options_for(s, 7),
+      [&](auto const& a, auto const& o) {
+        dplr::forward(cpu::threads<>(2), dplr::cp_forward_args<double, single_process>{&comm, a.q, a.k, a.v, a.a, a.b, a.gk, a.h0, a.o, a.ht}, o);
+      },
+      [&](auto const& a, auto const& o) {
+        dplr::backward(cpu::threads<>(2),
+                       dplr::cp_backward_args<double, single_process>{&comm, a.q, a.k, a.v, a.a, a.b, a.gk, a.h0, a.d_o, a.dht, a.dq, a.dk, a.dv, a.da,
+                                                                      a.db, a.dgk, a.dh0},
+                       o);
+      },
+      gr, d_o, dht);
 }
 
 TEST_CASE("dplr: IPLR entry points (gk = 0) on padded views, chunked on every backend and recurrent") {
@@ -406,18 +429,20 @@ TEST_CASE("dplr: IPLR entry points (gk = 0) on padded views, chunked on every ba
     grads gr = reference_grads(d, d_o, dht);
     // IPLR has no gate gradient: the checks compare dgk with this (the call leaves dgk alone).
     std::fill(gr.dgk.begin(), gr.dgk.end(), -3.0);
-    auto as_iplr = [](dplr_inputs<double> const& in) { return iplr_inputs<double>{in.q, in.k, in.v, in.a, in.b, in.h0}; };
-    auto as_grads = [](dplr_grads<double> const& g) { return iplr_grads<double>{g.dq, g.dk, g.dv, g.da, g.db, g.dh0}; };
+    auto as_iplr = [](dplr::forward_args<double> const& a) { return dplr::iplr_forward_args<double>{a.q, a.k, a.v, a.a, a.b, a.h0, a.o, a.ht}; };
+    auto as_iplr_grads = [](dplr::backward_args<double> const& g) {
+      return dplr::iplr_backward_args<double>{g.q, g.k, g.v, g.a, g.b, g.h0, g.d_o, g.dht, g.dq, g.dk, g.dv, g.da, g.db, g.dh0};
+    };
+    auto rec = options_for(s, 64);
+    rec.mode = dplr::algorithm::recurrent;
     check_all(
-        d, options_for(s, 64), [&](auto const& in, auto const& out, auto const& o) { iplr_recurrent_forward(as_iplr(in), out, o); },
-        [&](auto const& in, auto const& gi, auto const& g, auto const& o) { iplr_recurrent_backward(as_iplr(in), gi, as_grads(g), o); }, gr, d_o,
-        dht);
+        d, rec, [&](auto const& a, auto const& o) { dplr::forward(cpu::serial{}, as_iplr(a), o); },
+        [&](auto const& a, auto const& o) { dplr::backward(cpu::serial{}, as_iplr_grads(a), o); }, gr, d_o, dht);
     for (index_t chunk : {5, 16}) {
       auto run = [&](auto const& be) {
         check_all(
-            d, options_for(s, chunk), [&](auto const& in, auto const& out, auto const& o) { iplr_chunked_forward(be, as_iplr(in), out, o); },
-            [&](auto const& in, auto const& gi, auto const& g, auto const& o) { iplr_chunked_backward(be, as_iplr(in), gi, as_grads(g), o); }, gr,
-            d_o, dht);
+            d, options_for(s, chunk), [&](auto const& a, auto const& o) { dplr::forward(be, as_iplr(a), o); },
+            [&](auto const& a, auto const& o) { dplr::backward(be, as_iplr_grads(a), o); }, gr, d_o, dht);
       };
       run(cpu::serial{});
       run(cpu::simd<>{});
@@ -426,26 +451,14 @@ TEST_CASE("dplr: IPLR entry points (gk = 0) on padded views, chunked on every ba
   }
 }
 
-TEST_CASE("dplr: segment maps ignore h0, whatever its shape (as documented)") {
-  // Regression: dplr_segment_maps / _transposed are documented to ignore h0 but rejected
-  // a call whose h0 did not have the span's [N, H, K, V] shape (e.g. the whole problem's h0).
-  shape const s{.B = 2, .T = 9, .H = 1, .K = 3, .V = 2};
-  auto const d = random_dplr(s, 12);
-  views x(d);
-  std::vector<double> other(100, 0.5), d_o(std::size_t(s.B * s.T * s.H * s.V), 1.0);
-  std::vector<double> M1(std::size_t(s.N() * s.H * s.K * s.K)), N1(std::size_t(s.N() * s.H * s.K * s.V)), M2(M1.size()), N2(N1.size());
-  auto in = x.in();
-  in.h0 = {};
-  dplr_segment_maps(in, mv(M1, s.N(), s.H, s.K, s.K), mv(N1, s.N(), s.H, s.K, s.V));
-  in.h0 = host_view(static_cast<double const*>(other.data()), 5, 1, 2, 2);
-  CHECK_NOTHROW(dplr_segment_maps(in, mv(M2, s.N(), s.H, s.K, s.K), mv(N2, s.N(), s.H, s.K, s.V)));
-  CHECK(M1 == M2);
-  CHECK(N1 == N2);
-  auto dov = host_view(static_cast<double const*>(d_o.data()), s.B, s.T, s.H, s.V);
-  in.h0 = {};
-  dplr_segment_maps_transposed(in, dov, mv(M1, s.N(), s.H, s.K, s.K), mv(N1, s.N(), s.H, s.K, s.V));
-  in.h0 = host_view(static_cast<double const*>(other.data()), 5, 1, 2, 2);
-  CHECK_NOTHROW(dplr_segment_maps_transposed(in, dov, mv(M2, s.N(), s.H, s.K, s.K), mv(N2, s.N(), s.H, s.K, s.V)));
-  CHECK(M1 == M2);
-  CHECK(N1 == N2);
+namespace {
+template <class A>
+constexpr bool has_h0 = requires(A a) { a.h0; };
+}  // namespace
+
+TEST_CASE("dplr: segment maps take no h0 (a map does not depend on the entering state)") {
+  // Regression: the maps once took the forward's inputs, h0 included, and rejected an h0 whose
+  // shape was not the span's [N, H, K, V]; their args now have no h0 to give.
+  static_assert(!has_h0<dplr::maps_args<double>> && !has_h0<dplr::transposed_maps_args<double>> && !has_h0<dplr::kda_maps_args<double>>);
+  static_assert(has_h0<dplr::forward_args<double>>);  // the check itself sees a member
 }

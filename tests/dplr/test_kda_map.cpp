@@ -13,7 +13,7 @@ namespace {
 struct kda_problem {
   index_t B, T, H, HV, K, V;
   std::vector<double> q, k, v, g, beta, h0;
-  k3::kda_inputs<double> inputs() const {
+  k3::dplr::kda_inputs<double> inputs() const {
     return {k3::host_view(q.data(), B, T, H, K), k3::host_view(k.data(), B, T, H, K), k3::host_view(v.data(), B, T, HV, V),
             k3::host_view(g.data(), B, T, HV, K), k3::host_view(beta.data(), B, T, HV), k3::host_view(h0.data(), B, HV, K, V)};
   }
@@ -87,15 +87,17 @@ TEST_CASE("KDA through the DPLR mapping equals the KDA recurrence (GVA)") {
     auto p = make_kda(rng, 2, T, H, HV, K, V);
     std::vector<double> oref, htref;
     kda_naive(p, oref, htref);
-    k3::kda_as_dplr<double> m(p.inputs());
+    k3::dplr::kda_as_dplr<double> m(p.inputs());
     std::vector<double> o(oref.size()), ht(htref.size());
-    k3::dplr_outputs<double> out{k3::host_view(o.data(), p.B, p.T, HV, V), k3::host_view(ht.data(), p.B, HV, K, V)};
-    k3::dplr_recurrent_forward(m.inputs(), out);
+    auto args = m.forward_inputs();
+    args.o = k3::host_view(o.data(), p.B, p.T, HV, V);
+    args.ht = k3::host_view(ht.data(), p.B, HV, K, V);
+    k3::dplr::forward(k3::cpu::serial{}, args, recurrent({}));
     CHECK(rel_err(o, oref) < 1e-13);
     CHECK(rel_err(ht, htref) < 1e-13);
-    k3::dplr_options opt;
+    k3::dplr::options opt;
     opt.chunk_size = 16;
-    k3::dplr_chunked_forward(k3::cpu::serial{}, m.inputs(), out, opt);
+    k3::dplr::forward(k3::cpu::serial{}, args, opt);
     CHECK(rel_err(o, oref) < 1e-12);
     CHECK(rel_err(ht, htref) < 1e-12);
   }
@@ -108,17 +110,20 @@ TEST_CASE("KDA gradients folded back from DPLR match finite differences of the K
   kda_naive(p, o, ht);
   auto dO = randn<double>(rng, o.size());
   auto dht = randn<double>(rng, ht.size());
-  k3::kda_as_dplr<double> m(p.inputs());
+  k3::dplr::kda_as_dplr<double> m(p.inputs());
   index_t B = p.B, T = p.T, HV = p.HV, K = p.K, V = p.V;
   std::vector<double> dq(B * T * HV * K), dk(dq.size()), da(dq.size()), db(dq.size()), dgk(dq.size()), dv(B * T * HV * V), dh0(ht.size());
   auto vk = [&](std::vector<double>& x) { return k3::host_view(x.data(), B, T, HV, K); };
-  k3::dplr_grads<double> g{vk(dq), vk(dk), k3::host_view(dv.data(), B, T, HV, V), vk(da), vk(db), vk(dgk), k3::host_view(dh0.data(), B, HV, K, V)};
-  k3::dplr_options opt;
+  auto g = m.backward_inputs();
+  g.d_o = k3::host_view(dO.data(), B, T, HV, V);
+  g.dht = k3::host_view(dht.data(), B, HV, K, V);
+  g.dq = vk(dq), g.dk = vk(dk), g.dv = k3::host_view(dv.data(), B, T, HV, V), g.da = vk(da), g.db = vk(db), g.dgk = vk(dgk);
+  g.dh0 = k3::host_view(dh0.data(), B, HV, K, V);
+  k3::dplr::options opt;
   opt.chunk_size = 4;
-  k3::dplr_chunked_backward(k3::cpu::serial{}, m.inputs(),
-                            k3::dplr_grad_inputs<double>{k3::host_view(dO.data(), B, T, HV, V), k3::host_view(dht.data(), B, HV, K, V)}, g, opt);
+  k3::dplr::backward(k3::cpu::serial{}, g, opt);
   std::vector<double> Dq(p.q.size()), Dk(p.k.size()), Dv(p.v.size()), Dg(p.g.size()), Dbeta(p.beta.size());
-  m.grads_to_kda(g, k3::kda_grads<double>{k3::host_view(Dq.data(), B, T, p.H, K), k3::host_view(Dk.data(), B, T, p.H, K),
+  m.grads_to_kda(g, k3::dplr::kda_grads<double>{k3::host_view(Dq.data(), B, T, p.H, K), k3::host_view(Dk.data(), B, T, p.H, K),
                                           k3::host_view(Dv.data(), B, T, HV, V), k3::host_view(Dg.data(), B, T, HV, K),
                                           k3::host_view(Dbeta.data(), B, T, HV)});
   double const eps = 1e-6;
@@ -158,11 +163,14 @@ TEST_CASE("KDA segment maps compose to the KDA state") {
     auto in = p.inputs();
     index_t t0 = cuts[s], n = cuts[s + 1] - cuts[s];
     in.q = in.q.sub(1, t0, n), in.k = in.k.sub(1, t0, n), in.v = in.v.sub(1, t0, n), in.g = in.g.sub(1, t0, n), in.beta = in.beta.sub(1, t0, n);
-    k3::dplr_options opt;
+    k3::dplr::options opt;
     opt.chunk_size = 16;
-    k3::kda_segment_maps(in, k3::host_view(M.data(), 1, HV, K, K), k3::host_view(N.data(), 1, HV, K, V), opt);
-    k3::dplr_apply_map<double>(k3::host_view(M.data(), 1, HV, K, K), k3::host_view(N.data(), 1, HV, K, V),
-                               k3::host_view(S.data(), 1, HV, K, V), k3::host_view(S2.data(), 1, HV, K, V));
+    k3::dplr::kda_segment_maps(k3::cpu::serial{},
+                               k3::dplr::kda_maps_args<double>{in.q, in.k, in.v, in.g, in.beta, k3::host_view(M.data(), 1, HV, K, K),
+                                                               k3::host_view(N.data(), 1, HV, K, V)},
+                               opt);
+    k3::dplr::apply_map(k3::cpu::serial{}, k3::dplr::apply_args<double>{k3::host_view(M.data(), 1, HV, K, K), k3::host_view(N.data(), 1, HV, K, V),
+                                                                         k3::host_view(S.data(), 1, HV, K, V), k3::host_view(S2.data(), 1, HV, K, V)});
     S.swap(S2);
   }
   CHECK(rel_err(S, ht) < 1e-12);
@@ -172,7 +180,7 @@ TEST_CASE("KDA mapping checks its arguments") {
   std::mt19937_64 rng(34);
   auto p = make_kda(rng, 1, 4, 2, 3, 4, 2);  // HV = 3 is not a multiple of H = 2
   try {
-    k3::kda_as_dplr<double> m(p.inputs());
+    k3::dplr::kda_as_dplr<double> m(p.inputs());
     FAIL("no throw");
   } catch (k3::error const& e) {
     CHECK(std::string(e.what()).find("multiple") != std::string::npos);
@@ -180,5 +188,5 @@ TEST_CASE("KDA mapping checks its arguments") {
   auto p2 = make_kda(rng, 1, 4, 1, 2, 4, 2);
   auto in = p2.inputs();
   in.beta = k3::host_view(p2.beta.data(), 1, 4, 1);
-  CHECK_THROWS_WITH_AS(k3::kda_as_dplr<double>{in}, doctest::Contains("'beta'"), k3::error);
+  CHECK_THROWS_WITH_AS(k3::dplr::kda_as_dplr<double>{in}, doctest::Contains("'beta'"), k3::error);
 }

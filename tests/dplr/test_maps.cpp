@@ -11,7 +11,7 @@ using k3::index_t;
 namespace {
 
 template <class T>
-k3::dplr_inputs<T> span(k3::dplr_inputs<T> in, index_t t0, index_t n) {
+k3::dplr::forward_args<T> span(k3::dplr::forward_args<T> in, index_t t0, index_t n) {
   in.q = in.q.sub(1, t0, n);
   in.k = in.k.sub(1, t0, n);
   in.v = in.v.sub(1, t0, n);
@@ -48,8 +48,8 @@ TEST_CASE("composed segment maps reproduce the recurrent state (double, 1e-12)")
     auto c4 = [&](std::vector<double> const& x, index_t c) { return k3::host_view(x.data(), p.N, p.H, K, c); };
     for (std::size_t s = 0; s + 1 < bnd.size(); ++s) {
       index_t t0 = bnd[s], n = bnd[s + 1] - bnd[s];
-      k3::dplr_segment_maps(span(p.inputs(), t0, n), v4(Mi, K), v4(Ni, V), p.options(chunk));
-      k3::dplr_compose_maps(c4(Mi, K), c4(Ni, V), c4(M, K), c4(N, V), v4(Mc, K), v4(Nc, V));
+      k3::dplr::segment_maps(k3::cpu::serial{}, maps_of(span(p.inputs(), t0, n), v4(Mi, K), v4(Ni, V)), p.options(chunk));
+      k3::dplr::compose_maps(k3::cpu::serial{}, k3::dplr::compose_args<double>{c4(Mi, K), c4(Ni, V), c4(M, K), c4(N, V), v4(Mc, K), v4(Nc, V)});
       M.swap(Mc);
       N.swap(Nc);
       // the composed prefix applied to h0 equals the recurrent state after t0 + n tokens
@@ -65,12 +65,12 @@ TEST_CASE("composed segment maps reproduce the recurrent state (double, 1e-12)")
       }
       auto pre = run_fwd(pp, recurrent_fwd(pp.options()));
       std::vector<double> St(N.size());
-      k3::dplr_apply_map(c4(M, K), c4(N, V), c4(p.h0, V), v4(St, V));
+      k3::dplr::apply_map(k3::cpu::serial{}, k3::dplr::apply_args<double>{c4(M, K), c4(N, V), c4(p.h0, V), v4(St, V)});
       INFO("T=" << T << " K=" << K << " V=" << V << " segment " << s << " [" << t0 << ", " << t0 + n << ")");
       CHECK(rel_err(St, pre.ht) < 1e-12);
     }
     std::vector<double> St(N.size());
-    k3::dplr_apply_map(c4(M, K), c4(N, V), c4(p.h0, V), v4(St, V));
+    k3::dplr::apply_map(k3::cpu::serial{}, k3::dplr::apply_args<double>{c4(M, K), c4(N, V), c4(p.h0, V), v4(St, V)});
     CHECK(rel_err(St, ref.ht) < 1e-12);
   }
 }
@@ -87,10 +87,11 @@ TEST_CASE("transposed maps give the recurrent state gradient, Mt = M^T") {
   auto c4 = [&](std::vector<double> const& x, index_t c) { return k3::host_view(x.data(), p.N, p.H, K, c); };
   auto in = p.inputs();
   in.h0 = {};
-  k3::dplr_segment_maps_transposed(in, k3::host_view(dO.data(), p.B, p.T_, p.H, V), v4(Mt, K), v4(G, V), p.options(16));
-  k3::dplr_segment_maps(in, v4(M, K), v4(N, V), p.options(16));
+  k3::dplr::segment_maps_transposed(k3::cpu::serial{}, transposed_maps_of(in, k3::host_view(dO.data(), p.B, p.T_, p.H, V), v4(Mt, K), v4(G, V)),
+                                    p.options(16));
+  k3::dplr::segment_maps(k3::cpu::serial{}, maps_of(in, v4(M, K), v4(N, V)), p.options(16));
   // dh0 = Mt dht + G, i.e. apply_map with (Mt, G)
-  k3::dplr_apply_map(c4(Mt, K), c4(G, V), c4(dht, V), v4(dS, V));
+  k3::dplr::apply_map(k3::cpu::serial{}, k3::dplr::apply_args<double>{c4(Mt, K), c4(G, V), c4(dht, V), v4(dS, V)});
   CHECK(rel_err(dS, g.dh0) < 1e-12);
   double e = 0;
   for (index_t s = 0; s < NS; ++s)
@@ -108,8 +109,10 @@ TEST_CASE("float maps track the double maps") {
   pf.q = cvt(pd.q), pf.k = cvt(pd.k), pf.v = cvt(pd.v), pf.a = cvt(pd.a), pf.b = cvt(pd.b), pf.gk = cvt(pd.gk);
   std::vector<double> Md(32 * 32), Nd(32 * 32);
   std::vector<float> Mf(32 * 32), Nf(32 * 32);
-  k3::dplr_segment_maps(pd.inputs(), k3::host_view(Md.data(), 1, 1, 32, 32), k3::host_view(Nd.data(), 1, 1, 32, 32), pd.options());
-  k3::dplr_segment_maps(pf.inputs(), k3::host_view(Mf.data(), 1, 1, 32, 32), k3::host_view(Nf.data(), 1, 1, 32, 32), pf.options());
+  k3::dplr::segment_maps(k3::cpu::serial{}, maps_of(pd.inputs(), k3::host_view(Md.data(), 1, 1, 32, 32), k3::host_view(Nd.data(), 1, 1, 32, 32)),
+                         pd.options());
+  k3::dplr::segment_maps(k3::cpu::serial{}, maps_of(pf.inputs(), k3::host_view(Mf.data(), 1, 1, 32, 32), k3::host_view(Nf.data(), 1, 1, 32, 32)),
+                         pf.options());
   CHECK(rel_err(Mf, Md) < 1e-4);
   CHECK(rel_err(Nf, Nd) < 1e-4);
 }
@@ -118,7 +121,9 @@ TEST_CASE("map arguments are checked") {
   std::vector<double> a(16), b(16), c(16);
   auto m = k3::host_view(a.data(), 1, 1, 4, 4);
   auto bad = k3::host_view(b.data(), 1, 1, 4, 3);
-  CHECK_THROWS_AS(k3::dplr_compose_maps<double>(m, m, m, bad, k3::host_view(c.data(), 1, 1, 4, 4), k3::host_view(b.data(), 1, 1, 4, 4)),
-                  k3::error);
-  CHECK_THROWS_AS(k3::dplr_apply_map<double>(m, m, m, m), k3::error);  // S_out aliases S_in
+  k3::cpu::serial const one;
+  CHECK_THROWS_AS(
+      k3::dplr::compose_maps(one, k3::dplr::compose_args<double>{m, m, m, bad, k3::host_view(c.data(), 1, 1, 4, 4), k3::host_view(b.data(), 1, 1, 4, 4)}),
+      k3::error);
+  CHECK_THROWS_AS(k3::dplr::apply_map(one, k3::dplr::apply_args<double>{m, m, m, m}), k3::error);  // S_out aliases S_in
 }

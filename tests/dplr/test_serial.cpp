@@ -165,14 +165,14 @@ TEST_CASE("IPLR is DPLR with gk = 0") {
   auto p = make<double>(rng, 2, 19, 2, 6, 5, {}, true, gate::zero);
   auto ref = naive(p, 1.0 / std::sqrt(6.0));
   std::vector<double> o(p.nv()), ht(p.ns());
-  k3::dplr_outputs<double> out{k3::host_view(o.data(), p.B, p.T_, p.H, p.V), k3::host_view(ht.data(), p.N, p.H, p.K, p.V)};
   auto in = p.inputs();
-  k3::iplr_inputs<double> ii{in.q, in.k, in.v, in.a, in.b, in.h0};
-  k3::iplr_recurrent_forward(ii, out);
+  k3::dplr::iplr_forward_args<double> ii{in.q, in.k, in.v, in.a, in.b, in.h0, k3::host_view(o.data(), p.B, p.T_, p.H, p.V),
+                                         k3::host_view(ht.data(), p.N, p.H, p.K, p.V)};
+  k3::dplr::forward(k3::cpu::serial{}, ii, recurrent({}));
   CHECK(rel_err(o, ref.o) < 1e-13);
   CHECK(rel_err(ht, ref.ht) < 1e-13);
   std::fill(o.begin(), o.end(), 0.0);
-  k3::iplr_chunked_forward(k3::cpu::serial{}, ii, out, p.options(8));
+  k3::dplr::forward(k3::cpu::serial{}, ii, p.options(8));
   CHECK(rel_err(o, ref.o) < 1e-12);
   // gradients agree with DPLR's (gk = 0)
   auto dO = randn<double>(rng, p.nv());
@@ -180,9 +180,11 @@ TEST_CASE("IPLR is DPLR with gk = 0") {
   auto g = run_bwd(p, dO, dht, recurrent_bwd(p.options()));
   std::vector<double> dq(p.nk()), dk(p.nk()), dv(p.nv()), da(p.nk()), db(p.nk()), dh0(p.ns());
   auto v4 = [&](std::vector<double>& x, index_t D) { return k3::host_view(x.data(), p.B, p.T_, p.H, D); };
-  k3::iplr_grads<double> ig{v4(dq, p.K), v4(dk, p.K), v4(dv, p.V), v4(da, p.K), v4(db, p.K), k3::host_view(dh0.data(), p.N, p.H, p.K, p.V)};
-  k3::dplr_grad_inputs<double> gin{k3::host_view(dO.data(), p.B, p.T_, p.H, p.V), k3::host_view(dht.data(), p.N, p.H, p.K, p.V)};
-  k3::iplr_chunked_backward(k3::cpu::serial{}, ii, gin, ig, p.options(8));
+  k3::dplr::iplr_backward_args<double> ig{in.q, in.k, in.v, in.a, in.b, in.h0, k3::host_view(dO.data(), p.B, p.T_, p.H, p.V),
+                                          k3::host_view(dht.data(), p.N, p.H, p.K, p.V)};
+  ig.dq = v4(dq, p.K), ig.dk = v4(dk, p.K), ig.dv = v4(dv, p.V), ig.da = v4(da, p.K), ig.db = v4(db, p.K);
+  ig.dh0 = k3::host_view(dh0.data(), p.N, p.H, p.K, p.V);
+  k3::dplr::backward(k3::cpu::serial{}, ig, p.options(8));
   CHECK(rel_err(dq, g.dq) < 1e-12);
   CHECK(rel_err(dk, g.dk) < 1e-12);
   CHECK(rel_err(dv, g.dv) < 1e-12);
@@ -209,7 +211,10 @@ TEST_CASE("bad inputs throw k3::error naming the argument") {
   std::mt19937_64 rng(7);
   auto p = make<double>(rng, 1, 6, 2, 4, 3);
   std::vector<double> o(p.nv()), ht(p.ns());
-  k3::dplr_outputs<double> out{k3::host_view(o.data(), 1, 6, 2, 3), k3::host_view(ht.data(), 1, 2, 4, 3)};
+  auto in = p.inputs();
+  in.o = k3::host_view(o.data(), 1, 6, 2, 3);
+  in.ht = k3::host_view(ht.data(), 1, 2, 4, 3);
+  auto const rec = recurrent({});
   auto expect = [&](auto&& f, std::string const& what) {
     try {
       f();
@@ -219,56 +224,58 @@ TEST_CASE("bad inputs throw k3::error naming the argument") {
       CHECK(std::string(e.what()).find(what) != std::string::npos);
     }
   };
-  auto in = p.inputs();
+  k3::cpu::serial const one;
   auto bad = in;
   bad.a = k3::host_view(p.a.data(), 1, 6, 2, 3);
-  expect([&] { k3::dplr_recurrent_forward(bad, out); }, "'a'");
+  expect([&] { k3::dplr::forward(one, bad, rec); }, "'a'");
   bad = in;
   bad.gk = k3::host_view(p.gk.data(), 1, 5, 2, 4);
-  expect([&] { k3::dplr_chunked_forward(k3::cpu::serial{}, bad, out); }, "'gk'");
+  expect([&] { k3::dplr::forward(one, bad); }, "'gk'");
   bad = in;
   bad.h0 = k3::host_view(p.h0.data(), 1, 2, 3, 4);
-  expect([&] { k3::dplr_recurrent_forward(bad, out); }, "'h0'");
-  auto out2 = out;
+  expect([&] { k3::dplr::forward(one, bad, rec); }, "'h0'");
+  auto out2 = in;
   out2.o = k3::host_view(o.data(), 1, 6, 2, 2);
-  expect([&] { k3::dplr_recurrent_forward(in, out2); }, "'o'");
-  out2 = out;
+  expect([&] { k3::dplr::forward(one, out2, rec); }, "'o'");
+  out2 = in;
   out2.ht = k3::host_view(ht.data(), 2, 2, 4, 3);
-  expect([&] { k3::dplr_recurrent_forward(in, out2); }, "'ht'");
-  auto o3 = out;
+  expect([&] { k3::dplr::forward(one, out2, rec); }, "'ht'");
+  auto o3 = in;
   o3.o = k3::tensor_view<double, 4>(const_cast<double*>(p.v.data()), {1, 6, 2, 3});
-  expect([&] { k3::dplr_recurrent_forward(in, o3); }, "overlap");
+  expect([&] { k3::dplr::forward(one, o3, rec); }, "overlap");
   std::vector<std::int64_t> cu = {0, 4, 3, 6};
-  auto opt = p.options();
+  auto opt = recurrent(p.options());
   opt.cu_seqlens = k3::host_view(cu.data(), 4);
-  expect([&] { k3::dplr_recurrent_forward(in, out, opt); }, "non-decreasing");
+  expect([&] { k3::dplr::forward(one, in, opt); }, "non-decreasing");
   cu = {1, 6};
   opt.cu_seqlens = k3::host_view(cu.data(), 2);
-  expect([&] { k3::dplr_recurrent_forward(in, out, opt); }, "start at 0");
+  expect([&] { k3::dplr::forward(one, in, opt); }, "start at 0");
   cu = {0, 5};
   opt.cu_seqlens = k3::host_view(cu.data(), 2);
-  expect([&] { k3::dplr_recurrent_forward(in, out, opt); }, "end at T");
+  expect([&] { k3::dplr::forward(one, in, opt); }, "end at T");
   std::vector<std::int32_t> cu32 = {0, 6};
   opt.cu_seqlens32 = k3::host_view(cu32.data(), 2);
-  expect([&] { k3::dplr_recurrent_forward(in, out, opt); }, "not both");
+  expect([&] { k3::dplr::forward(one, in, opt); }, "not both");
   opt = p.options();
   opt.chunk_size = 0;
-  expect([&] { k3::dplr_chunked_forward(k3::cpu::serial{}, in, out, opt); }, "chunk_size");
+  expect([&] { k3::dplr::forward(one, in, opt); }, "chunk_size");
   // B > 1 with offsets
   auto p2 = make<double>(rng, 2, 3, 1, 2, 2);
   std::vector<double> o2(p2.nv());
-  k3::dplr_outputs<double> out3{k3::host_view(o2.data(), 2, 3, 1, 2), {}};
+  auto in3 = p2.inputs();
+  in3.o = k3::host_view(o2.data(), 2, 3, 1, 2);
   cu = {0, 3};
-  auto opt2 = p2.options();
+  auto opt2 = recurrent(p2.options());
   opt2.cu_seqlens = k3::host_view(cu.data(), 2);
-  expect([&] { k3::dplr_recurrent_forward(p2.inputs(), out3, opt2); }, "batch size 1");
+  expect([&] { k3::dplr::forward(one, in3, opt2); }, "batch size 1");
   // int32 offsets work
   std::vector<std::int32_t> c32 = {0, 2, 6};
-  auto opt3 = p.options();
+  auto opt3 = recurrent(p.options());
   opt3.cu_seqlens32 = k3::host_view(c32.data(), 3);
   std::vector<double> ht3(2 * p.H * p.K * p.V);
-  k3::dplr_outputs<double> out4{k3::host_view(o.data(), 1, 6, 2, 3), k3::host_view(ht3.data(), 2, 2, 4, 3)};
   auto in_no_h0 = in;
   in_no_h0.h0 = {};
-  CHECK_NOTHROW(k3::dplr_recurrent_forward(in_no_h0, out4, opt3));
+  in_no_h0.o = k3::host_view(o.data(), 1, 6, 2, 3);
+  in_no_h0.ht = k3::host_view(ht3.data(), 2, 2, 4, 3);
+  CHECK_NOTHROW(k3::dplr::forward(one, in_no_h0, opt3));
 }

@@ -31,9 +31,9 @@ void check_threads(std::mt19937_64& rng) {
   for (auto const& s : shapes) {
     auto p = make<T>(rng, 1, s.T, 1, s.K, s.V);
     auto o = p.options(s.chunk);
-    o.long_sequence = k3::dplr_long_sequence::value_split;
+    o.long_sequence = k3::dplr::sequence_split::value_split;
     auto dO = randn<T>(rng, p.nv());
-    auto dht = randn<k3::dplr_state_t<T>>(rng, p.ns());
+    auto dht = randn<k3::dplr::state_t<T>>(rng, p.ns());
     auto f1 = run_fwd(p, chunked_fwd(k3::cpu::threads<>(1), o));
     auto g1 = run_bwd(p, dO, dht, chunked_bwd(k3::cpu::threads<>(1), o));
     CHECK(max_err(f1, run_fwd(p, recurrent_fwd(o))) < (sizeof(T) == 4 ? 1e-4 : 1e-11));
@@ -41,15 +41,15 @@ void check_threads(std::mt19937_64& rng) {
     CHECK(same_bits(run_fwd(p, chunked_fwd(k3::cpu::serial{}, o)).o, f1.o));
     CHECK(same_bits(run_bwd(p, dO, dht, chunked_bwd(k3::cpu::serial{}, o)).dq, g1.dq));
     // the maps of the span split their K + V columns the same way
-    using S = k3::dplr_state_t<T>;
+    using S = k3::dplr::state_t<T>;
     auto in = p.inputs();
     auto dOv = k3::host_view(static_cast<T const*>(dO.data()), index_t(1), s.T, index_t(1), s.V);
     auto maps = [&](auto const& bk, bool transposed) {
       std::vector<S> M(static_cast<std::size_t>(s.K * s.K)), N(static_cast<std::size_t>(s.K * s.V));
       auto Mv = k3::host_view(M.data(), 1, 1, s.K, s.K);
       auto Nv = k3::host_view(N.data(), 1, 1, s.K, s.V);
-      if (transposed) k3::dplr_segment_maps_transposed(in, dOv, Mv, Nv, o, bk);
-      else k3::dplr_segment_maps(in, Mv, Nv, o, bk);
+      if (transposed) k3::dplr::segment_maps_transposed(bk, transposed_maps_of(in, dOv, Mv, Nv), o);
+      else k3::dplr::segment_maps(bk, maps_of(in, Mv, Nv), o);
       M.insert(M.end(), N.begin(), N.end());
       return M;
     };

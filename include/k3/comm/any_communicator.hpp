@@ -8,7 +8,7 @@
 //     // in a .cu file
 //     k3::nccl_communicator nccl = k3::nccl_communicator::bootstrap(mpi);
 //     k3::any_communicator comm(nccl);   // refers to nccl: keep it alive
-//     run_host_side(comm);               // a .cpp function: k3::dplr_cp_forward(comm, ...)
+//     run_host_side(comm);               // a .cpp function: k3::dplr::forward(cpu, {.comm = &comm, ...})
 //
 // The operations of the wrapped communicator are instantiated where the any_communicator is
 // constructed; a call goes through one function pointer with (pointer, count, element type).

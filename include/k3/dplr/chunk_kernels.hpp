@@ -41,7 +41,7 @@ constexpr R factored_decay_limit() {
 }
 
 // Largest total in-chunk decay for which the factored form is valid at all: e^{-gi} below
-// overflow and e^{gi} a normal number. dplr_intra::factored is used wherever it holds; a chunk
+// overflow and e^{gi} a normal number. intra_form::factored is used wherever it holds; a chunk
 // beyond it (a hard reset, say) takes the pairwise form rather than giving inf * 0 = NaN.
 template <class R>
 constexpr R factored_valid_limit() {
@@ -188,10 +188,10 @@ struct chunk_pre {
 };
 
 template <class T, class R>
-void make_twin(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p, bool with_tm, twin_kind tk);
+void make_twin(head_views<T> const& hv, index_t t0, index_t c, R scale, intra_form mode, chunk_pre<R>& p, bool with_tm, twin_kind tk);
 
 template <class T, class R>
-void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p, bool with_tm = true,
+void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, intra_form mode, chunk_pre<R>& p, bool with_tm = true,
               twin_kind tk = twin_kind::none) {
   p.t0 = t0;
   p.c = c;
@@ -222,8 +222,8 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
   }
   auto last = p.gi.row(c - 1);
   R span = K > 0 ? (-last.array()).maxCoeff() : R(0);
-  p.factored = (mode == dplr_intra::factored && span <= factored_valid_limit<R>()) ||
-               (mode == dplr_intra::automatic && span <= factored_decay_limit<R>());
+  p.factored = (mode == intra_form::factored && span <= factored_valid_limit<R>()) ||
+               (mode == intra_form::automatic && span <= factored_decay_limit<R>());
   p.split = !p.factored && (g.array() < split_log_decay<R>()).any();
   if (p.split) {
     p.gs.resize(c, K);
@@ -295,7 +295,7 @@ void make_pre(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intr
 
 // The chunk with its non-finite inputs of kind tk set to 0 (p.twin), and those values (p.tv).
 template <class T, class R>
-void make_twin(head_views<T> const& hv, index_t t0, index_t c, R scale, dplr_intra mode, chunk_pre<R>& p, bool with_tm, twin_kind tk) {
+void make_twin(head_views<T> const& hv, index_t t0, index_t c, R scale, intra_form mode, chunk_pre<R>& p, bool with_tm, twin_kind tk) {
   bool const all = tk == twin_kind::outputs;
   const_view<T, 2> const* src[6] = {&hv.q, &hv.k, &hv.v, &hv.a, &hv.b, &hv.gk};
   bool const fix[6] = {all, true, true, all, all, all};

@@ -31,6 +31,7 @@
 
 #include "k3/backend/cpu/serial.hpp"
 #include "k3/backend/cpu/simd.hpp"
+#include "k3/core/concepts.hpp"
 #include "k3/dplr/chunk_kernels.hpp"
 #include "k3/dplr/pipeline.hpp"
 #include "k3/dplr/serial.hpp"
@@ -65,7 +66,7 @@ template <class R>
 struct head_cfg {
   R scale;
   index_t C;
-  dplr_intra mode;
+  intra_form mode;
   index_t K, V;
 };
 
@@ -434,15 +435,17 @@ void head_backward_segments(Par const& par, head_views<T> const& hv, head_cfg<R>
 }  // namespace k3
 
 namespace k3 {
+namespace detail::dplr {
 
 // Chunked forward. Backends: cpu::serial, cpu::simd<>, cpu::threads<> (threads fan out over
 // (sequence, head) pairs, or inside each pair when there are fewer pairs than threads).
 template <class T, class Bk>
-void dplr_chunked_forward(Bk const& bk, dplr_inputs<T> const& in, dplr_outputs<T> const& out, dplr_options const& opt = {}) {
-  using R = dplr_state_t<T>;
-  namespace d = detail::dplr;
+void chunked_forward(Bk const& bk, ::k3::dplr::forward_args<T> const& a, options const& opt) {
+  using R = state_t<T>;
+  namespace d = ::k3::detail::dplr;
+  auto const in = inputs_of(a);
   auto p = d::make_problem(in, opt);
-  d::check_outputs(p, in, out);
+  d::check_outputs(p, in, a.o, a.ht);
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
   auto par = d::make_par(bk);
@@ -452,22 +455,22 @@ void dplr_chunked_forward(Bk const& bk, dplr_inputs<T> const& in, dplr_outputs<T
     d::mat<R> S;
     d::load_state_mat(in.h0, n, h, p.K, p.V, S);
     auto hv = d::head_of(in, p.seqs[n], h);
-    auto o = d::head_slice<T>(out.o, p.seqs[n], h);
-    if (ex.size() > 1 && opt.long_sequence == dplr_long_sequence::segment_maps) d::head_forward_segments<T, R>(ex, hv, cfg, S, o);
+    auto o = d::head_slice<T>(a.o, p.seqs[n], h);
+    if (ex.size() > 1 && opt.long_sequence == sequence_split::segment_maps) d::head_forward_segments<T, R>(ex, hv, cfg, S, o);
     else d::head_forward_values<T, R>(ex, hv, cfg, S, o);
-    d::store_state_mat(out.ht, n, h, S);
+    d::store_state_mat(a.ht, n, h, S);
   };
   d::for_each_head(par, tasks, one);
 }
 
-// Chunked backward: dq dk dv da db dgk (and dh0 when given) from do (and dht when given).
+// Chunked backward: dq dk dv da db dgk (and dh0 when given) from d_o (and dht when given).
 template <class T, class Bk>
-void dplr_chunked_backward(Bk const& bk, dplr_inputs<T> const& in, dplr_grad_inputs<T> const& gin, dplr_grads<T> const& g,
-                           dplr_options const& opt = {}) {
-  using R = dplr_state_t<T>;
-  namespace d = detail::dplr;
+void chunked_backward(Bk const& bk, ::k3::dplr::backward_args<T> const& g, options const& opt) {
+  using R = state_t<T>;
+  namespace d = ::k3::detail::dplr;
+  auto const in = inputs_of(g);
   auto p = d::make_problem(in, opt);
-  d::check_grads(p, in, gin, g);
+  d::check_grads(p, g);
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
   auto par = d::make_par(bk);
@@ -477,16 +480,38 @@ void dplr_chunked_backward(Bk const& bk, dplr_inputs<T> const& in, dplr_grad_inp
     auto const& s = p.seqs[n];
     d::mat<R> S0, dS;
     d::load_state_mat(in.h0, n, h, p.K, p.V, S0);
-    d::load_state_mat(gin.dht, n, h, p.K, p.V, dS);
+    d::load_state_mat(g.dht, n, h, p.K, p.V, dS);
     auto hv = d::head_of(in, s, h);
     d::head_grad_views<T> hg = {d::head_slice<T>(g.dq, s, h), d::head_slice<T>(g.dk, s, h), d::head_slice<T>(g.dv, s, h),
                                 d::head_slice<T>(g.da, s, h), d::head_slice<T>(g.db, s, h), d::head_slice<T>(g.dgk, s, h)};
-    auto dO = d::head_slice<T>(gin.do_, s, h);
-    if (ex.size() > 1 && opt.long_sequence == dplr_long_sequence::segment_maps) d::head_backward_segments<T, R>(ex, hv, cfg, S0, dS, dO, hg);
+    auto dO = d::head_slice<T>(g.d_o, s, h);
+    if (ex.size() > 1 && opt.long_sequence == sequence_split::segment_maps) d::head_backward_segments<T, R>(ex, hv, cfg, S0, dS, dO, hg);
     else d::head_backward<T, R>(ex, hv, cfg, S0, dS, dO, hg);
     d::store_state_mat(g.dh0, n, h, dS);
   };
   d::for_each_head(par, tasks, one);
 }
 
+}  // namespace detail::dplr
 }  // namespace k3
+
+namespace k3::dplr {
+
+// o and ht (when given) from the inputs. options::mode chunk: the chunked form on `be`
+// (cpu::serial, cpu::simd<>, cpu::threads<>: threads fan out over (sequence, head) pairs, or
+// inside each pair when there are fewer pairs than threads); recurrent: the token-by-token
+// reference, serially on the calling thread for any host backend.
+template <HostBackend B, class T>
+void forward(B const& be, forward_args<T> const& a, options const& opt = {}) {
+  if (opt.mode == algorithm::recurrent) detail::dplr::recurrent_forward(a, opt);
+  else detail::dplr::chunked_forward(be, a, opt);
+}
+
+// dq dk dv da db dgk (and dh0 when given) from d_o (and dht when given); forms as for forward.
+template <HostBackend B, class T>
+void backward(B const& be, backward_args<T> const& a, options const& opt = {}) {
+  if (opt.mode == algorithm::recurrent) detail::dplr::recurrent_backward(a, opt);
+  else detail::dplr::chunked_backward(be, a, opt);
+}
+
+}  // namespace k3::dplr

@@ -18,38 +18,18 @@
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
 
-namespace k3 {
+namespace k3::dplr {
 
 // The state and every accumulation use double for double inputs and float otherwise.
 template <class T>
-using dplr_state_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+using state_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-template <class T>
-struct dplr_inputs {
-  const_view<T, 4> q, k, v, a, b, gk;
-  const_view<dplr_state_t<T>, 4> h0;  // absent (default) = zero initial state
-};
-
-template <class T>
-struct dplr_outputs {
-  tensor_view<T, 4> o;                       // [B,T,H,V]
-  tensor_view<dplr_state_t<T>, 4> ht;        // [N,H,K,V]; absent = not wanted
-};
-
-template <class T>
-struct dplr_grad_inputs {
-  const_view<T, 4> do_;                      // [B,T,H,V]
-  const_view<dplr_state_t<T>, 4> dht;        // absent = zero
-};
-
-template <class T>
-struct dplr_grads {
-  tensor_view<T, 4> dq, dk, dv, da, db, dgk;
-  tensor_view<dplr_state_t<T>, 4> dh0;       // absent = not wanted
-};
+// chunk (the default): the chunked form on the given backend. recurrent: the token-by-token
+// reference, run serially on the calling thread whatever host backend is given.
+enum class algorithm { chunk, recurrent };
 
 // How a single sequence (fewer (sequence, head) pairs than threads) uses every core.
-enum class dplr_long_sequence {
+enum class sequence_split {
   value_split,   // chunk-parallel intra-chunk work + state columns split across threads
   segment_maps,  // tokens split across threads; segment maps composed by a scan
 };
@@ -58,19 +38,62 @@ enum class dplr_long_sequence {
 // (fast, valid while the chunk's total decay stays in exp's range) or pairwise exponentials
 // (always safe). automatic picks per chunk for accuracy (factored up to e^200 in double, e^30
 // in float); factored forces it wherever it is valid (up to e^700, e^85), pairwise beyond.
-enum class dplr_intra { automatic, factored, pairwise };
+enum class intra_form { automatic, factored, pairwise };
 
-struct dplr_options {
-  std::optional<double> scale;      // default K^-1/2
+struct options {
+  algorithm mode = algorithm::chunk;
+  std::optional<double> scale = {};  // default K^-1/2
   index_t chunk_size = 64;
-  dplr_intra intra = dplr_intra::automatic;
-  dplr_long_sequence long_sequence = dplr_long_sequence::value_split;
+  intra_form intra = intra_form::automatic;
+  sequence_split long_sequence = sequence_split::value_split;
   // Packed variable-length sequences (B must be 1): one of these, N+1 offsets.
-  const_view<std::int64_t, 1> cu_seqlens;
-  const_view<std::int32_t, 1> cu_seqlens32;
+  const_view<std::int64_t, 1> cu_seqlens = {};
+  const_view<std::int32_t, 1> cu_seqlens32 = {};
 };
 
+// Absent optional tensors are default-constructed views (null data, zero extents).
+template <class T>
+struct forward_args {
+  const_view<T, 4> q = {}, k = {}, v = {}, a = {}, b = {}, gk = {};  // [B,T,H,K], v [B,T,H,V]
+  const_view<state_t<T>, 4> h0 = {};                                 // [N,H,K,V]; absent = zero
+  tensor_view<T, 4> o = {};                                          // [B,T,H,V]
+  tensor_view<state_t<T>, 4> ht = {};                                // [N,H,K,V]; absent = not wanted
+};
+
+template <class T>
+struct backward_args {
+  const_view<T, 4> q = {}, k = {}, v = {}, a = {}, b = {}, gk = {};
+  const_view<state_t<T>, 4> h0 = {};
+  const_view<T, 4> d_o = {};                                      // gradient of o, [B,T,H,V]
+  const_view<state_t<T>, 4> dht = {};                             // gradient of ht; absent = zero
+  tensor_view<T, 4> dq = {}, dk = {}, dv = {}, da = {}, db = {}, dgk = {};
+  tensor_view<state_t<T>, 4> dh0 = {};                            // absent = not wanted
+};
+
+}  // namespace k3::dplr
+
+namespace k3 {
+
 namespace detail::dplr {
+
+using ::k3::dplr::algorithm;
+using ::k3::dplr::intra_form;
+using ::k3::dplr::options;
+using ::k3::dplr::sequence_split;
+using ::k3::dplr::state_t;
+
+// The token inputs and h0 of any args type, the form every internal path takes.
+template <class T>
+struct inputs {
+  const_view<T, 4> q, k, v, a, b, gk;
+  const_view<state_t<T>, 4> h0;
+};
+
+template <class Args>
+auto inputs_of(Args const& x) {
+  using T = typename decltype(x.q)::value_type;
+  return inputs<T>{x.q, x.k, x.v, x.a, x.b, x.gk, x.h0};
+}
 
 template <class V>
 bool absent(V const& v) {
@@ -92,7 +115,7 @@ struct problem {
   std::vector<sequence> seqs;
 };
 
-inline bool has_varlen(dplr_options const& o) { return !absent(o.cu_seqlens) || !absent(o.cu_seqlens32); }
+inline bool has_varlen(options const& o) { return !absent(o.cu_seqlens) || !absent(o.cu_seqlens32); }
 
 template <class I>
 void read_offsets(const_view<I, 1> cu, index_t B, index_t T, std::vector<sequence>& seqs) {
@@ -115,7 +138,7 @@ void read_offsets(const_view<I, 1> cu, index_t B, index_t T, std::vector<sequenc
 }
 
 template <class T>
-problem make_problem(dplr_inputs<T> const& in, dplr_options const& opt) {
+problem make_problem(inputs<T> const& in, options const& opt) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "k3 dplr: inputs must be float or double");
   problem p;
   check_view("q", in.q);
@@ -153,7 +176,7 @@ problem make_problem(dplr_inputs<T> const& in, dplr_options const& opt) {
 
 // The token inputs q, k, v, a, b, gk (and h0 unless `with_h0` is false) through f(name, view).
 template <class T, class F>
-void for_each_input(dplr_inputs<T> const& in, F&& f, bool with_h0 = true) {
+void for_each_input(inputs<T> const& in, F&& f, bool with_h0 = true) {
   f("q", in.q);
   f("k", in.k);
   f("v", in.v);
@@ -167,30 +190,31 @@ void for_each_input(dplr_inputs<T> const& in, F&& f, bool with_h0 = true) {
 // elements, racing between threads), not over an input (ht of an early (sequence, head) is
 // stored while later ones still read theirs), not over another output.
 template <class T>
-void check_outputs(problem const& p, dplr_inputs<T> const& in, dplr_outputs<T> const& out) {
-  check_view("o", out.o);
-  check_shape("o", out.o, {p.B, p.T, p.H, p.V});
-  check_inner_contiguous("o", out.o);
-  if (!absent(out.ht)) {
-    check_view("ht", out.ht);
-    check_shape("ht", out.ht, {p.N, p.H, p.K, p.V});
+void check_outputs(problem const& p, inputs<T> const& in, tensor_view<T, 4> const& o, tensor_view<state_t<T>, 4> const& ht) {
+  check_view("o", o);
+  check_shape("o", o, {p.B, p.T, p.H, p.V});
+  check_inner_contiguous("o", o);
+  if (!absent(ht)) {
+    check_view("ht", ht);
+    check_shape("ht", ht, {p.N, p.H, p.K, p.V});
   }
   ::k3::detail::check_outputs_apart(
       [&](auto&& f) {
-        f("o", out.o);
-        f("ht", out.ht);
+        f("o", o);
+        f("ht", ht);
       },
       [&](auto&& f) { for_each_input(in, f); });
 }
 
 template <class T>
-void check_grads(problem const& p, dplr_inputs<T> const& in, dplr_grad_inputs<T> const& gin, dplr_grads<T> const& g) {
-  check_view("do", gin.do_);
-  check_shape("do", gin.do_, {p.B, p.T, p.H, p.V});
-  check_inner_contiguous("do", gin.do_);
-  if (!absent(gin.dht)) {
-    check_view("dht", gin.dht);
-    check_shape("dht", gin.dht, {p.N, p.H, p.K, p.V});
+void check_grads(problem const& p, ::k3::dplr::backward_args<T> const& g) {
+  auto const in = inputs_of(g);
+  check_view("do", g.d_o);
+  check_shape("do", g.d_o, {p.B, p.T, p.H, p.V});
+  check_inner_contiguous("do", g.d_o);
+  if (!absent(g.dht)) {
+    check_view("dht", g.dht);
+    check_shape("dht", g.dht, {p.N, p.H, p.K, p.V});
   }
   std::pair<char const*, tensor_view<T, 4>> outs[] = {{"dq", g.dq}, {"dk", g.dk}, {"dv", g.dv}, {"da", g.da}, {"db", g.db}, {"dgk", g.dgk}};
   for (auto& [name, v] : outs) {
@@ -209,8 +233,8 @@ void check_grads(problem const& p, dplr_inputs<T> const& in, dplr_grad_inputs<T>
       },
       [&](auto&& f) {
         for_each_input(in, f);
-        f("do", gin.do_);
-        f("dht", gin.dht);
+        f("do", g.d_o);
+        f("dht", g.dht);
       });
 }
 
@@ -227,7 +251,7 @@ auto head_slice(View const& x, sequence const& s, index_t h) {
 }
 
 template <class T>
-head_views<T> head_of(dplr_inputs<T> const& in, sequence const& s, index_t h) {
+head_views<T> head_of(inputs<T> const& in, sequence const& s, index_t h) {
   return {head_slice<T>(in.q, s, h),  head_slice<T>(in.k, s, h), head_slice<T>(in.v, s, h),
           head_slice<T>(in.a, s, h),  head_slice<T>(in.b, s, h), head_slice<T>(in.gk, s, h), s.len()};
 }
@@ -236,11 +260,12 @@ head_views<T> head_of(dplr_inputs<T> const& in, sequence const& s, index_t h) {
 
 namespace dplr {
 
-// Shape of dplr_outputs::ht (and h0) for these inputs and options: {N sequences, H, K, V}. Checks
-// every input and cu_seqlens first, so a caller can size its outputs before it has them.
-template <class T>
-std::array<index_t, 4> state_shape(dplr_inputs<T> const& in, dplr_options const& opt = {}) {
-  auto const p = detail::dplr::make_problem(in, opt);
+// Shape of ht (and h0, dht, dh0) for these arguments and options: {N sequences (B, or the
+// count cu_seqlens gives), H, K, V}. Checks every input and cu_seqlens first, so a caller can
+// size its outputs before it has them. Any args type with q, k, v, a, b, gk and h0.
+template <class Args>
+std::array<index_t, 4> state_shape(Args const& a, options const& opt = {}) {
+  auto const p = detail::dplr::make_problem(detail::dplr::inputs_of(a), opt);
   return {p.N, p.H, p.K, p.V};
 }
 

@@ -70,7 +70,7 @@ inline std::vector<char const*> cp_header_names() {
 
 // Local (b, h) maps of this rank's block: [M | N | G?] per (b, h), K x W each.
 template <class T, class R, class Par>
-void cp_local_maps(Par const& par, problem const& p, dplr_inputs<T> const& in, head_cfg<R> const& cfg, const_view<T, 4> const* dO,
+void cp_local_maps(Par const& par, problem const& p, inputs<T> const& in, head_cfg<R> const& cfg, const_view<T, 4> const* dO,
                    std::vector<R>& out, index_t W) {
   out.assign(static_cast<std::size_t>(p.B * p.H * p.K * W), R(0));
   for_each_head(par, p.B * p.H, [&](auto const& ex, index_t task) {
@@ -92,30 +92,72 @@ void cp_local_maps(Par const& par, problem const& p, dplr_inputs<T> const& in, h
   });
 }
 
-}  // namespace detail::dplr
+// The communicator every rank passes: present, and the chunked form (the only one split
+// across ranks). Run inside the rank's checks, so that every rank learns of a failure.
+template <class Comm>
+void cp_check_call(char const* what, Comm const* comm, options const& opt) {
+  require(comm != nullptr, error_kind::value, std::string(what) + ": argument 'comm': the communicator is missing (null)");
+  require(opt.mode == algorithm::chunk, error_kind::unsupported,
+          std::string(what) + ": option 'mode': only the chunked form runs across ranks, got recurrent");
+  require(!has_varlen(opt), error_kind::unsupported,
+          std::string(what) + ": cu_seqlens is not supported with a communicator; split every sequence across ranks instead");
+}
 
-template <class T, Communicator C, class Bk = cpu::serial>
-void dplr_cp_forward(C const& comm, dplr_inputs<T> const& in, dplr_outputs<T> const& out, dplr_options const& opt = {}, Bk const& bk = {}) {
-  using R = dplr_state_t<T>;
-  namespace d = detail::dplr;
-  auto h0 = in.h0;
+}  // namespace detail::dplr
+}  // namespace k3
+
+namespace k3::dplr {
+
+// forward_args plus the communicator of the ranks that share the sequence (not owned).
+template <class T, Communicator C>
+struct cp_forward_args {
+  C const* comm = nullptr;
+  const_view<T, 4> q = {}, k = {}, v = {}, a = {}, b = {}, gk = {};  // this rank's tokens
+  const_view<state_t<T>, 4> h0 = {};                                 // global; the same on every rank
+  tensor_view<T, 4> o = {};                                          // this rank's tokens
+  tensor_view<state_t<T>, 4> ht = {};                                // global; written on every rank
+};
+
+// backward_args plus the communicator.
+template <class T, Communicator C>
+struct cp_backward_args {
+  C const* comm = nullptr;
+  const_view<T, 4> q = {}, k = {}, v = {}, a = {}, b = {}, gk = {};
+  const_view<state_t<T>, 4> h0 = {};
+  const_view<T, 4> d_o = {};
+  const_view<state_t<T>, 4> dht = {};  // global; the same on every rank
+  tensor_view<T, 4> dq = {}, dk = {}, dv = {}, da = {}, db = {}, dgk = {};
+  tensor_view<state_t<T>, 4> dh0 = {};  // global; written on every rank
+};
+
+// The context-parallel forward: every rank calls it with its own block and the same options;
+// the local work runs on `be`. options::mode must be chunk; cu_seqlens is not supported.
+template <HostBackend B, class T, Communicator C>
+void forward(B const& be, cp_forward_args<T, C> const& x, options const& opt = {}) {
+  using R = state_t<T>;
+  namespace d = ::k3::detail::dplr;
+  forward_args<T> const whole{x.q, x.k, x.v, x.a, x.b, x.gk, x.h0, x.o, x.ht};
+  auto const h0 = x.h0;
+  d::inputs<T> const in = d::inputs_of(whole);
   auto local_in = in;
   local_in.h0 = {};
   d::problem p;
-  std::exception_ptr const failed = detail::capture_error([&] {
-    detail::require(!d::has_varlen(opt), error_kind::unsupported, "dplr_cp_forward: cu_seqlens is not supported; split every sequence across ranks instead");
+  std::exception_ptr const failed = k3::detail::capture_error([&] {
+    d::cp_check_call("dplr::forward", x.comm, opt);
     p = d::make_problem(local_in, opt);
-    if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
-    d::check_outputs(p, in, out);  // with h0: o and ht must not overlap it either
+    if (!d::absent(h0)) k3::detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
+    d::check_outputs(p, in, x.o, x.ht);  // with h0: o and ht must not overlap it either
   });
-  d::cp_agree(comm, "dplr_cp_forward", failed, d::cp_header<T>(p, !d::absent(h0), false), d::cp_header_names());
+  if (x.comm == nullptr) std::rethrow_exception(failed);  // no collective to take part in
+  C const& comm = *x.comm;
+  d::cp_agree(comm, "dplr::forward", failed, d::cp_header<T>(p, !d::absent(h0), false), d::cp_header_names());
   if (comm.size() == 1) {  // nothing to fold: the ordinary forward
-    dplr_chunked_forward(bk, in, out, opt);
+    d::chunked_forward(be, whole, opt);
     return;
   }
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
-  auto par = d::make_par(bk);
+  auto par = d::make_par(be);
   index_t const W = p.K + p.V, BH = p.B * p.H, P = comm.size(), me = comm.rank();
   std::vector<R> mine, all(static_cast<std::size_t>(P * BH * p.K * W));
   d::cp_local_maps<T, R>(par, p, local_in, cfg, nullptr, mine, W);
@@ -133,45 +175,45 @@ void dplr_cp_forward(C const& comm, dplr_inputs<T> const& in, dplr_outputs<T> co
       next.noalias() += M * S;
       S.swap(next);
     }
-    d::store_state_mat(out.ht, b, h, S);
+    d::store_state_mat(x.ht, b, h, S);
   }
-  auto lin = local_in;
-  lin.h0 = const_view<R, 4>(start.data(), {p.B, p.H, p.K, p.V});
-  dplr_chunked_forward(bk, lin, dplr_outputs<T>{out.o, {}}, opt);
+  forward_args<T> local{x.q, x.k, x.v, x.a, x.b, x.gk, const_view<R, 4>(start.data(), {p.B, p.H, p.K, p.V}), x.o, {}};
+  d::chunked_forward(be, local, opt);
 }
 
-template <class T, Communicator C, class Bk = cpu::serial>
-void dplr_cp_backward(C const& comm, dplr_inputs<T> const& in, dplr_grad_inputs<T> const& gin, dplr_grads<T> const& g,
-                      dplr_options const& opt = {}, Bk const& bk = {}) {
-  using R = dplr_state_t<T>;
-  namespace d = detail::dplr;
-  auto h0 = in.h0;
+// The context-parallel backward: every rank calls it with its own block of the forward's
+// inputs and of d_o, and the same dht and options.
+template <HostBackend B, class T, Communicator C>
+void backward(B const& be, cp_backward_args<T, C> const& x, options const& opt = {}) {
+  using R = state_t<T>;
+  namespace d = ::k3::detail::dplr;
+  backward_args<T> const whole{x.q, x.k, x.v, x.a, x.b, x.gk, x.h0, x.d_o, x.dht, x.dq, x.dk, x.dv, x.da, x.db, x.dgk, x.dh0};
+  auto const h0 = x.h0;
+  d::inputs<T> const in = d::inputs_of(whole);
   auto local_in = in;
   local_in.h0 = {};
-  auto lgin = gin;
-  lgin.dht = {};
-  auto lg = g;
-  lg.dh0 = {};
   d::problem p;
-  std::exception_ptr const failed = detail::capture_error([&] {
-    detail::require(!d::has_varlen(opt), error_kind::unsupported, "dplr_cp_backward: cu_seqlens is not supported; split every sequence across ranks instead");
+  std::exception_ptr const failed = k3::detail::capture_error([&] {
+    d::cp_check_call("dplr::backward", x.comm, opt);
     p = d::make_problem(local_in, opt);
-    if (!d::absent(h0)) detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
-    d::check_grads(p, in, gin, g);  // h0, dht and dh0 against everything else too
-    if (!d::absent(gin.dht)) detail::check_shape("dht", gin.dht, {p.B, p.H, p.K, p.V});
-    if (!d::absent(g.dh0)) detail::check_shape("dh0", g.dh0, {p.B, p.H, p.K, p.V});
+    if (!d::absent(h0)) k3::detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
+    d::check_grads(p, whole);  // h0, dht and dh0 against everything else too
+    if (!d::absent(x.dht)) k3::detail::check_shape("dht", x.dht, {p.B, p.H, p.K, p.V});
+    if (!d::absent(x.dh0)) k3::detail::check_shape("dh0", x.dh0, {p.B, p.H, p.K, p.V});
   });
-  d::cp_agree(comm, "dplr_cp_backward", failed, d::cp_header<T>(p, !d::absent(h0), !d::absent(gin.dht)), d::cp_header_names());
+  if (x.comm == nullptr) std::rethrow_exception(failed);  // no collective to take part in
+  C const& comm = *x.comm;
+  d::cp_agree(comm, "dplr::backward", failed, d::cp_header<T>(p, !d::absent(h0), !d::absent(x.dht)), d::cp_header_names());
   if (comm.size() == 1) {
-    dplr_chunked_backward(bk, in, gin, g, opt);
+    d::chunked_backward(be, whole, opt);
     return;
   }
   d::head_cfg<R> cfg{R(p.scale), p.chunk, opt.intra, p.K, p.V};
   k3::detail::subnormals_flushed const flush;  // chunk forms: see k3/core/float_env.hpp
-  auto par = d::make_par(bk);
+  auto par = d::make_par(be);
   index_t const W = p.K + 2 * p.V, BH = p.B * p.H, P = comm.size(), me = comm.rank();
   std::vector<R> mine, all(static_cast<std::size_t>(P * BH * p.K * W));
-  d::cp_local_maps<T, R>(par, p, local_in, cfg, &lgin.do_, mine, W);
+  d::cp_local_maps<T, R>(par, p, local_in, cfg, &x.d_o, mine, W);
   comm.all_gather(const_view<R, 1>(mine.data(), {static_cast<index_t>(mine.size())}), tensor_view<R, 1>(all.data(), {static_cast<index_t>(all.size())}));
   std::vector<R> start(static_cast<std::size_t>(BH * p.K * p.V)), dend(start.size());
   using cmap = Eigen::Map<d::mat<R> const, 0, Eigen::OuterStride<>>;
@@ -187,19 +229,18 @@ void dplr_cp_backward(C const& comm, dplr_inputs<T> const& in, dplr_grad_inputs<
     }
     Eigen::Map<d::mat<R>>(start.data() + task * p.K * p.V, p.K, p.V) = S;
     d::mat<R> dS;
-    d::load_state_mat(gin.dht, b, h, p.K, p.V, dS);
+    d::load_state_mat(x.dht, b, h, p.K, p.V, dS);
     for (index_t r = P - 1; r >= 0; --r) {
       if (r == me) Eigen::Map<d::mat<R>>(dend.data() + task * p.K * p.V, p.K, p.V) = dS;
       d::mat<R> next = blk(r, p.K + p.V, p.V);
       next.noalias() += blk(r, 0, p.K).transpose() * dS;
       dS.swap(next);
     }
-    d::store_state_mat(g.dh0, b, h, dS);
+    d::store_state_mat(x.dh0, b, h, dS);
   }
-  auto lin = local_in;
-  lin.h0 = const_view<R, 4>(start.data(), {p.B, p.H, p.K, p.V});
-  lgin.dht = const_view<R, 4>(dend.data(), {p.B, p.H, p.K, p.V});
-  dplr_chunked_backward(bk, lin, lgin, lg, opt);
+  backward_args<T> local{x.q, x.k, x.v, x.a, x.b, x.gk, const_view<R, 4>(start.data(), {p.B, p.H, p.K, p.V}), x.d_o,
+                         const_view<R, 4>(dend.data(), {p.B, p.H, p.K, p.V}), x.dq, x.dk, x.dv, x.da, x.db, x.dgk, {}};
+  d::chunked_backward(be, local, opt);
 }
 
-}  // namespace k3
+}  // namespace k3::dplr

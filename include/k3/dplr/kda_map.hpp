@@ -13,29 +13,40 @@
 
 #include "k3/dplr/maps.hpp"
 
-namespace k3 {
+namespace k3::dplr {
 
 template <class T>
 struct kda_inputs {
-  const_view<T, 4> q, k;     // [B,T,H,K]
-  const_view<T, 4> v;        // [B,T,HV,V]
-  const_view<T, 4> g;        // [B,T,HV,K] log decay
-  const_view<T, 3> beta;     // [B,T,HV]
-  const_view<dplr_state_t<T>, 4> h0;  // [N,HV,K,V], absent = zero
+  const_view<T, 4> q = {}, k = {};   // [B,T,H,K]
+  const_view<T, 4> v = {};           // [B,T,HV,V]
+  const_view<T, 4> g = {};           // [B,T,HV,K] log decay
+  const_view<T, 3> beta = {};        // [B,T,HV]
+  const_view<state_t<T>, 4> h0 = {};  // [N,HV,K,V], absent = zero
 };
 
 template <class T>
 struct kda_grads {
-  tensor_view<T, 4> dq, dk, dv, dg;
-  tensor_view<T, 3> dbeta;
+  tensor_view<T, 4> dq = {}, dk = {}, dv = {}, dg = {};
+  tensor_view<T, 3> dbeta = {};
 };
 
+// KDA segment maps: the span's KDA tokens (no h0) and the maps M [N,HV,K,K], N [N,HV,K,V].
+template <class T>
+struct kda_maps_args {
+  const_view<T, 4> q = {}, k = {}, v = {}, g = {};
+  const_view<T, 3> beta = {};
+  tensor_view<state_t<T>, 4> M = {}, N = {};
+};
+
+}  // namespace k3::dplr
+
+namespace k3 {
 namespace detail::dplr {
 struct kda_dims {
   index_t B, T, H, HV, K, V, G;
 };
 template <class T>
-kda_dims check_kda(kda_inputs<T> const& in) {
+kda_dims check_kda(::k3::dplr::kda_inputs<T> const& in) {
   check_view("q", in.q);
   kda_dims d{in.q.extent(0), in.q.extent(1), in.q.extent(2), in.v.extent(2), in.q.extent(3), in.v.extent(3), 1};
   check_shape("k", in.k, {d.B, d.T, d.H, d.K});
@@ -54,6 +65,9 @@ kda_dims check_kda(kda_inputs<T> const& in) {
   return d;
 }
 }  // namespace detail::dplr
+}  // namespace k3
+
+namespace k3::dplr {
 
 // Owns the DPLR inputs of a KDA problem ([B,T,HV,*], head-expanded).
 template <class T>
@@ -79,35 +93,41 @@ class kda_as_dplr {
           for (index_t j = 0; j < d_.V; ++j) v_[row * d_.V + j] = beta * in.v(b, t, hv, j);
         }
   }
-  dplr_inputs<T> inputs() const {
+  // The mapped problem's inputs (h0 included) in forward args; the caller sets o (and ht).
+  forward_args<T> forward_inputs() const {
     auto vk = [&](std::vector<T> const& x) { return const_view<T, 4>(x.data(), {d_.B, d_.T, d_.HV, d_.K}); };
     return {vk(q_), vk(k_), const_view<T, 4>(v_.data(), {d_.B, d_.T, d_.HV, d_.V}), vk(a_), vk(b_), vk(gk_), in_.h0};
   }
+  // The same inputs in backward args; the caller sets d_o (and dht) and the gradients.
+  backward_args<T> backward_inputs() const {
+    auto const f = forward_inputs();
+    return {f.q, f.k, f.v, f.a, f.b, f.gk, f.h0};
+  }
   index_t value_heads() const { return d_.HV; }
 
-  // Folds DPLR gradients ([B,T,HV,*], e.g. from dplr_chunked_backward on inputs()) back to
-  // the KDA inputs. dh0 needs no folding: the state is the same.
-  void grads_to_kda(dplr_grads<T> const& g, kda_grads<T> const& out) const {
+  // Folds the DPLR gradients g.dq .. g.dgk ([B,T,HV,*], e.g. from k3::dplr::backward on
+  // backward_inputs()) back to the KDA inputs. dh0 needs no folding: the state is the same.
+  void grads_to_kda(backward_args<T> const& g, kda_grads<T> const& out) const {
     auto const& d = d_;
-    detail::check_shape("dq", out.dq, {d.B, d.T, d.H, d.K});
-    detail::check_shape("dk", out.dk, {d.B, d.T, d.H, d.K});
-    detail::check_shape("dv", out.dv, {d.B, d.T, d.HV, d.V});
-    detail::check_shape("dg", out.dg, {d.B, d.T, d.HV, d.K});
-    detail::check_shape("dbeta", out.dbeta, {d.B, d.T, d.HV});
+    k3::detail::check_shape("dq", out.dq, {d.B, d.T, d.H, d.K});
+    k3::detail::check_shape("dk", out.dk, {d.B, d.T, d.H, d.K});
+    k3::detail::check_shape("dv", out.dv, {d.B, d.T, d.HV, d.V});
+    k3::detail::check_shape("dg", out.dg, {d.B, d.T, d.HV, d.K});
+    k3::detail::check_shape("dbeta", out.dbeta, {d.B, d.T, d.HV});
     for (auto [nm, x] : {std::pair<char const*, tensor_view<T, 4>>{"dq'", g.dq}, {"dk'", g.dk}, {"da", g.da}, {"db", g.db}, {"dgk", g.dgk}})
-      detail::check_shape(nm, x, {d.B, d.T, d.HV, d.K});
-    detail::check_shape("dv'", g.dv, {d.B, d.T, d.HV, d.V});
+      k3::detail::check_shape(nm, x, {d.B, d.T, d.HV, d.K});
+    k3::detail::check_shape("dv'", g.dv, {d.B, d.T, d.HV, d.V});
     // Null data with a non-empty shape, and outputs over the DPLR gradients or the KDA inputs
     // (the folds read them after zeroing dq and dk).
     std::pair<char const*, const_view<T, 4>> const ins[] = {{"dq'", g.dq}, {"dk'", g.dk}, {"dv'", g.dv}, {"da", g.da}, {"db", g.db},
                                                            {"dgk", g.dgk}, {"q", in_.q}, {"k", in_.k}, {"v", in_.v}, {"g", in_.g}};
-    for (auto const& [nm, x] : ins) detail::check_view(nm, x);
+    for (auto const& [nm, x] : ins) k3::detail::check_view(nm, x);
     std::pair<char const*, tensor_view<T, 4>> const outs[] = {{"dq", out.dq}, {"dk", out.dk}, {"dv", out.dv}, {"dg", out.dg}};
-    for (auto const& [nm, x] : outs) detail::check_view(nm, x);
-    detail::check_view("dbeta", out.dbeta);
+    for (auto const& [nm, x] : outs) k3::detail::check_view(nm, x);
+    k3::detail::check_view("dbeta", out.dbeta);
     // dq and dk accumulate over the value heads of a group: a broadcast output would sum
     // several elements' gradients into one address.
-    detail::check_outputs_apart(
+    k3::detail::check_outputs_apart(
         [&](auto&& f) {
           for (auto const& [nm, x] : outs) f(nm, x);
           f("dbeta", out.dbeta);
@@ -146,13 +166,11 @@ class kda_as_dplr {
 };
 
 // KDA segment maps through the DPLR mapping: per sequence and value head, S_out = M S_in + N.
-template <class T, class Bk = cpu::serial>
-void kda_segment_maps(kda_inputs<T> const& in, tensor_view<dplr_state_t<T>, 4> const& M, tensor_view<dplr_state_t<T>, 4> const& N,
-                      dplr_options const& opt = {}, Bk const& bk = {}) {
-  kda_as_dplr<T> m(in);
-  auto din = m.inputs();
-  din.h0 = {};
-  dplr_segment_maps(din, M, N, opt, bk);
+template <HostBackend B, class T>
+void kda_segment_maps(B const& be, kda_maps_args<T> const& x, options const& opt = {}) {
+  kda_as_dplr<T> m(kda_inputs<T>{x.q, x.k, x.v, x.g, x.beta, {}});
+  auto const f = m.forward_inputs();
+  segment_maps(be, maps_args<T>{f.q, f.k, f.v, f.a, f.b, f.gk, x.M, x.N}, opt);
 }
 
-}  // namespace k3
+}  // namespace k3::dplr

@@ -137,48 +137,47 @@ void store_state(tensor_view<S, 4> const& ht, index_t n, index_t h, index_t K, i
     for (index_t j = 0; j < V; ++j) ht(n, h, i, j) = src[i * V + j];
 }
 
-}  // namespace detail::dplr
-
 // Token-by-token forward (the reference).
 template <class T>
-void dplr_recurrent_forward(dplr_inputs<T> const& in, dplr_outputs<T> const& out, dplr_options const& opt = {}) {
-  using S = dplr_state_t<T>;
-  auto p = detail::dplr::make_problem(in, opt);
-  detail::dplr::check_outputs(p, in, out);
+void recurrent_forward(::k3::dplr::forward_args<T> const& a, options const& opt) {
+  using S = state_t<T>;
+  auto const in = inputs_of(a);
+  auto p = make_problem(in, opt);
+  check_outputs(p, in, a.o, a.ht);
   std::vector<S> st(static_cast<std::size_t>(p.K * p.V));
   for (index_t n = 0; n < p.N; ++n) {
     auto const& s = p.seqs[n];
     for (index_t h = 0; h < p.H; ++h) {
-      detail::dplr::load_state(in.h0, n, h, p.K, p.V, st.data());
-      auto hv = detail::dplr::head_of(in, s, h);
-      tensor_view<T, 2> o = detail::dplr::head_slice<T>(out.o, s, h);
-      detail::dplr::recurrent_head_forward<T, S>(hv, st.data(), p.K, p.V, S(p.scale), &o);
-      detail::dplr::store_state(out.ht, n, h, p.K, p.V, st.data());
+      load_state(in.h0, n, h, p.K, p.V, st.data());
+      auto hv = head_of(in, s, h);
+      tensor_view<T, 2> o = head_slice<T>(a.o, s, h);
+      recurrent_head_forward<T, S>(hv, st.data(), p.K, p.V, S(p.scale), &o);
+      store_state(a.ht, n, h, p.K, p.V, st.data());
     }
   }
 }
 
-// Token-by-token backward: gradients of every input and of h0 from do and dht.
+// Token-by-token backward: gradients of every input and of h0 from d_o and dht.
 template <class T>
-void dplr_recurrent_backward(dplr_inputs<T> const& in, dplr_grad_inputs<T> const& gin, dplr_grads<T> const& g, dplr_options const& opt = {}) {
-  using S = dplr_state_t<T>;
-  auto p = detail::dplr::make_problem(in, opt);
-  detail::dplr::check_grads(p, in, gin, g);
+void recurrent_backward(::k3::dplr::backward_args<T> const& g, options const& opt) {
+  using S = state_t<T>;
+  auto const in = inputs_of(g);
+  auto p = make_problem(in, opt);
+  check_grads(p, g);
   std::vector<S> s0(static_cast<std::size_t>(p.K * p.V)), ds(s0.size());
   for (index_t n = 0; n < p.N; ++n) {
     auto const& s = p.seqs[n];
     for (index_t h = 0; h < p.H; ++h) {
-      detail::dplr::load_state(in.h0, n, h, p.K, p.V, s0.data());
-      detail::dplr::load_state(gin.dht, n, h, p.K, p.V, ds.data());
-      auto hv = detail::dplr::head_of(in, s, h);
-      detail::dplr::head_grads<T> hg = {detail::dplr::head_slice<T>(g.dq, s, h), detail::dplr::head_slice<T>(g.dk, s, h),
-                                        detail::dplr::head_slice<T>(g.dv, s, h), detail::dplr::head_slice<T>(g.da, s, h),
-                                        detail::dplr::head_slice<T>(g.db, s, h), detail::dplr::head_slice<T>(g.dgk, s, h)};
-      detail::dplr::recurrent_head_backward<T, S>(hv, s0.data(), ds.data(), detail::dplr::head_slice<T>(gin.do_, s, h), hg, p.K, p.V,
-                                                  S(p.scale));
-      detail::dplr::store_state(g.dh0, n, h, p.K, p.V, ds.data());
+      load_state(in.h0, n, h, p.K, p.V, s0.data());
+      load_state(g.dht, n, h, p.K, p.V, ds.data());
+      auto hv = head_of(in, s, h);
+      head_grads<T> hg = {head_slice<T>(g.dq, s, h), head_slice<T>(g.dk, s, h), head_slice<T>(g.dv, s, h),
+                          head_slice<T>(g.da, s, h), head_slice<T>(g.db, s, h), head_slice<T>(g.dgk, s, h)};
+      recurrent_head_backward<T, S>(hv, s0.data(), ds.data(), head_slice<T>(g.d_o, s, h), hg, p.K, p.V, S(p.scale));
+      store_state(g.dh0, n, h, p.K, p.V, ds.data());
     }
   }
 }
 
+}  // namespace detail::dplr
 }  // namespace k3
