@@ -115,7 +115,7 @@ std::string shape_of(index_t T, index_t H, index_t d) {
 
 // The T sweep: every (form, backend) pair at each T, forward and backward, interleaved with
 // the GEMM yardstick of the backend's thread count.
-int run_sweep(std::vector<index_t> const& Ts, int reps, bool with_backward, int threads) {
+int run_sweep(std::vector<index_t> const& Ts, int reps, bool with_backward, bool recurrent_backward, int threads) {
   using namespace k3::bench;
   index_t const H = 16, d = 128, C = 64;
   k3::cpu::serial se;
@@ -160,7 +160,7 @@ int run_sweep(std::vector<index_t> const& Ts, int reps, bool with_backward, int 
     for (int r = 0; r < reps; ++r) {
       for (int c = 0; c < 6; ++c) {
         cells[ti][c].f.push_back(seconds([&] { run(c % 3, c / 3, false); }));
-        if (with_backward && c / 3 == 0) cells[ti][c].b.push_back(seconds([&] { run(c % 3, c / 3, true); }));
+        if (with_backward && (c / 3 == 0 || recurrent_backward)) cells[ti][c].b.push_back(seconds([&] { run(c % 3, c / 3, true); }));
         if (c % 3 == 2)
           yN.push_back(gN.gflops());
         else
@@ -182,7 +182,8 @@ int run_sweep(std::vector<index_t> const& Ts, int reps, bool with_backward, int 
       double const y = bk == 2 ? mN : m1;
       std::string const ys = bk == 2 ? "eigen_gemm_1024_" + std::to_string(threads) + "t" : std::string("eigen_gemm_1024_1t");
       double const tf = median(cells[ti][c].f), gf = flops / tf * 1e-9;
-      bool const has_b = with_backward && form == 0;  // the recurrent backward (the reference path) is left out: 6-8x the chunked one
+      // The recurrent backward (the reference path, 6-8x the chunked one) only on request.
+      bool const has_b = with_backward && (form == 0 || recurrent_backward);
       double const tb = has_b ? median(cells[ti][c].b) : 0.0;
       std::printf("%7lld %10s %8s %10.2f %12.0f %9.1f %7.2f", static_cast<long long>(T), forms[form], backends[bk], tf * 1e3, T / tf, gf,
                   gf / y);
@@ -202,7 +203,7 @@ int run_sweep(std::vector<index_t> const& Ts, int reps, bool with_backward, int 
 
 int main(int argc, char** argv) {
   k3::bench::csv_init(argc, argv);
-  bool quick = false, decode_only = false, with_backward = true;
+  bool quick = false, decode_only = false, with_backward = true, recurrent_backward = false;
   std::vector<index_t> sweep_T;
   int sweep_reps = 3;
   for (int i = 1; i < argc; ++i) {
@@ -216,14 +217,16 @@ int main(int argc, char** argv) {
       sweep_reps = std::max(1, std::atoi(argv[++i]));
     else if (std::strcmp(argv[i], "--no-backward") == 0)
       with_backward = false;
+    else if (std::strcmp(argv[i], "--recurrent-backward") == 0)
+      recurrent_backward = true;
     else {
-      std::fprintf(stderr, "usage: bench_kda [--quick] [--decode-only] [--sweep-T T1,T2,... [--reps N] [--no-backward]] [--csv FILE]\n");
+      std::fprintf(stderr, "usage: bench_kda [--quick] [--decode-only] [--sweep-T T1,T2,... [--reps N] [--no-backward] [--recurrent-backward]] [--csv FILE]\n");
       return 2;
     }
   }
   if (!sweep_T.empty()) {
     k3::bench::print_header("KDA T sweep (B=1, H=16, K=V=128, float32, chunk 64, gate lower bound -5 for the chunked form)");
-    return run_sweep(sweep_T, sweep_reps, with_backward, k3::bench::hardware_threads());
+    return run_sweep(sweep_T, sweep_reps, with_backward, recurrent_backward, k3::bench::hardware_threads());
   }
   k3::bench::print_header("KDA (B=1, H=16, K=V=128, float32, chunk 64)");
   int const threads = k3::bench::hardware_threads();
