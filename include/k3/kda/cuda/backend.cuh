@@ -80,6 +80,21 @@ struct device_offsets {
   std::int64_t const* host_ptr() const noexcept { return host.empty() ? nullptr : host.data(); }
 };
 
+// The dimensions, sequences and scale the chunked launchers' args (fwd_args, bwd_args) share.
+template <class B, class LauncherArgs>
+void set_sequences(problem const& p, device_offsets<B> const& cu, LauncherArgs& l) {
+  l.cu_seqlens = cu.device_ptr();
+  l.cu_seqlens_host = cu.host_ptr();
+  l.N = p.N;
+  l.B = p.B;
+  l.T = p.T;
+  l.H = p.H;
+  l.HV = p.HV;
+  l.K = p.K;
+  l.V = p.V;
+  l.scale = static_cast<float>(p.scale);
+}
+
 template <class T, std::size_t R>
 T const* data_or_null(tensor_view<T, R, cuda_device_space> const& v) noexcept {
   return present(v) ? v.data_handle() : nullptr;
@@ -125,16 +140,7 @@ void forward(B const& be, forward_args<In, S, cuda_device_space> const& a, optio
   f.h0 = detail::data_or_null(a.h0);
   f.o = a.o.data_handle();
   f.ht = present(a.ht) ? a.ht.data_handle() : nullptr;
-  f.cu_seqlens = cu.device_ptr();
-  f.cu_seqlens_host = cu.host_ptr();
-  f.N = p.N;
-  f.B = p.B;
-  f.T = p.T;
-  f.H = p.H;
-  f.HV = p.HV;
-  f.K = p.K;
-  f.V = p.V;
-  f.scale = static_cast<float>(p.scale);
+  detail::set_sequences(p, cu, f);
   cuda::chunk_fwd<In>(f, be.stream());
 }
 
@@ -186,16 +192,7 @@ void backward(B const& be, backward_args<In, S, cuda_device_space> const& a, opt
   g.dg = out(a.dg, dg);
   g.dbeta = out(a.dbeta, dbeta);
   g.dh0 = present(a.dh0) ? a.dh0.data_handle() : nullptr;
-  g.cu_seqlens = cu.device_ptr();
-  g.cu_seqlens_host = cu.host_ptr();
-  g.N = p.N;
-  g.B = p.B;
-  g.T = p.T;
-  g.H = p.H;
-  g.HV = p.HV;
-  g.K = p.K;
-  g.V = p.V;
-  g.scale = static_cast<float>(p.scale);
+  detail::set_sequences(p, cu, g);
   cuda::chunk_bwd<In>(g, be.stream());
   if constexpr (narrow) {
     auto const store = [&](auto const& v, detail::call_buffer<float, B> const& buf) {
