@@ -62,7 +62,7 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& q, bool bf16_io = fa
   if (cu) {
     // An empty array would read as "no cu_seqlens" (a null view) further down.
     if (cu->rank() == 1 && cu->shape()[0] == 0) throw k3::error(k3::error_kind::shape, "argument 'cu_seqlens': needs at least one offset (N+1 entries), got shape [0]");
-    if (cu->type() == k3::io::dtype::int32) opt.cu_seqlens32 = cu->view<std::int32_t, 1>("cu_seqlens");
+    if (cu->type() == k3::io::dtype::int32) opt.cu_seqlens = cu->view<std::int32_t, 1>("cu_seqlens");
     else opt.cu_seqlens = cu->view<std::int64_t, 1>("cu_seqlens");
   }
   // "chunked" is the earlier spelling of "chunk", still accepted.

@@ -17,7 +17,7 @@ using k3::index_t;
 
 // T: the storage type of q k v g beta o and their gradients; S: the state type (h0 ht dht dh0),
 // float for float32 and bfloat16 inputs, double for float64.
-template <class T, class S = k3::kda::default_state_t<T>>
+template <class T, class S = k3::accumulation_t<T>>
 int run_typed(k3::cli::args& args, k3::kda::options opt) {
   auto q = args.load("q"), k = args.load("k"), v = args.load("v"), g = args.load("g"), beta = args.load("beta");
   auto h0 = args.load_optional("h0");

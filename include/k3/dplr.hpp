@@ -1,8 +1,8 @@
 // k3/dplr.hpp — DPLR / IPLR linear-attention state updates (fla's convention):
 //   S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,   o_t = S_t^T (scale q_t)
 // q k a b gk [B,T,H,K], v o [B,T,H,V], states [N,H,K,V] (float, or double for double inputs);
-// optional h0 / ht, packed sequences through k3::dplr::options::cu_seqlens (int64) or
-// cu_seqlens32 (int32) with B = 1.
+// optional h0 / ht, packed sequences through k3::dplr::options::cu_seqlens (a
+// k3::cu_seqlens_view of int32 or int64 offsets) with B = 1.
 //
 // One call shape, k3::dplr::<op>(backend, args, options = {}) (all throw k3::error naming
 // the argument on bad input); the backend is cpu::serial, cpu::simd<> or cpu::threads<> (one

@@ -41,6 +41,7 @@
 
 #include "k3/backend/cpu/serial.hpp"
 #include "k3/backend/cpu/simd.hpp"
+#include "k3/core/backend_traits.hpp"
 #include "k3/core/concepts.hpp"
 #include "k3/core/float_env.hpp"
 #include "k3/kda/chunk.hpp"
@@ -53,19 +54,6 @@
 namespace k3::kda {
 
 namespace detail {
-
-// The vectorised kernels need the backend's SIMD architecture (simd<Arch>, threads<Arch>).
-template <class B>
-concept SimdBackend = requires { typename B::arch_type; };
-
-// Threads a backend runs tasks on (1 for the single-threaded ones).
-template <class B>
-index_t concurrency_of(B const& be) {
-  if constexpr (requires { be.concurrency(); })
-    return index_t(be.concurrency());
-  else
-    return 1;
-}
 
 template <class V>
 void zero_fill(V const& v) {
@@ -82,20 +70,15 @@ void zero_fill(V const& v) {
   }
 }
 
+// k3::run_tasks with the vectorised kernels' floating-point state: subnormals flushed for
+// the whole parallel region (the pool's workers take the caller's state).
 template <class B, class F>
-void run_tasks(B const& be, index_t n, F&& f) {
-  if (n <= 0) return;
-  auto run = [&] {
-    if constexpr (requires { be.for_each_task(n, f); })
-      be.for_each_task(n, f);
-    else
-      be.for_each(0, n, f);
-  };
-  if constexpr (SimdBackend<B>) {
-    k3::detail::subnormals_flushed const flush;  // the pool's workers take the caller's state
-    run();
+void run_flushed_tasks(B const& be, index_t n, F&& f) {
+  if constexpr (VectorBackend<B>) {
+    k3::detail::subnormals_flushed const flush;
+    k3::run_tasks(be, n, f);
   } else {
-    run();
+    k3::run_tasks(be, n, f);
   }
 }
 
@@ -107,42 +90,42 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
   // sequentially): the chunked form while staging its rows, the recurrent form by a scan on
   // every thread. Either runs the exact sequential check (which names the first offending
   // element and throws) only when its fast float filter hits.
-  detail::problem const p = detail::validate(a, opt, !detail::SimdBackend<B>);
+  detail::problem const p = detail::validate(a, opt, !VectorBackend<B>);
   if (p.K == 0 || p.V == 0) {
     // An empty state (ht and saved have no elements): o = 0. The kernels would form references
     // into the empty (possibly null) K- or V-rows. The gate bound is still checked.
-    if constexpr (detail::SimdBackend<B>) detail::check_gate_bound(p, a.g);
+    if constexpr (VectorBackend<B>) detail::check_gate_bound(p, a.g);
     detail::zero_fill(a.o);
     return;
   }
   algorithm const form = detail::host_form(opt, present(a.saved), false);
-  if constexpr (detail::SimdBackend<B>) {
+  if constexpr (VectorBackend<B>) {
     if (p.lower_bound && p.T > 0 && form == algorithm::recurrent) {
       index_t parts = 1;
       if constexpr (requires { be.concurrency(); }) parts = std::min<index_t>(p.T, 4 * index_t(be.concurrency()));
       std::vector<char> hit(std::size_t(parts), 0);
-      detail::run_tasks(be, parts, [&](index_t i) { hit[std::size_t(i)] = detail::gate_may_be_below(p, a.g, p.T * i / parts, p.T * (i + 1) / parts); });
+      detail::run_flushed_tasks(be, parts, [&](index_t i) { hit[std::size_t(i)] = detail::gate_may_be_below(p, a.g, p.T * i / parts, p.T * (i + 1) / parts); });
       if (std::find(hit.begin(), hit.end(), char(1)) != hit.end()) detail::check_gate_bound(p, a.g);
     }
   }
   index_t const tasks = p.N * p.HV;
   if (form == algorithm::recurrent) {
-    if constexpr (detail::SimdBackend<B>) {
+    if constexpr (VectorBackend<B>) {
       if (detail::simd_recurrent_ok<typename B::arch_type, S>(p.V)) {
-        index_t const gs = detail::recurrent_head_group(p.N, p.HV, detail::concurrency_of(be)), groups = (p.HV + gs - 1) / gs;
-        detail::run_tasks(be, p.N * groups, [&](index_t i) {
+        index_t const gs = detail::recurrent_head_group(p.N, p.HV, k3::concurrency(be)), groups = (p.HV + gs - 1) / gs;
+        detail::run_flushed_tasks(be, p.N * groups, [&](index_t i) {
           index_t const hv0 = i % groups * gs;
           detail::recurrent_forward_simd_group<typename B::arch_type, S>(p, a, i / groups, hv0, std::min(p.HV, hv0 + gs));
         });
         return;
       }
     }
-    detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_forward_task<S>(p, a, i / p.HV, i % p.HV); });
+    detail::run_flushed_tasks(be, tasks, [&](index_t i) { detail::recurrent_forward_task<S>(p, a, i / p.HV, i % p.HV); });
   } else {
-    if constexpr (detail::SimdBackend<B>) {
-      index_t const gs = detail::forward_head_group(p.N, p.HV, detail::concurrency_of(be)), groups = (p.HV + gs - 1) / gs;
+    if constexpr (VectorBackend<B>) {
+      index_t const gs = detail::forward_head_group(p.N, p.HV, k3::concurrency(be)), groups = (p.HV + gs - 1) / gs;
       std::vector<char> hit(std::size_t(p.N * groups), 0);
-      detail::run_tasks(be, p.N * groups, [&](index_t i) {
+      detail::run_flushed_tasks(be, p.N * groups, [&](index_t i) {
         index_t const hv0 = i % groups * gs;
         hit[std::size_t(i)] = detail::chunk_forward_simd_group<typename B::arch_type, S>(p, a, i / groups, hv0, std::min(p.HV, hv0 + gs));
       });
@@ -150,7 +133,7 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
       if (std::find(hit.begin(), hit.end(), char(1)) != hit.end()) detail::check_gate_bound(p, a.g);
       return;
     }
-    detail::run_tasks(be, tasks, [&](index_t i) { detail::chunk_forward_task<S>(p, a, i / p.HV, i % p.HV); });
+    detail::run_flushed_tasks(be, tasks, [&](index_t i) { detail::chunk_forward_task<S>(p, a, i / p.HV, i % p.HV); });
   }
 }
 
@@ -169,15 +152,15 @@ void backward(B const& be, backward_args<In, S> const& a, options const& opt = {
   }
   index_t const tasks = p.N * p.H;  // one task per q/k head: dq and dk sum over its value heads
   if (detail::host_form(opt, present(a.saved), true) == algorithm::recurrent) {
-    detail::run_tasks(be, tasks, [&](index_t i) { detail::recurrent_backward_task<S>(p, a, i / p.H, i % p.H); });
+    detail::run_flushed_tasks(be, tasks, [&](index_t i) { detail::recurrent_backward_task<S>(p, a, i / p.H, i % p.H); });
   } else {
-    if constexpr (detail::SimdBackend<B>) {
-      detail::run_tasks(be, tasks, [&](index_t i) {
+    if constexpr (VectorBackend<B>) {
+      detail::run_flushed_tasks(be, tasks, [&](index_t i) {
         detail::chunk_backward_simd_task<typename B::arch_type, S>(p, a, i / p.H, i % p.H);
       });
       return;
     }
-    detail::run_tasks(be, tasks, [&](index_t i) { detail::chunk_backward_task<S>(p, a, i / p.H, i % p.H); });
+    detail::run_flushed_tasks(be, tasks, [&](index_t i) { detail::chunk_backward_task<S>(p, a, i / p.H, i % p.H); });
   }
 }
 
@@ -200,16 +183,16 @@ void decode(B const& be, decode_args<In, S> const& a, options const& opt = {}) {
   auto run = [&](auto const& seq) {
     index_t const pairs = entries * p.HV;
     if (pairs == 0) return;
-    if constexpr (detail::SimdBackend<B>) {
+    if constexpr (VectorBackend<B>) {
       // A few ranges per thread rather than one: a thread slowed by other load on the machine
       // does not hold up the call, and each range still streams through many states.
       index_t parts = 1;
       if constexpr (requires { be.concurrency(); }) parts = std::min<index_t>(pairs, 4 * index_t(be.concurrency()));
-      detail::run_tasks(be, parts, [&](index_t t) {
+      detail::run_flushed_tasks(be, parts, [&](index_t t) {
         detail::decode_simd_range<typename B::arch_type>(p, a, slot, seq, pairs * t / parts, pairs * (t + 1) / parts);
       });
     } else {
-      detail::run_tasks(be, pairs, [&](index_t i) { detail::decode_task<S>(p, a, seq(i / p.HV), slot(seq(i / p.HV)), i % p.HV); });
+      detail::run_flushed_tasks(be, pairs, [&](index_t i) { detail::decode_task<S>(p, a, seq(i / p.HV), slot(seq(i / p.HV)), i % p.HV); });
     }
   };
   if (!padded)

@@ -253,9 +253,9 @@ TEST_CASE("bad inputs throw k3::error naming the argument") {
   cu = {0, 5};
   opt.cu_seqlens = k3::host_view(cu.data(), 2);
   expect([&] { k3::dplr::forward(one, in, opt); }, "end at T");
-  std::vector<std::int32_t> cu32 = {0, 6};
-  opt.cu_seqlens32 = k3::host_view(cu32.data(), 2);
-  expect([&] { k3::dplr::forward(one, in, opt); }, "not both");
+  // Offsets are one type (int32 or int64); a null pointer with a length is an error, not "no offsets".
+  opt.cu_seqlens = k3::tensor_view<std::int32_t const, 1>(nullptr, {2});
+  expect([&] { k3::dplr::forward(one, in, opt); }, "null data for 2 offsets");
   opt = p.options();
   opt.chunk_size = 0;
   expect([&] { k3::dplr::forward(one, in, opt); }, "chunk_size");
@@ -271,7 +271,7 @@ TEST_CASE("bad inputs throw k3::error naming the argument") {
   // int32 offsets work
   std::vector<std::int32_t> c32 = {0, 2, 6};
   auto opt3 = recurrent(p.options());
-  opt3.cu_seqlens32 = k3::host_view(c32.data(), 3);
+  opt3.cu_seqlens = k3::host_view(c32.data(), 3);
   std::vector<double> ht3(2 * p.H * p.K * p.V);
   auto in_no_h0 = in;
   in_no_h0.h0 = {};

@@ -111,7 +111,7 @@ struct bwd_result {
   std::vector<double> dq, dk, dv, dg, dbeta, dh0;
 };
 
-template <class In, class S = kda::default_state_t<In>>
+template <class In, class S = k3::accumulation_t<In>>
 struct typed_data {
   kda_case c;
   std::vector<In> q, k, v, g, beta, d_o;
@@ -151,7 +151,7 @@ struct saved_states {
 };
 
 // With `saved`, the chunked forward also fills it (sized here from kda::saved_shape).
-template <class In, class S = kda::default_state_t<In>, class Backend = cpu::serial>
+template <class In, class S = k3::accumulation_t<In>, class Backend = cpu::serial>
 fwd_result run_forward(typed_data<In, S> const& d, kda::algorithm m, Backend const& be = {}, saved_states<S>* saved = nullptr) {
   auto const& c = d.c;
   std::vector<In> o(std::size_t(c.B * c.T * c.HV * c.V));
@@ -169,7 +169,7 @@ fwd_result run_forward(typed_data<In, S> const& d, kda::algorithm m, Backend con
   return {to_double(o), to_double(ht)};
 }
 
-template <class In, class S = kda::default_state_t<In>, class Backend = cpu::serial>
+template <class In, class S = k3::accumulation_t<In>, class Backend = cpu::serial>
 bwd_result run_backward(typed_data<In, S> const& d, kda::algorithm m, Backend const& be = {}, saved_states<S> const* saved = nullptr) {
   auto const& c = d.c;
   std::vector<In> dq(d.q.size(), store_as<In>(-7.0)), dk(d.k.size(), store_as<In>(-7.0)), dv(d.v.size(), store_as<In>(-7.0)), dg(d.g.size(), store_as<In>(-7.0)),

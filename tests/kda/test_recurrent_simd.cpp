@@ -24,7 +24,7 @@ fwd_result forward_ht(typed_data<In> const& d, Backend const& be, bool with_ht) 
   if (with_ht) return run_forward(d, kda::algorithm::recurrent, be);
   auto const& c = d.c;
   std::vector<In> o(std::size_t(c.B * c.T * c.HV * c.V));
-  kda::forward_args<In, kda::default_state_t<In>> a{.q = d.qv(), .k = d.kv(), .v = d.vv(), .g = d.gv(), .beta = d.bv(),
+  kda::forward_args<In, k3::accumulation_t<In>> a{.q = d.qv(), .k = d.kv(), .v = d.vv(), .g = d.gv(), .beta = d.bv(),
                                                     .o = host_view(o.data(), c.B, c.T, c.HV, c.V), .h0 = d.h0v()};
   kda::forward(be, a, d.opts(kda::algorithm::recurrent));
   return {to_double(o), {}};

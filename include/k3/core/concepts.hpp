@@ -9,6 +9,7 @@
 
 #include "k3/core/config.hpp"
 #include "k3/core/memory_space.hpp"
+#include "k3/core/storage.hpp"
 #include "k3/core/tensor_view.hpp"
 
 namespace k3 {

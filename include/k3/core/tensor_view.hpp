@@ -131,6 +131,17 @@ template <class T, std::size_t R, class S>
 struct is_tensor_view<tensor_view<T, R, S>> : std::true_type {};
 }  // namespace detail
 
+// Optional views: an absent one is a default-constructed view (null data and all extents 0).
+// Anything else is present and is checked like a required view (a null pointer with a
+// non-empty shape is an error there, never silently ignored).
+template <class T, std::size_t Rank, class Space>
+K3_HD constexpr bool present(tensor_view<T, Rank, Space> const& v) noexcept {
+  if (v.data_handle() != nullptr) return true;
+  for (std::size_t r = 0; r < Rank; ++r)
+    if (v.extent(r) != 0) return true;
+  return false;
+}
+
 // Host view over contiguous data with shape given as integers: view_of(p, B, T, H, K).
 template <class T, class... I>
   requires(std::is_integral_v<I> && ...)

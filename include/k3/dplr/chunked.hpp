@@ -290,14 +290,14 @@ void for_each_head(Par const& par, index_t tasks, F&& one) {
 template <class S, class R>
 void load_state_mat(const_view<S, 4> const& h0, index_t n, index_t h, index_t K, index_t V, mat<R>& m) {
   m.setZero(K, V);
-  if (absent(h0)) return;
+  if (!k3::present(h0)) return;
   for (index_t i = 0; i < K; ++i)
     for (index_t j = 0; j < V; ++j) m(i, j) = R(h0(n, h, i, j));
 }
 
 template <class S, class R>
 void store_state_mat(tensor_view<S, 4> const& ht, index_t n, index_t h, mat<R> const& m) {
-  if (absent(ht)) return;
+  if (!k3::present(ht)) return;
   for (index_t i = 0; i < m.rows(); ++i)
     for (index_t j = 0; j < m.cols(); ++j) ht(n, h, i, j) = static_cast<S>(m(i, j));
 }

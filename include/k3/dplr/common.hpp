@@ -15,6 +15,8 @@
 
 #include "k3/core/error.hpp"
 #include "k3/core/float_env.hpp"
+#include "k3/core/sequence_offsets.hpp"
+#include "k3/core/storage.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
 
@@ -22,7 +24,7 @@ namespace k3::dplr {
 
 // The state and every accumulation use double for double inputs and float otherwise.
 template <class T>
-using state_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+using state_t = ::k3::accumulation_t<T>;
 
 // chunk (the default): the chunked form on the given backend. recurrent: the token-by-token
 // reference, run serially on the calling thread whatever host backend is given.
@@ -47,8 +49,7 @@ struct options {
   intra_form intra = intra_form::automatic;
   sequence_split long_sequence = sequence_split::value_split;
   // Packed variable-length sequences (B must be 1): one of these, N+1 offsets.
-  const_view<std::int64_t, 1> cu_seqlens = {};
-  const_view<std::int32_t, 1> cu_seqlens32 = {};
+  cu_seqlens_view cu_seqlens = {};  // int32 or int64 offsets, B = 1
 };
 
 // Absent optional tensors are default-constructed views (null data, zero extents).
@@ -95,13 +96,6 @@ auto inputs_of(Args const& x) {
   return inputs<T>{x.q, x.k, x.v, x.a, x.b, x.gk, x.h0};
 }
 
-template <class V>
-bool absent(V const& v) {
-  if (v.data_handle() != nullptr) return false;
-  for (std::size_t r = 0; r < V::rank(); ++r)
-    if (v.extent(r) != 0) return false;
-  return true;
-}
 
 struct sequence {
   index_t batch, bos, eos;
@@ -115,23 +109,23 @@ struct problem {
   std::vector<sequence> seqs;
 };
 
-inline bool has_varlen(options const& o) { return !absent(o.cu_seqlens) || !absent(o.cu_seqlens32); }
+inline bool has_varlen(options const& o) { return o.cu_seqlens.present(); }
 
-template <class I>
-void read_offsets(const_view<I, 1> cu, index_t B, index_t T, std::vector<sequence>& seqs) {
-  check_view("cu_seqlens", cu);
+inline void read_offsets(cu_seqlens_view const& cu, index_t B, index_t T, std::vector<sequence>& seqs) {
+  require(cu.size() == 0 || cu.data() != nullptr, error_kind::shape,
+          [&] { return "argument 'cu_seqlens': null data for " + std::to_string(cu.size()) + " offsets"; });
   require(B == 1, error_kind::shape, [&] { return "argument 'cu_seqlens': packed sequences need batch size 1, got B = " + std::to_string(B); });
-  require(cu.extent(0) >= 1, error_kind::shape, "argument 'cu_seqlens': needs at least one offset (N+1 entries)");
-  require(cu(0) == 0, error_kind::value, [&] { return "argument 'cu_seqlens': must start at 0, got " + std::to_string(cu(0)); });
-  for (index_t i = 0; i + 1 < cu.extent(0); ++i) {
-    index_t lo = static_cast<index_t>(cu(i)), hi = static_cast<index_t>(cu(i + 1));
+  require(cu.size() >= 1, error_kind::shape, "argument 'cu_seqlens': needs at least one offset (N+1 entries)");
+  require(cu[0] == 0, error_kind::value, [&] { return "argument 'cu_seqlens': must start at 0, got " + std::to_string(cu[0]); });
+  for (index_t i = 0; i + 1 < cu.size(); ++i) {
+    index_t lo = static_cast<index_t>(cu[i]), hi = static_cast<index_t>(cu[i + 1]);
     require(hi >= lo, error_kind::value, [&] {
       return "argument 'cu_seqlens': offsets must be non-decreasing, got " + std::to_string(lo) + " then " + std::to_string(hi) +
              " at index " + std::to_string(i + 1);
     });
     seqs.push_back({0, lo, hi});
   }
-  index_t last = static_cast<index_t>(cu(cu.extent(0) - 1));
+  index_t last = static_cast<index_t>(cu[cu.size() - 1]);
   require(last == T, error_kind::value, [&] {
     return "argument 'cu_seqlens': must end at T = " + std::to_string(T) + ", got " + std::to_string(last);
   });
@@ -161,13 +155,11 @@ problem make_problem(inputs<T> const& in, options const& opt) {
   p.chunk = opt.chunk_size;
   p.scale = opt.scale ? *opt.scale : (p.K > 0 ? 1.0 / std::sqrt(double(p.K)) : 1.0);
   require(std::isfinite(p.scale), error_kind::value, [&] { return "option 'scale': must be finite, got " + std::to_string(p.scale); });
-  require(absent(opt.cu_seqlens) || absent(opt.cu_seqlens32), error_kind::value, "argument 'cu_seqlens': give the int64 or the int32 offsets, not both");
-  if (!absent(opt.cu_seqlens)) read_offsets(opt.cu_seqlens, p.B, p.T, p.seqs);
-  else if (!absent(opt.cu_seqlens32)) read_offsets(opt.cu_seqlens32, p.B, p.T, p.seqs);
+  if (opt.cu_seqlens.present()) read_offsets(opt.cu_seqlens, p.B, p.T, p.seqs);
   else
     for (index_t b = 0; b < p.B; ++b) p.seqs.push_back({b, 0, p.T});
   p.N = static_cast<index_t>(p.seqs.size());
-  if (!absent(in.h0)) {
+  if (k3::present(in.h0)) {
     check_view("h0", in.h0);
     check_shape("h0", in.h0, {p.N, p.H, p.K, p.V});
   }
@@ -194,7 +186,7 @@ void check_outputs(problem const& p, inputs<T> const& in, tensor_view<T, 4> cons
   check_view("o", o);
   check_shape("o", o, {p.B, p.T, p.H, p.V});
   check_inner_contiguous("o", o);
-  if (!absent(ht)) {
+  if (k3::present(ht)) {
     check_view("ht", ht);
     check_shape("ht", ht, {p.N, p.H, p.K, p.V});
   }
@@ -212,7 +204,7 @@ void check_grads(problem const& p, ::k3::dplr::backward_args<T> const& g) {
   check_view("do", g.d_o);
   check_shape("do", g.d_o, {p.B, p.T, p.H, p.V});
   check_inner_contiguous("do", g.d_o);
-  if (!absent(g.dht)) {
+  if (k3::present(g.dht)) {
     check_view("dht", g.dht);
     check_shape("dht", g.dht, {p.N, p.H, p.K, p.V});
   }
@@ -222,7 +214,7 @@ void check_grads(problem const& p, ::k3::dplr::backward_args<T> const& g) {
     check_inner_contiguous(name, v);
     check_shape(name, v, {p.B, p.T, p.H, std::string_view(name) == "dv" ? p.V : p.K});
   }
-  if (!absent(g.dh0)) {
+  if (k3::present(g.dh0)) {
     check_view("dh0", g.dh0);
     check_shape("dh0", g.dh0, {p.N, p.H, p.K, p.V});
   }

@@ -145,12 +145,12 @@ void forward(B const& be, cp_forward_args<T, C> const& x, options const& opt = {
   std::exception_ptr const failed = k3::detail::capture_error([&] {
     d::cp_check_call("dplr::forward", x.comm, opt);
     p = d::make_problem(local_in, opt);
-    if (!d::absent(h0)) k3::detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
+    if (k3::present(h0)) k3::detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
     d::check_outputs(p, in, x.o, x.ht);  // with h0: o and ht must not overlap it either
   });
   if (x.comm == nullptr) std::rethrow_exception(failed);  // no collective to take part in
   C const& comm = *x.comm;
-  d::cp_agree(comm, "dplr::forward", failed, d::cp_header<T>(p, !d::absent(h0), false), d::cp_header_names());
+  d::cp_agree(comm, "dplr::forward", failed, d::cp_header<T>(p, k3::present(h0), false), d::cp_header_names());
   if (comm.size() == 1) {  // nothing to fold: the ordinary forward
     d::chunked_forward(be, whole, opt);
     return;
@@ -196,14 +196,14 @@ void backward(B const& be, cp_backward_args<T, C> const& x, options const& opt =
   std::exception_ptr const failed = k3::detail::capture_error([&] {
     d::cp_check_call("dplr::backward", x.comm, opt);
     p = d::make_problem(local_in, opt);
-    if (!d::absent(h0)) k3::detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
+    if (k3::present(h0)) k3::detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
     d::check_grads(p, whole);  // h0, dht and dh0 against everything else too
-    if (!d::absent(x.dht)) k3::detail::check_shape("dht", x.dht, {p.B, p.H, p.K, p.V});
-    if (!d::absent(x.dh0)) k3::detail::check_shape("dh0", x.dh0, {p.B, p.H, p.K, p.V});
+    if (k3::present(x.dht)) k3::detail::check_shape("dht", x.dht, {p.B, p.H, p.K, p.V});
+    if (k3::present(x.dh0)) k3::detail::check_shape("dh0", x.dh0, {p.B, p.H, p.K, p.V});
   });
   if (x.comm == nullptr) std::rethrow_exception(failed);  // no collective to take part in
   C const& comm = *x.comm;
-  d::cp_agree(comm, "dplr::backward", failed, d::cp_header<T>(p, !d::absent(h0), !d::absent(x.dht)), d::cp_header_names());
+  d::cp_agree(comm, "dplr::backward", failed, d::cp_header<T>(p, k3::present(h0), k3::present(x.dht)), d::cp_header_names());
   if (comm.size() == 1) {
     d::chunked_backward(be, whole, opt);
     return;

@@ -122,7 +122,7 @@ void recurrent_head_backward(head_views<T> const& hv, R const* S0, R* dS, const_
 
 template <class S>
 void load_state(const_view<S, 4> const& h0, index_t n, index_t h, index_t K, index_t V, S* dst) {
-  if (absent(h0)) {
+  if (!k3::present(h0)) {
     std::fill(dst, dst + K * V, S(0));
     return;
   }
@@ -132,7 +132,7 @@ void load_state(const_view<S, 4> const& h0, index_t n, index_t h, index_t K, ind
 
 template <class S>
 void store_state(tensor_view<S, 4> const& ht, index_t n, index_t h, index_t K, index_t V, S const* src) {
-  if (absent(ht)) return;
+  if (!k3::present(ht)) return;
   for (index_t i = 0; i < K; ++i)
     for (index_t j = 0; j < V; ++j) ht(n, h, i, j) = src[i * V + j];
 }

@@ -17,18 +17,14 @@
 
 #include "k3/core/error.hpp"
 #include "k3/core/prefetch.hpp"
+#include "k3/core/sequence_offsets.hpp"
+#include "k3/core/storage.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
 
 namespace k3::kda {
 
-// fp32 state for float and bfloat16 storage, double for double.
-template <class In>
-using default_state_t = std::conditional_t<std::is_same_v<In, double>, double, float>;
-
-template <class T>
-concept Storage = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, bfloat16>;
 
 // automatic (the default) is the fastest correct form for the call: on the host backends the
 // recurrence for a forward that keeps no saved states (the chunked forward runs at 0.6-0.7x its
@@ -36,53 +32,24 @@ concept Storage = std::same_as<T, float> || std::same_as<T, double> || std::same
 // and for the backward. chosen_form says what it resolves to.
 enum class algorithm { automatic, chunk, recurrent };
 
-// Packed variable-length sequences: N+1 offsets into T, int32 or int64. Empty = not packed.
-class cu_seqlens_view {
- public:
-  cu_seqlens_view() = default;
-  cu_seqlens_view(tensor_view<std::int32_t const, 1> v) : p32_(v.data_handle()), n_(v.extent(0)), s_(v.stride(0)), on_(true) {}
-  cu_seqlens_view(tensor_view<std::int32_t, 1> v) : cu_seqlens_view(tensor_view<std::int32_t const, 1>(v)) {}
-  cu_seqlens_view(tensor_view<std::int64_t const, 1> v) : p64_(v.data_handle()), n_(v.extent(0)), s_(v.stride(0)), on_(true) {}
-  cu_seqlens_view(tensor_view<std::int64_t, 1> v) : cu_seqlens_view(tensor_view<std::int64_t const, 1>(v)) {}
-  cu_seqlens_view(std::vector<std::int64_t> const& v) : p64_(v.data()), n_(static_cast<index_t>(v.size())), s_(1), on_(true) {}
-  cu_seqlens_view(std::vector<std::int32_t> const& v) : p32_(v.data()), n_(static_cast<index_t>(v.size())), s_(1), on_(true) {}
-  // A view: offsets in a temporary vector would dangle once the statement ends, so that does
-  // not compile (name the vector).
-  cu_seqlens_view(std::vector<std::int64_t>&&) = delete;
-  cu_seqlens_view(std::vector<std::int32_t>&&) = delete;
+// Sequence offsets are the one core type (k3/core/sequence_offsets.hpp).
+using ::k3::cu_seqlens_view;
 
-  // Any explicitly given offsets (even an empty list, which is then rejected) mean packed.
-  bool present() const noexcept { return on_; }
-  index_t size() const noexcept { return n_; }
-  index_t operator[](index_t i) const noexcept { return p32_ ? index_t(p32_[i * s_]) : index_t(p64_[i * s_]); }
-  void const* data() const noexcept { return p32_ ? static_cast<void const*>(p32_) : static_cast<void const*>(p64_); }
-
- private:
-  std::int32_t const* p32_ = nullptr;
-  std::int64_t const* p64_ = nullptr;
-  index_t n_ = 0, s_ = 1;
-  bool on_ = false;
-};
 
 struct options {
   algorithm mode = algorithm::automatic;
-  std::optional<double> scale;  // default K^-1/2; multiplies q only
+  std::optional<double> scale = {};  // default K^-1/2; multiplies q only
   // When set (in [-5, 0)), every g must be >= it: the chunked form then evaluates its 16x16
   // diagonal tiles as dense products (the bound keeps both exponential factors < e^40).
   // Without it the diagonal tiles are evaluated pair by pair, exact for any gate.
-  std::optional<double> gate_lower_bound;
-  cu_seqlens_view cu_seqlens;
+  std::optional<double> gate_lower_bound = {};
+  cu_seqlens_view cu_seqlens = {};
 };
 
-// Absent optional tensors are default-constructed views (null data, zero extents).
-template <class V>
-bool present(V const& v) noexcept {
-  return v.data_handle() != nullptr;
-}
 
 // The views live in `Space`: host_space for the CPU backends, cuda_device_space for
 // k3::cuda::stream_backend (k3/kda/cuda/backend.cuh). Options and cu_seqlens stay on the host.
-template <Storage In, class S = default_state_t<In>, class Space = host_space>
+template <Storage In, class S = k3::accumulation_t<In>, class Space = host_space>
 struct forward_args {
   tensor_view<In const, 4, Space> q, k, v, g;
   tensor_view<In const, 3, Space> beta;
@@ -94,7 +61,7 @@ struct forward_args {
   tensor_view<S, 3, Space> saved = {};
 };
 
-template <Storage In, class S = default_state_t<In>, class Space = host_space>
+template <Storage In, class S = k3::accumulation_t<In>, class Space = host_space>
 struct backward_args {
   tensor_view<In const, 4, Space> q, k, v, g;
   tensor_view<In const, 3, Space> beta;
@@ -111,7 +78,7 @@ struct backward_args {
 };
 
 // One decode step for N independent sequences whose states live in a pool, addressed by slot.
-template <Storage In, class S = default_state_t<In>, class Space = host_space>
+template <Storage In, class S = k3::accumulation_t<In>, class Space = host_space>
 struct decode_args {
   tensor_view<In const, 3, Space> q, k;  // [N,H,K]
   tensor_view<In const, 3, Space> v;     // [N,HV,V]
@@ -160,7 +127,7 @@ struct problem {
   double scale = 1;
   bool varlen = false;
   std::vector<index_t> offsets;  // N+1 when varlen
-  std::optional<double> lower_bound;
+  std::optional<double> lower_bound = {};
 
   index_t batch(index_t n) const noexcept { return varlen ? 0 : n; }
   index_t bos(index_t n) const noexcept { return varlen ? offsets[std::size_t(n)] : 0; }
@@ -223,6 +190,8 @@ problem make_problem(tensor_view<In const, 4, Space> q, tensor_view<In const, 4,
     ::k3::detail::require(p.B == 1, error_kind::shape, [&] {
       return "argument 'cu_seqlens': packed sequences need batch size B = 1, got q of shape " + ::k3::detail::shape_of(q);
     });
+    ::k3::detail::require(cs.size() == 0 || cs.data() != nullptr, error_kind::shape,
+                          [&] { return "argument 'cu_seqlens': null data for " + std::to_string(cs.size()) + " offsets"; });
     ::k3::detail::require(cs.size() >= 1, error_kind::shape, "argument 'cu_seqlens': expected at least one offset (N+1 values), got 0");
     p.N = cs.size() - 1;
     p.offsets.resize(std::size_t(cs.size()));

@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "k3/core/storage.hpp"
 #include "k3/core/error.hpp"
 #include "k3/core/memory_space.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
@@ -58,11 +59,7 @@ inline double moonlight_factor(index_t rows, index_t cols) noexcept {
 
 namespace detail {
 
-template <class S>
-constexpr bool ns_storage = std::is_same_v<S, float> || std::is_same_v<S, double> || std::is_same_v<S, bfloat16>;
 
-template <class S>
-using ns_auto_compute_t = std::conditional_t<std::is_same_v<S, double>, double, float>;
 
 // A matrix [A, B] as a stack of one [1, A, B]; a stack as it is.
 template <class E, std::size_t Rank, class Space>
@@ -89,7 +86,7 @@ inline void check_newton_schulz_options(newton_schulz_options const& opt, index_
 template <class T, std::size_t Rank, class Space>
 bool check_newton_schulz(newton_schulz_args<T, Rank, Space> const& args, newton_schulz_options const& opt) {
   static_assert(Rank == 2 || Rank == 3, "newton_schulz: g and o are [A, B] matrices or [M, A, B] stacks");
-  static_assert(ns_storage<std::remove_const_t<T>>, "newton_schulz: storage must be float, double or k3::bfloat16");
+  static_assert(k3::Storage<std::remove_const_t<T>>, "newton_schulz: storage must be float, double or k3::bfloat16");
   ::k3::detail::check_view("g", args.g);
   ::k3::detail::check_view("o", args.o);
   ::k3::detail::require(args.o.extents() == args.g.extents(), error_kind::shape, [&] {
@@ -102,7 +99,7 @@ bool check_newton_schulz(newton_schulz_args<T, Rank, Space> const& args, newton_
   check_newton_schulz_options(opt, args.g.extent(Rank - 2), ::k3::detail::shape_of(args.g));
   using S = std::remove_const_t<T>;
   return opt.compute == compute_precision::float64 ||
-         (opt.compute == compute_precision::automatic && std::is_same_v<ns_auto_compute_t<S>, double>);
+         (opt.compute == compute_precision::automatic && std::is_same_v<k3::accumulation_t<S>, double>);
 }
 
 }  // namespace detail

@@ -34,7 +34,7 @@ enum class muon_variant { moonlight, keller };
 
 // The optimizer state's element type for storage T.
 template <class T>
-using state_t = detail::ns_auto_compute_t<std::remove_const_t<T>>;
+using state_t = k3::accumulation_t<std::remove_const_t<T>>;
 
 // One parameter: its value [A, B] (vectors as [1, n]), its gradient, and its state.
 // momentum: Muon's buffer or AdamW's first moment; second_moment: AdamW only.
@@ -172,7 +172,7 @@ void adamw_update(parameter<T> const& p, step_options const& o) {
 // Updates every parameter (and its state) in place. All checks run before anything changes.
 template <HostBackend Bk, class T>
 void step(Bk const& b, step_args<T> const& args, step_options const& opt = {}) {
-  static_assert(detail::ns_storage<std::remove_const_t<T>>, "optim::step: storage must be float, double or k3::bfloat16");
+  static_assert(k3::Storage<std::remove_const_t<T>>, "optim::step: storage must be float, double or k3::bfloat16");
   detail::check_step_options(opt);
   for (std::size_t i = 0; i < args.params.size(); ++i) detail::check_parameter(args.params[i], i);
   for (auto const& p : args.params) {

@@ -171,7 +171,7 @@ void p2p_agree(Comm const& comm, p2p_plan const& plan, std::span<matrix_shape co
 template <HostBackend Bk, Communicator Comm, class T>
 p2p_stats p2p_newton_schulz(Bk const& b, p2p_newton_schulz_args<Comm, T> const& args, newton_schulz_options const& opt = {}) {
   using S = std::remove_const_t<T>;
-  static_assert(detail::ns_storage<S>, "p2p_newton_schulz: storage must be float, double or k3::bfloat16");
+  static_assert(k3::Storage<S>, "p2p_newton_schulz: storage must be float, double or k3::bfloat16");
   Comm const& comm = args.comm;
   int const me = comm.rank(), N = comm.size();
   std::size_t const n = args.shapes.size();

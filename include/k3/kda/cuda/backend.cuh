@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "k3/backend/cuda/backend.cuh"
+#include "k3/core/storage.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/cuda/kda.cuh"
 
