@@ -68,14 +68,23 @@ void run(Backend const& be, char const* backend_name, int threads, index_t T, in
   };
   double const nb = double(n) * sizeof(float);
   std::vector<op> ops = {
-      {"short_conv", 2 * nb, [&] { k3::kda::short_conv(be, x3, wv, bv, y3); }},
+      {"short_conv", 2 * nb, [&] { k3::kda::short_conv(be, k3::kda::short_conv_args<float>{.x = x3, .weight = wv, .bias = bv, .y = y3}); }},
       {"short_conv_backward", 3 * nb,
-       [&] { k3::kda::short_conv_backward(be, x3, wv, bv, dy3, dx3, host_view(dw.data(), C, W), host_view(db.data(), C)); }},
-      {"l2norm", 2 * nb, [&] { k3::kda::l2norm(be, x4, y4); }},
-      {"l2norm_backward", 3 * nb, [&] { k3::kda::l2norm_backward(be, x4, dy4, dx4); }},
-      {"gate_lower_bound", 2 * nb, [&] { k3::kda::gate_lower_bound(be, x4, Av, dtv, lb, y4); }},
+       [&] {
+         k3::kda::short_conv_backward(be, k3::kda::short_conv_backward_args<float>{.x = x3, .weight = wv, .bias = bv, .d_y = dy3, .d_x = dx3,
+                                                                                   .d_weight = host_view(dw.data(), C, W), .d_bias = host_view(db.data(), C)});
+       }},
+      {"l2norm", 2 * nb, [&] { k3::kda::l2norm(be, k3::kda::l2norm_args<float>{.x = x4, .y = y4}); }},
+      {"l2norm_backward", 3 * nb, [&] { k3::kda::l2norm_backward(be, k3::kda::l2norm_backward_args<float>{.x = x4, .d_y = dy4, .d_x = dx4}); }},
+      {"gate_lower_bound", 2 * nb,
+       [&] { k3::kda::gate_lower_bound(be, k3::kda::gate_args<float>{.x = x4, .A_log = Av, .dt_bias = dtv, .g = y4}, {.lower_bound = lb}); }},
       {"gate_lower_bound_backward", 3 * nb,
-       [&] { k3::kda::gate_lower_bound_backward(be, x4, Av, dtv, lb, dy4, dx4, host_view(dA.data(), H), host_view(ddt.data(), H, K)); }},
+       [&] {
+         k3::kda::gate_lower_bound_backward(be,
+                                            k3::kda::gate_backward_args<float>{.x = x4, .A_log = Av, .dt_bias = dtv, .d_g = dy4, .d_x = dx4,
+                                                                               .d_A_log = host_view(dA.data(), H), .d_dt_bias = host_view(ddt.data(), H, K)},
+                                            {.lower_bound = lb});
+       }},
   };
   inplace_pass_yardstick pass(threads);
   std::vector<std::vector<double>> t(ops.size());

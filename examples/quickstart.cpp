@@ -47,17 +47,17 @@ int main() {
   auto t0 = std::chrono::steady_clock::now();
 
   // 1. pre-processing
-  k3::kda::short_conv(backend, host_view(xq.data(), B, T, H * K), host_view(wq.data(), H * K, W), nullptr,
-                      host_view(qc.data(), B, T, H * K));
-  k3::kda::short_conv(backend, host_view(xk.data(), B, T, H * K), host_view(wk.data(), H * K, W), nullptr,
-                      host_view(kc.data(), B, T, H * K));
-  k3::kda::short_conv(backend, host_view(xv.data(), B, T, H * V), host_view(wv.data(), H * V, W), nullptr,
-                      host_view(v.data(), B, T, H * V));
-  k3::kda::l2norm(backend, host_view(qc.data(), B, T, H, K), host_view(q.data(), B, T, H, K));
-  k3::kda::l2norm(backend, host_view(kc.data(), B, T, H, K), host_view(k.data(), B, T, H, K));
-  k3::kda::gate_lower_bound(backend, host_view(xg.data(), B, T, H, K), host_view(A_log.data(), H), host_view(dt_bias.data(), H, K),
-                            lower_bound, host_view(g.data(), B, T, H, K));
-  k3::kda::beta_sigmoid(backend, host_view(xb.data(), B, T, H), host_view(beta.data(), B, T, H));
+  using conv_args = k3::kda::short_conv_args<float>;
+  k3::kda::short_conv(backend, conv_args{.x = host_view(xq.data(), B, T, H * K), .weight = host_view(wq.data(), H * K, W), .y = host_view(qc.data(), B, T, H * K)});
+  k3::kda::short_conv(backend, conv_args{.x = host_view(xk.data(), B, T, H * K), .weight = host_view(wk.data(), H * K, W), .y = host_view(kc.data(), B, T, H * K)});
+  k3::kda::short_conv(backend, conv_args{.x = host_view(xv.data(), B, T, H * V), .weight = host_view(wv.data(), H * V, W), .y = host_view(v.data(), B, T, H * V)});
+  k3::kda::l2norm(backend, k3::kda::l2norm_args<float>{.x = host_view(qc.data(), B, T, H, K), .y = host_view(q.data(), B, T, H, K)});
+  k3::kda::l2norm(backend, k3::kda::l2norm_args<float>{.x = host_view(kc.data(), B, T, H, K), .y = host_view(k.data(), B, T, H, K)});
+  k3::kda::gate_lower_bound(backend,
+                            k3::kda::gate_args<float>{.x = host_view(xg.data(), B, T, H, K), .A_log = host_view(A_log.data(), H),
+                                                      .dt_bias = host_view(dt_bias.data(), H, K), .g = host_view(g.data(), B, T, H, K)},
+                            {.lower_bound = lower_bound});
+  k3::kda::beta_sigmoid(backend, k3::kda::beta_sigmoid_args<float>{.x = host_view(xb.data(), B, T, H), .beta = host_view(beta.data(), B, T, H)});
   auto t1 = std::chrono::steady_clock::now();
 
   // 2. chunked forward, then 3. the serial recurrence on the same inputs

@@ -235,9 +235,9 @@ TEST_CASE("kda: errors about the gate bound print values that read back exactly"
   std::vector<float> x(2 * 3 * 2 * 4, 0.5f), g(x.size());
   auto xv = host_view(static_cast<float const*>(x.data()), 2, 3, 2, 4);
   auto gv = host_view(g.data(), 2, 3, 2, 4);
-  std::string e = error_of([&] { kda::gate_lower_bound(cpu::serial{}, xv, nullptr, nullptr, -5.0000001, gv); });
+  std::string e = error_of([&] { kda::gate_lower_bound(cpu::serial{}, kda::gate_args<float>{.x = xv, .g = gv}, {.lower_bound = -5.0000001}); });
   CHECK(e.find("got -5.0000001") != std::string::npos);
-  e = error_of([&] { kda::gate_lower_bound(cpu::serial{}, xv, nullptr, nullptr, 1e-9, gv); });
+  e = error_of([&] { kda::gate_lower_bound(cpu::serial{}, kda::gate_args<float>{.x = xv, .g = gv}, {.lower_bound = 1e-9}); });
   CHECK(e.find("got 1e-09") != std::string::npos);
 
   index_t const T = 5, H = 1, K = 3, V = 2;

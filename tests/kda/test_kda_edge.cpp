@@ -88,7 +88,7 @@ void check_same(char const* what, std::vector<double> const& got, std::vector<do
 
 template <class In, class Backend>
 void strided_case(kda_case const& c, kda::algorithm m, Backend const& be) {
-  using S = kda::default_state_t<In>;
+  using S = k3::accumulation_t<In>;
   typed_data<In, S> d(make_data(c));
   auto fr = run_forward<In, S>(d, m, be);
   auto br = run_backward<In, S>(d, m, be);
@@ -325,9 +325,11 @@ TEST_CASE("kda: an output or state pool with a stride-0 dimension (aliasing itse
   // short-conv decode: a conv-state pool with a stride-0 slot dimension
   index_t const C = 3, W = 4;
   std::vector<float> cs(std::size_t(C * (W - 1))), wt(std::size_t(C * W), 0.2f), xy(std::size_t(N * C), 0.3f), y(std::size_t(N * C));
-  CHECK_THROWS_WITH_AS(kda::short_conv_decode(cpu::serial{}, host_view(static_cast<float const*>(xy.data()), N, C),
-                                              host_view(static_cast<float const*>(wt.data()), C, W), nullptr,
-                                              tensor_view<float, 3>(cs.data(), {P, C, W - 1}, {0, W - 1, 1}), host_view(y.data(), N, C)),
+  CHECK_THROWS_WITH_AS(kda::short_conv_decode(cpu::serial{}, kda::short_conv_decode_args<float>{
+                                                                .x = host_view(static_cast<float const*>(xy.data()), N, C),
+                                                                .weight = host_view(static_cast<float const*>(wt.data()), C, W),
+                                                                .conv_state = tensor_view<float, 3>(cs.data(), {P, C, W - 1}, {0, W - 1, 1}),
+                                                                .y = host_view(y.data(), N, C)}),
                        doctest::Contains("conv_state"), k3::error);
 }
 
@@ -350,23 +352,30 @@ TEST_CASE("kda pre-processing: an output with a stride-0 dimension (aliasing its
   // [B, T, HV, K] with the T dimension at stride 0
   tensor_view<float, 4> const b4(out.data() + 100, {B, T, HV, K}, {HV * K, 0, K, 1});
   auto run = [&](auto const& be) {
-    CHECK(broadcast_named(error_of([&] { kda::l2norm(be, x4, b4); }), "y"));
-    CHECK(broadcast_named(error_of([&] { kda::l2norm_backward(be, x4, dy4, b4); }), "dx"));
-    CHECK(broadcast_named(error_of([&] { kda::beta_sigmoid(be, x4, b4); }), "beta"));
-    CHECK(broadcast_named(error_of([&] { kda::beta_sigmoid_backward(be, x4, dy4, b4); }), "dx"));
-    CHECK(broadcast_named(error_of([&] { kda::gate_softplus(be, x4, A, bias, b4); }), "g"));
-    CHECK(broadcast_named(error_of([&] { kda::gate_lower_bound(be, x4, A, bias, -1.0, b4); }), "g"));
-    CHECK(error_of([&] { kda::gate_softplus_backward(be, x4, A, bias, dy4, o4, k3::host_view(out.data() + 300, HV), k3::host_view(out.data() + 310, HV, K)); }) == "");
-    CHECK(broadcast_named(error_of([&] { kda::gate_softplus_backward(be, x4, A, bias, dy4, b4); }), "dx"));
+    CHECK(broadcast_named(error_of([&] { kda::l2norm(be, kda::l2norm_args<float>{.x = x4, .y = b4}); }), "y"));
+    CHECK(broadcast_named(error_of([&] { kda::l2norm_backward(be, kda::l2norm_backward_args<float>{.x = x4, .d_y = dy4, .d_x = b4}); }), "d_x"));
+    CHECK(broadcast_named(error_of([&] { kda::beta_sigmoid(be, kda::beta_sigmoid_args<float, 4>{.x = x4, .beta = b4}); }), "beta"));
+    CHECK(broadcast_named(error_of([&] { kda::beta_sigmoid_backward(be, kda::beta_sigmoid_backward_args<float, 4>{.x = x4, .d_beta = dy4, .d_x = b4}); }),
+                          "d_x"));
+    CHECK(broadcast_named(error_of([&] { kda::gate_softplus(be, kda::gate_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .g = b4}); }), "g"));
+    CHECK(broadcast_named(error_of([&] { kda::gate_lower_bound(be, kda::gate_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .g = b4}, {.lower_bound = -1.0}); }), "g"));
+    CHECK(error_of([&] {
+            kda::gate_softplus_backward(be, kda::gate_backward_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .d_g = dy4, .d_x = o4, .d_A_log = k3::host_view(out.data() + 300, HV),
+                                               .d_dt_bias = k3::host_view(out.data() + 310, HV, K)});
+          }) == "");
+    CHECK(broadcast_named(error_of([&] { kda::gate_softplus_backward(be, kda::gate_backward_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .d_g = dy4, .d_x = b4}); }), "d_x"));
     CHECK(broadcast_named(error_of([&] {
-                            kda::gate_lower_bound_backward(be, x4, A, bias, -1.0, dy4, o4, tensor_view<float, 1>(out.data() + 300, {HV}, {0}));
+                            kda::gate_lower_bound_backward(be, kda::gate_backward_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .d_g = dy4, .d_x = o4,
+                                                                  .d_A_log = tensor_view<float, 1>(out.data() + 300, {HV}, {0})},
+                                                           {.lower_bound = -1.0});
                           }),
-                          "dA_log"));
+                          "d_A_log"));
     CHECK(broadcast_named(error_of([&] {
-                            kda::gate_softplus_backward(be, x4, A, bias, dy4, o4, k3::host_view(out.data() + 300, HV),
-                                                        tensor_view<float, 2>(out.data() + 310, {HV, K}, {0, 1}));
+                            kda::gate_softplus_backward(be, kda::gate_backward_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .d_g = dy4, .d_x = o4,
+                                                               .d_A_log = k3::host_view(out.data() + 300, HV),
+                                                               .d_dt_bias = tensor_view<float, 2>(out.data() + 310, {HV, K}, {0, 1})});
                           }),
-                          "ddt_bias"));
+                          "d_dt_bias"));
     // short convolution: prefill, backward, decode
     auto x3 = k3::host_view(ci(0), B, T, C);
     auto dy3 = k3::host_view(ci(64), B, T, C);
@@ -376,23 +385,35 @@ TEST_CASE("kda pre-processing: an output with a stride-0 dimension (aliasing its
     auto y3 = k3::host_view(out.data(), B, T, C);
     tensor_view<float, 3> const b3(out.data() + 100, {B, T, C}, {C, 0, 1});
     tensor_view<float, 3> const bs(out.data() + 200, {N, C, W - 1}, {0, W - 1, 1});
-    CHECK(error_of([&] { kda::short_conv(be, x3, wt, cb, y3, nullptr, s0, k3::host_view(out.data() + 200, N, C, W - 1)); }) == "");
-    CHECK(broadcast_named(error_of([&] { kda::short_conv(be, x3, wt, cb, b3); }), "y"));
-    CHECK(broadcast_named(error_of([&] { kda::short_conv(be, x3, wt, cb, y3, nullptr, s0, bs); }), "final_state"));
+    CHECK(error_of([&] {
+            kda::short_conv(be, kda::short_conv_args<float>{.x = x3, .weight = wt, .bias = cb, .y = y3, .initial_state = s0, .final_state = k3::host_view(out.data() + 200, N, C, W - 1)});
+          }) == "");
+    CHECK(broadcast_named(error_of([&] { kda::short_conv(be, kda::short_conv_args<float>{.x = x3, .weight = wt, .bias = cb, .y = b3}); }), "y"));
+    CHECK(broadcast_named(error_of([&] { kda::short_conv(be, kda::short_conv_args<float>{.x = x3, .weight = wt, .bias = cb, .y = y3, .initial_state = s0, .final_state = bs}); }),
+                          "final_state"));
     auto dx3 = k3::host_view(out.data(), B, T, C);
-    CHECK(broadcast_named(error_of([&] { kda::short_conv_backward(be, x3, wt, cb, dy3, b3); }), "dx"));
-    CHECK(broadcast_named(error_of([&] { kda::short_conv_backward(be, x3, wt, cb, dy3, dx3, tensor_view<float, 2>(out.data() + 300, {C, W}, {0, 1})); }),
-                          "dweight"));
+    CHECK(broadcast_named(error_of([&] { kda::short_conv_backward(be, kda::short_conv_backward_args<float>{.x = x3, .weight = wt, .bias = cb, .d_y = dy3, .d_x = b3}); }), "d_x"));
     CHECK(broadcast_named(error_of([&] {
-                            kda::short_conv_backward(be, x3, wt, cb, dy3, dx3, k3::host_view(out.data() + 300, C, W),
-                                                     tensor_view<float, 1>(out.data() + 330, {C}, {0}));
+                            kda::short_conv_backward(be, kda::short_conv_backward_args<float>{.x = x3, .weight = wt, .bias = cb, .d_y = dy3, .d_x = dx3,
+                                                            .d_weight = tensor_view<float, 2>(out.data() + 300, {C, W}, {0, 1})});
                           }),
-                          "dbias"));
-    CHECK(broadcast_named(error_of([&] { kda::short_conv_backward(be, x3, wt, cb, dy3, dx3, nullptr, nullptr, nullptr, s0, bs); }), "d_initial_state"));
+                          "d_weight"));
+    CHECK(broadcast_named(error_of([&] {
+                            kda::short_conv_backward(be, kda::short_conv_backward_args<float>{.x = x3, .weight = wt, .bias = cb, .d_y = dy3, .d_x = dx3,
+                                                            .d_weight = k3::host_view(out.data() + 300, C, W),
+                                                            .d_bias = tensor_view<float, 1>(out.data() + 330, {C}, {0})});
+                          }),
+                          "d_bias"));
+    CHECK(broadcast_named(error_of([&] {
+                            kda::short_conv_backward(be, kda::short_conv_backward_args<float>{.x = x3, .weight = wt, .bias = cb, .d_y = dy3, .d_x = dx3, .initial_state = s0,
+                                                            .d_initial_state = bs});
+                          }),
+                          "d_initial_state"));
     std::vector<float> pool(std::size_t(N * C * (W - 1)), 0.f);
     CHECK(broadcast_named(error_of([&] {
-                            kda::short_conv_decode(be, k3::host_view(ci(0), N, C), wt, cb, k3::host_view(pool.data(), N, C, W - 1),
-                                                   tensor_view<float, 2>(out.data(), {N, C}, {0, 1}));
+                            kda::short_conv_decode(be, kda::short_conv_decode_args<float>{.x = k3::host_view(ci(0), N, C), .weight = wt, .bias = cb,
+                                                                                          .conv_state = k3::host_view(pool.data(), N, C, W - 1),
+                                                                                          .y = tensor_view<float, 2>(out.data(), {N, C}, {0, 1})});
                           }),
                           "y"));
   };
@@ -427,20 +448,21 @@ TEST_CASE("kda pre-processing: strided outputs (padded rows, B and T swapped) gi
   auto run = [&](auto const& be) {
     std::vector<float> c0(std::size_t(B * T * HV * K)), m;
     auto c0v = k3::host_view(c0.data(), B, T, HV, K);
-    kda::l2norm(be, x4, c0v);
+    kda::l2norm(be, kda::l2norm_args<float>{.x = x4, .y = c0v});
     auto s = swapped4(m, B, T, HV, K);
-    kda::l2norm(be, x4, s);
+    kda::l2norm(be, kda::l2norm_args<float>{.x = x4, .y = s});
     CHECK(same4(s, c0));
-    kda::gate_lower_bound(be, x4, A, bias, -2.0, c0v);
+    kda::gate_lower_bound(be, kda::gate_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .g = c0v}, {.lower_bound = -2.0});
     s = swapped4(m, B, T, HV, K);
-    kda::gate_lower_bound(be, x4, A, bias, -2.0, s);
+    kda::gate_lower_bound(be, kda::gate_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .g = s}, {.lower_bound = -2.0});
     CHECK(same4(s, c0));
     std::vector<float> da0(static_cast<std::size_t>(HV)), db0(std::size_t(HV * K)), da1(std::size_t(3 * HV)), db1(std::size_t(HV * (K + 2)));
-    kda::gate_softplus_backward(be, x4, A, bias, dy4, c0v, k3::host_view(da0.data(), HV), k3::host_view(db0.data(), HV, K));
+    kda::gate_softplus_backward(be, kda::gate_backward_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .d_g = dy4, .d_x = c0v, .d_A_log = k3::host_view(da0.data(), HV),
+                                       .d_dt_bias = k3::host_view(db0.data(), HV, K)});
     s = swapped4(m, B, T, HV, K);
     tensor_view<float, 1> da1v(da1.data(), {HV}, {3});
     tensor_view<float, 2> db1v(db1.data(), {HV, K}, {K + 2, 1});
-    kda::gate_softplus_backward(be, x4, A, bias, dy4, s, da1v, db1v);
+    kda::gate_softplus_backward(be, kda::gate_backward_args<float>{.x = x4, .A_log = A, .dt_bias = bias, .d_g = dy4, .d_x = s, .d_A_log = da1v, .d_dt_bias = db1v});
     CHECK(same4(s, c0));
     for (index_t h = 0; h < HV; ++h) {
       CHECK(da1v(h) == da0[std::size_t(h)]);
@@ -453,17 +475,20 @@ TEST_CASE("kda pre-processing: strided outputs (padded rows, B and T swapped) gi
     auto cb = k3::host_view(ci(230), C);
     auto s0 = k3::host_view(ci(300), B, C, W - 1);
     std::vector<float> y0(std::size_t(B * T * C)), f0(std::size_t(B * C * (W - 1))), y1(std::size_t(B * T * (C + 1))), f1(std::size_t(B * C * W));
-    kda::short_conv(be, x3, wt, cb, k3::host_view(y0.data(), B, T, C), nullptr, s0, k3::host_view(f0.data(), B, C, W - 1));
+    kda::short_conv(be, kda::short_conv_args<float>{.x = x3, .weight = wt, .bias = cb, .y = k3::host_view(y0.data(), B, T, C), .initial_state = s0,
+                           .final_state = k3::host_view(f0.data(), B, C, W - 1)});
     tensor_view<float, 3> y1v(y1.data(), {B, T, C}, {C + 1, B * (C + 1), 1}), f1v(f1.data(), {B, C, W - 1}, {C * W, W, 1});
-    kda::short_conv(be, x3, wt, cb, y1v, nullptr, s0, f1v);
+    kda::short_conv(be, kda::short_conv_args<float>{.x = x3, .weight = wt, .bias = cb, .y = y1v, .initial_state = s0, .final_state = f1v});
     std::vector<float> dx0(y0.size()), dw0(std::size_t(C * W)), dbias0(static_cast<std::size_t>(C)), ds0(f0.size());
-    kda::short_conv_backward(be, x3, wt, cb, dy3, k3::host_view(dx0.data(), B, T, C), k3::host_view(dw0.data(), C, W), k3::host_view(dbias0.data(), C),
-                             nullptr, s0, k3::host_view(ds0.data(), B, C, W - 1));
+    kda::short_conv_backward(be, kda::short_conv_backward_args<float>{.x = x3, .weight = wt, .bias = cb, .d_y = dy3, .d_x = k3::host_view(dx0.data(), B, T, C),
+                                    .d_weight = k3::host_view(dw0.data(), C, W), .d_bias = k3::host_view(dbias0.data(), C), .initial_state = s0,
+                                    .d_initial_state = k3::host_view(ds0.data(), B, C, W - 1)});
     std::vector<float> dx1(y1.size()), dw1(std::size_t(C * (W + 2))), dbias1(std::size_t(2 * C)), ds1(f1.size());
     tensor_view<float, 3> dx1v(dx1.data(), {B, T, C}, {C + 1, B * (C + 1), 1}), ds1v(ds1.data(), {B, C, W - 1}, {C * W, W, 1});
     tensor_view<float, 2> dw1v(dw1.data(), {C, W}, {W + 2, 1});
     tensor_view<float, 1> dbias1v(dbias1.data(), {C}, {2});
-    kda::short_conv_backward(be, x3, wt, cb, dy3, dx1v, dw1v, dbias1v, nullptr, s0, ds1v);
+    kda::short_conv_backward(be, kda::short_conv_backward_args<float>{.x = x3, .weight = wt, .bias = cb, .d_y = dy3, .d_x = dx1v, .d_weight = dw1v, .d_bias = dbias1v,
+                                    .initial_state = s0, .d_initial_state = ds1v});
     for (index_t b = 0; b < B; ++b)
       for (index_t c = 0; c < C; ++c) {
         for (index_t t = 0; t < T; ++t) {

@@ -71,8 +71,9 @@ TEST_CASE_TEMPLATE("l2norm and beta sigmoid on the GPU match the CPU", S, float,
       }
     auto dy = randv<S>(x.size(), 2 + D);
     std::vector<S> y(x.size()), dx(x.size());
-    k3::kda::l2norm(cpu, k3::host_view(x.data(), rows, D), k3::host_view(y.data(), rows, D));
-    k3::kda::l2norm_backward(cpu, k3::host_view(x.data(), rows, D), k3::host_view(dy.data(), rows, D), k3::host_view(dx.data(), rows, D));
+    k3::kda::l2norm(cpu, k3::kda::l2norm_args<S, 2>{.x = k3::host_view(x.data(), rows, D), .y = k3::host_view(y.data(), rows, D)});
+    k3::kda::l2norm_backward(cpu, k3::kda::l2norm_backward_args<S, 2>{.x = k3::host_view(x.data(), rows, D), .d_y = k3::host_view(dy.data(), rows, D),
+                                                                      .d_x = k3::host_view(dx.data(), rows, D)});
     dbuf<S> gx(x), gdy(dy), gy(x.size()), gdx(x.size());
     kc::l2norm_fwd(gx.p, gy.p, rows, D, nullptr);
     kc::l2norm_bwd(gx.p, gdy.p, gdx.p, rows, D, nullptr);
@@ -84,8 +85,12 @@ TEST_CASE_TEMPLATE("l2norm and beta sigmoid on the GPU match the CPU", S, float,
     auto x = randv<S>(n, 5, 4.0);
     auto dy = randv<S>(n, 6);
     std::vector<S> b(n), dx(n);
-    k3::kda::beta_sigmoid(cpu, k3::host_view(x.data(), n), k3::host_view(b.data(), n), neg);
-    k3::kda::beta_sigmoid_backward(cpu, k3::host_view(x.data(), n), k3::host_view(dy.data(), n), k3::host_view(dx.data(), n), neg);
+    k3::kda::beta_sigmoid(cpu, k3::kda::beta_sigmoid_args<S, 1>{.x = k3::host_view(x.data(), n), .beta = k3::host_view(b.data(), n)},
+                          {.allow_neg_eigval = neg});
+    k3::kda::beta_sigmoid_backward(cpu,
+                                   k3::kda::beta_sigmoid_backward_args<S, 1>{.x = k3::host_view(x.data(), n), .d_beta = k3::host_view(dy.data(), n),
+                                                                             .d_x = k3::host_view(dx.data(), n)},
+                                   {.allow_neg_eigval = neg});
     dbuf<S> gx(x), gdy(dy), gb(n), gdx(n);
     kc::beta_sigmoid_fwd(gx.p, gb.p, n, neg, nullptr);
     kc::beta_sigmoid_bwd(gx.p, gdy.p, gdx.p, n, neg, nullptr);
@@ -118,18 +123,19 @@ TEST_CASE_TEMPLATE("gates on the GPU match the CPU, parameter gradients included
       auto bv = k3::host_view(bias.data(), HV, K);
       auto dAv = k3::host_view(dA.data(), HV);
       auto dbv = k3::host_view(db.data(), HV, K);
-      if (lower && params) {
-        k3::kda::gate_lower_bound(cpu, xv, Av, bv, lb, gv);
-        k3::kda::gate_lower_bound_backward(cpu, xv, Av, bv, lb, dgv, dxv, dAv, dbv);
-      } else if (lower) {
-        k3::kda::gate_lower_bound(cpu, xv, nullptr, nullptr, lb, gv);
-        k3::kda::gate_lower_bound_backward(cpu, xv, nullptr, nullptr, lb, dgv, dxv, dAv, dbv);
-      } else if (params) {
-        k3::kda::gate_softplus(cpu, xv, Av, bv, gv);
-        k3::kda::gate_softplus_backward(cpu, xv, Av, bv, dgv, dxv, dAv, dbv);
+      // Without params the A_log and dt_bias members stay absent (default-constructed).
+      k3::kda::gate_args<S, float> fa{.x = xv, .g = gv};
+      k3::kda::gate_backward_args<S, float> ba{.x = xv, .d_g = dgv, .d_x = dxv, .d_A_log = dAv, .d_dt_bias = dbv};
+      if (params) {
+        fa.A_log = ba.A_log = Av;
+        fa.dt_bias = ba.dt_bias = bv;
+      }
+      if (lower) {
+        k3::kda::gate_lower_bound(cpu, fa, {.lower_bound = lb});
+        k3::kda::gate_lower_bound_backward(cpu, ba, {.lower_bound = lb});
       } else {
-        k3::kda::gate_softplus(cpu, xv, nullptr, nullptr, gv);
-        k3::kda::gate_softplus_backward(cpu, xv, nullptr, nullptr, dgv, dxv, dAv, dbv);
+        k3::kda::gate_softplus(cpu, fa);
+        k3::kda::gate_softplus_backward(cpu, ba);
       }
       kc::gate_params p;
       p.kind = lower ? kc::gate_kind::lower_bound : kc::gate_kind::softplus;
@@ -183,19 +189,17 @@ TEST_CASE_TEMPLATE("short conv on the GPU matches the CPU: batched, varlen, stat
         auto dwv = k3::host_view(dw.data(), C, W);
         auto dbv = k3::host_view(db.data(), C);
         auto div = k3::host_view(di.data(), N, C, W - 1);
-        if (varlen && with_init) {
-          k3::kda::short_conv(cpu, xv, wv, bv, yv, cuv, iv, fv, silu);
-          k3::kda::short_conv_backward(cpu, xv, wv, bv, dyv, dxv, dwv, dbv, cuv, iv, div, silu);
-        } else if (varlen) {
-          k3::kda::short_conv(cpu, xv, wv, bv, yv, cuv, nullptr, fv, silu);
-          k3::kda::short_conv_backward(cpu, xv, wv, bv, dyv, dxv, dwv, dbv, cuv, nullptr, nullptr, silu);
-        } else if (with_init) {
-          k3::kda::short_conv(cpu, xv, wv, bv, yv, nullptr, iv, fv, silu);
-          k3::kda::short_conv_backward(cpu, xv, wv, bv, dyv, dxv, dwv, dbv, nullptr, iv, div, silu);
-        } else {
-          k3::kda::short_conv(cpu, xv, wv, bv, yv, nullptr, nullptr, fv, silu);
-          k3::kda::short_conv_backward(cpu, xv, wv, bv, dyv, dxv, dwv, dbv, nullptr, nullptr, nullptr, silu);
+        // bfloat16 or float activations with fp32 weights and states.
+        k3::kda::short_conv_args<S, float> fa{.x = xv, .weight = wv, .bias = bv, .y = yv, .final_state = fv};
+        k3::kda::short_conv_backward_args<S, float> ba{.x = xv, .weight = wv, .bias = bv, .d_y = dyv, .d_x = dxv, .d_weight = dwv, .d_bias = dbv};
+        if (with_init) {
+          fa.initial_state = ba.initial_state = iv;
+          ba.d_initial_state = div;
         }
+        k3::kda::short_conv_options opt{.silu = silu};
+        if (varlen) opt.cu_seqlens = cuv;
+        k3::kda::short_conv(cpu, fa, opt);
+        k3::kda::short_conv_backward(cpu, ba, opt);
         dbuf<S> gx(x), gdy(dy), gy(x.size()), gdx(x.size());
         dbuf<float> ginit(init), gfs(init.size()), gdw(w.size()), gdb(C), gdi(init.size());
         dbuf<std::int64_t> gcu(cu);
@@ -237,8 +241,9 @@ TEST_CASE("short conv decode on a GPU pool matches the CPU decode, padding slots
       }
       std::vector<float> yc(C);
       std::int64_t s1[1] = {slots[n]};
-      k3::kda::short_conv_decode(cpu, k3::host_view(x.data() + n * C, 1, C), k3::host_view(w.data(), C, W), nullptr,
-                                 k3::host_view(cpu_pool.data(), P, C, W - 1), k3::host_view(yc.data(), 1, C), k3::host_view(s1, 1));
+      k3::kda::short_conv_decode(cpu, k3::kda::short_conv_decode_args<float>{.x = k3::host_view(x.data() + n * C, 1, C), .weight = k3::host_view(w.data(), C, W),
+                                                                             .conv_state = k3::host_view(cpu_pool.data(), P, C, W - 1),
+                                                                             .y = k3::host_view(yc.data(), 1, C), .slots64 = k3::host_view(s1, 1)});
       check_near(std::vector<float>(y.begin() + n * C, y.begin() + (n + 1) * C), yc, 2e-5, 1e-6, "decode y");
     }
   }

@@ -219,8 +219,8 @@ TEST_CASE_TEMPLATE("l2norm forward/backward: every backend, head dims around the
       each_backend([&](auto const& b, std::string const& name) {
         CAPTURE(name);
         strided<S, 4> y(ext, {0, 2, 1}, 2, sentinel<S>()), dx(ext, {1, 0, 2}, 2, sentinel<S>());
-        kda::l2norm(b, x.view, y.view);
-        kda::l2norm_backward(b, x.view, dy.view, dx.view);
+        kda::l2norm(b, kda::l2norm_args<S>{.x = x.view, .y = y.view});
+        kda::l2norm_backward(b, kda::l2norm_backward_args<S>{.x = x.view, .d_y = dy.view, .d_x = dx.view});
         CHECK(rel_err(yr, y.get()) <= tol<S>());
         CHECK(rel_err(dxr, dx.get(), dx_scale) <= tol<S>());
         CHECK(y.padding_is(sentinel<S>()));
@@ -243,8 +243,8 @@ TEST_CASE_TEMPLATE("l2norm: an all-zero row gives y = 0 and dx = dy / sqrt(1e-6)
   for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = store_as<S>(g[i]);
   each_backend([&](auto const& b, std::string const& name) {
     CAPTURE(name);
-    kda::l2norm(b, host_view(x.data(), 1, D), host_view(y.data(), 1, D));
-    kda::l2norm_backward(b, host_view(x.data(), 1, D), host_view(dy.data(), 1, D), host_view(dx.data(), 1, D));
+    kda::l2norm(b, kda::l2norm_args<S, 2>{.x = host_view(x.data(), 1, D), .y = host_view(y.data(), 1, D)});
+    kda::l2norm_backward(b, kda::l2norm_backward_args<S, 2>{.x = host_view(x.data(), 1, D), .d_y = host_view(dy.data(), 1, D), .d_x = host_view(dx.data(), 1, D)});
     for (std::size_t i = 0; i < x.size(); ++i) {
       CHECK(load_as<double>(y[i]) == 0.0);
       CHECK(load_as<double>(dx[i]) == doctest::Approx(load_as<double>(dy[i]) * 1000.0).epsilon(tol<S>()));
@@ -275,7 +275,8 @@ TEST_CASE_TEMPLATE("l2norm_backward: huge rows with an ordinary dy stay finite a
     for (std::size_t i = 0; i < xd.size(); ++i) dxr[i] = (gd[i] - gy * xd[i] / nrm) / nrm / big, gmax = std::max(gmax, std::fabs(gd[i]));
     each_backend([&](auto const& b, std::string const& name) {
       CAPTURE(name);
-      kda::l2norm_backward(b, host_view(x.data(), 1, D), host_view(dy.data(), 1, D), host_view(dx.data(), 1, D));
+      kda::l2norm_backward(b, kda::l2norm_backward_args<S, 2>{.x = host_view(x.data(), 1, D), .d_y = host_view(dy.data(), 1, D),
+                                                              .d_x = host_view(dx.data(), 1, D)});
       std::vector<double> got(x.size());
       for (std::size_t i = 0; i < x.size(); ++i) got[i] = load_as<double>(dx[i]);
       for (double v : got) CHECK(std::isfinite(v));
@@ -291,20 +292,22 @@ TEST_CASE("l2norm: NaN and Inf stay in their own row, in-place is refused naming
   x[std::size_t(2 * D + 0)] = INFINITY;
   each_backend([&](auto const& b, std::string const& name) {
     CAPTURE(name);
-    kda::l2norm(b, host_view(x.data(), R, D), host_view(y.data(), R, D));
-    kda::l2norm_backward(b, host_view(x.data(), R, D), host_view(dy.data(), R, D), host_view(dx.data(), R, D));
+    kda::l2norm(b, kda::l2norm_args<float, 2>{.x = host_view(x.data(), R, D), .y = host_view(y.data(), R, D)});
+    kda::l2norm_backward(b, kda::l2norm_backward_args<float, 2>{.x = host_view(x.data(), R, D), .d_y = host_view(dy.data(), R, D),
+                                                                .d_x = host_view(dx.data(), R, D)});
     for (index_t r : {0, 3})
       for (index_t d = 0; d < D; ++d) {
         CHECK(std::isfinite(y[std::size_t(r * D + d)]));
         CHECK(std::isfinite(dx[std::size_t(r * D + d)]));
       }
   });
-  auto const e = error_of([&] { kda::l2norm(cpu::serial{}, host_view(x.data(), R, D), host_view(x.data(), R, D)); });
+  auto const e = error_of([&] { kda::l2norm(cpu::serial{}, kda::l2norm_args<float, 2>{.x = host_view(x.data(), R, D), .y = host_view(x.data(), R, D)}); });
   CHECK(k3::test::names_overlap(e, "y", "x"));
   auto const e2 = error_of([&] {
-    kda::l2norm_backward(cpu::serial{}, host_view(x.data(), R, D), host_view(dy.data(), R, D), host_view(dy.data(), R, D));
+    kda::l2norm_backward(cpu::serial{}, kda::l2norm_backward_args<float, 2>{.x = host_view(x.data(), R, D), .d_y = host_view(dy.data(), R, D),
+                                                                            .d_x = host_view(dy.data(), R, D)});
   });
-  CHECK(k3::test::names_overlap(e2, "dx", "dy"));
+  CHECK(k3::test::names_overlap(e2, "d_x", "d_y"));
 }
 
 // =============================================================================================
@@ -334,8 +337,8 @@ TEST_CASE_TEMPLATE("beta_sigmoid forward/backward: every backend, odd H, padded 
         each_backend([&](auto const& b, std::string const& name) {
           CAPTURE(name);
           strided<S, 3> y(ext, {0, 1}, 3, sentinel<S>()), dx(ext, {1, 0}, 1, sentinel<S>());
-          kda::beta_sigmoid(b, x.view, y.view, neg);
-          kda::beta_sigmoid_backward(b, x.view, db.view, dx.view, neg);
+          kda::beta_sigmoid(b, kda::beta_sigmoid_args<S>{.x = x.view, .beta = y.view}, {.allow_neg_eigval = neg});
+          kda::beta_sigmoid_backward(b, kda::beta_sigmoid_backward_args<S>{.x = x.view, .d_beta = db.view, .d_x = dx.view}, {.allow_neg_eigval = neg});
           CHECK(rel_err(yr, y.get()) <= tol<S>());
           CHECK(rel_err(dxr, dx.get()) <= tol<S>());
           CHECK(y.padding_is(sentinel<S>()));
@@ -354,8 +357,10 @@ TEST_CASE_TEMPLATE("beta_sigmoid: extreme inputs give finite beta in [0, s] and 
     double const s = neg ? 2.0 : 1.0;
     each_backend([&](auto const& b, std::string const& name) {
       CAPTURE(name);
-      kda::beta_sigmoid(b, host_view(x.data(), n), host_view(y.data(), n), neg);
-      kda::beta_sigmoid_backward(b, host_view(x.data(), n), host_view(g.data(), n), host_view(dx.data(), n), neg);
+      kda::beta_sigmoid(b, kda::beta_sigmoid_args<S, 1>{.x = host_view(x.data(), n), .beta = host_view(y.data(), n)}, {.allow_neg_eigval = neg});
+      kda::beta_sigmoid_backward(
+          b, kda::beta_sigmoid_backward_args<S, 1>{.x = host_view(x.data(), n), .d_beta = host_view(g.data(), n), .d_x = host_view(dx.data(), n)},
+          {.allow_neg_eigval = neg});
       for (std::size_t i = 0; i < xs.size(); ++i) {
         CAPTURE(xs[i]);
         double const yv = load_as<double>(y[i]), dv = load_as<double>(dx[i]);
@@ -380,10 +385,11 @@ TEST_CASE_TEMPLATE("beta_sigmoid: extreme inputs give finite beta in [0, s] and 
 
 namespace {
 
-// One gate case on every backend against the reference; A and Bi are views or nullptr.
-template <class S, class A, class Bi>
-void gate_case(bool softplus, double lb, index_t T, index_t K, A const& A_log, Bi const& dt_bias, std::vector<double> const& a_vals,
-               std::vector<double> const& b_vals, std::mt19937& rng) {
+// One gate case on every backend against the reference; A_log and dt_bias are views, absent
+// when default-constructed.
+template <class S>
+void gate_case(bool softplus, double lb, index_t T, index_t K, k3::tensor_view<S const, 1> A_log, k3::tensor_view<S const, 2> dt_bias,
+               std::vector<double> const& a_vals, std::vector<double> const& b_vals, std::mt19937& rng) {
   index_t const B = 2, HV = 3;
   std::array<index_t, 4> const ext{B, T, HV, K};
   strided<S, 4> x(ext, {1, 2, 0}, 2, nan_s<S>()), dg(ext, {2, 0, 1}, 1, nan_s<S>());
@@ -391,7 +397,7 @@ void gate_case(bool softplus, double lb, index_t T, index_t K, A const& A_log, B
   x.set(randn(n, rng, 2.0));
   dg.set(randn(n, rng));
   auto const xs = x.get(), gs = dg.get();
-  constexpr bool has_a = !std::is_same_v<A, std::nullptr_t>, has_b = !std::is_same_v<Bi, std::nullptr_t>;
+  bool const has_a = k3::present(A_log), has_b = k3::present(dt_bias);
   std::vector<double> gr(n), dxr(n), dar(std::size_t(HV), 0.0), dbr(std::size_t(HV * K), 0.0);
   for (std::size_t i = 0; i < n; ++i) {
     index_t const k = index_t(i) % K, h = (index_t(i) / K) % HV;
@@ -411,12 +417,15 @@ void gate_case(bool softplus, double lb, index_t T, index_t K, A const& A_log, B
     strided<S, 4> g(ext, {0, 2, 1}, 3, sentinel<S>()), dx(ext, {2, 1, 0}, 1, sentinel<S>());
     strided<S, 2> ddt({HV, K}, {0}, 2, sentinel<S>());
     strided<S, 1> dA({HV}, {}, 0, sentinel<S>());
+    kda::gate_args<S> const fwd{.x = x.view, .A_log = A_log, .dt_bias = dt_bias, .g = g.view};
+    kda::gate_backward_args<S> const bwd{.x = x.view, .A_log = A_log, .dt_bias = dt_bias, .d_g = dg.view, .d_x = dx.view,
+                                         .d_A_log = dA.view, .d_dt_bias = ddt.view};
     if (softplus) {
-      kda::gate_softplus(b, x.view, A_log, dt_bias, g.view);
-      kda::gate_softplus_backward(b, x.view, A_log, dt_bias, dg.view, dx.view, dA.view, ddt.view);
+      kda::gate_softplus(b, fwd);
+      kda::gate_softplus_backward(b, bwd);
     } else {
-      kda::gate_lower_bound(b, x.view, A_log, dt_bias, lb, g.view);
-      kda::gate_lower_bound_backward(b, x.view, A_log, dt_bias, lb, dg.view, dx.view, dA.view, ddt.view);
+      kda::gate_lower_bound(b, fwd, {.lower_bound = lb});
+      kda::gate_lower_bound_backward(b, bwd, {.lower_bound = lb});
     }
     CHECK(rel_err(gr, g.get()) <= tol<S>());
     CHECK(rel_err(dxr, dx.get()) <= tol<S>());
@@ -460,9 +469,9 @@ TEST_CASE_TEMPLATE("gates forward/backward: softplus and lower bound, A_log/dt_b
         bool const sp = lb == 0.0;
         CAPTURE(lb);
         gate_case<S>(sp, lb, T, K, A.view, Bi.view, av, bv, rng);
-        gate_case<S>(sp, lb, T, K, nullptr, Bi.view, av, bv, rng);
-        gate_case<S>(sp, lb, T, K, A.view, nullptr, av, bv, rng);
-        gate_case<S>(sp, lb, T, K, nullptr, nullptr, av, bv, rng);
+        gate_case<S>(sp, lb, T, K, {}, Bi.view, av, bv, rng);
+        gate_case<S>(sp, lb, T, K, A.view, {}, av, bv, rng);
+        gate_case<S>(sp, lb, T, K, {}, {}, av, bv, rng);
       }
     }
 }
@@ -489,12 +498,20 @@ TEST_CASE("gate_lower_bound: the bound at its limits and tiny negative bounds") 
     CAPTURE(lb);
     std::vector<double> xd = randn(std::size_t(2 * HV * K), rng), gd(xd.size()), dgd(xd.size(), 1.0), dxd(xd.size());
     std::vector<float> xf(xd.begin(), xd.end()), gf(xd.size()), dgf(xd.size(), 1.0f), dxf(xd.size());
-    kda::gate_lower_bound(cpu::threads<>(2), host_view(xd.data(), 1, 2, HV, K), Adv, Bdv, lb, host_view(gd.data(), 1, 2, HV, K));
-    kda::gate_lower_bound_backward(cpu::threads<>(2), host_view(xd.data(), 1, 2, HV, K), Adv, Bdv, lb, host_view(dgd.data(), 1, 2, HV, K),
-                                   host_view(dxd.data(), 1, 2, HV, K));
-    kda::gate_lower_bound(cpu::simd<>{}, host_view(xf.data(), 1, 2, HV, K), Afv, Bfv, lb, host_view(gf.data(), 1, 2, HV, K));
-    kda::gate_lower_bound_backward(cpu::simd<>{}, host_view(xf.data(), 1, 2, HV, K), Afv, Bfv, lb, host_view(dgf.data(), 1, 2, HV, K),
-                                   host_view(dxf.data(), 1, 2, HV, K));
+    kda::gate_lower_bound(cpu::threads<>(2),
+                          kda::gate_args<double>{.x = host_view(xd.data(), 1, 2, HV, K), .A_log = Adv, .dt_bias = Bdv, .g = host_view(gd.data(), 1, 2, HV, K)},
+                          {.lower_bound = lb});
+    kda::gate_lower_bound_backward(cpu::threads<>(2),
+                                   kda::gate_backward_args<double>{.x = host_view(xd.data(), 1, 2, HV, K), .A_log = Adv, .dt_bias = Bdv,
+                                                                   .d_g = host_view(dgd.data(), 1, 2, HV, K), .d_x = host_view(dxd.data(), 1, 2, HV, K)},
+                                   {.lower_bound = lb});
+    kda::gate_lower_bound(cpu::simd<>{},
+                          kda::gate_args<float>{.x = host_view(xf.data(), 1, 2, HV, K), .A_log = Afv, .dt_bias = Bfv, .g = host_view(gf.data(), 1, 2, HV, K)},
+                          {.lower_bound = lb});
+    kda::gate_lower_bound_backward(cpu::simd<>{},
+                                   kda::gate_backward_args<float>{.x = host_view(xf.data(), 1, 2, HV, K), .A_log = Afv, .dt_bias = Bfv,
+                                                                  .d_g = host_view(dgf.data(), 1, 2, HV, K), .d_x = host_view(dxf.data(), 1, 2, HV, K)},
+                                   {.lower_bound = lb});
     for (std::size_t i = 0; i < xd.size(); ++i) {
       CHECK((gd[i] <= 0.0 && gd[i] >= lb));
       CHECK((gf[i] <= 0.0f && double(gf[i]) >= lb));
@@ -506,12 +523,17 @@ TEST_CASE("gate_lower_bound: the bound at its limits and tiny negative bounds") 
   std::vector<float> x(std::size_t(HV * K)), g(x.size());
   for (double lb : {0.0, -0.0, std::nextafter(-5.0, -6.0), -5.5, 1.0, double(NAN), double(INFINITY), -double(INFINITY)}) {
     CAPTURE(lb);
-    auto const e = error_of([&] { kda::gate_lower_bound(cpu::serial{}, host_view(x.data(), 1, 1, HV, K), nullptr, nullptr, lb, host_view(g.data(), 1, 1, HV, K)); });
+    auto const e = error_of([&] {
+      kda::gate_lower_bound(cpu::serial{}, kda::gate_args<float>{.x = host_view(x.data(), 1, 1, HV, K), .g = host_view(g.data(), 1, 1, HV, K)},
+                            {.lower_bound = lb});
+    });
     CHECK(e.find("'lower_bound'") != std::string::npos);
     CHECK(e.find("[-5, 0)") != std::string::npos);
     auto const e2 = error_of([&] {
-      kda::gate_lower_bound_backward(cpu::serial{}, host_view(x.data(), 1, 1, HV, K), nullptr, nullptr, lb, host_view(x.data(), 1, 1, HV, K),
-                                     host_view(g.data(), 1, 1, HV, K));
+      kda::gate_lower_bound_backward(cpu::serial{},
+                                     kda::gate_backward_args<float>{.x = host_view(x.data(), 1, 1, HV, K), .d_g = host_view(x.data(), 1, 1, HV, K),
+                                                                    .d_x = host_view(g.data(), 1, 1, HV, K)},
+                                     {.lower_bound = lb});
     });
     CHECK(e2.find("'lower_bound'") != std::string::npos);
   }
@@ -531,9 +553,13 @@ TEST_CASE_TEMPLATE("gates: large |x| gives finite gradients where the math is fi
     CAPTURE(name);
     for (double lb : {-5.0, -1.0}) {
       CAPTURE(lb);
-      kda::gate_lower_bound(b, xv, host_view(A.data(), HV), host_view(Bi.data(), HV, K), lb, host_view(g.data(), 1, 1, HV, K));
-      kda::gate_lower_bound_backward(b, xv, host_view(A.data(), HV), host_view(Bi.data(), HV, K), lb, host_view(dg.data(), 1, 1, HV, K),
-                                     host_view(dx.data(), 1, 1, HV, K), host_view(dA.data(), HV), host_view(dB.data(), HV, K));
+      kda::gate_lower_bound(b, kda::gate_args<S>{.x = xv, .A_log = host_view(A.data(), HV), .dt_bias = host_view(Bi.data(), HV, K), .g = host_view(g.data(), 1, 1, HV, K)},
+                            {.lower_bound = lb});
+      kda::gate_lower_bound_backward(b,
+                                     kda::gate_backward_args<S>{.x = xv, .A_log = host_view(A.data(), HV), .dt_bias = host_view(Bi.data(), HV, K),
+                                                                .d_g = host_view(dg.data(), 1, 1, HV, K), .d_x = host_view(dx.data(), 1, 1, HV, K),
+                                                                .d_A_log = host_view(dA.data(), HV), .d_dt_bias = host_view(dB.data(), HV, K)},
+                                     {.lower_bound = lb});
       double dar = 0;
       for (std::size_t i = 0; i < xs.size(); ++i) {
         CAPTURE(xs[i]);
@@ -549,7 +575,8 @@ TEST_CASE_TEMPLATE("gates: large |x| gives finite gradients where the math is fi
       CHECK(load_as<double>(dA[0]) == doctest::Approx(dar).epsilon(tol<S>() * 10));
     }
     // softplus: -exp(A) softplus(x) is finite for every x here except -exp(2) * max (overflow of the value itself).
-    kda::gate_softplus_backward(b, xv, host_view(A.data(), HV), nullptr, host_view(dg.data(), 1, 1, HV, K), host_view(dx.data(), 1, 1, HV, K));
+    kda::gate_softplus_backward(b, kda::gate_backward_args<S>{.x = xv, .A_log = host_view(A.data(), HV), .d_g = host_view(dg.data(), 1, 1, HV, K),
+                                                              .d_x = host_view(dx.data(), 1, 1, HV, K)});
     for (std::size_t i = 0; i < xs.size(); ++i) {
       CAPTURE(xs[i]);
       CHECK(std::isfinite(load_as<double>(dx[i])));
@@ -566,13 +593,14 @@ TEST_CASE("gates: a NaN in x stays in its own element of g and dx") {
   auto const xv = host_view(x.data(), B, T, HV, K), gv = host_view(g.data(), B, T, HV, K);
   each_backend([&](auto const& b, std::string const& name) {
     CAPTURE(name);
-    kda::gate_lower_bound(b, xv, nullptr, nullptr, -5.0, gv);
-    kda::gate_lower_bound_backward(b, xv, nullptr, nullptr, -5.0, host_view(dg.data(), B, T, HV, K), host_view(dx.data(), B, T, HV, K));
+    kda::gate_lower_bound(b, kda::gate_args<float>{.x = xv, .g = gv}, {.lower_bound = -5.0});
+    kda::gate_lower_bound_backward(b, kda::gate_backward_args<float>{.x = xv, .d_g = host_view(dg.data(), B, T, HV, K), .d_x = host_view(dx.data(), B, T, HV, K)},
+                                   {.lower_bound = -5.0});
     for (std::size_t i = 0; i < x.size(); ++i) {
       CHECK(std::isnan(g[i]) == (i == bad));
       CHECK(std::isnan(dx[i]) == (i == bad));
     }
-    kda::gate_softplus(b, xv, nullptr, nullptr, gv);
+    kda::gate_softplus(b, kda::gate_args<float>{.x = xv, .g = gv});
     for (std::size_t i = 0; i < x.size(); ++i) CHECK(std::isnan(g[i]) == (i == bad));
   });
 }
@@ -589,9 +617,10 @@ struct conv_cfg {
   bool bias, init, silu;
 };
 
-template <class S, class Cu, class Bv, class S0>
-void conv_case_impl(conv_cfg const& cf, Cu const& cu, std::vector<seq8> const& seqs, strided<S, 3>& x, strided<S, 2>& w, Bv const& bias,
-                    S0 const& init, std::vector<double> const& xs, std::vector<double> const& ws, std::vector<double> const& bs,
+// bias and init are absent when default-constructed.
+template <class S>
+void conv_case_impl(conv_cfg const& cf, kda::cu_seqlens_view const& cu, std::vector<seq8> const& seqs, strided<S, 3>& x, strided<S, 2>& w,
+                    k3::tensor_view<S const, 1> bias, k3::tensor_view<S const, 3> init, std::vector<double> const& xs, std::vector<double> const& ws, std::vector<double> const& bs,
                     std::vector<double> const& is, strided<S, 3>& dy) {
   index_t const B = cf.B, T = cf.T, C = cf.C, W = cf.W, N = index_t(seqs.size());
   std::vector<double> const gs = dy.get();
@@ -636,17 +665,21 @@ void conv_case_impl(conv_cfg const& cf, Cu const& cu, std::vector<seq8> const& s
     strided<S, 3> fin(sext, {1, 0}, 1, sentinel<S>()), dinit(sext, {0, 1}, 2, sentinel<S>());
     strided<S, 2> dw({C, W}, {0}, 1, sentinel<S>());
     strided<S, 1> db({C}, {}, 0, sentinel<S>());
-    kda::short_conv(bk, x.view, w.view, bias, y.view, cu, init, fin.view, cf.silu);
-    if constexpr (std::is_same_v<S0, std::nullptr_t>)
-      kda::short_conv_backward(bk, x.view, w.view, bias, dy.view, dx.view, dw.view, db.view, cu, init, nullptr, cf.silu);
-    else
-      kda::short_conv_backward(bk, x.view, w.view, bias, dy.view, dx.view, dw.view, db.view, cu, init, dinit.view, cf.silu);
+    bool const has_init = k3::present(init);
+    kda::short_conv_options const opt{.cu_seqlens = cu, .silu = cf.silu};
+    kda::short_conv(bk, kda::short_conv_args<S>{.x = x.view, .weight = w.view, .bias = bias, .y = y.view, .initial_state = init, .final_state = fin.view},
+                    opt);
+    kda::short_conv_backward(bk,
+                             kda::short_conv_backward_args<S>{.x = x.view, .weight = w.view, .bias = bias, .d_y = dy.view, .d_x = dx.view,
+                                                              .d_weight = dw.view, .d_bias = db.view, .initial_state = init,
+                                                              .d_initial_state = has_init ? dinit.view : k3::tensor_view<S, 3>{}},
+                             opt);
     CHECK(rel_err(yr, y.get()) <= tol<S>());
     CHECK(rel_err(fr, fin.get()) == 0.0);  // a copy of inputs
     CHECK(rel_err(dxr, dx.get()) <= tol<S>());
     CHECK(rel_err(dwr, dw.get()) <= tol<S>());
     CHECK(rel_err(dbr, db.get()) <= tol<S>());
-    if constexpr (!std::is_same_v<S0, std::nullptr_t>) {
+    if (has_init) {
       CHECK(rel_err(dir, dinit.get()) <= tol<S>());
       CHECK(dinit.padding_is(sentinel<S>()));
     }
@@ -682,18 +715,12 @@ void conv_case(conv_cfg const& cf, std::mt19937& rng) {
   init.set(randn(std::size_t(N * C * (W - 1)), rng));
   std::vector<double> const xs = x.get(), ws = w.get(), bs = cf.bias ? bias.get() : std::vector<double>{},
                             is = cf.init ? init.get() : std::vector<double>{};
-  auto go = [&](auto const& cu) {
-    if (cf.bias && cf.init)
-      conv_case_impl<S>(cf, cu, seqs, x, w, bias.view, init.view, xs, ws, bs, is, dy);
-    else if (cf.bias)
-      conv_case_impl<S>(cf, cu, seqs, x, w, bias.view, nullptr, xs, ws, bs, is, dy);
-    else if (cf.init)
-      conv_case_impl<S>(cf, cu, seqs, x, w, nullptr, init.view, xs, ws, bs, is, dy);
-    else
-      conv_case_impl<S>(cf, cu, seqs, x, w, nullptr, nullptr, xs, ws, bs, is, dy);
+  auto go = [&](kda::cu_seqlens_view const& cu) {
+    conv_case_impl<S>(cf, cu, seqs, x, w, cf.bias ? bias.view : k3::tensor_view<S, 1>{}, cf.init ? init.view : k3::tensor_view<S, 3>{}, xs, ws, bs,
+                      is, dy);
   };
   if (cf.cu.empty()) {
-    go(nullptr);
+    go({});
   } else {
     std::vector<std::int32_t> cu32(cf.cu.begin(), cf.cu.end());
     go(host_view(cf.cu.data(), index_t(cf.cu.size())));
@@ -757,12 +784,11 @@ void prefill_then_decode(Bk const& bk, index_t C, index_t W, bool with_bias, std
   auto const wv = host_view(static_cast<S const*>(w.data()), C, W);
   auto const bv = host_view(static_cast<S const*>(bias.data()), C);
   auto const cuv = host_view(cu.data(), N + 1);
-  if (with_bias)
-    kda::short_conv(bk, host_view(x.data(), 1, T, C), wv, bv, host_view(y_full.data(), 1, T, C), cuv, host_view(init.data(), N, C, W - 1),
-                    host_view(fin_full.data(), N, C, W - 1));
-  else
-    kda::short_conv(bk, host_view(x.data(), 1, T, C), wv, nullptr, host_view(y_full.data(), 1, T, C), cuv, host_view(init.data(), N, C, W - 1),
-                    host_view(fin_full.data(), N, C, W - 1));
+  k3::tensor_view<S const, 1> const bias_arg = with_bias ? bv : k3::tensor_view<S const, 1>{};
+  kda::short_conv(bk,
+                  kda::short_conv_args<S>{.x = host_view(x.data(), 1, T, C), .weight = wv, .bias = bias_arg, .y = host_view(y_full.data(), 1, T, C),
+                                          .initial_state = host_view(init.data(), N, C, W - 1), .final_state = host_view(fin_full.data(), N, C, W - 1)},
+                  {.cu_seqlens = cuv});
   // Prefill part: packed prefixes.
   std::vector<std::int64_t> cup = {0};
   std::vector<S> xp, yp;
@@ -775,12 +801,10 @@ void prefill_then_decode(Bk const& bk, index_t C, index_t W, bool with_bias, std
   yp.resize(xp.size());
   std::vector<index_t> slot_of = {3, 0, 6, 1, 4};
   std::vector<S> pool(std::size_t(P * C * (W - 1)), store_as<S>(99.0)), st(init.size());
-  if (with_bias)
-    kda::short_conv(bk, host_view(xp.data(), 1, Tp, C), wv, bv, host_view(yp.data(), 1, Tp, C), host_view(cup.data(), N + 1),
-                    host_view(init.data(), N, C, W - 1), host_view(st.data(), N, C, W - 1));
-  else
-    kda::short_conv(bk, host_view(xp.data(), 1, Tp, C), wv, nullptr, host_view(yp.data(), 1, Tp, C), host_view(cup.data(), N + 1),
-                    host_view(init.data(), N, C, W - 1), host_view(st.data(), N, C, W - 1));
+  kda::short_conv(bk,
+                  kda::short_conv_args<S>{.x = host_view(xp.data(), 1, Tp, C), .weight = wv, .bias = bias_arg, .y = host_view(yp.data(), 1, Tp, C),
+                                          .initial_state = host_view(init.data(), N, C, W - 1), .final_state = host_view(st.data(), N, C, W - 1)},
+                  {.cu_seqlens = host_view(cup.data(), N + 1)});
   for (index_t n = 0; n < N; ++n)
     for (index_t i = 0; i < C * (W - 1); ++i)
       pool[std::size_t(slot_of[std::size_t(n)] * C * (W - 1) + i)] = st[std::size_t(n * C * (W - 1) + i)];
@@ -806,10 +830,8 @@ void prefill_then_decode(Bk const& bk, index_t C, index_t W, bool with_bias, std
     std::vector<S> yd(xd.size());
     auto const pv = host_view(pool.data(), P, C, W - 1);
     auto const sv = host_view(static_cast<std::int64_t const*>(slots.data()), M);
-    if (with_bias)
-      kda::short_conv_decode(bk, host_view(xd.data(), M, C), wv, bv, pv, host_view(yd.data(), M, C), sv);
-    else
-      kda::short_conv_decode(bk, host_view(xd.data(), M, C), wv, nullptr, pv, host_view(yd.data(), M, C), sv);
+    kda::short_conv_decode(bk, kda::short_conv_decode_args<S>{.x = host_view(xd.data(), M, C), .weight = wv, .bias = bias_arg, .conv_state = pv,
+                                                              .y = host_view(yd.data(), M, C), .slots64 = sv});
     for (index_t m = 0; m < M; ++m)
       for (index_t c = 0; c < C; ++c) {
         CAPTURE(who[std::size_t(m)]);
@@ -858,30 +880,39 @@ TEST_CASE("short_conv in place (final_state is initial_state) equals separate st
   each_backend([&](auto const& bk, std::string const& name) {
     CAPTURE(name);
     s = s0;
-    kda::short_conv(bk, host_view(x.data(), 1, T, C), host_view(w.data(), C, W), nullptr, host_view(y.data(), 1, T, C), cuv,
-                    host_view(s0.data(), N, C, W - 1), host_view(fin.data(), N, C, W - 1));
-    kda::short_conv(bk, host_view(x.data(), 1, T, C), host_view(w.data(), C, W), nullptr, host_view(y2.data(), 1, T, C), cuv,
-                    host_view(s.data(), N, C, W - 1), host_view(s.data(), N, C, W - 1));
+    kda::short_conv(bk,
+                    kda::short_conv_args<float>{.x = host_view(x.data(), 1, T, C), .weight = host_view(w.data(), C, W), .y = host_view(y.data(), 1, T, C),
+                                                .initial_state = host_view(s0.data(), N, C, W - 1), .final_state = host_view(fin.data(), N, C, W - 1)},
+                    {.cu_seqlens = cuv});
+    kda::short_conv(bk,
+                    kda::short_conv_args<float>{.x = host_view(x.data(), 1, T, C), .weight = host_view(w.data(), C, W), .y = host_view(y2.data(), 1, T, C),
+                                                .initial_state = host_view(s.data(), N, C, W - 1), .final_state = host_view(s.data(), N, C, W - 1)},
+                    {.cu_seqlens = cuv});
     CHECK(y == y2);
     CHECK(s == fin);
   });
   // final_state one element past initial_state: overlapping, not the same view.
   std::vector<float> big(s.size() + 1);
   auto const e = error_of([&] {
-    kda::short_conv(cpu::serial{}, host_view(x.data(), 1, T, C), host_view(w.data(), C, W), nullptr, host_view(y.data(), 1, T, C), cuv,
-                    host_view(big.data(), N, C, W - 1), host_view(big.data() + 1, N, C, W - 1));
+    kda::short_conv(cpu::serial{},
+                    kda::short_conv_args<float>{.x = host_view(x.data(), 1, T, C), .weight = host_view(w.data(), C, W), .y = host_view(y.data(), 1, T, C),
+                                                .initial_state = host_view(big.data(), N, C, W - 1),
+                                                .final_state = host_view(big.data() + 1, N, C, W - 1)},
+                    {.cu_seqlens = cuv});
   });
   CHECK(k3::test::names_overlap(e, "final_state", "initial_state"));
   // y over x.
   auto const e2 = error_of([&] {
-    kda::short_conv(cpu::serial{}, host_view(x.data(), 1, T, C), host_view(w.data(), C, W), nullptr, host_view(x.data(), 1, T, C), cuv);
+    kda::short_conv(cpu::serial{},
+                    kda::short_conv_args<float>{.x = host_view(x.data(), 1, T, C), .weight = host_view(w.data(), C, W), .y = host_view(x.data(), 1, T, C)},
+                    {.cu_seqlens = cuv});
   });
   CHECK(k3::test::names_overlap(e2, "y", "x"));
   // decode: y over the pool.
   std::vector<float> pool(std::size_t(2 * C * (W - 1)));
   auto const e3 = error_of([&] {
-    kda::short_conv_decode(cpu::serial{}, host_view(x.data(), 2, C), host_view(w.data(), C, W), nullptr, host_view(pool.data(), 2, C, W - 1),
-                           host_view(pool.data(), 2, C));
+    kda::short_conv_decode(cpu::serial{}, kda::short_conv_decode_args<float>{.x = host_view(x.data(), 2, C), .weight = host_view(w.data(), C, W),
+                                                                             .conv_state = host_view(pool.data(), 2, C, W - 1), .y = host_view(pool.data(), 2, C)});
   });
   CHECK(k3::test::names_overlap(e3, "conv_state", "y"));
 }
@@ -898,11 +929,16 @@ TEST_CASE("short_conv: NaN/Inf in one sequence stays in that sequence (y, final 
   auto in_seq2 = [&](index_t t) { return t >= 2 && t < 7; };
   each_backend([&](auto const& bk, std::string const& name) {
     CAPTURE(name);
-    kda::short_conv(bk, host_view(x.data(), 1, T, C), host_view(w.data(), C, W), nullptr, host_view(y.data(), 1, T, C), cuv,
-                    host_view(s0.data(), N, C, W - 1), host_view(fin.data(), N, C, W - 1));
-    kda::short_conv_backward(bk, host_view(x.data(), 1, T, C), host_view(w.data(), C, W), nullptr, host_view(dy.data(), 1, T, C),
-                             host_view(dx.data(), 1, T, C), host_view(dw.data(), C, W), nullptr, cuv, host_view(s0.data(), N, C, W - 1),
-                             host_view(ds0.data(), N, C, W - 1));
+    kda::short_conv(bk,
+                    kda::short_conv_args<double>{.x = host_view(x.data(), 1, T, C), .weight = host_view(w.data(), C, W), .y = host_view(y.data(), 1, T, C),
+                                                 .initial_state = host_view(s0.data(), N, C, W - 1), .final_state = host_view(fin.data(), N, C, W - 1)},
+                    {.cu_seqlens = cuv});
+    kda::short_conv_backward(bk,
+                             kda::short_conv_backward_args<double>{.x = host_view(x.data(), 1, T, C), .weight = host_view(w.data(), C, W),
+                                                                   .d_y = host_view(dy.data(), 1, T, C), .d_x = host_view(dx.data(), 1, T, C),
+                                                                   .d_weight = host_view(dw.data(), C, W), .initial_state = host_view(s0.data(), N, C, W - 1),
+                                                                   .d_initial_state = host_view(ds0.data(), N, C, W - 1)},
+                             {.cu_seqlens = cuv});
     for (index_t t = 0; t < T; ++t)
       for (index_t c = 0; c < C; ++c)
         if (!in_seq2(t)) {
@@ -920,8 +956,8 @@ TEST_CASE("short_conv: NaN/Inf in one sequence stays in that sequence (y, final 
   // decode: NaN in row 1 touches only y[1] and slot 1.
   std::vector<double> xd(std::size_t(3 * C), 0.2), yd(xd.size()), pool(std::size_t(3 * C * (W - 1)), 0.1);
   xd[std::size_t(1 * C + 0)] = NAN;
-  kda::short_conv_decode(cpu::threads<>(3), host_view(xd.data(), 3, C), host_view(w.data(), C, W), nullptr, host_view(pool.data(), 3, C, W - 1),
-                         host_view(yd.data(), 3, C));
+  kda::short_conv_decode(cpu::threads<>(3), kda::short_conv_decode_args<double>{.x = host_view(xd.data(), 3, C), .weight = host_view(w.data(), C, W),
+                                                                               .conv_state = host_view(pool.data(), 3, C, W - 1), .y = host_view(yd.data(), 3, C)});
   for (index_t n : {0, 2})
     for (index_t c = 0; c < C; ++c) CHECK(std::isfinite(yd[std::size_t(n * C + c)]));
   for (index_t n : {0, 2})
@@ -937,9 +973,10 @@ TEST_CASE_TEMPLATE("short_conv: large |pre| keeps y and the gradients finite", S
     for (index_t c = 0; c < C; ++c) x[std::size_t(t * C + c)] = store_as<S>((c % 2 ? -big : big) * (1 + 0.1 * double(t)));
   each_backend([&](auto const& bk, std::string const& name) {
     CAPTURE(name);
-    kda::short_conv(bk, host_view(x.data(), 1, T, C), host_view(w.data(), C, W), nullptr, host_view(y.data(), 1, T, C));
-    kda::short_conv_backward(bk, host_view(x.data(), 1, T, C), host_view(w.data(), C, W), nullptr, host_view(dy.data(), 1, T, C),
-                             host_view(dx.data(), 1, T, C), nullptr, host_view(db.data(), C));
+    kda::short_conv(bk, kda::short_conv_args<S>{.x = host_view(x.data(), 1, T, C), .weight = host_view(w.data(), C, W), .y = host_view(y.data(), 1, T, C)});
+    kda::short_conv_backward(bk, kda::short_conv_backward_args<S>{.x = host_view(x.data(), 1, T, C), .weight = host_view(w.data(), C, W),
+                                                                  .d_y = host_view(dy.data(), 1, T, C), .d_x = host_view(dx.data(), 1, T, C),
+                                                                  .d_bias = host_view(db.data(), C)});
     for (std::size_t i = 0; i < x.size(); ++i) {
       CHECK(std::isfinite(load_as<double>(y[i])));
       CHECK(std::isfinite(load_as<double>(dx[i])));
@@ -958,36 +995,42 @@ TEST_CASE("short_conv: bad input names the argument with expected and actual val
   std::vector<std::int64_t> cu_bad_end = {0, 2, 4}, cu_dec = {0, 3, 2, 5}, cu_start = {1, 5};
   auto const xv = host_view(x.data(), 1, T, C), yv = host_view(y.data(), 1, T, C);
   auto const wv = host_view(w.data(), C, W);
-  auto e = error_of([&] { kda::short_conv(cpu::serial{}, xv, wv, nullptr, yv, host_view(cu_bad_end.data(), 3)); });
+  using Args = kda::short_conv_args<float>;
+  auto e = error_of([&] { kda::short_conv(cpu::serial{}, Args{.x = xv, .weight = wv, .y = yv}, {.cu_seqlens = host_view(cu_bad_end.data(), 3)}); });
   CHECK(e.find("'cu_seqlens'") != std::string::npos);
   CHECK(e.find("T = 5") != std::string::npos);
   CHECK(e.find("got 4") != std::string::npos);
-  e = error_of([&] { kda::short_conv(cpu::serial{}, xv, wv, nullptr, yv, host_view(cu_dec.data(), 4)); });
+  e = error_of([&] { kda::short_conv(cpu::serial{}, Args{.x = xv, .weight = wv, .y = yv}, {.cu_seqlens = host_view(cu_dec.data(), 4)}); });
   CHECK(e.find("non-decreasing") != std::string::npos);
-  e = error_of([&] { kda::short_conv(cpu::serial{}, xv, wv, nullptr, yv, host_view(cu_start.data(), 2)); });
+  e = error_of([&] { kda::short_conv(cpu::serial{}, Args{.x = xv, .weight = wv, .y = yv}, {.cu_seqlens = host_view(cu_start.data(), 2)}); });
   CHECK(e.find("start at 0") != std::string::npos);
   // initial_state with the wrong sequence count.
   std::vector<std::int64_t> cu3 = {0, 1, 2, 5};
-  e = error_of([&] { kda::short_conv(cpu::serial{}, xv, wv, nullptr, yv, host_view(cu3.data(), 4), host_view(s.data(), 2, C, W - 1)); });
+  e = error_of([&] {
+    kda::short_conv(cpu::serial{}, Args{.x = xv, .weight = wv, .y = yv, .initial_state = host_view(s.data(), 2, C, W - 1)},
+                    {.cu_seqlens = host_view(cu3.data(), 4)});
+  });
   CHECK(e.find("'initial_state'") != std::string::npos);
   CHECK(e.find("3") != std::string::npos);
   // weight with the wrong channel count.
-  e = error_of([&] { kda::short_conv(cpu::serial{}, xv, host_view(w.data(), C + 1, 2), nullptr, yv); });
+  e = error_of([&] { kda::short_conv(cpu::serial{}, Args{.x = xv, .weight = host_view(w.data(), C + 1, 2), .y = yv}); });
   CHECK(e.find("'weight'") != std::string::npos);
   // decode: duplicated and out-of-range slots.
   std::vector<std::int32_t> dup = {1, 1}, oob = {0, 2};
   std::vector<float> xd(std::size_t(2 * C)), yd(xd.size());
   e = error_of([&] {
-    kda::short_conv_decode(cpu::serial{}, host_view(xd.data(), 2, C), wv, nullptr, host_view(s.data(), 2, C, W - 1), host_view(yd.data(), 2, C),
-                           host_view(dup.data(), 2));
+    kda::short_conv_decode(cpu::serial{}, kda::short_conv_decode_args<float>{.x = host_view(xd.data(), 2, C), .weight = wv,
+                                                                             .conv_state = host_view(s.data(), 2, C, W - 1), .y = host_view(yd.data(), 2, C),
+                                                                             .slots32 = host_view(dup.data(), 2)});
   });
-  CHECK(e.find("'slots'") != std::string::npos);
+  CHECK(e.find("'slots32'") != std::string::npos);
   CHECK(e.find("twice") != std::string::npos);
   e = error_of([&] {
-    kda::short_conv_decode(cpu::serial{}, host_view(xd.data(), 2, C), wv, nullptr, host_view(s.data(), 2, C, W - 1), host_view(yd.data(), 2, C),
-                           host_view(oob.data(), 2));
+    kda::short_conv_decode(cpu::serial{}, kda::short_conv_decode_args<float>{.x = host_view(xd.data(), 2, C), .weight = wv,
+                                                                             .conv_state = host_view(s.data(), 2, C, W - 1), .y = host_view(yd.data(), 2, C),
+                                                                             .slots32 = host_view(oob.data(), 2)});
   });
-  CHECK(e.find("'slots'") != std::string::npos);
+  CHECK(e.find("'slots32'") != std::string::npos);
   CHECK(e.find("[0, 2)") != std::string::npos);
 }
 
@@ -1011,17 +1054,19 @@ TEST_CASE("l2norm, beta and gates on views whose last dimension is not unit-stri
   };
   each_backend([&](auto const& b, std::string const& name) {
     CAPTURE(name);
-    kda::l2norm(b, host_view(xc.data(), R, D), host_view(yc.data(), R, D));
-    kda::l2norm(b, xtv, ytv);
+    kda::l2norm(b, kda::l2norm_args<float, 2>{.x = host_view(xc.data(), R, D), .y = host_view(yc.data(), R, D)});
+    kda::l2norm(b, kda::l2norm_args<float, 2>{.x = xtv, .y = ytv});
     ct(yc, yt, "l2norm");
-    kda::l2norm_backward(b, host_view(xc.data(), R, D), host_view(yc.data(), R, D), host_view(dxc.data(), R, D));
-    kda::l2norm_backward(b, xtv, ytv, dxtv);
+    kda::l2norm_backward(b, kda::l2norm_backward_args<float, 2>{.x = host_view(xc.data(), R, D), .d_y = host_view(yc.data(), R, D),
+                                                                .d_x = host_view(dxc.data(), R, D)});
+    kda::l2norm_backward(b, kda::l2norm_backward_args<float, 2>{.x = xtv, .d_y = ytv, .d_x = dxtv});
     ct(dxc, dxt, "l2norm_backward");
-    kda::beta_sigmoid(b, host_view(xc.data(), R, D), host_view(yc.data(), R, D), true);
-    kda::beta_sigmoid(b, xtv, ytv, true);
+    kda::beta_sigmoid(b, kda::beta_sigmoid_args<float, 2>{.x = host_view(xc.data(), R, D), .beta = host_view(yc.data(), R, D)}, {.allow_neg_eigval = true});
+    kda::beta_sigmoid(b, kda::beta_sigmoid_args<float, 2>{.x = xtv, .beta = ytv}, {.allow_neg_eigval = true});
     ct(yc, yt, "beta_sigmoid");
-    kda::beta_sigmoid_backward(b, host_view(xc.data(), R, D), host_view(yc.data(), R, D), host_view(dxc.data(), R, D));
-    kda::beta_sigmoid_backward(b, xtv, ytv, dxtv);
+    kda::beta_sigmoid_backward(b, kda::beta_sigmoid_backward_args<float, 2>{.x = host_view(xc.data(), R, D), .d_beta = host_view(yc.data(), R, D),
+                                                                            .d_x = host_view(dxc.data(), R, D)});
+    kda::beta_sigmoid_backward(b, kda::beta_sigmoid_backward_args<float, 2>{.x = xtv, .d_beta = ytv, .d_x = dxtv});
     ct(dxc, dxt, "beta_sigmoid_backward");
   });
 }

@@ -550,8 +550,11 @@ TEST_CASE("kda: the lower-bounded gate stored as bfloat16 (lb rounded to -4.3125
     std::vector<bfloat16> g(x.size()), q(std::size_t(B * T * H * K), bfloat16(0.25f)), v(std::size_t(B * T * HV * V), bfloat16(1.f)),
         beta(std::size_t(B * T * HV), bfloat16(0.5f)), o(v.size()), d_o(v.size(), bfloat16(1.f)), dq(q.size()), dk(q.size()), dv(v.size()),
         dg(g.size()), db(beta.size());
-    kda::gate_lower_bound(cpu::serial{}, host_view(static_cast<float const*>(x.data()), B, T, HV, K), nullptr, nullptr, lb,
-                          host_view(g.data(), B, T, HV, K));
+    // x in bfloat16 (its values are exact there), as the args hold x and g in one storage type.
+    std::vector<bfloat16> xb(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) xb[i] = store_as<bfloat16>(x[i]);
+    kda::gate_lower_bound(cpu::serial{}, kda::gate_args<bfloat16>{.x = host_view(static_cast<bfloat16 const*>(xb.data()), B, T, HV, K), .g = host_view(g.data(), B, T, HV, K)},
+                          {.lower_bound = lb});
     CHECK(double(float(g[0])) == load_as<double>(store_as<bfloat16>(lb)));
     kda::forward_args<bfloat16> fa;
     fa.q = host_view(static_cast<bfloat16 const*>(q.data()), B, T, H, K), fa.k = fa.q;

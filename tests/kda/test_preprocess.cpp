@@ -68,7 +68,7 @@ TEST_CASE_TEMPLATE("l2norm forward matches the float64 reference", S, double, fl
     if (rows > 2) std::fill(xd.begin(), xd.begin() + D, 0.0);  // an all-zero row: eps keeps it finite (0)
     auto x = cast<S>(xd);
     std::vector<S> y(x.size());
-    k3::kda::l2norm(serial, k3::host_view(x.data(), rows, D), k3::host_view(y.data(), rows, D));
+    k3::kda::l2norm(serial, k3::kda::l2norm_args<S, 2>{.x = k3::host_view(x.data(), rows, D), .y = k3::host_view(y.data(), rows, D)});
     auto ref = ref_l2norm(widen(x), D);
     double const tol = std::is_same_v<S, double> ? 1e-14 : std::is_same_v<S, float> ? 1e-6 : 8e-3;
     check_close(widen(y), ref, tol, 1e-30, "l2norm");
@@ -81,8 +81,9 @@ TEST_CASE("l2norm backward matches finite differences (double)") {
   auto x = randn(n, 5, 0.7);
   auto w = randn(n, 6);
   std::vector<double> dx(n);
-  k3::kda::l2norm_backward(serial, k3::host_view(x.data(), B, T, H, D), k3::host_view(w.data(), B, T, H, D),
-                           k3::host_view(dx.data(), B, T, H, D));
+  k3::kda::l2norm_backward(serial, k3::kda::l2norm_backward_args<double>{.x = k3::host_view(x.data(), B, T, H, D),
+                                                                         .d_y = k3::host_view(w.data(), B, T, H, D),
+                                                                         .d_x = k3::host_view(dx.data(), B, T, H, D)});
   auto loss = [&] { return dot(w, ref_l2norm(x, D)); };
   check_fd(x, dx, loss, "dx");
 }
@@ -102,9 +103,10 @@ TEST_CASE_TEMPLATE("l2norm of huge rows (sum of squares past the type's range) s
     auto x = cast<S>(xs);
     auto dy = cast<S>(dyd);
     std::vector<S> y(x.size()), dx(x.size());
-    k3::kda::l2norm(serial, k3::host_view(x.data(), rows, D), k3::host_view(y.data(), rows, D));
-    k3::kda::l2norm_backward(serial, k3::host_view(x.data(), rows, D), k3::host_view(dy.data(), rows, D),
-                             k3::host_view(dx.data(), rows, D));
+    k3::kda::l2norm(serial, k3::kda::l2norm_args<S, 2>{.x = k3::host_view(x.data(), rows, D), .y = k3::host_view(y.data(), rows, D)});
+    k3::kda::l2norm_backward(serial, k3::kda::l2norm_backward_args<S, 2>{.x = k3::host_view(x.data(), rows, D),
+                                                                         .d_y = k3::host_view(dy.data(), rows, D),
+                                                                         .d_x = k3::host_view(dx.data(), rows, D)});
     // references from the unscaled x (exact: x = x1 * 2^e): y = y1, dx = dx1 * 2^-e
     auto x1 = widen(x);
     for (auto& v : x1) v = std::ldexp(v, -e);
@@ -136,16 +138,19 @@ TEST_CASE("l2norm on strided views equals the contiguous result") {
   for (index_t t = 0; t < T; ++t)
     for (index_t d = 0; d < D; ++d) qc[static_cast<std::size_t>(t * D + d)] = q(t, d);
   std::vector<double> y1(qc.size()), y2(qc.size() * 2);
-  k3::kda::l2norm(serial, q, k3::host_view(y1.data(), T, D));
+  k3::kda::l2norm(serial, k3::kda::l2norm_args<double, 2>{.x = q, .y = k3::host_view(y1.data(), T, D)});
   // the output strided too: every other element
   k3::tensor_view<double, 2> ys(y2.data(), {T, D}, {2 * D, 2});
-  k3::kda::l2norm(serial, q, ys);
+  k3::kda::l2norm(serial, k3::kda::l2norm_args<double, 2>{.x = q, .y = ys});
   for (index_t t = 0; t < T; ++t)
     for (index_t d = 0; d < D; ++d) REQUIRE(ys(t, d) == y1[static_cast<std::size_t>(t * D + d)]);
   check_close(y1, ref_l2norm(qc, D), 1e-14, 1e-30, "strided");
   std::vector<double> dy = randn(qc.size(), 9), dx1(qc.size()), dx2(qc.size());
-  k3::kda::l2norm_backward(serial, q, k3::host_view(dy.data(), T, D), k3::host_view(dx1.data(), T, D));
-  k3::kda::l2norm_backward(serial, k3::host_view(qc.data(), T, D), k3::host_view(dy.data(), T, D), k3::host_view(dx2.data(), T, D));
+  k3::kda::l2norm_backward(serial, k3::kda::l2norm_backward_args<double, 2>{.x = q, .d_y = k3::host_view(dy.data(), T, D),
+                                                                            .d_x = k3::host_view(dx1.data(), T, D)});
+  k3::kda::l2norm_backward(serial, k3::kda::l2norm_backward_args<double, 2>{.x = k3::host_view(qc.data(), T, D),
+                                                                            .d_y = k3::host_view(dy.data(), T, D),
+                                                                            .d_x = k3::host_view(dx2.data(), T, D)});
   CHECK(dx1 == dx2);
 }
 
@@ -158,7 +163,8 @@ TEST_CASE_TEMPLATE("beta sigmoid forward and backward", S, double, float, bfloat
     xd[1] = -80.0;
     auto x = cast<S>(xd);
     std::vector<S> beta(n);
-    k3::kda::beta_sigmoid(serial, k3::host_view(x.data(), B, T, HV), k3::host_view(beta.data(), B, T, HV), neg);
+    k3::kda::beta_sigmoid(serial, k3::kda::beta_sigmoid_args<S>{.x = k3::host_view(x.data(), B, T, HV), .beta = k3::host_view(beta.data(), B, T, HV)},
+                          {.allow_neg_eigval = neg});
     std::vector<double> ref(n);
     auto xw = widen(x);
     for (std::size_t i = 0; i < n; ++i) ref[i] = (neg ? 2.0 : 1.0) * ref_sigmoid(xw[i]);
@@ -169,8 +175,11 @@ TEST_CASE_TEMPLATE("beta sigmoid forward and backward", S, double, float, bfloat
     auto dyd = randn(n, 22);
     auto dy = cast<S>(dyd);
     std::vector<S> dx(n);
-    k3::kda::beta_sigmoid_backward(serial, k3::host_view(x.data(), B, T, HV), k3::host_view(dy.data(), B, T, HV),
-                                   k3::host_view(dx.data(), B, T, HV), neg);
+    k3::kda::beta_sigmoid_backward(serial,
+                                   k3::kda::beta_sigmoid_backward_args<S>{.x = k3::host_view(x.data(), B, T, HV),
+                                                                          .d_beta = k3::host_view(dy.data(), B, T, HV),
+                                                                          .d_x = k3::host_view(dx.data(), B, T, HV)},
+                                   {.allow_neg_eigval = neg});
     std::vector<double> dref(n);
     auto dyw = widen(dy);
     for (std::size_t i = 0; i < n; ++i) {
@@ -187,7 +196,9 @@ TEST_CASE("beta sigmoid backward matches finite differences (double)") {
     auto x = randn(n, 31, 3.0);
     auto w = randn(n, 32);
     std::vector<double> dx(n);
-    k3::kda::beta_sigmoid_backward(serial, k3::host_view(x.data(), n), k3::host_view(w.data(), n), k3::host_view(dx.data(), n), neg);
+    k3::kda::beta_sigmoid_backward(
+        serial, k3::kda::beta_sigmoid_backward_args<double, 1>{.x = k3::host_view(x.data(), n), .d_beta = k3::host_view(w.data(), n), .d_x = k3::host_view(dx.data(), n)},
+        {.allow_neg_eigval = neg});
     auto loss = [&] {
       double s = 0;
       for (index_t i = 0; i < n; ++i) s += w[i] * (neg ? 2.0 : 1.0) * ref_sigmoid(x[i]);
@@ -225,16 +236,18 @@ void gate_forward_case(gate_case gc) {
   auto gv = k3::host_view(g.data(), B, T, HV, K);
   auto Av = k3::host_view(A.data(), HV);
   auto bv = k3::host_view(bias.data(), HV, K);
-  auto run = [&](auto const& Aarg, auto const& barg) {
+  // An absent parameter is a default-constructed view.
+  auto run = [&](k3::tensor_view<float const, 1> Aarg, k3::tensor_view<float const, 2> barg) {
+    k3::kda::gate_args<S, float> const args{.x = xv, .A_log = Aarg, .dt_bias = barg, .g = gv};
     if (gc.lower)
-      k3::kda::gate_lower_bound(serial, xv, Aarg, barg, gc.lb, gv);
+      k3::kda::gate_lower_bound(serial, args, {.lower_bound = gc.lb});
     else
-      k3::kda::gate_softplus(serial, xv, Aarg, barg, gv);
+      k3::kda::gate_softplus(serial, args);
   };
   if (gc.with_A && gc.with_bias) run(Av, bv);
-  if (gc.with_A && !gc.with_bias) run(Av, nullptr);
-  if (!gc.with_A && gc.with_bias) run(nullptr, bv);
-  if (!gc.with_A && !gc.with_bias) run(nullptr, nullptr);
+  if (gc.with_A && !gc.with_bias) run(Av, {});
+  if (!gc.with_A && gc.with_bias) run({}, bv);
+  if (!gc.with_A && !gc.with_bias) run({}, {});
   auto ref = ref_gate(gc.lower, widen(x), gc.with_A ? widen(A) : std::vector<double>{},
                       gc.with_bias ? widen(bias) : std::vector<double>{}, gc.lb, HV, K);
   // double math on float parameters is exact; float math: a few ulps of exp/log1p.
@@ -279,12 +292,13 @@ TEST_CASE("gate backwards match finite differences in x, A_log and dt_bias (doub
     auto xv = k3::host_view(x.data(), B, T, HV, K);
     auto wv = k3::host_view(w.data(), B, T, HV, K);
     auto dxv = k3::host_view(dx.data(), B, T, HV, K);
+    k3::kda::gate_backward_args<double> const args{.x = xv, .A_log = k3::host_view(A.data(), HV), .dt_bias = k3::host_view(bias.data(), HV, K),
+                                                   .d_g = wv, .d_x = dxv, .d_A_log = k3::host_view(dA.data(), HV),
+                                                   .d_dt_bias = k3::host_view(db.data(), HV, K)};
     if (lower)
-      k3::kda::gate_lower_bound_backward(serial, xv, k3::host_view(A.data(), HV), k3::host_view(bias.data(), HV, K), lb, wv, dxv,
-                                         k3::host_view(dA.data(), HV), k3::host_view(db.data(), HV, K));
+      k3::kda::gate_lower_bound_backward(serial, args, {.lower_bound = lb});
     else
-      k3::kda::gate_softplus_backward(serial, xv, k3::host_view(A.data(), HV), k3::host_view(bias.data(), HV, K), wv, dxv,
-                                      k3::host_view(dA.data(), HV), k3::host_view(db.data(), HV, K));
+      k3::kda::gate_softplus_backward(serial, args);
     auto loss = [&] { return dot(w, ref_gate(lower, x, A, bias, lb, HV, K)); };
     check_fd(x, dx, loss, "dx");
     check_fd(A, dA, loss, "dA_log");
@@ -292,12 +306,12 @@ TEST_CASE("gate backwards match finite differences in x, A_log and dt_bias (doub
 
     // Without parameters: gradients at A_log = 0, dt_bias = 0.
     std::vector<double> dx0(n), dA0(HV), db0(static_cast<std::size_t>(HV * K));
+    k3::kda::gate_backward_args<double> const args0{.x = xv, .d_g = wv, .d_x = k3::host_view(dx0.data(), B, T, HV, K),
+                                                    .d_A_log = k3::host_view(dA0.data(), HV), .d_dt_bias = k3::host_view(db0.data(), HV, K)};
     if (lower)
-      k3::kda::gate_lower_bound_backward(serial, xv, nullptr, nullptr, lb, wv, k3::host_view(dx0.data(), B, T, HV, K),
-                                         k3::host_view(dA0.data(), HV), k3::host_view(db0.data(), HV, K));
+      k3::kda::gate_lower_bound_backward(serial, args0, {.lower_bound = lb});
     else
-      k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, wv, k3::host_view(dx0.data(), B, T, HV, K),
-                                      k3::host_view(dA0.data(), HV), k3::host_view(db0.data(), HV, K));
+      k3::kda::gate_softplus_backward(serial, args0);
     std::vector<double> A0(HV, 0.0), b0(static_cast<std::size_t>(HV * K), 0.0);
     auto loss0 = [&] { return dot(w, ref_gate(lower, x, A0, b0, lb, HV, K)); };
     check_fd(x, dx0, loss0, "dx (no params)");
@@ -321,28 +335,25 @@ TEST_CASE("gate backward in float and bfloat16 storage against double") {
     auto Aw = widen(Af), bw = widen(bf);
     // reference: double math on the same (bf16 / fp32 rounded) inputs
     std::vector<double> dxr(n), dAr(HV), dbr(static_cast<std::size_t>(HV * K));
+    k3::kda::gate_backward_args<double> const ref_args{
+        .x = k3::host_view(xw.data(), B, T, HV, K), .A_log = k3::host_view(Aw.data(), HV), .dt_bias = k3::host_view(bw.data(), HV, K),
+        .d_g = k3::host_view(ww.data(), B, T, HV, K), .d_x = k3::host_view(dxr.data(), B, T, HV, K),
+        .d_A_log = k3::host_view(dAr.data(), HV), .d_dt_bias = k3::host_view(dbr.data(), HV, K)};
     if (lower)
-      k3::kda::gate_lower_bound_backward(serial, k3::host_view(xw.data(), B, T, HV, K), k3::host_view(Aw.data(), HV),
-                                         k3::host_view(bw.data(), HV, K), -5.0, k3::host_view(ww.data(), B, T, HV, K),
-                                         k3::host_view(dxr.data(), B, T, HV, K), k3::host_view(dAr.data(), HV),
-                                         k3::host_view(dbr.data(), HV, K));
+      k3::kda::gate_lower_bound_backward(serial, ref_args, {.lower_bound = -5.0});
     else
-      k3::kda::gate_softplus_backward(serial, k3::host_view(xw.data(), B, T, HV, K), k3::host_view(Aw.data(), HV),
-                                      k3::host_view(bw.data(), HV, K), k3::host_view(ww.data(), B, T, HV, K),
-                                      k3::host_view(dxr.data(), B, T, HV, K), k3::host_view(dAr.data(), HV),
-                                      k3::host_view(dbr.data(), HV, K));
+      k3::kda::gate_softplus_backward(serial, ref_args);
     std::vector<bfloat16> dxb(n);
     std::vector<float> dAf(HV), dbf(static_cast<std::size_t>(HV * K));
+    // bfloat16 activations with fp32 parameters and parameter gradients
+    k3::kda::gate_backward_args<bfloat16, float> const args{
+        .x = k3::host_view(x.data(), B, T, HV, K), .A_log = k3::host_view(Af.data(), HV), .dt_bias = k3::host_view(bf.data(), HV, K),
+        .d_g = k3::host_view(w.data(), B, T, HV, K), .d_x = k3::host_view(dxb.data(), B, T, HV, K),
+        .d_A_log = k3::host_view(dAf.data(), HV), .d_dt_bias = k3::host_view(dbf.data(), HV, K)};
     if (lower)
-      k3::kda::gate_lower_bound_backward(serial, k3::host_view(x.data(), B, T, HV, K), k3::host_view(Af.data(), HV),
-                                         k3::host_view(bf.data(), HV, K), -5.0, k3::host_view(w.data(), B, T, HV, K),
-                                         k3::host_view(dxb.data(), B, T, HV, K), k3::host_view(dAf.data(), HV),
-                                         k3::host_view(dbf.data(), HV, K));
+      k3::kda::gate_lower_bound_backward(serial, args, {.lower_bound = -5.0});
     else
-      k3::kda::gate_softplus_backward(serial, k3::host_view(x.data(), B, T, HV, K), k3::host_view(Af.data(), HV),
-                                      k3::host_view(bf.data(), HV, K), k3::host_view(w.data(), B, T, HV, K),
-                                      k3::host_view(dxb.data(), B, T, HV, K), k3::host_view(dAf.data(), HV),
-                                      k3::host_view(dbf.data(), HV, K));
+      k3::kda::gate_softplus_backward(serial, args);
     check_close(widen(dxb), dxr, 8e-3, 1e-30, "dx bf16");
     // parameter grads are sums over tokens accumulated in double from fp32 terms
     check_close(widen(dAf), dAr, 1e-5, 1e-6, "dA_log fp32 from bf16 storage");
@@ -370,17 +381,29 @@ TEST_CASE("serial and threads give bitwise the same results, gradients included"
     CHECK(a1 == a2);
     CHECK(b1 == b2);
   };
-  both([&](auto const& bk, auto& o, auto&, auto&) { k3::kda::l2norm(bk, xv, k3::host_view(o.data(), B, T, HV, K)); });
-  both([&](auto const& bk, auto& o, auto&, auto&) { k3::kda::l2norm_backward(bk, xv, wv, k3::host_view(o.data(), B, T, HV, K)); });
-  both([&](auto const& bk, auto& o, auto&, auto&) { k3::kda::beta_sigmoid(bk, xv, k3::host_view(o.data(), B, T, HV, K), true); });
-  both([&](auto const& bk, auto& o, auto&, auto&) { k3::kda::gate_softplus(bk, xv, Av, bv, k3::host_view(o.data(), B, T, HV, K)); });
-  both([&](auto const& bk, auto& o, auto& a, auto& b) {
-    k3::kda::gate_softplus_backward(bk, xv, Av, bv, wv, k3::host_view(o.data(), B, T, HV, K), k3::host_view(a.data(), HV),
-                                    k3::host_view(b.data(), HV, K));
+  both([&](auto const& bk, auto& o, auto&, auto&) { k3::kda::l2norm(bk, k3::kda::l2norm_args<float>{.x = xv, .y = k3::host_view(o.data(), B, T, HV, K)}); });
+  both([&](auto const& bk, auto& o, auto&, auto&) {
+    k3::kda::l2norm_backward(bk, k3::kda::l2norm_backward_args<float>{.x = xv, .d_y = wv, .d_x = k3::host_view(o.data(), B, T, HV, K)});
+  });
+  both([&](auto const& bk, auto& o, auto&, auto&) {
+    k3::kda::beta_sigmoid(bk, k3::kda::beta_sigmoid_args<float, 4>{.x = xv, .beta = k3::host_view(o.data(), B, T, HV, K)}, {.allow_neg_eigval = true});
+  });
+  both([&](auto const& bk, auto& o, auto&, auto&) {
+    k3::kda::gate_softplus(bk, k3::kda::gate_args<float>{.x = xv, .A_log = Av, .dt_bias = bv, .g = k3::host_view(o.data(), B, T, HV, K)});
   });
   both([&](auto const& bk, auto& o, auto& a, auto& b) {
-    k3::kda::gate_lower_bound_backward(bk, xv, Av, bv, -3.0, wv, k3::host_view(o.data(), B, T, HV, K), k3::host_view(a.data(), HV),
-                                       k3::host_view(b.data(), HV, K));
+    k3::kda::gate_softplus_backward(bk, k3::kda::gate_backward_args<float>{.x = xv, .A_log = Av, .dt_bias = bv, .d_g = wv,
+                                                                          .d_x = k3::host_view(o.data(), B, T, HV, K),
+                                                                          .d_A_log = k3::host_view(a.data(), HV),
+                                                                          .d_dt_bias = k3::host_view(b.data(), HV, K)});
+  });
+  both([&](auto const& bk, auto& o, auto& a, auto& b) {
+    k3::kda::gate_lower_bound_backward(bk,
+                                       k3::kda::gate_backward_args<float>{.x = xv, .A_log = Av, .dt_bias = bv, .d_g = wv,
+                                                                          .d_x = k3::host_view(o.data(), B, T, HV, K),
+                                                                          .d_A_log = k3::host_view(a.data(), HV),
+                                                                          .d_dt_bias = k3::host_view(b.data(), HV, K)},
+                                       {.lower_bound = -3.0});
   });
 }
 
@@ -388,10 +411,10 @@ TEST_CASE("a NaN stays in its element or row") {
   index_t const R = 4, D = 8;
   std::vector<double> x = randn(R * D, 81), y(R * D), g(R * D);
   x[static_cast<std::size_t>(1 * D + 3)] = std::numeric_limits<double>::quiet_NaN();
-  k3::kda::l2norm(serial, k3::host_view(x.data(), R, D), k3::host_view(y.data(), R, D));
+  k3::kda::l2norm(serial, k3::kda::l2norm_args<double, 2>{.x = k3::host_view(x.data(), R, D), .y = k3::host_view(y.data(), R, D)});
   for (index_t r = 0; r < R; ++r)
     for (index_t d = 0; d < D; ++d) CHECK(std::isnan(y[static_cast<std::size_t>(r * D + d)]) == (r == 1));
-  k3::kda::gate_softplus(serial, k3::host_view(x.data(), 1, R, 1, D), nullptr, nullptr, k3::host_view(g.data(), 1, R, 1, D));
+  k3::kda::gate_softplus(serial, k3::kda::gate_args<double>{.x = k3::host_view(x.data(), 1, R, 1, D), .g = k3::host_view(g.data(), 1, R, 1, D)});
   for (std::size_t i = 0; i < g.size(); ++i) CHECK(std::isnan(g[i]) == (i == static_cast<std::size_t>(D + 3)));
 }
 
@@ -403,27 +426,153 @@ TEST_CASE("bad input names the argument") {
     INFO(m);
     CHECK(m.find(s) != std::string::npos);
   };
-  has(k3::test::error_of([&] { k3::kda::l2norm(serial, xv, k3::host_view(g.data(), 2, 3, 5, 4)); }), "'y'");
-  has(k3::test::error_of([&] { k3::kda::l2norm(serial, xv, xv); }), "overlap");
-  has(k3::test::error_of([&] { k3::kda::l2norm_backward(serial, xv, k3::host_view(big.data(), 2, 3, 4, 6), gv); }), "'dy'");
-  has(k3::test::error_of([&] { k3::kda::beta_sigmoid(serial, k3::host_view(x.data(), 6, 4), k3::host_view(g.data(), 4, 6)); }), "'beta'");
-  has(k3::test::error_of([&] { k3::kda::gate_softplus(serial, xv, k3::host_view(A.data(), 3), nullptr, gv); }), "'A_log'");
-  has(k3::test::error_of([&] { k3::kda::gate_softplus(serial, xv, nullptr, k3::host_view(bias.data(), 5, 4), gv); }), "'dt_bias'");
-  has(k3::test::error_of([&] { k3::kda::gate_softplus(serial, xv, nullptr, nullptr, k3::host_view(g.data(), 2, 3, 4, 4)); }), "'g'");
+  using k3::kda::gate_args;
+  using k3::kda::gate_backward_args;
+  has(k3::test::error_of([&] { k3::kda::l2norm(serial, k3::kda::l2norm_args<float>{.x = xv, .y = k3::host_view(g.data(), 2, 3, 5, 4)}); }), "'y'");
+  has(k3::test::error_of([&] { k3::kda::l2norm(serial, k3::kda::l2norm_args<float>{.x = xv, .y = xv}); }), "overlap");
+  has(k3::test::error_of([&] {
+        k3::kda::l2norm_backward(serial, k3::kda::l2norm_backward_args<float>{.x = xv, .d_y = k3::host_view(big.data(), 2, 3, 4, 6), .d_x = gv});
+      }),
+      "'d_y'");
+  has(k3::test::error_of([&] {
+        k3::kda::beta_sigmoid(serial, k3::kda::beta_sigmoid_args<float, 2>{.x = k3::host_view(x.data(), 6, 4), .beta = k3::host_view(g.data(), 4, 6)});
+      }),
+      "'beta'");
+  has(k3::test::error_of([&] { k3::kda::gate_softplus(serial, gate_args<float>{.x = xv, .A_log = k3::host_view(A.data(), 3), .g = gv}); }), "'A_log'");
+  has(k3::test::error_of([&] { k3::kda::gate_softplus(serial, gate_args<float>{.x = xv, .dt_bias = k3::host_view(bias.data(), 5, 4), .g = gv}); }),
+      "'dt_bias'");
+  has(k3::test::error_of([&] { k3::kda::gate_softplus(serial, gate_args<float>{.x = xv, .g = k3::host_view(g.data(), 2, 3, 4, 4)}); }), "'g'");
   for (double lb : {0.0, 0.5, -5.0001, -100.0, std::numeric_limits<double>::quiet_NaN()}) {
     CAPTURE(lb);
-    has(k3::test::error_of([&] { k3::kda::gate_lower_bound(serial, xv, nullptr, nullptr, lb, gv); }), "'lower_bound'");
-    has(k3::test::error_of([&] { k3::kda::gate_lower_bound_backward(serial, xv, nullptr, nullptr, lb, xv, gv); }), "'lower_bound'");
+    has(k3::test::error_of([&] { k3::kda::gate_lower_bound(serial, gate_args<float>{.x = xv, .g = gv}, {.lower_bound = lb}); }), "'lower_bound'");
+    has(k3::test::error_of([&] {
+          k3::kda::gate_lower_bound_backward(serial, gate_backward_args<float>{.x = xv, .d_g = xv, .d_x = gv}, {.lower_bound = lb});
+        }),
+        "'lower_bound'");
   }
-  CHECK_NOTHROW(k3::kda::gate_lower_bound(serial, xv, nullptr, nullptr, -5.0, gv));
+  CHECK_NOTHROW(k3::kda::gate_lower_bound(serial, gate_args<float>{.x = xv, .g = gv}, {.lower_bound = -5.0}));
   has(k3::test::error_of([&] {
-        k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, xv, gv, k3::host_view(A.data(), 2));
+        k3::kda::gate_softplus_backward(serial, gate_backward_args<float>{.x = xv, .d_g = xv, .d_x = gv, .d_A_log = k3::host_view(A.data(), 2)});
       }),
-      "'dA_log'");
+      "'d_A_log'");
   has(k3::test::error_of([&] {
-        k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, xv, gv, nullptr, k3::host_view(bias.data(), 4, 4));
+        k3::kda::gate_softplus_backward(serial,
+                                        gate_backward_args<float>{.x = xv, .d_g = xv, .d_x = gv, .d_dt_bias = k3::host_view(bias.data(), 4, 4)});
       }),
-      "'ddt_bias'");
-  has(k3::test::error_of([&] { k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, k3::host_view(big.data(), 2, 3, 4, 6), gv); }), "'dg'");
-  has(k3::test::error_of([&] { k3::kda::gate_softplus_backward(serial, xv, nullptr, nullptr, gv, xv); }), "overlap");
+      "'d_dt_bias'");
+  has(k3::test::error_of([&] {
+        k3::kda::gate_softplus_backward(serial, gate_backward_args<float>{.x = xv, .d_g = k3::host_view(big.data(), 2, 3, 4, 6), .d_x = gv});
+      }),
+      "'d_g'");
+  has(k3::test::error_of([&] { k3::kda::gate_softplus_backward(serial, gate_backward_args<float>{.x = xv, .d_g = gv, .d_x = xv}); }), "overlap");
+}
+
+// ---- the call shape: op(backend, args, options = {}) ------------------------------------------
+
+namespace {
+
+namespace kda = k3::kda;
+
+template <class Bk, class A>
+constexpr bool takes_short_conv = requires(Bk const& b, A const& a) { kda::short_conv(b, a, kda::short_conv_options{}); };
+template <class Bk, class A>
+constexpr bool takes_short_conv_backward = requires(Bk const& b, A const& a) { kda::short_conv_backward(b, a); };
+template <class Bk, class A>
+constexpr bool takes_short_conv_decode = requires(Bk const& b, A const& a) { kda::short_conv_decode(b, a); };
+template <class Bk, class A>
+constexpr bool takes_l2norm = requires(Bk const& b, A const& a) { kda::l2norm(b, a); };
+template <class Bk, class A>
+constexpr bool takes_l2norm_backward = requires(Bk const& b, A const& a) { kda::l2norm_backward(b, a); };
+template <class Bk, class A>
+constexpr bool takes_beta_sigmoid = requires(Bk const& b, A const& a) { kda::beta_sigmoid(b, a, {.allow_neg_eigval = true}); };
+template <class Bk, class A>
+constexpr bool takes_beta_sigmoid_backward = requires(Bk const& b, A const& a) { kda::beta_sigmoid_backward(b, a); };
+template <class Bk, class A>
+constexpr bool takes_gates = requires(Bk const& b, A const& a) {
+  kda::gate_softplus(b, a);
+  kda::gate_lower_bound(b, a, {.lower_bound = -5});
+};
+template <class Bk, class A>
+constexpr bool takes_gate_backwards = requires(Bk const& b, A const& a) {
+  kda::gate_softplus_backward(b, a);
+  kda::gate_lower_bound_backward(b, a, {.lower_bound = -5});
+};
+
+template <class Bk, class In, class P = In>
+constexpr bool takes_all() {
+  return takes_short_conv<Bk, kda::short_conv_args<In, P>> && takes_short_conv_backward<Bk, kda::short_conv_backward_args<In, P>> &&
+         takes_short_conv_decode<Bk, kda::short_conv_decode_args<In, P>> && takes_l2norm<Bk, kda::l2norm_args<In>> &&
+         takes_l2norm<Bk, kda::l2norm_args<In, 2>> && takes_l2norm_backward<Bk, kda::l2norm_backward_args<In>> &&
+         takes_beta_sigmoid<Bk, kda::beta_sigmoid_args<In>> && takes_beta_sigmoid_backward<Bk, kda::beta_sigmoid_backward_args<In, 1>> &&
+         takes_gates<Bk, kda::gate_args<In, P>> && takes_gate_backwards<Bk, kda::gate_backward_args<In, P>>;
+}
+
+static_assert(std::is_aggregate_v<kda::short_conv_args<float>> && std::is_aggregate_v<kda::short_conv_backward_args<float>> &&
+              std::is_aggregate_v<kda::short_conv_decode_args<float>> && std::is_aggregate_v<kda::l2norm_args<float>> &&
+              std::is_aggregate_v<kda::l2norm_backward_args<float>> && std::is_aggregate_v<kda::beta_sigmoid_args<float>> &&
+              std::is_aggregate_v<kda::beta_sigmoid_backward_args<float>> && std::is_aggregate_v<kda::gate_args<float>> &&
+              std::is_aggregate_v<kda::gate_backward_args<float>> && std::is_aggregate_v<kda::short_conv_options> &&
+              std::is_aggregate_v<kda::gate_options> && std::is_aggregate_v<kda::beta_sigmoid_options>);
+static_assert(takes_all<k3::cpu::serial, float>() && takes_all<k3::cpu::simd<>, float>() && takes_all<k3::cpu::threads<>, float>());
+static_assert(takes_all<k3::cpu::serial, double>() && takes_all<k3::cpu::threads<>, bfloat16>());
+// Mixed storage: bfloat16 activations with fp32 parameters and states.
+static_assert(takes_all<k3::cpu::serial, bfloat16, float>() && takes_all<k3::cpu::simd<>, bfloat16, float>());
+// One op's args are not another's, and nothing positional remains.
+static_assert(!takes_short_conv<k3::cpu::serial, kda::short_conv_backward_args<float>>);
+static_assert(!takes_l2norm<k3::cpu::serial, kda::short_conv_args<float>>);
+static_assert(!takes_gates<k3::cpu::serial, kda::gate_backward_args<float>>);
+template <class Bk, class X, class Y>
+constexpr bool takes_positional_l2norm = requires(Bk const& b, X const& x, Y const& y) { kda::l2norm(b, x, y); };
+static_assert(!takes_positional_l2norm<k3::cpu::serial, k3::tensor_view<float const, 4>, k3::tensor_view<float, 4>>);
+// A rank-2 view is not short_conv's x (the decode step takes [N, C]; the prefill [B, T, C]).
+template <class V>
+constexpr bool conv_x_takes = requires(V v) { kda::short_conv_args<float>{.x = v}; };
+template <class V>
+constexpr bool decode_x_takes = requires(V v) { kda::short_conv_decode_args<float>{.x = v}; };
+static_assert(!conv_x_takes<k3::tensor_view<float const, 2>> && conv_x_takes<k3::tensor_view<float, 3>>);
+static_assert(decode_x_takes<k3::tensor_view<float const, 2>> && !decode_x_takes<k3::tensor_view<float const, 3>>);
+
+}  // namespace
+
+TEST_CASE("the args call shape: optional members absent by default, misuse named by the args member") {
+  index_t const B = 1, T = 6, C = 5, W = 4;
+  std::vector<float> x(static_cast<std::size_t>(B * T * C), 0.5f), w(static_cast<std::size_t>(C * W), 0.25f), y(x.size()), y2(x.size());
+  std::vector<float> s0(static_cast<std::size_t>(2 * C * (W - 1)), 1.0f), ds0(s0.size()), dx(x.size());
+  std::vector<std::int32_t> cu = {0, 2, 6};
+  auto xv = k3::host_view(x.data(), B, T, C);
+  auto wv = k3::host_view(w.data(), C, W);
+  // silu = false is the bare convolution: 4 taps of 0.25 * 0.5 once the window is inside x.
+  kda::short_conv(serial, kda::short_conv_args<float>{.x = xv, .weight = wv, .y = k3::host_view(y.data(), B, T, C)}, {.silu = false});
+  CHECK(y.back() == doctest::Approx(0.5));
+  kda::short_conv(serial, kda::short_conv_args<float>{.x = xv, .weight = wv, .y = k3::host_view(y2.data(), B, T, C)});
+  CHECK(y2.back() == doctest::Approx(0.5 / (1.0 + std::exp(-0.5))));
+  // Packed sequences through the options (int32 offsets): the second sequence starts afresh.
+  kda::short_conv(serial, kda::short_conv_args<float>{.x = xv, .weight = wv, .y = k3::host_view(y.data(), B, T, C)},
+                  {.cu_seqlens = k3::host_view(cu.data(), 3), .silu = false});
+  CHECK(y[static_cast<std::size_t>(2 * C)] == doctest::Approx(0.125));
+  auto has = [](std::string const& m, char const* s) {
+    INFO(m);
+    CHECK(m.find(s) != std::string::npos);
+  };
+  has(k3::test::error_of([&] {
+        kda::short_conv_backward(serial, kda::short_conv_backward_args<float>{.x = xv, .weight = wv, .d_y = xv, .d_x = k3::host_view(dx.data(), B, T, C),
+                                                                              .d_initial_state = k3::host_view(ds0.data(), 1, C, W - 1)});
+      }),
+      "argument 'd_initial_state': needs the initial_state");
+  has(k3::test::error_of([&] {
+        kda::short_conv_backward(serial, kda::short_conv_backward_args<float>{.x = xv, .weight = wv, .d_y = xv, .d_x = k3::host_view(dx.data(), B, T, C - 1)});
+      }),
+      "argument 'd_x'");
+  std::vector<float> pool(static_cast<std::size_t>(2 * C * (W - 1))), yd(static_cast<std::size_t>(2 * C));
+  std::vector<std::int32_t> s32 = {1, 0};
+  std::vector<std::int64_t> s64 = {1, 0};
+  kda::short_conv_decode_args<float> const dec{.x = k3::host_view(x.data(), 2, C), .weight = wv, .conv_state = k3::host_view(pool.data(), 2, C, W - 1),
+                                               .y = k3::host_view(yd.data(), 2, C), .slots32 = k3::host_view(s32.data(), 2)};
+  CHECK_NOTHROW(kda::short_conv_decode(serial, dec));
+  has(k3::test::error_of([&] { kda::short_conv_decode(serial, dec, {.cu_seqlens = k3::host_view(cu.data(), 3)}); }), "option 'cu_seqlens'");
+  auto both_slots = dec;
+  both_slots.slots64 = k3::host_view(s64.data(), 2);
+  has(k3::test::error_of([&] { kda::short_conv_decode(serial, both_slots); }), "at most one of slots32");
+  s32[0] = 0;
+  has(k3::test::error_of([&] { kda::short_conv_decode(serial, dec); }), "argument 'slots32': slot 0 appears twice");
 }

@@ -100,12 +100,11 @@ TEST_CASE_TEMPLATE("short conv forward matches the float64 reference (batched an
         std::vector<S> y(x.size()), fs(init.size());
         auto iv = k3::host_view(init.data(), B, C, W - 1);
         auto fv = k3::host_view(fs.data(), B, C, W - 1);
-        if (with_init)
-          k3::kda::short_conv(serial, k3::host_view(x.data(), B, T, C), k3::host_view(w.data(), C, W), k3::host_view(bias.data(), C),
-                              k3::host_view(y.data(), B, T, C), nullptr, iv, fv, silu);
-        else
-          k3::kda::short_conv(serial, k3::host_view(x.data(), B, T, C), k3::host_view(w.data(), C, W), k3::host_view(bias.data(), C),
-                              k3::host_view(y.data(), B, T, C), nullptr, nullptr, fv, silu);
+        k3::kda::short_conv(serial,
+                            k3::kda::short_conv_args<S>{.x = k3::host_view(x.data(), B, T, C), .weight = k3::host_view(w.data(), C, W),
+                                                        .bias = k3::host_view(bias.data(), C), .y = k3::host_view(y.data(), B, T, C),
+                                                        .initial_state = with_init ? iv : decltype(iv){}, .final_state = fv},
+                            {.silu = silu});
         auto ref = ref_conv(widen(x), B, T, C, widen(w), W, widen(bias), batched(B, T), with_init ? widen(init) : std::vector<double>{},
                             silu);
         check_close(widen(y), ref.y, tol, atol, "y (batched)");
@@ -121,18 +120,15 @@ TEST_CASE_TEMPLATE("short conv forward matches the float64 reference (batched an
         std::vector<S> y(x.size()), y32(x.size()), fs(init.size());
         auto xv = k3::host_view(x.data(), 1, T, C);
         auto fv = k3::host_view(fs.data(), N, C, W - 1);
-        if (with_init)
-          k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C, W), nullptr, k3::host_view(y.data(), 1, T, C),
-                              k3::host_view(cu64.data(), N + 1), k3::host_view(init.data(), N, C, W - 1), fv, silu);
-        else
-          k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C, W), nullptr, k3::host_view(y.data(), 1, T, C),
-                              k3::host_view(cu64.data(), N + 1), nullptr, fv, silu);
-        if (with_init)
-          k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C, W), nullptr, k3::host_view(y32.data(), 1, T, C),
-                              k3::host_view(cu32.data(), N + 1), k3::host_view(init.data(), N, C, W - 1), nullptr, silu);
-        else
-          k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C, W), nullptr, k3::host_view(y32.data(), 1, T, C),
-                              k3::host_view(cu32.data(), N + 1), nullptr, nullptr, silu);
+        k3::tensor_view<S const, 3> const iv = with_init ? k3::host_view(init.data(), N, C, W - 1) : k3::tensor_view<S, 3>{};
+        k3::kda::short_conv(serial,
+                            k3::kda::short_conv_args<S>{.x = xv, .weight = k3::host_view(w.data(), C, W), .y = k3::host_view(y.data(), 1, T, C),
+                                                        .initial_state = iv, .final_state = fv},
+                            {.cu_seqlens = k3::host_view(cu64.data(), N + 1), .silu = silu});
+        k3::kda::short_conv(serial,
+                            k3::kda::short_conv_args<S>{.x = xv, .weight = k3::host_view(w.data(), C, W), .y = k3::host_view(y32.data(), 1, T, C),
+                                                        .initial_state = iv},
+                            {.cu_seqlens = k3::host_view(cu32.data(), N + 1), .silu = silu});
         CHECK(widen(y) == widen(y32));  // int32 and int64 cu_seqlens agree
         auto ref = ref_conv(widen(x), 1, T, C, widen(w), W, {}, from_cu(cu64), with_init ? widen(init) : std::vector<double>{}, silu);
         check_close(widen(y), ref.y, tol, atol, "y (varlen)");
@@ -149,8 +145,10 @@ TEST_CASE("varlen: nothing leaks across sequence boundaries") {
   auto w = randn(static_cast<std::size_t>(C * W), 12);
   std::vector<double> y1(x.size()), y2(x.size());
   auto run = [&](std::vector<double> const& xin, std::vector<double>& y) {
-    k3::kda::short_conv(serial, k3::host_view(xin.data(), 1, T, C), k3::host_view(w.data(), C, W), nullptr, k3::host_view(y.data(), 1, T, C),
-                        k3::host_view(cu.data(), 4));
+    k3::kda::short_conv(serial,
+                        k3::kda::short_conv_args<double>{.x = k3::host_view(xin.data(), 1, T, C), .weight = k3::host_view(w.data(), C, W),
+                                                         .y = k3::host_view(y.data(), 1, T, C)},
+                        {.cu_seqlens = k3::host_view(cu.data(), 4)});
   };
   run(x, y1);
   auto x2 = x;
@@ -163,8 +161,8 @@ TEST_CASE("varlen: nothing leaks across sequence boundaries") {
   for (std::size_t n = 0; n + 1 < cu.size(); ++n) {
     index_t const len = cu[n + 1] - cu[n];
     std::vector<double> ys(static_cast<std::size_t>(len * C));
-    k3::kda::short_conv(serial, k3::host_view(x.data() + cu[n] * C, 1, len, C), k3::host_view(w.data(), C, W), nullptr,
-                        k3::host_view(ys.data(), 1, len, C));
+    k3::kda::short_conv(serial, k3::kda::short_conv_args<double>{.x = k3::host_view(x.data() + cu[n] * C, 1, len, C),
+                                                                 .weight = k3::host_view(w.data(), C, W), .y = k3::host_view(ys.data(), 1, len, C)});
     for (index_t i = 0; i < len * C; ++i) REQUIRE(ys[static_cast<std::size_t>(i)] == y1[static_cast<std::size_t>(cu[n] * C + i)]);
   }
 }
@@ -197,14 +195,13 @@ TEST_CASE("short conv backward matches finite differences (double)") {
         auto cuv = k3::host_view(cu.data(), static_cast<index_t>(cu.size()));
         auto iv = k3::host_view(init.data(), N, C, W - 1);
         auto div = k3::host_view(dinit.data(), N, C, W - 1);
-        if (varlen && with_init)
-          k3::kda::short_conv_backward(serial, xv, wv, bv, dyv, dxv, dwv, dbv, cuv, iv, div, silu);
-        else if (varlen)
-          k3::kda::short_conv_backward(serial, xv, wv, bv, dyv, dxv, dwv, dbv, cuv, nullptr, nullptr, silu);
-        else if (with_init)
-          k3::kda::short_conv_backward(serial, xv, wv, bv, dyv, dxv, dwv, dbv, nullptr, iv, div, silu);
-        else
-          k3::kda::short_conv_backward(serial, xv, wv, bv, dyv, dxv, dwv, dbv, nullptr, nullptr, nullptr, silu);
+        k3::kda::short_conv_options opt{.silu = silu};
+        if (varlen) opt.cu_seqlens = cuv;
+        k3::kda::short_conv_backward(serial,
+                                     k3::kda::short_conv_backward_args<double>{.x = xv, .weight = wv, .bias = bv, .d_y = dyv, .d_x = dxv, .d_weight = dwv,
+                                                                               .d_bias = dbv, .initial_state = with_init ? iv : decltype(iv){},
+                                                                               .d_initial_state = with_init ? div : decltype(div){}},
+                                     opt);
         auto loss = [&] {
           return dot(dy, ref_conv(x, B, T, C, w, W, bias, seqs, with_init ? init : std::vector<double>{}, silu).y);
         };
@@ -224,9 +221,11 @@ TEST_CASE("short conv backward: other kernel widths, no bias, float storage") {
     auto init = randn(static_cast<std::size_t>(B * C * (W - 1)), 33);
     auto dy = randn(x.size(), 34);
     std::vector<double> dx(x.size()), dw(w.size()), dinit(init.size());
-    k3::kda::short_conv_backward(serial, k3::host_view(x.data(), B, T, C), k3::host_view(w.data(), C, W), nullptr,
-                                 k3::host_view(dy.data(), B, T, C), k3::host_view(dx.data(), B, T, C), k3::host_view(dw.data(), C, W),
-                                 nullptr, nullptr, k3::host_view(init.data(), B, C, W - 1), k3::host_view(dinit.data(), B, C, W - 1));
+    k3::kda::short_conv_backward(serial, k3::kda::short_conv_backward_args<double>{
+                                             .x = k3::host_view(x.data(), B, T, C), .weight = k3::host_view(w.data(), C, W),
+                                             .d_y = k3::host_view(dy.data(), B, T, C), .d_x = k3::host_view(dx.data(), B, T, C),
+                                             .d_weight = k3::host_view(dw.data(), C, W), .initial_state = k3::host_view(init.data(), B, C, W - 1),
+                                             .d_initial_state = k3::host_view(dinit.data(), B, C, W - 1)});
     auto loss = [&] { return dot(dy, ref_conv(x, B, T, C, w, W, {}, batched(B, T), init, true).y); };
     check_fd(x, dx, loss, "dx");
     check_fd(w, dw, loss, "dweight");
@@ -234,9 +233,10 @@ TEST_CASE("short conv backward: other kernel widths, no bias, float storage") {
     // float storage, fp32 math: close to the double result
     auto xf = cast<float>(x), wf = cast<float>(w), inf = cast<float>(init), dyf = cast<float>(dy);
     std::vector<float> dxf(x.size()), dwf(w.size());
-    k3::kda::short_conv_backward(serial, k3::host_view(xf.data(), B, T, C), k3::host_view(wf.data(), C, W), nullptr,
-                                 k3::host_view(dyf.data(), B, T, C), k3::host_view(dxf.data(), B, T, C), k3::host_view(dwf.data(), C, W),
-                                 nullptr, nullptr, k3::host_view(inf.data(), B, C, W - 1));
+    k3::kda::short_conv_backward(serial, k3::kda::short_conv_backward_args<float>{
+                                             .x = k3::host_view(xf.data(), B, T, C), .weight = k3::host_view(wf.data(), C, W),
+                                             .d_y = k3::host_view(dyf.data(), B, T, C), .d_x = k3::host_view(dxf.data(), B, T, C),
+                                             .d_weight = k3::host_view(dwf.data(), C, W), .initial_state = k3::host_view(inf.data(), B, C, W - 1)});
     check_close(widen(dxf), dx, 1e-5, 1e-5, "dx float");
     check_close(widen(dwf), dw, 1e-5, 1e-5, "dweight float");
   }
@@ -259,21 +259,24 @@ TEST_CASE_TEMPLATE("decode token by token after a prefill equals the full convol
   for (index_t n = 0; n < N; ++n) {
     // full convolution of the whole sequence (zero initial state)
     std::vector<S> yfull(xs[n].size()), ffull(static_cast<std::size_t>(C * (W - 1)));
-    k3::kda::short_conv(serial, k3::host_view(xs[n].data(), 1, len[n], C), k3::host_view(w.data(), C, W), k3::host_view(bias.data(), C),
-                        k3::host_view(yfull.data(), 1, len[n], C), nullptr, nullptr, k3::host_view(ffull.data(), 1, C, W - 1));
+    k3::kda::short_conv(serial, k3::kda::short_conv_args<S>{.x = k3::host_view(xs[n].data(), 1, len[n], C), .weight = k3::host_view(w.data(), C, W),
+                                                            .bias = k3::host_view(bias.data(), C), .y = k3::host_view(yfull.data(), 1, len[n], C),
+                                                            .final_state = k3::host_view(ffull.data(), 1, C, W - 1)});
     // prefill the first pre[n] tokens into the pool slot
     auto slot_view = k3::host_view(pool.data() + slots[n] * C * (W - 1), 1, C, W - 1);
     std::vector<S> ypre(static_cast<std::size_t>(pre[n] * C));
     std::vector<S> zero(static_cast<std::size_t>(C * (W - 1)), S(0));
-    k3::kda::short_conv(serial, k3::host_view(xs[n].data(), 1, pre[n], C), k3::host_view(w.data(), C, W), k3::host_view(bias.data(), C),
-                        k3::host_view(ypre.data(), 1, pre[n], C), nullptr, k3::host_view(zero.data(), 1, C, W - 1), slot_view);
+    k3::kda::short_conv(serial, k3::kda::short_conv_args<S>{.x = k3::host_view(xs[n].data(), 1, pre[n], C), .weight = k3::host_view(w.data(), C, W),
+                                                            .bias = k3::host_view(bias.data(), C), .y = k3::host_view(ypre.data(), 1, pre[n], C),
+                                                            .initial_state = k3::host_view(zero.data(), 1, C, W - 1), .final_state = slot_view});
     for (index_t i = 0; i < pre[n] * C; ++i) REQUIRE(ypre[static_cast<std::size_t>(i)] == yfull[static_cast<std::size_t>(i)]);
     // decode the rest one token at a time
     for (index_t t = pre[n]; t < len[n]; ++t) {
       std::vector<S> y1(static_cast<std::size_t>(C));
-      k3::kda::short_conv_decode(serial, k3::host_view(xs[n].data() + t * C, 1, C), k3::host_view(w.data(), C, W),
-                                 k3::host_view(bias.data(), C), k3::host_view(pool.data(), P, C, W - 1), k3::host_view(y1.data(), 1, C),
-                                 k3::host_view(slots.data() + n, 1));
+      k3::kda::short_conv_decode(serial, k3::kda::short_conv_decode_args<S>{.x = k3::host_view(xs[n].data() + t * C, 1, C),
+                                                                           .weight = k3::host_view(w.data(), C, W), .bias = k3::host_view(bias.data(), C),
+                                                                           .conv_state = k3::host_view(pool.data(), P, C, W - 1),
+                                                                           .y = k3::host_view(y1.data(), 1, C), .slots32 = k3::host_view(slots.data() + n, 1)});
       double const tol = std::is_same_v<S, double> ? 1e-14 : 1e-6;
       for (index_t c = 0; c < C; ++c) {
         double const a = y1[static_cast<std::size_t>(c)], b = yfull[static_cast<std::size_t>(t * C + c)];
@@ -302,12 +305,14 @@ TEST_CASE("batched decode over a pool equals per-sequence decode, no slots means
   auto pool_a = pool, pool_b = pool;
   std::vector<double> ya(x.size()), yb(x.size());
   k3::cpu::threads<> th(2);
-  k3::kda::short_conv_decode(th, k3::host_view(x.data(), N, C), k3::host_view(w.data(), C, W), nullptr,
-                             k3::host_view(pool_a.data(), P, C, W - 1), k3::host_view(ya.data(), N, C), k3::host_view(slots.data(), N));
+  k3::kda::short_conv_decode(th, k3::kda::short_conv_decode_args<double>{.x = k3::host_view(x.data(), N, C), .weight = k3::host_view(w.data(), C, W),
+                                                                        .conv_state = k3::host_view(pool_a.data(), P, C, W - 1),
+                                                                        .y = k3::host_view(ya.data(), N, C), .slots64 = k3::host_view(slots.data(), N)});
   for (index_t n = 0; n < N; ++n)
-    k3::kda::short_conv_decode(serial, k3::host_view(x.data() + n * C, 1, C), k3::host_view(w.data(), C, W), nullptr,
-                               k3::host_view(pool_b.data() + slots[static_cast<std::size_t>(n)] * C * (W - 1), 1, C, W - 1),
-                               k3::host_view(yb.data() + n * C, 1, C));
+    k3::kda::short_conv_decode(serial, k3::kda::short_conv_decode_args<double>{
+                                           .x = k3::host_view(x.data() + n * C, 1, C), .weight = k3::host_view(w.data(), C, W),
+                                           .conv_state = k3::host_view(pool_b.data() + slots[static_cast<std::size_t>(n)] * C * (W - 1), 1, C, W - 1),
+                                           .y = k3::host_view(yb.data() + n * C, 1, C)});
   CHECK(ya == yb);
   CHECK(pool_a == pool_b);
   // the reference: y = silu(sum_j<W-1 w_j state_j + w_{W-1} x)
@@ -327,11 +332,13 @@ TEST_CASE("in-place state update: final_state may be the initial_state view") {
   auto st = randn(static_cast<std::size_t>(B * C * (W - 1)), 73);
   auto st_copy = st;
   std::vector<double> y1(x.size()), y2(x.size()), fs(st.size());
-  k3::kda::short_conv(serial, k3::host_view(x.data(), B, T, C), k3::host_view(w.data(), C, W), nullptr, k3::host_view(y1.data(), B, T, C),
-                      nullptr, k3::host_view(st_copy.data(), B, C, W - 1), k3::host_view(fs.data(), B, C, W - 1));
+  k3::kda::short_conv(serial, k3::kda::short_conv_args<double>{.x = k3::host_view(x.data(), B, T, C), .weight = k3::host_view(w.data(), C, W),
+                                                               .y = k3::host_view(y1.data(), B, T, C),
+                                                               .initial_state = k3::host_view(st_copy.data(), B, C, W - 1),
+                                                               .final_state = k3::host_view(fs.data(), B, C, W - 1)});
   auto sv = k3::host_view(st.data(), B, C, W - 1);
-  k3::kda::short_conv(serial, k3::host_view(x.data(), B, T, C), k3::host_view(w.data(), C, W), nullptr, k3::host_view(y2.data(), B, T, C),
-                      nullptr, sv, sv);
+  k3::kda::short_conv(serial, k3::kda::short_conv_args<double>{.x = k3::host_view(x.data(), B, T, C), .weight = k3::host_view(w.data(), C, W),
+                                                               .y = k3::host_view(y2.data(), B, T, C), .initial_state = sv, .final_state = sv});
   CHECK(y1 == y2);
   CHECK(st == fs);
 }
@@ -352,9 +359,16 @@ TEST_CASE("serial and threads agree bitwise, forward and backward") {
     auto bv = k3::host_view(bias.data(), C);
     auto cuv = k3::host_view(cu.data(), N + 1);
     auto iv = k3::host_view(init.data(), N, C, W - 1);
-    k3::kda::short_conv(bk, xv, wv, bv, k3::host_view(y.data(), 1, T, C), cuv, iv, k3::host_view(fs.data(), N, C, W - 1));
-    k3::kda::short_conv_backward(bk, xv, wv, bv, k3::host_view(dy.data(), 1, T, C), k3::host_view(dx.data(), 1, T, C),
-                                 k3::host_view(dw.data(), C, W), k3::host_view(db.data(), C), cuv, iv, k3::host_view(di.data(), N, C, W - 1));
+    k3::kda::short_conv(bk,
+                        k3::kda::short_conv_args<float>{.x = xv, .weight = wv, .bias = bv, .y = k3::host_view(y.data(), 1, T, C), .initial_state = iv,
+                                                        .final_state = k3::host_view(fs.data(), N, C, W - 1)},
+                        {.cu_seqlens = cuv});
+    k3::kda::short_conv_backward(bk,
+                                 k3::kda::short_conv_backward_args<float>{.x = xv, .weight = wv, .bias = bv, .d_y = k3::host_view(dy.data(), 1, T, C),
+                                                                          .d_x = k3::host_view(dx.data(), 1, T, C), .d_weight = k3::host_view(dw.data(), C, W),
+                                                                          .d_bias = k3::host_view(db.data(), C), .initial_state = iv,
+                                                                          .d_initial_state = k3::host_view(di.data(), N, C, W - 1)},
+                                 {.cu_seqlens = cuv});
     return std::vector<std::vector<float>>{y, fs, dx, dw, db, di};
   };
   auto a = run(serial);
@@ -369,12 +383,19 @@ TEST_CASE("bfloat16 storage backward against double on the same inputs") {
   auto dy = cast<bfloat16>(randn(x.size(), 93));
   std::vector<bfloat16> dx(x.size());
   std::vector<float> dw(w.size());
-  k3::kda::short_conv_backward(serial, k3::host_view(x.data(), B, T, C), k3::host_view(w.data(), C, W), nullptr,
-                               k3::host_view(dy.data(), B, T, C), k3::host_view(dx.data(), B, T, C), k3::host_view(dw.data(), C, W));
+  // bfloat16 activations, fp32 parameters: the bf16 weight widened (exactly) to float.
+  std::vector<float> wf(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) wf[i] = k3::load_as<float>(w[i]);
+  k3::kda::short_conv_backward(serial, k3::kda::short_conv_backward_args<bfloat16, float>{
+                                           .x = k3::host_view(x.data(), B, T, C), .weight = k3::host_view(wf.data(), C, W),
+                                           .d_y = k3::host_view(dy.data(), B, T, C), .d_x = k3::host_view(dx.data(), B, T, C),
+                                           .d_weight = k3::host_view(dw.data(), C, W)});
   auto xd = widen(x), wd = widen(w), dyd = widen(dy);
   std::vector<double> dxr(x.size()), dwr(w.size());
-  k3::kda::short_conv_backward(serial, k3::host_view(xd.data(), B, T, C), k3::host_view(wd.data(), C, W), nullptr,
-                               k3::host_view(dyd.data(), B, T, C), k3::host_view(dxr.data(), B, T, C), k3::host_view(dwr.data(), C, W));
+  k3::kda::short_conv_backward(serial, k3::kda::short_conv_backward_args<double>{
+                                           .x = k3::host_view(xd.data(), B, T, C), .weight = k3::host_view(wd.data(), C, W),
+                                           .d_y = k3::host_view(dyd.data(), B, T, C), .d_x = k3::host_view(dxr.data(), B, T, C),
+                                           .d_weight = k3::host_view(dwr.data(), C, W)});
   check_close(widen(dx), dxr, 8e-3, 1e-2, "dx bf16");
   check_close(widen(dw), dwr, 1e-5, 1e-5, "dweight fp32 from bf16 inputs");
 }
@@ -389,45 +410,58 @@ TEST_CASE("bad input names the argument") {
     INFO(m);
     CHECK(m.find(s) != std::string::npos);
   };
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C + 1, 2), nullptr, yv); }), "'weight'");
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, k3::host_view(w.data(), C, 0), nullptr, yv); }), "'weight'");
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, k3::host_view(buf.data(), C + 1), yv); }), "'bias'");
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, k3::host_view(buf.data(), 1, T, C + 1)); }), "'y'");
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, xv); }), "overlap");
+  using Args = k3::kda::short_conv_args<double>;
+  using BwdArgs = k3::kda::short_conv_backward_args<double>;
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = k3::host_view(w.data(), C + 1, 2), .y = yv}); }), "'weight'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = k3::host_view(w.data(), C, 0), .y = yv}); }), "'weight'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = wv, .bias = k3::host_view(buf.data(), C + 1), .y = yv}); }), "'bias'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = wv, .y = k3::host_view(buf.data(), 1, T, C + 1)}); }), "'y'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = wv, .y = xv}); }), "overlap");
   std::vector<std::int64_t> bad1 = {1, 6}, bad2 = {0, 4, 3, 6}, bad3 = {0, 5};
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, k3::host_view(bad1.data(), 2)); }), "start at 0");
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, k3::host_view(bad2.data(), 4)); }), "non-decreasing");
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, k3::host_view(bad3.data(), 2)); }), "end at T");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = wv, .y = yv}, {.cu_seqlens = k3::host_view(bad1.data(), 2)}); }),
+      "start at 0");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = wv, .y = yv}, {.cu_seqlens = k3::host_view(bad2.data(), 4)}); }),
+      "non-decreasing");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = wv, .y = yv}, {.cu_seqlens = k3::host_view(bad3.data(), 2)}); }),
+      "end at T");
   std::vector<std::int64_t> good = {0, 6};
   has(k3::test::error_of([&] {
-        k3::kda::short_conv(serial, k3::host_view(x.data(), 2, T, C), wv, nullptr, k3::host_view(y.data(), 2, T, C),
-                            k3::host_view(good.data(), 2));
+        k3::kda::short_conv(serial, Args{.x = k3::host_view(x.data(), 2, T, C), .weight = wv, .y = k3::host_view(y.data(), 2, T, C)},
+                            {.cu_seqlens = k3::host_view(good.data(), 2)});
       }),
       "'cu_seqlens'");
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, nullptr, k3::host_view(buf.data(), 1, C, W)); }), "'initial_state'");
-  has(k3::test::error_of([&] { k3::kda::short_conv(serial, xv, wv, nullptr, yv, nullptr, nullptr, k3::host_view(buf.data(), 2, C, W - 1)); }),
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = wv, .y = yv, .initial_state = k3::host_view(buf.data(), 1, C, W)}); }),
+      "'initial_state'");
+  has(k3::test::error_of([&] { k3::kda::short_conv(serial, Args{.x = xv, .weight = wv, .y = yv, .final_state = k3::host_view(buf.data(), 2, C, W - 1)}); }),
       "'final_state'");
   has(k3::test::error_of([&] {
-        k3::kda::short_conv_backward(serial, xv, wv, nullptr, k3::host_view(buf.data(), 1, T + 1, C), yv);
+        k3::kda::short_conv_backward(serial, BwdArgs{.x = xv, .weight = wv, .d_y = k3::host_view(buf.data(), 1, T + 1, C), .d_x = yv});
       }),
-      "'dy'");
+      "'d_y'");
   has(k3::test::error_of([&] {
-        k3::kda::short_conv_backward(serial, xv, wv, nullptr, xv, yv, k3::host_view(buf.data(), C, W + 1));
+        k3::kda::short_conv_backward(serial, BwdArgs{.x = xv, .weight = wv, .d_y = xv, .d_x = yv, .d_weight = k3::host_view(buf.data(), C, W + 1)});
       }),
-      "'dweight'");
+      "'d_weight'");
   // decode
   std::vector<double> xs(static_cast<std::size_t>(2 * C)), ys(xs.size()), pool(static_cast<std::size_t>(3 * C * (W - 1)));
   auto xsv = k3::host_view(xs.data(), 2, C);
   auto ysv = k3::host_view(ys.data(), 2, C);
   auto pv = k3::host_view(pool.data(), 3, C, W - 1);
   std::vector<std::int32_t> out_of_range = {0, 3}, negative = {-1, 0}, twice = {1, 1};
-  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(out_of_range.data(), 2)); }), "'slots'");
-  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(negative.data(), 2)); }), "'slots'");
-  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(twice.data(), 2)); }), "twice");
-  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, ysv, k3::host_view(twice.data(), 1)); }), "'slots'");
-  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, k3::host_view(pool.data(), 1, C, W - 1), ysv); }), "'conv_state'");
-  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, k3::host_view(pool.data(), 2, C, W), ysv); }), "'conv_state'");
-  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, xsv, wv, nullptr, pv, k3::host_view(ys.data(), 1, C)); }), "'y'");
+  using DecArgs = k3::kda::short_conv_decode_args<double>;
+  auto decode_with = [&](k3::tensor_view<std::int32_t const, 1> slots) {
+    k3::kda::short_conv_decode(serial, DecArgs{.x = xsv, .weight = wv, .conv_state = pv, .y = ysv, .slots32 = slots});
+  };
+  has(k3::test::error_of([&] { decode_with(k3::host_view(out_of_range.data(), 2)); }), "'slots32'");
+  has(k3::test::error_of([&] { decode_with(k3::host_view(negative.data(), 2)); }), "'slots32'");
+  has(k3::test::error_of([&] { decode_with(k3::host_view(twice.data(), 2)); }), "twice");
+  has(k3::test::error_of([&] { decode_with(k3::host_view(twice.data(), 1)); }), "'slots32'");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, DecArgs{.x = xsv, .weight = wv, .conv_state = k3::host_view(pool.data(), 1, C, W - 1), .y = ysv}); }),
+      "'conv_state'");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, DecArgs{.x = xsv, .weight = wv, .conv_state = k3::host_view(pool.data(), 2, C, W), .y = ysv}); }),
+      "'conv_state'");
+  has(k3::test::error_of([&] { k3::kda::short_conv_decode(serial, DecArgs{.x = xsv, .weight = wv, .conv_state = pv, .y = k3::host_view(ys.data(), 1, C)}); }),
+      "'y'");
 }
 
 TEST_CASE("empty shapes: no tokens, empty sequences pass the initial state through") {
@@ -436,22 +470,27 @@ TEST_CASE("empty shapes: no tokens, empty sequences pass the initial state throu
   auto init = randn(static_cast<std::size_t>(2 * C * (W - 1)), 102);
   std::vector<double> fs(init.size(), -1.0), none;
   // B = 2 rows of T = 0 tokens
-  k3::kda::short_conv(serial, k3::host_view(none.data(), 2, 0, C), k3::host_view(w.data(), C, W), nullptr,
-                      k3::host_view(none.data(), 2, 0, C), nullptr, k3::host_view(init.data(), 2, C, W - 1),
-                      k3::host_view(fs.data(), 2, C, W - 1));
+  k3::kda::short_conv(serial, k3::kda::short_conv_args<double>{.x = k3::host_view(none.data(), 2, 0, C), .weight = k3::host_view(w.data(), C, W),
+                                                               .y = k3::host_view(none.data(), 2, 0, C),
+                                                               .initial_state = k3::host_view(init.data(), 2, C, W - 1),
+                                                               .final_state = k3::host_view(fs.data(), 2, C, W - 1)});
   CHECK(fs == init);
   std::vector<double> di(init.size(), -1.0), dw(w.size(), -1.0);
-  k3::kda::short_conv_backward(serial, k3::host_view(none.data(), 2, 0, C), k3::host_view(w.data(), C, W), nullptr,
-                               k3::host_view(none.data(), 2, 0, C), k3::host_view(none.data(), 2, 0, C), k3::host_view(dw.data(), C, W),
-                               nullptr, nullptr, k3::host_view(init.data(), 2, C, W - 1), k3::host_view(di.data(), 2, C, W - 1));
+  k3::kda::short_conv_backward(serial, k3::kda::short_conv_backward_args<double>{
+                                           .x = k3::host_view(none.data(), 2, 0, C), .weight = k3::host_view(w.data(), C, W),
+                                           .d_y = k3::host_view(none.data(), 2, 0, C), .d_x = k3::host_view(none.data(), 2, 0, C),
+                                           .d_weight = k3::host_view(dw.data(), C, W), .initial_state = k3::host_view(init.data(), 2, C, W - 1),
+                                           .d_initial_state = k3::host_view(di.data(), 2, C, W - 1)});
   for (double v : di) CHECK(v == 0.0);
   for (double v : dw) CHECK(v == 0.0);
   // B = 0
-  k3::kda::short_conv(serial, k3::host_view(none.data(), 0, 5, C), k3::host_view(w.data(), C, W), nullptr, k3::host_view(none.data(), 0, 5, C));
+  k3::kda::short_conv(serial, k3::kda::short_conv_args<double>{.x = k3::host_view(none.data(), 0, 5, C), .weight = k3::host_view(w.data(), C, W),
+                                                               .y = k3::host_view(none.data(), 0, 5, C)});
   // decode with N = 0
   std::vector<double> pool(static_cast<std::size_t>(C * (W - 1)));
-  k3::kda::short_conv_decode(serial, k3::host_view(none.data(), 0, C), k3::host_view(w.data(), C, W), nullptr,
-                             k3::host_view(pool.data(), 1, C, W - 1), k3::host_view(none.data(), 0, C));
+  k3::kda::short_conv_decode(serial, k3::kda::short_conv_decode_args<double>{.x = k3::host_view(none.data(), 0, C), .weight = k3::host_view(w.data(), C, W),
+                                                                            .conv_state = k3::host_view(pool.data(), 1, C, W - 1),
+                                                                            .y = k3::host_view(none.data(), 0, C)});
 }
 
 TEST_CASE("a NaN in one sequence stays in that sequence (forward and dx)") {
@@ -465,9 +504,11 @@ TEST_CASE("a NaN in one sequence stays in that sequence (forward and dx)") {
   auto xv = k3::host_view(x.data(), 1, T, C);
   auto wv = k3::host_view(w.data(), C, W);
   auto cuv = k3::host_view(cu.data(), 3);
-  k3::kda::short_conv(serial, xv, wv, nullptr, k3::host_view(y.data(), 1, T, C), cuv);
-  k3::kda::short_conv_backward(serial, xv, wv, nullptr, k3::host_view(dy.data(), 1, T, C), k3::host_view(dx.data(), 1, T, C), nullptr,
-                               nullptr, cuv);
+  k3::kda::short_conv(serial, k3::kda::short_conv_args<double>{.x = xv, .weight = wv, .y = k3::host_view(y.data(), 1, T, C)}, {.cu_seqlens = cuv});
+  k3::kda::short_conv_backward(serial,
+                               k3::kda::short_conv_backward_args<double>{.x = xv, .weight = wv, .d_y = k3::host_view(dy.data(), 1, T, C),
+                                                                         .d_x = k3::host_view(dx.data(), 1, T, C)},
+                               {.cu_seqlens = cuv});
   for (index_t t = 0; t < T; ++t)
     for (index_t c = 0; c < C; ++c) {
       bool const poisoned = t == 9 && c == 1;  // depthwise: other channels and sequences stay clean

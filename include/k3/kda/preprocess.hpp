@@ -7,9 +7,12 @@
 //   short_conv / short_conv_backward            causal depthwise conv (width 4) + SiLU, varlen
 //   short_conv_decode                           one token per sequence, conv-state pool in place
 //
-// All take a host backend first (k3::cpu::serial, k3::cpu::simd<>, k3::cpu::threads<>), then
-// tensor_views; optional arguments accept nullptr. Storage: float, double or k3::bfloat16
-// (fp32 math for bfloat16). Bad input throws k3::error naming the argument.
+// Every op is op(backend, args, options = {}): a host backend (k3::cpu::serial, k3::cpu::simd<>,
+// k3::cpu::threads<>), one args aggregate of views (short_conv_args<In, P>, l2norm_args<In, Rank>,
+// beta_sigmoid_args<In, Rank>, gate_args<In, P> and their *_backward_args, whose gradients are
+// d_<name>; optional members left default-constructed are absent), then the options.
+// Storage: float, double or k3::bfloat16 (fp32 math for bfloat16). Bad input throws k3::error
+// naming the args member.
 #pragma once
 
 #include "k3/kda/preprocess/common.hpp"

@@ -1,6 +1,6 @@
-// k3/kda/preprocess/common.hpp — shared plumbing of the KDA pre-processing ops: optional
-// arguments spelled `nullptr`, storage/compute type rules, row addressing of strided views,
-// deterministic blocked reductions over a backend, and the varlen sequence table.
+// k3/kda/preprocess/common.hpp — shared plumbing of the KDA pre-processing ops: storage/compute
+// type rules, row addressing of strided views, deterministic blocked reductions over a backend,
+// and the varlen sequence table.
 #pragma once
 #include <algorithm>
 #include <cstddef>
@@ -20,57 +20,20 @@
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
+#include "k3/kda/common.hpp"
 
 namespace k3::kda {
-
-// Marks an optional argument as absent; any optional view parameter also accepts nullptr.
-using none_t = std::nullptr_t;
-inline constexpr none_t none = nullptr;
 
 namespace detail {
 
 template <class V>
-inline constexpr bool pp_is_none = std::is_same_v<std::remove_cvref_t<V>, std::nullptr_t>;
+using pp_elem_t = std::remove_const_t<typename std::remove_cvref_t<V>::element_type>;
 
-template <class V>
-struct pp_elem {
-  using type = std::remove_const_t<typename std::remove_cvref_t<V>::element_type>;
-};
-template <>
-struct pp_elem<std::nullptr_t> {
-  using type = float;  // an absent argument never forces double compute
-};
-template <class V>
-using pp_elem_t = typename pp_elem<std::remove_cvref_t<V>>::type;
-
-template <class S>
-inline constexpr bool pp_storage = std::is_same_v<S, float> || std::is_same_v<S, double> || std::is_same_v<S, bfloat16>;
-
-// Compute in double when any participating storage is double, otherwise in float
-// (bfloat16 storage is always widened to fp32 on load).
+// The accumulation type of the participating views' storage (bfloat16 is widened to fp32 on
+// load). An absent optional view has the element type of its args member, which is never
+// wider than the required views' types.
 template <class... V>
-using pp_compute_t = std::conditional_t<(std::is_same_v<pp_elem_t<V>, double> || ...), double, float>;
-
-// An argument that is either a host tensor_view of the given rank or nullptr (absent).
-template <class V, std::size_t Rank>
-constexpr bool pp_in_view_f() {
-  if constexpr (TensorViewOfRank<V, Rank>)
-    return std::remove_cvref_t<V>::memory_space::host_accessible;
-  else
-    return false;
-}
-template <class V, std::size_t Rank>
-inline constexpr bool pp_in_view = pp_in_view_f<V, Rank>();
-template <class V, std::size_t Rank>
-inline constexpr bool pp_opt_view = pp_is_none<V> || pp_in_view<V, Rank>;
-
-template <class V>
-inline constexpr bool pp_writable = !std::is_const_v<typename std::remove_cvref_t<V>::element_type>;
-
-template <class V>
-constexpr void pp_static_checks() {
-  if constexpr (!pp_is_none<V>) static_assert(pp_storage<pp_elem_t<V>>, "k3::kda pre-processing: storage must be float, double or k3::bfloat16");
-}
+using pp_compute_t = ::k3::accumulation_t<pp_elem_t<V>...>;
 
 // Offset of row r (a linear index over all dimensions but the last) of a strided view.
 template <class V>
@@ -122,18 +85,6 @@ void pp_check_same_shape(std::string_view name_a, A const& a, std::string_view n
   if (!ok)
     throw ::k3::error(error_kind::shape, "argument '" + std::string(name_b) + "': expected shape " + pp_shape_list(a) + " (the shape of '" +
                       std::string(name_a) + "'), got " + pp_shape_list(b));
-}
-
-template <class V>
-void pp_check_view(std::string_view name, V const& v) {
-  if constexpr (!pp_is_none<V>) ::k3::detail::check_view(name, v);
-}
-
-// For the argument lists of ::k3::detail::check_outputs_apart: f(name, v) unless v is an absent
-// optional (nullptr).
-template <class F, class V>
-void pp_each(F&& f, char const* name, V const& v) {
-  if constexpr (!pp_is_none<V>) f(name, v);
 }
 
 // 1 / (1 + e) for e in [0, 1] (or NaN), within an ulp: the hardware's reciprocal estimate and one
@@ -307,38 +258,35 @@ struct pp_sequence {
 };
 
 // Sequences of a [B, T, ...] input: one per batch row, or (B == 1) the cu_seqlens segments.
-template <class Cu>
-std::vector<pp_sequence> pp_sequences(index_t B, index_t T, Cu const& cu_seqlens) {
+inline std::vector<pp_sequence> pp_sequences(index_t B, index_t T, cu_seqlens_view const& cu_seqlens) {
   std::vector<pp_sequence> seqs;
-  if constexpr (pp_is_none<Cu>) {
+  if (!cu_seqlens.present()) {
     seqs.reserve(static_cast<std::size_t>(B));
     for (index_t b = 0; b < B; ++b) seqs.push_back({b, 0, T});
-  } else {
-    using I = std::remove_const_t<typename std::remove_cvref_t<Cu>::element_type>;
-    static_assert(std::is_integral_v<I>, "cu_seqlens must hold integers (int32 or int64)");
-    ::k3::detail::check_view("cu_seqlens", cu_seqlens);
-    index_t const n = cu_seqlens.extent(0);
-    ::k3::detail::require(B == 1, error_kind::shape, [&] { return "argument 'cu_seqlens': needs batch size 1, got B = " + std::to_string(B); });
-    ::k3::detail::require(n >= 1, error_kind::shape, "argument 'cu_seqlens': needs at least one entry (0)");
-    ::k3::detail::require(static_cast<index_t>(cu_seqlens(0)) == 0, error_kind::value, [&] {
-      return "argument 'cu_seqlens': must start at 0, got " + std::to_string(static_cast<index_t>(cu_seqlens(0)));
+    return seqs;
+  }
+  index_t const n = cu_seqlens.size();
+  ::k3::detail::require(n == 0 || cu_seqlens.data() != nullptr, error_kind::value, "argument 'cu_seqlens': null data with a non-empty shape");
+  ::k3::detail::require(B == 1, error_kind::shape, [&] { return "argument 'cu_seqlens': needs batch size 1, got B = " + std::to_string(B); });
+  ::k3::detail::require(n >= 1, error_kind::shape, "argument 'cu_seqlens': needs at least one entry (0)");
+  ::k3::detail::require(cu_seqlens[0] == 0, error_kind::value, [&] {
+    return "argument 'cu_seqlens': must start at 0, got " + std::to_string(cu_seqlens[0]);
+  });
+  for (index_t i = 1; i < n; ++i) {
+    index_t const a = cu_seqlens[i - 1], c = cu_seqlens[i];
+    ::k3::detail::require(c >= a, error_kind::value, [&] {
+      return "argument 'cu_seqlens': must be non-decreasing, got " + std::to_string(a) + " then " + std::to_string(c) +
+             " at index " + std::to_string(i);
     });
-    for (index_t i = 1; i < n; ++i) {
-      index_t const a = static_cast<index_t>(cu_seqlens(i - 1)), c = static_cast<index_t>(cu_seqlens(i));
-      ::k3::detail::require(c >= a, error_kind::value, [&] {
-        return "argument 'cu_seqlens': must be non-decreasing, got " + std::to_string(a) + " then " + std::to_string(c) +
-               " at index " + std::to_string(i);
-      });
-    }
-    index_t const last = static_cast<index_t>(cu_seqlens(n - 1));
-    ::k3::detail::require(last == T, error_kind::value, [&] {
-      return "argument 'cu_seqlens': must end at T = " + std::to_string(T) + ", got " + std::to_string(last);
-    });
-    seqs.reserve(static_cast<std::size_t>(n - 1));
-    for (index_t i = 0; i + 1 < n; ++i) {
-      index_t const s = static_cast<index_t>(cu_seqlens(i));
-      seqs.push_back({0, s, static_cast<index_t>(cu_seqlens(i + 1)) - s});
-    }
+  }
+  index_t const last = cu_seqlens[n - 1];
+  ::k3::detail::require(last == T, error_kind::value, [&] {
+    return "argument 'cu_seqlens': must end at T = " + std::to_string(T) + ", got " + std::to_string(last);
+  });
+  seqs.reserve(static_cast<std::size_t>(n - 1));
+  for (index_t i = 0; i + 1 < n; ++i) {
+    index_t const s = cu_seqlens[i];
+    seqs.push_back({0, s, cu_seqlens[i + 1] - s});
   }
   return seqs;
 }

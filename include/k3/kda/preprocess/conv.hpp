@@ -13,16 +13,72 @@
 // leaks across cu_seqlens boundaries or batch rows. The final conv state holds the last
 // W-1 inputs of each sequence (reaching into the initial state for short sequences), so
 // decoding token by token after a prefill continues the same convolution.
+//
+//   short_conv(be, short_conv_args<In, P>{.x, .weight, .bias, .y, .initial_state, .final_state},
+//              {.cu_seqlens, .silu})
+//   short_conv_backward(be, short_conv_backward_args<In, P>{.x, .weight, .bias, .d_y, .d_x,
+//                       .d_weight, .d_bias, .initial_state, .d_initial_state}, options)
+//   short_conv_decode(be, short_conv_decode_args<In, P>{.x, .weight, .bias, .conv_state, .y,
+//                     .slots32 | .slots64}, {.silu})
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "k3/core/math.hpp"
+#include "k3/core/storage.hpp"
 #include "k3/kda/preprocess/common.hpp"
 
 namespace k3::kda {
+
+// Options of the three conv ops. cu_seqlens: packed sequences (B = 1) for the prefill and its
+// backward; the decode step (one token per sequence) refuses it. silu = false leaves y = pre.
+struct short_conv_options {
+  cu_seqlens_view cu_seqlens = {};
+  bool silu = true;
+};
+
+// In: the activations (x, y and their gradients). P: weight, bias and the conv states, which
+// may be stored wider than the activations (float parameters with bfloat16 x and y).
+template <Storage In, Storage P = In>
+struct short_conv_args {
+  tensor_view<In const, 3> x;                  // [B, T, C]
+  tensor_view<P const, 2> weight;              // [C, W]
+  tensor_view<P const, 1> bias = {};           // [C]; absent = 0
+  tensor_view<In, 3> y;                        // [B, T, C]
+  tensor_view<P const, 3> initial_state = {};  // [N, C, W-1]; absent = zeros
+  tensor_view<P, 3> final_state = {};          // [N, C, W-1]; may be initial_state itself (in place)
+};
+
+// The final conv state is treated as not differentiated (decode cache).
+template <Storage In, Storage P = In>
+struct short_conv_backward_args {
+  tensor_view<In const, 3> x;                  // [B, T, C]
+  tensor_view<P const, 2> weight;              // [C, W]
+  tensor_view<P const, 1> bias = {};           // [C]
+  tensor_view<In const, 3> d_y;                // [B, T, C]
+  tensor_view<In, 3> d_x;                      // [B, T, C]
+  tensor_view<P, 2> d_weight = {};             // [C, W]; absent = not wanted
+  tensor_view<P, 1> d_bias = {};               // [C]; also wanted without a bias (the gradient at 0)
+  tensor_view<P const, 3> initial_state = {};  // [N, C, W-1]
+  tensor_view<P, 3> d_initial_state = {};      // [N, C, W-1]; needs initial_state
+};
+
+// One new token per sequence; conv_state [P, C, W-1] is a pool updated in place. Sequence n
+// uses slot slots32[n] or slots64[n] (at most one given; distinct, in [0, P)), or slot n
+// without slots (then P >= N).
+template <Storage In, Storage P = In>
+struct short_conv_decode_args {
+  tensor_view<In const, 2> x;       // [N, C]
+  tensor_view<P const, 2> weight;   // [C, W]
+  tensor_view<P const, 1> bias = {};
+  tensor_view<P, 3> conv_state;     // [pool, C, W-1]
+  tensor_view<In, 2> y;             // [N, C]
+  tensor_view<std::int32_t const, 1> slots32 = {};
+  tensor_view<std::int64_t const, 1> slots64 = {};
+};
 
 namespace detail {
 
@@ -73,29 +129,20 @@ void pp_conv_row(float* out, float const* bias, float const* wt, index_t ldw, fl
 }
 
 // Shape checks shared by the prefill forward and backward. Returns the sequence table.
-template <class X, class Wt, class Bias, class Cu, class S0>
-std::vector<pp_sequence> pp_check_conv(X const& x, Wt const& weight, Bias const& bias, Cu const& cu_seqlens, S0 const& init) {
-  static_assert(pp_in_view<X, 3>, "x must be a rank-3 host tensor_view [B, T, C]");
-  static_assert(pp_in_view<Wt, 2>, "weight must be a rank-2 host tensor_view [C, W]");
-  static_assert(pp_opt_view<Bias, 1>, "bias must be a rank-1 host tensor_view [C] or nullptr");
-  static_assert(pp_opt_view<Cu, 1>, "cu_seqlens must be a rank-1 host tensor_view [N+1] or nullptr");
-  static_assert(pp_opt_view<S0, 3>, "initial_state must be a rank-3 host tensor_view [N, C, W-1] or nullptr");
-  pp_static_checks<X>();
-  pp_static_checks<Wt>();
-  pp_static_checks<Bias>();
-  pp_static_checks<S0>();
+template <class X, class Wt, class Bias, class S0>
+std::vector<pp_sequence> pp_check_conv(X const& x, Wt const& weight, Bias const& bias, cu_seqlens_view const& cu_seqlens, S0 const& init) {
   ::k3::detail::check_view("x", x);
   ::k3::detail::check_view("weight", weight);
   index_t const B = x.extent(0), T = x.extent(1), C = x.extent(2);
   ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
   index_t const W = weight.extent(1);
   ::k3::detail::require(W >= 1, error_kind::shape, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
-  if constexpr (!pp_is_none<Bias>) {
+  if (::k3::present(bias)) {
     ::k3::detail::check_view("bias", bias);
     ::k3::detail::check_shape("bias", bias, {C});
   }
   std::vector<pp_sequence> seqs = pp_sequences(B, T, cu_seqlens);
-  if constexpr (!pp_is_none<S0>) {
+  if (::k3::present(init)) {
     ::k3::detail::check_view("initial_state", init);
     ::k3::detail::check_shape("initial_state", init, {static_cast<index_t>(seqs.size()), C, W - 1});
   }
@@ -107,22 +154,13 @@ std::vector<pp_sequence> pp_check_conv(X const& x, Wt const& weight, Bias const&
 template <class T, class X, class S0>
 inline T pp_conv_in(X const& x, S0 const& init, pp_sequence const& sq, index_t n, index_t W, index_t p, index_t c) {
   if (p >= sq.start) return load_as<T>(x(sq.b, p, c));
-  if constexpr (pp_is_none<S0>) {
-    (void)init, (void)n, (void)W;
-    return T(0);
-  } else {
-    return load_as<T>(init(n, c, p - sq.start + (W - 1)));
-  }
+  if (init.data_handle() == nullptr) return T(0);  // absent (a present view was checked non-null)
+  return load_as<T>(init(n, c, p - sq.start + (W - 1)));
 }
 
 template <class T, class Bias>
 inline T pp_bias(Bias const& bias, index_t c) {
-  if constexpr (pp_is_none<Bias>) {
-    (void)bias, (void)c;
-    return T(0);
-  } else {
-    return load_as<T>(bias(c));
-  }
+  return bias.data_handle() == nullptr ? T(0) : load_as<T>(bias(c));
 }
 
 // The weight transposed to [W, C] and the bias as a row [C], in T and on cache lines: the
@@ -144,33 +182,35 @@ pp_conv_rows<T> pp_conv_rows_of(Wt const& weight, Bias const& bias, index_t W, i
 // The very same elements (an in-place update), as opposed to a partial overlap.
 template <class A, class B>
 bool pp_same_view(A const& a, B const& b) {
-  if constexpr (pp_is_none<A> || pp_is_none<B> || !std::is_same_v<pp_elem_t<A>, pp_elem_t<B>>) {
-    return false;
-  } else {
-    return static_cast<void const*>(a.data_handle()) == static_cast<void const*>(b.data_handle()) &&
-           a.extents() == b.extents() && a.strides() == b.strides();
-  }
+  return ::k3::present(a) && ::k3::present(b) && static_cast<void const*>(a.data_handle()) == static_cast<void const*>(b.data_handle()) &&
+         a.extents() == b.extents() && a.strides() == b.strides();
 }
 
 }  // namespace detail
 
 // Prefill: y = silu(conv(x) + bias); optionally reads an initial conv state and writes the
 // final conv state (final_state may be the very same view as initial_state: in-place update).
-template <HostBackend Bk, TensorView X, TensorView Wt, class Bias, TensorView Y, class Cu = none_t, class S0 = none_t,
-          class S1 = none_t>
-void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y const& y, Cu const& cu_seqlens = nullptr,
-                S0 const& initial_state = nullptr, S1 const& final_state = nullptr, bool silu = true) {
-  static_assert(detail::pp_in_view<Y, 3>, "y must be a rank-3 host tensor_view [B, T, C]");
-  static_assert(detail::pp_writable<Y>, "y is an output");
-  static_assert(detail::pp_opt_view<S1, 3>, "final_state must be a rank-3 host tensor_view [N, C, W-1] or nullptr");
-  detail::pp_static_checks<Y>();
-  detail::pp_static_checks<S1>();
-  auto const seqs = detail::pp_check_conv(x, weight, bias, cu_seqlens, initial_state);
+template <HostBackend Bk, class In, class P>
+void short_conv(Bk const& b, short_conv_args<In, P> const& a, short_conv_options const& opt = {}) {
+  auto const& x = a.x;
+  auto const& weight = a.weight;
+  auto const& bias = a.bias;
+  auto const& y = a.y;
+  auto const& initial_state = a.initial_state;
+  auto const& final_state = a.final_state;
+  using X = std::remove_cvref_t<decltype(x)>;
+  using Wt = std::remove_cvref_t<decltype(weight)>;
+  using Bias = std::remove_cvref_t<decltype(bias)>;
+  using Y = std::remove_cvref_t<decltype(y)>;
+  using S0 = std::remove_cvref_t<decltype(initial_state)>;
+  using S1 = std::remove_cvref_t<decltype(final_state)>;
+  bool const silu = opt.silu;
+  auto const seqs = detail::pp_check_conv(x, weight, bias, opt.cu_seqlens, initial_state);
   index_t const B = x.extent(0), Tn = x.extent(1), C = x.extent(2), W = weight.extent(1);
   ::k3::detail::check_view("y", y);
   ::k3::detail::check_shape("y", y, {B, Tn, C});
-  if constexpr (!detail::pp_is_none<S1>) {
-    static_assert(detail::pp_writable<S1>, "final_state is an output");
+  bool const has_final = ::k3::present(final_state);
+  if (has_final) {
     ::k3::detail::check_view("final_state", final_state);
     ::k3::detail::check_shape("final_state", final_state, {static_cast<index_t>(seqs.size()), C, W - 1});
   }
@@ -180,16 +220,16 @@ void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y c
   ::k3::detail::check_outputs_apart(
       [&](auto&& f) {
         f("y", y);
-        detail::pp_each(f, "final_state", final_state);
+        f("final_state", final_state);
       },
       [&](auto&& f) {
         f("x", x);
         f("weight", weight);
-        detail::pp_each(f, "bias", bias);
-        if (!in_place) detail::pp_each(f, "initial_state", initial_state);
+        f("bias", bias);
+        if (!in_place) f("initial_state", initial_state);
       });
   using T = detail::pp_compute_t<X, Wt, Bias, Y, S0, S1>;
-  constexpr bool varlen = !detail::pp_is_none<Cu>;
+  bool const varlen = opt.cu_seqlens.present();
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
   auto const taps = detail::pp_conv_rows_of<T>(weight, bias, W, C);
   auto const& wt = taps.weight;
@@ -237,7 +277,7 @@ void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y c
       }
     }
   });
-  if constexpr (!detail::pp_is_none<S1>) {
+  if (has_final) {
     // Ascending i reads index i + len >= i of the initial state: safe when updating in place.
     b.for_each(0, static_cast<index_t>(seqs.size()), [&](index_t n) {
       detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
@@ -250,64 +290,68 @@ void short_conv(Bk const& b, X const& x, Wt const& weight, Bias const& bias, Y c
 }
 
 // Backward of short_conv with respect to x, weight, bias and (optionally) the initial conv
-// state, from dy. The final conv state is treated as not differentiated (decode cache).
-template <HostBackend Bk, TensorView X, TensorView Wt, class Bias, TensorView DY, TensorView DX, class DW = none_t,
-          class DB = none_t, class Cu = none_t, class S0 = none_t, class DS0 = none_t>
-void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& bias, DY const& dy, DX const& dx,
-                         DW const& dweight = nullptr, DB const& dbias = nullptr, Cu const& cu_seqlens = nullptr,
-                         S0 const& initial_state = nullptr, DS0 const& d_initial_state = nullptr, bool silu = true) {
-  static_assert(detail::pp_in_view<DY, 3>, "dy must be a rank-3 host tensor_view [B, T, C]");
-  static_assert(detail::pp_in_view<DX, 3>, "dx must be a rank-3 host tensor_view [B, T, C]");
-  static_assert(detail::pp_writable<DX>, "dx is an output");
-  static_assert(detail::pp_opt_view<DW, 2>, "dweight must be a rank-2 host tensor_view [C, W] or nullptr");
-  static_assert(detail::pp_opt_view<DB, 1>, "dbias must be a rank-1 host tensor_view [C] or nullptr");
-  static_assert(detail::pp_opt_view<DS0, 3>, "d_initial_state must be a rank-3 host tensor_view [N, C, W-1] or nullptr");
-  detail::pp_static_checks<DY>();
-  detail::pp_static_checks<DX>();
-  detail::pp_static_checks<DW>();
-  detail::pp_static_checks<DB>();
-  detail::pp_static_checks<DS0>();
-  auto const seqs = detail::pp_check_conv(x, weight, bias, cu_seqlens, initial_state);
+// state, from d_y.
+template <HostBackend Bk, class In, class P>
+void short_conv_backward(Bk const& b, short_conv_backward_args<In, P> const& a, short_conv_options const& opt = {}) {
+  auto const& x = a.x;
+  auto const& weight = a.weight;
+  auto const& bias = a.bias;
+  auto const& dy = a.d_y;
+  auto const& dx = a.d_x;
+  auto const& dweight = a.d_weight;
+  auto const& dbias = a.d_bias;
+  auto const& initial_state = a.initial_state;
+  auto const& d_initial_state = a.d_initial_state;
+  using X = std::remove_cvref_t<decltype(x)>;
+  using Wt = std::remove_cvref_t<decltype(weight)>;
+  using Bias = std::remove_cvref_t<decltype(bias)>;
+  using DY = std::remove_cvref_t<decltype(dy)>;
+  using DX = std::remove_cvref_t<decltype(dx)>;
+  using DW = std::remove_cvref_t<decltype(dweight)>;
+  using DB = std::remove_cvref_t<decltype(dbias)>;
+  using S0 = std::remove_cvref_t<decltype(initial_state)>;
+  using DS0 = std::remove_cvref_t<decltype(d_initial_state)>;
+  bool const silu = opt.silu;
+  auto const seqs = detail::pp_check_conv(x, weight, bias, opt.cu_seqlens, initial_state);
   index_t const B = x.extent(0), Tn = x.extent(1), C = x.extent(2), W = weight.extent(1);
   index_t const N = static_cast<index_t>(seqs.size());
-  ::k3::detail::check_view("dy", dy);
-  ::k3::detail::check_shape("dy", dy, {B, Tn, C});
-  ::k3::detail::check_view("dx", dx);
-  ::k3::detail::check_shape("dx", dx, {B, Tn, C});
-  if constexpr (!detail::pp_is_none<DW>) {
-    static_assert(detail::pp_writable<DW>, "dweight is an output");
-    ::k3::detail::check_view("dweight", dweight);
-    ::k3::detail::check_shape("dweight", dweight, {C, W});
+  ::k3::detail::check_view("d_y", dy);
+  ::k3::detail::check_shape("d_y", dy, {B, Tn, C});
+  ::k3::detail::check_view("d_x", dx);
+  ::k3::detail::check_shape("d_x", dx, {B, Tn, C});
+  bool const has_dw = ::k3::present(dweight), has_db = ::k3::present(dbias), has_ds0 = ::k3::present(d_initial_state);
+  if (has_dw) {
+    ::k3::detail::check_view("d_weight", dweight);
+    ::k3::detail::check_shape("d_weight", dweight, {C, W});
   }
-  if constexpr (!detail::pp_is_none<DB>) {
-    static_assert(detail::pp_writable<DB>, "dbias is an output");
-    ::k3::detail::check_view("dbias", dbias);
-    ::k3::detail::check_shape("dbias", dbias, {C});
+  if (has_db) {
+    ::k3::detail::check_view("d_bias", dbias);
+    ::k3::detail::check_shape("d_bias", dbias, {C});
   }
-  if constexpr (!detail::pp_is_none<DS0>) {
-    static_assert(detail::pp_writable<DS0>, "d_initial_state is an output");
-    static_assert(!detail::pp_is_none<S0>, "d_initial_state needs the initial_state it differentiates");
+  if (has_ds0) {
+    ::k3::detail::require(::k3::present(initial_state), error_kind::value,
+                          "argument 'd_initial_state': needs the initial_state it differentiates");
     ::k3::detail::check_view("d_initial_state", d_initial_state);
     ::k3::detail::check_shape("d_initial_state", d_initial_state, {N, C, W - 1});
   }
   // Every output: not broadcast, not over an input or another output.
   ::k3::detail::check_outputs_apart(
       [&](auto&& f) {
-        f("dx", dx);
-        detail::pp_each(f, "dweight", dweight);
-        detail::pp_each(f, "dbias", dbias);
-        detail::pp_each(f, "d_initial_state", d_initial_state);
+        f("d_x", dx);
+        f("d_weight", dweight);
+        f("d_bias", dbias);
+        f("d_initial_state", d_initial_state);
       },
       [&](auto&& f) {
         f("x", x);
         f("weight", weight);
-        detail::pp_each(f, "bias", bias);
-        f("dy", dy);
-        detail::pp_each(f, "initial_state", initial_state);
+        f("bias", bias);
+        f("d_y", dy);
+        f("initial_state", initial_state);
       });
 
   using T = detail::pp_compute_t<X, Wt, Bias, DY, DX, DW, DB, S0, DS0>;
-  constexpr bool varlen = !detail::pp_is_none<Cu>;
+  bool const varlen = opt.cu_seqlens.present();
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
   auto seq_of = [&](index_t bb, index_t t) { return varlen ? own[static_cast<std::size_t>(t)] : bb; };
 
@@ -322,8 +366,8 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
   // tile's rows. dpre never leaves the cache; only x, dy and dx cross memory.
   constexpr bool dx_rows = std::is_same_v<T, float> && std::is_same_v<T, detail::pp_elem_t<DX>>;
   bool const dx_unit = dx.stride(2) == 1;
-  constexpr bool want_sums = !detail::pp_is_none<DW> || !detail::pp_is_none<DB>;
-  constexpr bool want_head = !detail::pp_is_none<DS0>;
+  bool const want_sums = has_dw || has_db;
+  bool const want_head = has_ds0;
   index_t const rows = B * Tn;
   // The reduction partition (pp_reduce_block rows) depends only on the problem size: every
   // backend sums dweight and dbias in the same order.
@@ -395,7 +439,7 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
             }
           // dweight[c, j] += dpre[t, c] * in[t - (W-1) + j, c]; dbias[c] += dpre[t, c]; laid out
           // [W, C] then [C] so that a row adds to contiguous lanes.
-          if constexpr (want_sums) {
+          if (want_sums) {
             bool sums_done = false;
             if constexpr (x_rows) {
               if (x_unit && t - (W - 1) >= sq.start) {
@@ -415,7 +459,7 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
             double* ab = acc + W * C + c0;
             for (index_t c = 0; c < nc; ++c) ab[c] += static_cast<double>(d[c]);
           }
-          if constexpr (want_head) {
+          if (want_head) {
             if (t - sq.start < W - 1)
               std::copy(d, d + nc, head.data() + ((n * (W - 1) + (t - sq.start)) * C + c0));
           }
@@ -423,18 +467,18 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
       }
     }
   });
-  if constexpr (want_sums) {
+  if (want_sums) {
     std::vector<double> const sums = detail::pp_sum_blocks(part, blocks, width);
-    if constexpr (!detail::pp_is_none<DW>)
+    if (has_dw)
       for (index_t c = 0; c < C; ++c)
         for (index_t j = 0; j < W; ++j) dweight(c, j) = store_as<detail::pp_elem_t<DW>>(sums[static_cast<std::size_t>(j * C + c)]);
-    if constexpr (!detail::pp_is_none<DB>)
+    if (has_db)
       for (index_t c = 0; c < C; ++c) dbias(c) = store_as<detail::pp_elem_t<DB>>(sums[static_cast<std::size_t>(W * C + c)]);
   }
 
   // 4. The initial state's slot i is position start - (W-1) + i; it feeds outputs
   //    start + i - j for j <= i that lie inside the sequence.
-  if constexpr (!detail::pp_is_none<DS0>) {
+  if (has_ds0) {
     b.for_each(0, N, [&](index_t n) {
       detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
       for (index_t c = 0; c < C; ++c)
@@ -450,25 +494,23 @@ void short_conv_backward(Bk const& b, X const& x, Wt const& weight, Bias const& 
   }
 }
 
-// Decode: one new token per sequence. x, y [N, C]; conv_state [P, C, W-1] is a pool updated
-// in place; sequence n uses slot slots[n] (slots: [N] integers, distinct, in [0, P)), or
-// slot n when slots is nullptr (then P >= N).
-template <HostBackend Bk, TensorView X, TensorView Wt, class Bias, TensorView St, TensorView Y, class Slots = none_t>
-void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bias, St const& conv_state, Y const& y,
-                       Slots const& slots = nullptr, bool silu = true) {
-  static_assert(detail::pp_in_view<X, 2>, "x must be a rank-2 host tensor_view [N, C]");
-  static_assert(detail::pp_in_view<Wt, 2>, "weight must be a rank-2 host tensor_view [C, W]");
-  static_assert(detail::pp_opt_view<Bias, 1>, "bias must be a rank-1 host tensor_view [C] or nullptr");
-  static_assert(detail::pp_in_view<St, 3>, "conv_state must be a rank-3 host tensor_view [P, C, W-1]");
-  static_assert(detail::pp_writable<St>, "conv_state is updated in place");
-  static_assert(detail::pp_in_view<Y, 2>, "y must be a rank-2 host tensor_view [N, C]");
-  static_assert(detail::pp_writable<Y>, "y is an output");
-  static_assert(detail::pp_opt_view<Slots, 1>, "slots must be a rank-1 host tensor_view [N] or nullptr");
-  detail::pp_static_checks<X>();
-  detail::pp_static_checks<Wt>();
-  detail::pp_static_checks<Bias>();
-  detail::pp_static_checks<St>();
-  detail::pp_static_checks<Y>();
+// Decode: one new token per sequence (see short_conv_decode_args).
+template <HostBackend Bk, class In, class P>
+void short_conv_decode(Bk const& b, short_conv_decode_args<In, P> const& a, short_conv_options const& opt = {}) {
+  auto const& x = a.x;
+  auto const& weight = a.weight;
+  auto const& bias = a.bias;
+  auto const& conv_state = a.conv_state;
+  auto const& y = a.y;
+  auto const& slots32 = a.slots32;
+  auto const& slots64 = a.slots64;
+  using X = std::remove_cvref_t<decltype(x)>;
+  using Wt = std::remove_cvref_t<decltype(weight)>;
+  using Bias = std::remove_cvref_t<decltype(bias)>;
+  using St = std::remove_cvref_t<decltype(conv_state)>;
+  using Y = std::remove_cvref_t<decltype(y)>;
+  bool const silu = opt.silu;
+  ::k3::detail::require(!opt.cu_seqlens.present(), error_kind::value, "option 'cu_seqlens': not used by the decode step (one token per sequence)");
   ::k3::detail::check_view("x", x);
   ::k3::detail::check_view("weight", weight);
   ::k3::detail::check_view("conv_state", conv_state);
@@ -477,34 +519,40 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
   ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
   index_t const W = weight.extent(1);
   ::k3::detail::require(W >= 1, error_kind::shape, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
-  if constexpr (!detail::pp_is_none<Bias>) {
+  if (::k3::present(bias)) {
     ::k3::detail::check_view("bias", bias);
     ::k3::detail::check_shape("bias", bias, {C});
   }
   ::k3::detail::check_shape("conv_state", conv_state, {::k3::detail::any_extent, C, W - 1});
   ::k3::detail::check_shape("y", y, {N, C});
-  index_t const P = conv_state.extent(0);
+  index_t const P_ = conv_state.extent(0);
+  bool const has32 = ::k3::present(slots32), has64 = ::k3::present(slots64);
+  ::k3::detail::require(!(has32 && has64), error_kind::value, "argument 'slots64': give at most one of slots32 (int32) or slots64 (int64)");
   std::vector<index_t> slot(static_cast<std::size_t>(N));
-  if constexpr (detail::pp_is_none<Slots>) {
-    ::k3::detail::require(P >= N, error_kind::shape, [&] {
+  if (!has32 && !has64) {
+    ::k3::detail::require(P_ >= N, error_kind::shape, [&] {
       return "argument 'conv_state': without slots the pool needs at least N = " + std::to_string(N) + " states, got " +
              ::k3::detail::shape_of(conv_state);
     });
     for (index_t n = 0; n < N; ++n) slot[static_cast<std::size_t>(n)] = n;
   } else {
-    using I = std::remove_const_t<typename Slots::element_type>;
-    static_assert(std::is_integral_v<I>, "slots must hold integers (int32 or int64)");
-    ::k3::detail::check_view("slots", slots);
-    ::k3::detail::check_shape("slots", slots, {N});
-    std::vector<char> used(static_cast<std::size_t>(P), 0);
+    char const* const sname = has32 ? "slots32" : "slots64";
+    if (has32) {
+      ::k3::detail::check_view(sname, slots32);
+      ::k3::detail::check_shape(sname, slots32, {N});
+    } else {
+      ::k3::detail::check_view(sname, slots64);
+      ::k3::detail::check_shape(sname, slots64, {N});
+    }
+    std::vector<char> used(static_cast<std::size_t>(P_), 0);
     for (index_t n = 0; n < N; ++n) {
-      index_t const s = static_cast<index_t>(slots(n));
-      ::k3::detail::require(s >= 0 && s < P, error_kind::value, [&] {
-        return "argument 'slots': slot " + std::to_string(s) + " at index " + std::to_string(n) + " is outside the pool [0, " +
-               std::to_string(P) + ")";
+      index_t const s = has32 ? static_cast<index_t>(slots32(n)) : static_cast<index_t>(slots64(n));
+      ::k3::detail::require(s >= 0 && s < P_, error_kind::value, [&] {
+        return "argument '" + std::string(sname) + "': slot " + std::to_string(s) + " at index " + std::to_string(n) +
+               " is outside the pool [0, " + std::to_string(P_) + ")";
       });
       ::k3::detail::require(!used[static_cast<std::size_t>(s)], error_kind::value, [&] {
-        return "argument 'slots': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
+        return "argument '" + std::string(sname) + "': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
       });
       used[static_cast<std::size_t>(s)] = 1;
       slot[static_cast<std::size_t>(n)] = s;
@@ -521,8 +569,9 @@ void short_conv_decode(Bk const& b, X const& x, Wt const& weight, Bias const& bi
       [&](auto&& f) {
         f("x", x);
         f("weight", weight);
-        detail::pp_each(f, "bias", bias);
-        detail::pp_each(f, "slots", slots);
+        f("bias", bias);
+        f("slots32", slots32);
+        f("slots64", slots64);
       });
   using T = detail::pp_compute_t<X, Wt, Bias, St, Y>;
   using SS = detail::pp_elem_t<St>;

@@ -5,12 +5,18 @@
 //   gate_softplus:     g = -exp(A_log[h]) * softplus(x + dt_bias[h, :])
 //   gate_lower_bound:  g = lb * sigmoid(exp(A_log[h]) * (x + dt_bias[h, :])),  lb in [-5, 0)
 //
+// Every op is op(backend, args, options = {}), e.g.
+//   l2norm(be, l2norm_args<float>{.x = q, .y = qn});
+//   gate_lower_bound(be, gate_args<k3::bfloat16, float>{.x, .A_log, .dt_bias, .g}, {.lower_bound = -5});
+// l2norm and beta_sigmoid work over the last dimension of a view of any rank (the args' second
+// template parameter: 4 for l2norm's [B, T, H, K], 3 for beta's [B, T, HV]).
+//
 // Gate shapes: x, g [B, T, HV, K]; A_log [HV]; dt_bias [HV, K] (fla's [HV*K] viewed as 2-D).
-// A_log and dt_bias are optional (pass nullptr): absent means A_log = 0 and dt_bias = 0, and
+// A_log and dt_bias are optional (absent members): absent means A_log = 0 and dt_bias = 0, and
 // their gradients, when asked for, are then the gradients at that point.
 //
-// Storage may be float, double or k3::bfloat16, independently per argument; math runs in
-// double when any argument is double, else in float. Backwards recompute what they need from
+// Storage may be float, double or k3::bfloat16; the gates' parameters (type P) may differ from
+// the activations (In). Math runs in double when any storage is double, else in float. Backwards recompute what they need from
 // the forward's inputs (cheaper than storing it). Work is spread over rows through the
 // backend; parameter gradients are reduced in fixed blocks, so results do not depend on the
 // backend or its thread count.
@@ -21,20 +27,65 @@
 #include <string>
 
 #include "k3/core/math.hpp"
+#include "k3/core/storage.hpp"
 #include "k3/kda/preprocess/common.hpp"
 
 namespace k3::kda {
 
-namespace detail {
+template <Storage In, std::size_t Rank = 4>
+struct l2norm_args {
+  tensor_view<In const, Rank> x;
+  tensor_view<In, Rank> y;  // same shape as x
+};
+template <Storage In, std::size_t Rank = 4>
+struct l2norm_backward_args {
+  tensor_view<In const, Rank> x;    // the forward's input (y is recomputed from it)
+  tensor_view<In const, Rank> d_y;
+  tensor_view<In, Rank> d_x;
+};
+// The epsilon is fixed at l2norm_eps (fla's); the struct keeps the call shape uniform.
+struct l2norm_options {};
 
-template <class V>
-void pp_static_row_view() {
-  static_assert(TensorView<V> && std::remove_cvref_t<V>::rank() >= 1, "expected a tensor_view of rank >= 1");
-  static_assert(std::remove_cvref_t<V>::memory_space::host_accessible, "CPU pre-processing needs host views");
-  pp_static_checks<V>();
-}
+template <Storage In, std::size_t Rank = 3>
+struct beta_sigmoid_args {
+  tensor_view<In const, Rank> x;
+  tensor_view<In, Rank> beta;  // same shape as x
+};
+template <Storage In, std::size_t Rank = 3>
+struct beta_sigmoid_backward_args {
+  tensor_view<In const, Rank> x;
+  tensor_view<In const, Rank> d_beta;
+  tensor_view<In, Rank> d_x;
+};
+struct beta_sigmoid_options {
+  bool allow_neg_eigval = false;  // beta = 2 sigmoid(x), in (0, 2)
+};
 
-}  // namespace detail
+// In: x, g and their gradients; P: A_log, dt_bias and their gradients.
+template <Storage In, Storage P = In>
+struct gate_args {
+  tensor_view<In const, 4> x;           // [B, T, HV, K]
+  tensor_view<P const, 1> A_log = {};   // [HV]; absent = 0
+  tensor_view<P const, 2> dt_bias = {}; // [HV, K]; absent = 0
+  tensor_view<In, 4> g;                 // [B, T, HV, K]
+};
+template <Storage In, Storage P = In>
+struct gate_backward_args {
+  tensor_view<In const, 4> x;
+  tensor_view<P const, 1> A_log = {};
+  tensor_view<P const, 2> dt_bias = {};
+  tensor_view<In const, 4> d_g;
+  tensor_view<In, 4> d_x;
+  tensor_view<P, 1> d_A_log = {};    // sum over B, T, K; absent = not wanted
+  tensor_view<P, 2> d_dt_bias = {};  // sum over B, T; absent = not wanted
+};
+// gate_softplus has no options; the struct keeps the call shape uniform.
+struct gate_softplus_options {};
+struct gate_options {
+  // In [-5, 0): Kimi Linear's -5 by default; the chunked kernels' dense diagonal path relies on
+  // the range.
+  double lower_bound = -5.0;
+};
 
 // ---- L2 norm over the last dimension ------------------------------------------------------
 
@@ -69,12 +120,13 @@ T l2norm_rstd(T ss, index_t D, Load const& load) {
 
 }  // namespace detail
 
-template <HostBackend Bk, TensorView X, TensorView Y>
-void l2norm(Bk const& b, X const& x, Y const& y) {
-  detail::pp_static_row_view<X>();
-  detail::pp_static_row_view<Y>();
-  static_assert(X::rank() == Y::rank(), "x and y must have the same rank");
-  static_assert(detail::pp_writable<Y>, "y is an output");
+template <HostBackend Bk, class In, std::size_t Rank>
+void l2norm(Bk const& b, l2norm_args<In, Rank> const& a, l2norm_options const& = {}) {
+  static_assert(Rank >= 1, "l2norm_args: x and y need rank >= 1 (the norm runs over the last dimension)");
+  auto const& x = a.x;
+  auto const& y = a.y;
+  using X = std::remove_cvref_t<decltype(x)>;
+  using Y = std::remove_cvref_t<decltype(y)>;
   using T = detail::pp_compute_t<X, Y>;
   ::k3::detail::check_view("x", x);
   ::k3::detail::check_view("y", y);
@@ -122,24 +174,26 @@ void l2norm(Bk const& b, X const& x, Y const& y) {
   });
 }
 
-// dx = rstd * (dy - (dy . y) y), with y = x * rstd recomputed from x.
-template <HostBackend Bk, TensorView X, TensorView DY, TensorView DX>
-void l2norm_backward(Bk const& b, X const& x, DY const& dy, DX const& dx) {
-  detail::pp_static_row_view<X>();
-  detail::pp_static_row_view<DY>();
-  detail::pp_static_row_view<DX>();
-  static_assert(X::rank() == DY::rank() && X::rank() == DX::rank(), "x, dy and dx must have the same rank");
-  static_assert(detail::pp_writable<DX>, "dx is an output");
+// d_x = rstd * (d_y - (d_y . y) y), with y = x * rstd recomputed from x.
+template <HostBackend Bk, class In, std::size_t Rank>
+void l2norm_backward(Bk const& b, l2norm_backward_args<In, Rank> const& a, l2norm_options const& = {}) {
+  static_assert(Rank >= 1, "l2norm_backward_args: x, d_y and d_x need rank >= 1 (the norm runs over the last dimension)");
+  auto const& x = a.x;
+  auto const& dy = a.d_y;
+  auto const& dx = a.d_x;
+  using X = std::remove_cvref_t<decltype(x)>;
+  using DY = std::remove_cvref_t<decltype(dy)>;
+  using DX = std::remove_cvref_t<decltype(dx)>;
   using T = detail::pp_compute_t<X, DY, DX>;
   ::k3::detail::check_view("x", x);
-  ::k3::detail::check_view("dy", dy);
-  ::k3::detail::check_view("dx", dx);
-  detail::pp_check_same_shape("x", x, "dy", dy);
-  detail::pp_check_same_shape("x", x, "dx", dx);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("dx", dx); },
+  ::k3::detail::check_view("d_y", dy);
+  ::k3::detail::check_view("d_x", dx);
+  detail::pp_check_same_shape("x", x, "d_y", dy);
+  detail::pp_check_same_shape("x", x, "d_x", dx);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("d_x", dx); },
                                     [&](auto&& f) {
                                       f("x", x);
-                                      f("dy", dy);
+                                      f("d_y", dy);
                                     });
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sg = dy.stride(L), sd = dx.stride(L);
@@ -172,12 +226,14 @@ void l2norm_backward(Bk const& b, X const& x, DY const& dy, DX const& dx) {
 
 // ---- beta = sigmoid(x) (times 2 with negative eigenvalues allowed) ------------------------
 
-template <HostBackend Bk, TensorView X, TensorView Y>
-void beta_sigmoid(Bk const& b, X const& x, Y const& beta, bool allow_neg_eigval = false) {
-  detail::pp_static_row_view<X>();
-  detail::pp_static_row_view<Y>();
-  static_assert(X::rank() == Y::rank(), "x and beta must have the same rank");
-  static_assert(detail::pp_writable<Y>, "beta is an output");
+template <HostBackend Bk, class In, std::size_t Rank>
+void beta_sigmoid(Bk const& b, beta_sigmoid_args<In, Rank> const& a, beta_sigmoid_options const& opt = {}) {
+  static_assert(Rank >= 1, "beta_sigmoid_args: x and beta need rank >= 1");
+  auto const& x = a.x;
+  auto const& beta = a.beta;
+  bool const allow_neg_eigval = opt.allow_neg_eigval;
+  using X = std::remove_cvref_t<decltype(x)>;
+  using Y = std::remove_cvref_t<decltype(beta)>;
   using T = detail::pp_compute_t<X, Y>;
   ::k3::detail::check_view("x", x);
   ::k3::detail::check_view("beta", beta);
@@ -195,23 +251,26 @@ void beta_sigmoid(Bk const& b, X const& x, Y const& beta, bool allow_neg_eigval 
   });
 }
 
-template <HostBackend Bk, TensorView X, TensorView DY, TensorView DX>
-void beta_sigmoid_backward(Bk const& b, X const& x, DY const& dbeta, DX const& dx, bool allow_neg_eigval = false) {
-  detail::pp_static_row_view<X>();
-  detail::pp_static_row_view<DY>();
-  detail::pp_static_row_view<DX>();
-  static_assert(X::rank() == DY::rank() && X::rank() == DX::rank(), "x, dbeta and dx must have the same rank");
-  static_assert(detail::pp_writable<DX>, "dx is an output");
+template <HostBackend Bk, class In, std::size_t Rank>
+void beta_sigmoid_backward(Bk const& b, beta_sigmoid_backward_args<In, Rank> const& a, beta_sigmoid_options const& opt = {}) {
+  static_assert(Rank >= 1, "beta_sigmoid_backward_args: x, d_beta and d_x need rank >= 1");
+  auto const& x = a.x;
+  auto const& dbeta = a.d_beta;
+  auto const& dx = a.d_x;
+  bool const allow_neg_eigval = opt.allow_neg_eigval;
+  using X = std::remove_cvref_t<decltype(x)>;
+  using DY = std::remove_cvref_t<decltype(dbeta)>;
+  using DX = std::remove_cvref_t<decltype(dx)>;
   using T = detail::pp_compute_t<X, DY, DX>;
   ::k3::detail::check_view("x", x);
-  ::k3::detail::check_view("dbeta", dbeta);
-  ::k3::detail::check_view("dx", dx);
-  detail::pp_check_same_shape("x", x, "dbeta", dbeta);
-  detail::pp_check_same_shape("x", x, "dx", dx);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("dx", dx); },
+  ::k3::detail::check_view("d_beta", dbeta);
+  ::k3::detail::check_view("d_x", dx);
+  detail::pp_check_same_shape("x", x, "d_beta", dbeta);
+  detail::pp_check_same_shape("x", x, "d_x", dx);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("d_x", dx); },
                                     [&](auto&& f) {
                                       f("x", x);
-                                      f("dbeta", dbeta);
+                                      f("d_beta", dbeta);
                                     });
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sg = dbeta.stride(L), sd = dx.stride(L);
@@ -240,23 +299,15 @@ enum class pp_gate { softplus, lower_bound };
 
 template <class X, class A, class Bias, class G>
 void pp_check_gate(std::string_view gname, X const& x, A const& A_log, Bias const& dt_bias, G const& g) {
-  static_assert(TensorViewOfRank<X, 4>, "x must be a rank-4 tensor_view [B, T, HV, K]");
-  static_assert(TensorViewOfRank<G, 4>, "the gate tensor must be a rank-4 tensor_view [B, T, HV, K]");
-  static_assert(pp_opt_view<A, 1>, "A_log must be a rank-1 host tensor_view [HV] or nullptr");
-  static_assert(pp_opt_view<Bias, 2>, "dt_bias must be a rank-2 host tensor_view [HV, K] or nullptr");
-  pp_static_checks<X>();
-  pp_static_checks<A>();
-  pp_static_checks<Bias>();
-  pp_static_checks<G>();
   ::k3::detail::check_view("x", x);
   ::k3::detail::check_view(gname, g);
   index_t const HV = x.extent(2), K = x.extent(3);
   ::k3::detail::check_shape(gname, g, {x.extent(0), x.extent(1), HV, K});
-  if constexpr (!pp_is_none<A>) {
+  if (::k3::present(A_log)) {
     ::k3::detail::check_view("A_log", A_log);
     ::k3::detail::check_shape("A_log", A_log, {HV});
   }
-  if constexpr (!pp_is_none<Bias>) {
+  if (::k3::present(dt_bias)) {
     ::k3::detail::check_view("dt_bias", dt_bias);
     ::k3::detail::check_shape("dt_bias", dt_bias, {HV, K});
   }
@@ -265,7 +316,7 @@ void pp_check_gate(std::string_view gname, X const& x, A const& A_log, Bias cons
 
 inline void pp_check_lower_bound(double lb) {
   ::k3::detail::require(lb >= -5.0 && lb < 0.0, error_kind::value, [&] {
-    return "argument 'lower_bound': must lie in [-5, 0), got " + ::k3::detail::format_number(lb);
+    return "option 'lower_bound': must lie in [-5, 0), got " + ::k3::detail::format_number(lb);
   });
 }
 
@@ -274,14 +325,14 @@ inline void pp_check_lower_bound(double lb) {
 template <class T, class A>
 std::vector<T> pp_gate_scales(A const& A_log, index_t HV) {
   std::vector<T> a(static_cast<std::size_t>(HV), T(1));
-  if constexpr (!pp_is_none<A>)
+  if (::k3::present(A_log))
     for (index_t h = 0; h < HV; ++h) a[static_cast<std::size_t>(h)] = std::exp(load_as<T>(A_log(h)));
   return a;
 }
 template <class T, class Bias>
 std::vector<T> pp_gate_bias(Bias const& dt_bias, index_t HV, index_t K) {
   std::vector<T> bias;
-  if constexpr (!pp_is_none<Bias>) {
+  if (::k3::present(dt_bias)) {
     bias.resize(static_cast<std::size_t>(HV * K));
     for (index_t h = 0; h < HV; ++h)
       for (index_t k = 0; k < K; ++k) bias[static_cast<std::size_t>(h * K + k)] = load_as<T>(dt_bias(h, k));
@@ -289,17 +340,10 @@ std::vector<T> pp_gate_bias(Bias const& dt_bias, index_t HV, index_t K) {
   return bias;
 }
 
-template <pp_gate Kind, class Bk, class X, class A, class Bias, class G>
+// HasBias: whether dt_bias is present, a template parameter so that the row loops keep no
+// per-element test of it.
+template <pp_gate Kind, bool HasBias, class Bk, class X, class A, class Bias, class G>
 void pp_gate_forward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lb, G const& g) {
-  static_assert(pp_writable<G>, "g is an output");
-  pp_check_gate("g", x, A_log, dt_bias, g);
-  if constexpr (Kind == pp_gate::lower_bound) pp_check_lower_bound(lb);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("g", g); },
-                                    [&](auto&& f) {
-                                      f("x", x);
-                                      pp_each(f, "A_log", A_log);
-                                      pp_each(f, "dt_bias", dt_bias);
-                                    });
   using T = pp_compute_t<X, A, Bias, G>;
   index_t const B = x.extent(0), Tn = x.extent(1), HV = x.extent(2), K = x.extent(3);
   std::vector<T> const a_of = pp_gate_scales<T>(A_log, HV);
@@ -311,11 +355,11 @@ void pp_gate_forward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bia
     index_t const h = r % HV;
     T const a = a_of[static_cast<std::size_t>(h)];
     [[maybe_unused]] T const* bias = nullptr;
-    if constexpr (!pp_is_none<Bias>) bias = bias_of.data() + h * K;
+    if constexpr (HasBias) bias = bias_of.data() + h * K;
     auto const* xp = x.data_handle() + x_row(r);
     auto* gp = g.data_handle() + g_row(r);
     auto u_at = [&](index_t k) {
-      if constexpr (pp_is_none<Bias>) return load_as<T>(xp[k * sx]);
+      if constexpr (!HasBias) return load_as<T>(xp[k * sx]);
       else return load_as<T>(xp[k * sx]) + bias[k];
     };
     if constexpr (Kind == pp_gate::softplus) {
@@ -334,45 +378,64 @@ void pp_gate_forward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bia
   });
 }
 
-template <pp_gate Kind, class Bk, class X, class A, class Bias, class DG, class DX, class DA, class DB>
-void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lb, DG const& dg, DX const& dx,
-                      DA const& dA_log, DB const& ddt_bias) {
-  static_assert(TensorViewOfRank<DX, 4>, "dx must be a rank-4 tensor_view [B, T, HV, K]");
-  static_assert(pp_writable<DX>, "dx is an output");
-  static_assert(pp_opt_view<DA, 1>, "dA_log must be a rank-1 host tensor_view [HV] or nullptr");
-  static_assert(pp_opt_view<DB, 2>, "ddt_bias must be a rank-2 host tensor_view [HV, K] or nullptr");
-  pp_static_checks<DX>();
-  pp_static_checks<DA>();
-  pp_static_checks<DB>();
-  pp_check_gate("dg", x, A_log, dt_bias, dg);
+template <pp_gate Kind, class X, class A, class Bias, class G>
+void pp_gate_forward_checks(X const& x, A const& A_log, Bias const& dt_bias, double lb, G const& g) {
+  pp_check_gate("g", x, A_log, dt_bias, g);
+  if constexpr (Kind == pp_gate::lower_bound) pp_check_lower_bound(lb);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("g", g); },
+                                    [&](auto&& f) {
+                                      f("x", x);
+                                      f("A_log", A_log);
+                                      f("dt_bias", dt_bias);
+                                    });
+}
+
+template <pp_gate Kind, class Bk, class In, class P>
+void pp_gate_run(Bk const& b, gate_args<In, P> const& a, double lb) {
+  pp_gate_forward_checks<Kind>(a.x, a.A_log, a.dt_bias, lb, a.g);
+  if (::k3::present(a.dt_bias))
+    pp_gate_forward<Kind, true>(b, a.x, a.A_log, a.dt_bias, lb, a.g);
+  else
+    pp_gate_forward<Kind, false>(b, a.x, a.A_log, a.dt_bias, lb, a.g);
+}
+
+template <pp_gate Kind, class X, class A, class Bias, class DG, class DX, class DA, class DB>
+void pp_gate_backward_checks(X const& x, A const& A_log, Bias const& dt_bias, double lb, DG const& dg, DX const& dx, DA const& dA_log,
+                             DB const& ddt_bias) {
+  pp_check_gate("d_g", x, A_log, dt_bias, dg);
   if constexpr (Kind == pp_gate::lower_bound) pp_check_lower_bound(lb);
   index_t const B = x.extent(0), Tn = x.extent(1), HV = x.extent(2), K = x.extent(3);
-  ::k3::detail::check_view("dx", dx);
-  ::k3::detail::check_shape("dx", dx, {B, Tn, HV, K});
-  if constexpr (!pp_is_none<DA>) {
-    static_assert(pp_writable<DA>, "dA_log is an output");
-    ::k3::detail::check_view("dA_log", dA_log);
-    ::k3::detail::check_shape("dA_log", dA_log, {HV});
+  ::k3::detail::check_view("d_x", dx);
+  ::k3::detail::check_shape("d_x", dx, {B, Tn, HV, K});
+  if (::k3::present(dA_log)) {
+    ::k3::detail::check_view("d_A_log", dA_log);
+    ::k3::detail::check_shape("d_A_log", dA_log, {HV});
   }
-  if constexpr (!pp_is_none<DB>) {
-    static_assert(pp_writable<DB>, "ddt_bias is an output");
-    ::k3::detail::check_view("ddt_bias", ddt_bias);
-    ::k3::detail::check_shape("ddt_bias", ddt_bias, {HV, K});
+  if (::k3::present(ddt_bias)) {
+    ::k3::detail::check_view("d_dt_bias", ddt_bias);
+    ::k3::detail::check_shape("d_dt_bias", ddt_bias, {HV, K});
   }
   ::k3::detail::check_outputs_apart(
       [&](auto&& f) {
-        f("dx", dx);
-        pp_each(f, "dA_log", dA_log);
-        pp_each(f, "ddt_bias", ddt_bias);
+        f("d_x", dx);
+        f("d_A_log", dA_log);
+        f("d_dt_bias", ddt_bias);
       },
       [&](auto&& f) {
         f("x", x);
-        f("dg", dg);
-        pp_each(f, "A_log", A_log);
-        pp_each(f, "dt_bias", dt_bias);
+        f("d_g", dg);
+        f("A_log", A_log);
+        f("dt_bias", dt_bias);
       });
+}
+
+template <pp_gate Kind, bool HasBias, class Bk, class X, class A, class Bias, class DG, class DX, class DA, class DB>
+void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lb, DG const& dg, DX const& dx,
+                      DA const& dA_log, DB const& ddt_bias) {
+  index_t const B = x.extent(0), Tn = x.extent(1), HV = x.extent(2), K = x.extent(3);
   using T = pp_compute_t<X, A, Bias, DG, DX, DA, DB>;
-  constexpr bool want_params = !pp_is_none<DA> || !pp_is_none<DB>;
+  bool const has_da = ::k3::present(dA_log), has_ddt = ::k3::present(ddt_bias);
+  bool const want_params = has_da || has_ddt;
   std::size_t const width = static_cast<std::size_t>(HV * (K + 1));
   // Per row (b, t, h): writes dx and adds this row's parameter gradients into acc
   // (acc[h*K + k] for dt_bias, acc[HV*K + h] for A_log) when acc is not null.
@@ -386,12 +449,12 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
     index_t const h = r % HV;
     T const a = a_of[static_cast<std::size_t>(h)];
     [[maybe_unused]] T const* bias = nullptr;
-    if constexpr (!pp_is_none<Bias>) bias = bias_of.data() + h * K;
+    if constexpr (HasBias) bias = bias_of.data() + h * K;
     auto const* xp = x.data_handle() + x_row(r);
     auto const* dgp = dg.data_handle() + dg_row(r);
     auto* dxp = dx.data_handle() + dx_row(r);
     auto u_at = [&](index_t k) {
-      if constexpr (pp_is_none<Bias>) return load_as<T>(xp[k * sx]);
+      if constexpr (!HasBias) return load_as<T>(xp[k * sx]);
       else return load_as<T>(xp[k * sx]) + bias[k];
     };
     T da = 0;
@@ -426,44 +489,50 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
     }
     if (acc) acc[HV * K + h] += static_cast<double>(da);
   };
-  if constexpr (want_params) {
+  if (want_params) {
     std::vector<double> const sums = pp_blocked_reduce(b, B * Tn * HV, width, row);
-    if constexpr (!pp_is_none<DB>)
+    if (has_ddt)
       for (index_t h = 0; h < HV; ++h)
         for (index_t k = 0; k < K; ++k) ddt_bias(h, k) = store_as<pp_elem_t<DB>>(sums[static_cast<std::size_t>(h * K + k)]);
-    if constexpr (!pp_is_none<DA>)
+    if (has_da)
       for (index_t h = 0; h < HV; ++h) dA_log(h) = store_as<pp_elem_t<DA>>(sums[static_cast<std::size_t>(HV * K + h)]);
   } else {
     b.for_each(0, B * Tn * HV, [&](index_t r) { row(r, nullptr); });
   }
 }
 
+template <pp_gate Kind, class Bk, class In, class P>
+void pp_gate_backward_run(Bk const& b, gate_backward_args<In, P> const& a, double lb) {
+  pp_gate_backward_checks<Kind>(a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias);
+  if (::k3::present(a.dt_bias))
+    pp_gate_backward<Kind, true>(b, a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias);
+  else
+    pp_gate_backward<Kind, false>(b, a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias);
+}
+
 }  // namespace detail
 
 // g = -exp(A_log[h]) * softplus(x + dt_bias[h, :]); range (-inf, 0].
-template <HostBackend Bk, TensorView X, class A, class Bias, TensorView G>
-void gate_softplus(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, G const& g) {
-  detail::pp_gate_forward<detail::pp_gate::softplus>(b, x, A_log, dt_bias, 0.0, g);
+template <HostBackend Bk, class In, class P>
+void gate_softplus(Bk const& b, gate_args<In, P> const& a, gate_softplus_options const& = {}) {
+  detail::pp_gate_run<detail::pp_gate::softplus>(b, a, 0.0);
 }
 
-// dx, and optionally dA_log [HV] (sum over B, T, K) and ddt_bias [HV, K] (sum over B, T).
-template <HostBackend Bk, TensorView X, class A, class Bias, TensorView DG, TensorView DX, class DA = none_t, class DB = none_t>
-void gate_softplus_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, DG const& dg, DX const& dx,
-                            DA const& dA_log = nullptr, DB const& ddt_bias = nullptr) {
-  detail::pp_gate_backward<detail::pp_gate::softplus>(b, x, A_log, dt_bias, 0.0, dg, dx, dA_log, ddt_bias);
+// d_x, and optionally d_A_log [HV] (sum over B, T, K) and d_dt_bias [HV, K] (sum over B, T).
+template <HostBackend Bk, class In, class P>
+void gate_softplus_backward(Bk const& b, gate_backward_args<In, P> const& a, gate_softplus_options const& = {}) {
+  detail::pp_gate_backward_run<detail::pp_gate::softplus>(b, a, 0.0);
 }
 
 // g = lower_bound * sigmoid(exp(A_log[h]) * (x + dt_bias[h, :])); range (lower_bound, 0).
-// lower_bound must lie in [-5, 0) (the chunked kernels' dense diagonal path relies on it).
-template <HostBackend Bk, TensorView X, class A, class Bias, TensorView G>
-void gate_lower_bound(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lower_bound, G const& g) {
-  detail::pp_gate_forward<detail::pp_gate::lower_bound>(b, x, A_log, dt_bias, lower_bound, g);
+template <HostBackend Bk, class In, class P>
+void gate_lower_bound(Bk const& b, gate_args<In, P> const& a, gate_options const& opt = {}) {
+  detail::pp_gate_run<detail::pp_gate::lower_bound>(b, a, opt.lower_bound);
 }
 
-template <HostBackend Bk, TensorView X, class A, class Bias, TensorView DG, TensorView DX, class DA = none_t, class DB = none_t>
-void gate_lower_bound_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lower_bound, DG const& dg,
-                               DX const& dx, DA const& dA_log = nullptr, DB const& ddt_bias = nullptr) {
-  detail::pp_gate_backward<detail::pp_gate::lower_bound>(b, x, A_log, dt_bias, lower_bound, dg, dx, dA_log, ddt_bias);
+template <HostBackend Bk, class In, class P>
+void gate_lower_bound_backward(Bk const& b, gate_backward_args<In, P> const& a, gate_options const& opt = {}) {
+  detail::pp_gate_backward_run<detail::pp_gate::lower_bound>(b, a, opt.lower_bound);
 }
 
 }  // namespace k3::kda
