@@ -62,20 +62,28 @@ int main(int argc, char** argv) {
   fill(delta.data(), T * d, 2, 0.5f);
   for (index_t i = 0; i < S * d; ++i) u.data()[i] = 0.02f * float((i * 37) % 101 - 50) / 50.0f;
   for (index_t j = 0; j < N; ++j)
-    ar::block_rinv(b, k3::tensor_view<S_t const, 2>(bank.view().slice(0, j)), rinv.view().slice(0, j));
+    ar::block_rinv(b, ar::block_rinv_args<S_t>{.block = k3::tensor_view<S_t const, 2>(bank.view().slice(0, j)), .rinv = rinv.view().slice(0, j)});
 
   auto phase1_only = [&] {
-    ar::phase1(b, k3::tensor_view<S_t const, 3>(bank.view()), k3::tensor_view<float const, 2>(rinv.view()),
-               k3::tensor_view<float const, 2>(u.view()), o.view(), lse.view());
+    ar::phase1(b, ar::phase1_args<S_t>{.bank = k3::tensor_view<S_t const, 3>(bank.view()),
+                                       .bank_rinv = k3::tensor_view<float const, 2>(rinv.view()),
+                                       .u = k3::tensor_view<float const, 2>(u.view()),
+                                       .o = o.view(),
+                                       .lse = lse.view()});
   };
   auto phase2_only = [&] {
     // site 0 of the block sees the completed blocks only
-    ar::phase2(b, k3::tensor_view<S_t const, 2>(o.view().slice(0, 0)), k3::tensor_view<float const, 1>(lse.view().slice(0, 0)),
-               k3::tensor_view<S_t const, 2>(prefix.view()), false, k3::tensor_view<float const, 1>(u.view().slice(0, 0)), h.view());
+    ar::phase2(b, ar::phase2_args<S_t>{.o = k3::tensor_view<S_t const, 2>(o.view().slice(0, 0)),
+                                       .lse = k3::tensor_view<float const, 1>(lse.view().slice(0, 0)),
+                                       .u = k3::tensor_view<float const, 1>(u.view().slice(0, 0)),
+                                       .h = h.view()});
     for (index_t i = 1; i < S; ++i)
-      ar::phase2_add(b, k3::tensor_view<S_t const, 2>(o.view().slice(0, i)), k3::tensor_view<float const, 1>(lse.view().slice(0, i)),
-                     prefix.view(), k3::tensor_view<S_t const, 2>(delta.view()), k3::tensor_view<float const, 1>(u.view().slice(0, i)),
-                     h.view());
+      ar::phase2_add(b, ar::phase2_add_args<S_t>{.o = k3::tensor_view<S_t const, 2>(o.view().slice(0, i)),
+                                                 .lse = k3::tensor_view<float const, 1>(lse.view().slice(0, i)),
+                                                 .prefix = prefix.view(),
+                                                 .delta = k3::tensor_view<S_t const, 2>(delta.view()),
+                                                 .u = k3::tensor_view<float const, 1>(u.view().slice(0, i)),
+                                                 .h = h.view()});
   };
   auto two_phase_block = [&] {
     phase1_only();

@@ -39,7 +39,7 @@ std::vector<C> load_vector(k3::io::npy_array const& a, std::string const& name) 
 
 template <class S>
 int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
-  using C = ar::compute_t<S>;
+  using C = k3::accumulation_t<S>;
   k3::cpu::threads<> b(args.threads(0));
   auto bank = src_arr.view<S, 3>("sources");
   k3::index_t const T = bank.extent(1), d = bank.extent(2);
@@ -70,15 +70,17 @@ int run_typed(k3::cli::args& args, k3::io::npy_array const& src_arr) {
   }
   auto src = part ? ar::make_sources(bank, *part) : ar::make_sources(bank);
   std::vector<S> h(static_cast<std::size_t>(k3::cli::output_elements("h", {T, d})));
-  ar::mix_forward(b, src, wv, gv, k3::host_view(h.data(), T, d), opt);
+  ar::mix_forward(b, ar::mix_forward_args<S, C>{.sources = src, .w = wv, .gain = gv, .h = k3::host_view(h.data(), T, d)}, opt);
   args.save("h", k3::host_view(h.data(), T, d));
   if (backward) {
     k3::index_t const n = bank.extent(0);
     std::vector<C> ds(static_cast<std::size_t>(n * T * d)), dp(static_cast<std::size_t>(T * d)), dw(w.size()), dg(g.size());
-    ar::mix_backward(b, src, wv, gv, k3::tensor_view<C const, 2>(dh.data(), {T, d}),
-                     ar::make_grads(k3::host_view(ds.data(), n, T, d), k3::host_view(dp.data(), T, d)),
-                     k3::host_view(dw.data(), static_cast<k3::index_t>(dw.size())),
-                     k3::host_view(dg.data(), static_cast<k3::index_t>(dg.size())), opt);
+    ar::mix_backward(b,
+                     ar::mix_backward_args<S, C, C>{.sources = src, .w = wv, .gain = gv, .d_h = k3::tensor_view<C const, 2>(dh.data(), {T, d}),
+                                                    .d_sources = ar::make_grads(k3::host_view(ds.data(), n, T, d), k3::host_view(dp.data(), T, d)),
+                                                    .d_w = k3::host_view(dw.data(), static_cast<k3::index_t>(dw.size())),
+                                                    .d_gain = k3::host_view(dg.data(), static_cast<k3::index_t>(dg.size()))},
+                     opt);
     args.save("dsources", k3::host_view(ds.data(), n, T, d));
     if (part) args.save("dpartial", k3::host_view(dp.data(), T, d));
     args.save("dw", k3::host_view(dw.data(), static_cast<k3::index_t>(dw.size())));

@@ -110,13 +110,20 @@ void check_site(site_case const& sc, Bk const& be, std::uint64_t seed, double h_
   auto wv = k3::tensor_view<float const, 1>(w.data(), {d}), gv = k3::tensor_view<float const, 1>(g.data(), {d});
   std::vector<H> h(std::size_t(T * d));
   ar::options opt;
-  ar::mix_forward(be, src, wv, gv, k3::host_view(h.data(), T, d), opt);
+  ar::mix_forward(be, ar::mix_forward_args<bfloat16, float, H>{.sources = src, .w = wv, .gain = gv, .h = k3::host_view(h.data(), T, d)}, opt);
   std::vector<G> dbank(bank.size()), dpart(part.size());
   std::vector<float> dw(static_cast<std::size_t>(d)), dg(static_cast<std::size_t>(d));
   auto grads = sc.partial ? ar::make_grads(k3::host_view(dbank.data(), n, T, d), k3::host_view(dpart.data(), T, d))
                           : ar::make_grads(k3::host_view(dbank.data(), n, T, d));
-  ar::mix_backward(be, src, wv, gv, k3::tensor_view<DH const, 2>(dh.data(), {T, d}), grads, k3::host_view(dw.data(), d),
-                   k3::host_view(dg.data(), d), opt);
+  ar::mix_backward(be,
+                   ar::mix_backward_args<bfloat16, float, DH, G, float>{.sources = src,
+                                                                        .w = wv,
+                                                                        .gain = gv,
+                                                                        .d_h = k3::tensor_view<DH const, 2>(dh.data(), {T, d}),
+                                                                        .d_sources = grads,
+                                                                        .d_w = k3::host_view(dw.data(), d),
+                                                                        .d_gain = k3::host_view(dg.data(), d)},
+                   opt);
 
   // float64 reference on the same values
   std::vector<double> u(static_cast<std::size_t>(d));

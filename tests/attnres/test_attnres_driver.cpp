@@ -461,7 +461,7 @@ namespace {
 // buffers or in one buffer (x = y); returns the output mix.
 template <class S, class B>
 std::vector<float> two_phase_add_input(problem const& p, bool one_buffer, B be) {
-  using C = ar::compute_t<S>;
+  using C = k3::accumulation_t<S>;
   index_t const T = p.T, d = p.d;
   std::vector<C> w(p.w.begin(), p.w.end()), g(p.g.begin(), p.g.end());
   ar::block_attn_res<S, B> a(make_cfg(p, ar::mode::two_phase, T), k3::tensor_view<C const, 2>(w.data(), {p.L + 1, d}),
@@ -554,7 +554,7 @@ namespace {
 // Forward + backward with storage S (float or bfloat16) on backend B; gradients in double.
 template <class S, class B>
 run_result run_storage(problem const& p, ar::mode m, B be, index_t spare = 0) {
-  using C = ar::compute_t<S>;
+  using C = k3::accumulation_t<S>;
   index_t const T = p.T, d = p.d;
   std::vector<C> w(p.w.begin(), p.w.end()), g(p.g.begin(), p.g.end());
   ar::block_attn_res<S, B> a(make_cfg(p, m, T + spare), k3::tensor_view<C const, 2>(w.data(), {p.L + 1, d}),

@@ -35,7 +35,10 @@ TEST_CASE("attnres mix: stats and gradients overlapping inputs or each other are
   auto g = k3::host_view(static_cast<double const*>(at(3)), d);
   k3::cpu::threads<> thr(2);
   auto fwd = [&](double* h, double* st) {
-    return error_of([&] { ar::mix_forward(thr, src, w, g, k3::host_view(h, T, d), {}, k3::host_view(st, T, n + 1, index_t(3))); });
+    return error_of([&] {
+      ar::mix_forward(thr, ar::mix_forward_args<double>{
+                               .sources = src, .w = w, .gain = g, .h = k3::host_view(h, T, d), .stats = k3::host_view(st, T, n + 1, index_t(3))});
+    });
   };
   CHECK(fwd(at(4), at(5)) == "");
   CHECK(names(fwd(at(4), at(0)), "stats", "sources"));
@@ -45,18 +48,23 @@ TEST_CASE("attnres mix: stats and gradients overlapping inputs or each other are
   auto dh = k3::host_view(static_cast<double const*>(at(6)), T, d);
   auto bwd = [&](double* db, double* dp, double* dw, double* dg) {
     return error_of([&] {
-      ar::mix_backward(thr, src, w, g, dh, ar::make_grads(k3::host_view(db, n, T, d), k3::host_view(dp, T, d)), k3::host_view(dw, d),
-                       k3::host_view(dg, d));
+      ar::mix_backward(thr, ar::mix_backward_args<double>{.sources = src,
+                                                          .w = w,
+                                                          .gain = g,
+                                                          .d_h = dh,
+                                                          .d_sources = ar::make_grads(k3::host_view(db, n, T, d), k3::host_view(dp, T, d)),
+                                                          .d_w = k3::host_view(dw, d),
+                                                          .d_gain = k3::host_view(dg, d)});
     });
   };
   CHECK(bwd(at(7), at(8), at(9), at(10)) == "");
-  CHECK(names(bwd(at(6), at(8), at(9), at(10)), "dsources", "dh"));
-  CHECK(names(bwd(at(7), at(0) + 8, at(9), at(10)), "dpartial", "sources"));
-  CHECK(names(bwd(at(7), at(8), at(2), at(10)), "dw", "w"));
-  CHECK(names(bwd(at(7), at(8), at(9), at(9)), "dw", "dgain"));
-  CHECK(names(bwd(at(7), at(8), at(7) + 2, at(10)), "dw", "dsources"));
-  CHECK(names(bwd(at(7), at(8), at(9), at(6)), "dgain", "dh"));
-  CHECK(names(bwd(at(7), at(7) + 8, at(9), at(10)), "dsources", "dpartial"));
+  CHECK(names(bwd(at(6), at(8), at(9), at(10)), "d_sources", "d_h"));
+  CHECK(names(bwd(at(7), at(0) + 8, at(9), at(10)), "d_partial", "sources"));
+  CHECK(names(bwd(at(7), at(8), at(2), at(10)), "d_w", "w"));
+  CHECK(names(bwd(at(7), at(8), at(9), at(9)), "d_w", "d_gain"));
+  CHECK(names(bwd(at(7), at(8), at(7) + 2, at(10)), "d_w", "d_sources"));
+  CHECK(names(bwd(at(7), at(8), at(9), at(6)), "d_gain", "d_h"));
+  CHECK(names(bwd(at(7), at(7) + 8, at(9), at(10)), "d_sources", "d_partial"));
 }
 
 TEST_CASE("attnres two-phase: outputs overlapping inputs are rejected, a bad eps is an error") {
@@ -67,13 +75,19 @@ TEST_CASE("attnres two-phase: outputs overlapping inputs are rejected, a bad eps
   auto cf = [](float* p) { return static_cast<float const*>(p); };
   k3::cpu::simd<> be;
   // block_rinv
-  CHECK(error_of([&] { ar::block_rinv(be, k3::host_view(cf(at(0)), T, d), k3::host_view(at(1), T)); }) == "");
-  CHECK(names(error_of([&] { ar::block_rinv(be, k3::host_view(cf(at(0)), T, d), k3::host_view(at(0) + 5, T)); }), "rinv", "block"));
+  CHECK(error_of([&] { ar::block_rinv(be, ar::block_rinv_args<float>{.block = k3::host_view(cf(at(0)), T, d), .rinv = k3::host_view(at(1), T)}); }) ==
+        "");
+  CHECK(names(
+      error_of([&] { ar::block_rinv(be, ar::block_rinv_args<float>{.block = k3::host_view(cf(at(0)), T, d), .rinv = k3::host_view(at(0) + 5, T)}); }),
+      "rinv", "block"));
   // phase1: bank at 0, rinv at 1, u at 2, o at 3, lse at 4
   auto p1 = [&](float* o, float* lse) {
     return error_of([&] {
-      ar::phase1(be, k3::host_view(cf(at(0)), n, T, d), k3::host_view(cf(at(1)), n, T), k3::host_view(cf(at(2)), nq, d), k3::host_view(o, nq, T, d),
-                 k3::host_view(lse, nq, T));
+      ar::phase1(be, ar::phase1_args<float>{.bank = k3::host_view(cf(at(0)), n, T, d),
+                                            .bank_rinv = k3::host_view(cf(at(1)), n, T),
+                                            .u = k3::host_view(cf(at(2)), nq, d),
+                                            .o = k3::host_view(o, nq, T, d),
+                                            .lse = k3::host_view(lse, nq, T)});
     });
   };
   CHECK(p1(at(3), at(4)) == "");
@@ -84,8 +98,13 @@ TEST_CASE("attnres two-phase: outputs overlapping inputs are rejected, a bad eps
   // phase2: o at 3 (one site), lse at 4, partial at 5, u at 6, h at 7
   auto p2 = [&](float* h, double eps) {
     return error_of([&] {
-      ar::phase2(be, k3::host_view(cf(at(3)), T, d), k3::host_view(cf(at(4)), T), k3::host_view(cf(at(5)), T, d), true, k3::host_view(cf(at(6)), d),
-                 k3::host_view(h, T, d), eps);
+      ar::phase2(be,
+                 ar::phase2_args<float>{.o = k3::host_view(cf(at(3)), T, d),
+                                        .lse = k3::host_view(cf(at(4)), T),
+                                        .partial = k3::host_view(cf(at(5)), T, d),
+                                        .u = k3::host_view(cf(at(6)), d),
+                                        .h = k3::host_view(h, T, d)},
+                 {.eps = eps});
     });
   };
   CHECK(p2(at(7), 1e-5) == "");
@@ -96,8 +115,12 @@ TEST_CASE("attnres two-phase: outputs overlapping inputs are rejected, a bad eps
   // phase2_add: prefix at 5 (written), delta at 8
   auto p2a = [&](float* prefix, float* delta, float* h) {
     return error_of([&] {
-      ar::phase2_add(be, k3::host_view(cf(at(3)), T, d), k3::host_view(cf(at(4)), T), k3::host_view(prefix, T, d), k3::host_view(cf(delta), T, d),
-                     k3::host_view(cf(at(6)), d), k3::host_view(h, T, d));
+      ar::phase2_add(be, ar::phase2_add_args<float>{.o = k3::host_view(cf(at(3)), T, d),
+                                                    .lse = k3::host_view(cf(at(4)), T),
+                                                    .prefix = k3::host_view(prefix, T, d),
+                                                    .delta = k3::host_view(cf(delta), T, d),
+                                                    .u = k3::host_view(cf(at(6)), d),
+                                                    .h = k3::host_view(h, T, d)});
     });
   };
   CHECK(p2a(at(5), at(8), at(7)) == "");
@@ -208,11 +231,19 @@ TEST_CASE("attnres: an output with a stride-0 dimension (aliasing itself) is rej
   auto cf = [](float* p) { return static_cast<float const*>(p); };
   auto run = [&](auto const& be) {
     // block_rinv: rinv [T] with stride 0
-    CHECK(broadcast_named(error_of([&] { ar::block_rinv(be, k3::host_view(cf(at(0)), T, d), k3::tensor_view<float, 1>(at(1), {T}, {0})); }), "rinv"));
+    CHECK(broadcast_named(error_of([&] {
+                            ar::block_rinv(be, ar::block_rinv_args<float>{.block = k3::host_view(cf(at(0)), T, d),
+                                                                          .rinv = k3::tensor_view<float, 1>(at(1), {T}, {0})});
+                          }),
+                          "rinv"));
     // phase1: o [nq, T, d] broadcast over sites or tokens; lse [nq, T] over tokens
     auto p1 = [&](k3::tensor_view<float, 3> o, k3::tensor_view<float, 2> lse) {
       return error_of([&] {
-        ar::phase1(be, k3::host_view(cf(at(0)), n, T, d), k3::host_view(cf(at(1)), n, T), k3::host_view(cf(at(2)), nq, d), o, lse);
+        ar::phase1(be, ar::phase1_args<float>{.bank = k3::host_view(cf(at(0)), n, T, d),
+                                              .bank_rinv = k3::host_view(cf(at(1)), n, T),
+                                              .u = k3::host_view(cf(at(2)), nq, d),
+                                              .o = o,
+                                              .lse = lse});
       });
     };
     CHECK(p1(k3::host_view(at(3), nq, T, d), k3::host_view(at(4), nq, T)) == "");
@@ -223,14 +254,23 @@ TEST_CASE("attnres: an output with a stride-0 dimension (aliasing itself) is rej
     k3::tensor_view<float, 2> const rows0(at(7), {T, d}, {0, 1});
     for (bool has_partial : {false, true})
       CHECK(broadcast_named(error_of([&] {
-                              ar::phase2(be, k3::host_view(cf(at(3)), T, d), k3::host_view(cf(at(4)), T), k3::host_view(cf(at(5)), T, d), has_partial,
-                                         k3::host_view(cf(at(6)), d), rows0);
+                              ar::phase2(
+                                  be, ar::phase2_args<float>{.o = k3::host_view(cf(at(3)), T, d),
+                                                             .lse = k3::host_view(cf(at(4)), T),
+                                                             .partial = has_partial ? k3::tensor_view<float const, 2>(k3::host_view(cf(at(5)), T, d))
+                                                                                    : k3::tensor_view<float const, 2>{},
+                                                             .u = k3::host_view(cf(at(6)), d),
+                                                             .h = rows0});
                             }),
                             "h"));
     auto p2a = [&](k3::tensor_view<float, 2> prefix, k3::tensor_view<float, 2> h) {
       return error_of([&] {
-        ar::phase2_add(be, k3::host_view(cf(at(3)), T, d), k3::host_view(cf(at(4)), T), prefix, k3::host_view(cf(at(8)), T, d),
-                       k3::host_view(cf(at(6)), d), h);
+        ar::phase2_add(be, ar::phase2_add_args<float>{.o = k3::host_view(cf(at(3)), T, d),
+                                                      .lse = k3::host_view(cf(at(4)), T),
+                                                      .prefix = prefix,
+                                                      .delta = k3::host_view(cf(at(8)), T, d),
+                                                      .u = k3::host_view(cf(at(6)), d),
+                                                      .h = h});
       });
     };
     CHECK(broadcast_named(p2a(k3::host_view(at(5), T, d), rows0), "h"));
@@ -239,23 +279,31 @@ TEST_CASE("attnres: an output with a stride-0 dimension (aliasing itself) is rej
     auto src = ar::make_sources(k3::host_view(cf(at(0)), n, T, d), k3::host_view(cf(at(1)), T, d));
     auto w = k3::host_view(cf(at(2)), d);
     auto g = k3::host_view(cf(at(3)), d);
-    CHECK(broadcast_named(error_of([&] { ar::mix_forward(be, src, w, g, rows0); }), "h"));
+    CHECK(broadcast_named(error_of([&] { ar::mix_forward(be, ar::mix_forward_args<float>{.sources = src, .w = w, .gain = g, .h = rows0}); }), "h"));
     // (stats must be contiguous, which already refuses a stride-0 dimension)
-    CHECK(error_of([&] { ar::mix_forward(be, src, w, g, k3::host_view(at(7), T, d), {}, k3::tensor_view<float, 3>(at(8), {T, n + 1, 3}, {0, 3, 1})); })
-              .find("argument 'stats'") != std::string::npos);
+    CHECK(error_of([&] {
+            ar::mix_forward(be, ar::mix_forward_args<float>{.sources = src,
+                                                            .w = w,
+                                                            .gain = g,
+                                                            .h = k3::host_view(at(7), T, d),
+                                                            .stats = k3::tensor_view<float, 3>(at(8), {T, n + 1, 3}, {0, 3, 1})});
+          }).find("argument 'stats'") != std::string::npos);
     auto dh = k3::host_view(cf(at(6)), T, d);
     auto bwd = [&](k3::tensor_view<float, 3> db, k3::tensor_view<float, 2> dp, k3::tensor_view<float, 1> dw, k3::tensor_view<float, 1> dg) {
-      return error_of([&] { ar::mix_backward(be, src, w, g, dh, ar::make_grads(db, dp), dw, dg); });
+      return error_of([&] {
+        ar::mix_backward(be, ar::mix_backward_args<float>{
+                                 .sources = src, .w = w, .gain = g, .d_h = dh, .d_sources = ar::make_grads(db, dp), .d_w = dw, .d_gain = dg});
+      });
     };
     auto db = k3::host_view(at(10), n, T, d);
     auto dp = k3::host_view(at(11), T, d);
     auto dw = k3::host_view(at(12), d);
     auto dg = k3::host_view(at(13), d);
     CHECK(bwd(db, dp, dw, dg) == "");
-    CHECK(broadcast_named(bwd(k3::tensor_view<float, 3>(at(10), {n, T, d}, {0, d, 1}), dp, dw, dg), "dsources"));
-    CHECK(broadcast_named(bwd(db, k3::tensor_view<float, 2>(at(11), {T, d}, {0, 1}), dw, dg), "dpartial"));
-    CHECK(broadcast_named(bwd(db, dp, k3::tensor_view<float, 1>(at(12), {d}, {0}), dg), "dw"));
-    CHECK(broadcast_named(bwd(db, dp, dw, k3::tensor_view<float, 1>(at(13), {d}, {0})), "dgain"));
+    CHECK(broadcast_named(bwd(k3::tensor_view<float, 3>(at(10), {n, T, d}, {0, d, 1}), dp, dw, dg), "d_sources"));
+    CHECK(broadcast_named(bwd(db, k3::tensor_view<float, 2>(at(11), {T, d}, {0, 1}), dw, dg), "d_partial"));
+    CHECK(broadcast_named(bwd(db, dp, k3::tensor_view<float, 1>(at(12), {d}, {0}), dg), "d_w"));
+    CHECK(broadcast_named(bwd(db, dp, dw, k3::tensor_view<float, 1>(at(13), {d}, {0})), "d_gain"));
   };
   run(k3::cpu::serial{});
   run(k3::cpu::threads<>(2));
@@ -295,20 +343,22 @@ TEST_CASE("attnres: strided outputs (padded rows, sites and tokens swapped) give
   auto run = [&](auto const& be) {
     // block_rinv into every other element
     std::vector<float> r0(static_cast<std::size_t>(T)), r1(std::size_t(2 * T), -1.f);
-    ar::block_rinv(be, k3::host_view(bank, T, d), k3::host_view(r0.data(), T));
-    ar::block_rinv(be, k3::host_view(bank, T, d), k3::tensor_view<float, 1>(r1.data(), {T}, {2}));
+    ar::block_rinv(be, ar::block_rinv_args<float>{.block = k3::host_view(bank, T, d), .rinv = k3::host_view(r0.data(), T)});
+    ar::block_rinv(be, ar::block_rinv_args<float>{.block = k3::host_view(bank, T, d), .rinv = k3::tensor_view<float, 1>(r1.data(), {T}, {2})});
     for (index_t t = 0; t < T; ++t) CHECK(r1[std::size_t(2 * t)] == r0[std::size_t(t)]);
     std::vector<float> rinv(std::size_t(n * T));
-    for (index_t j = 0; j < n; ++j) ar::block_rinv(be, k3::host_view(bank + j * T * d, T, d), k3::host_view(rinv.data() + j * T, T));
+    for (index_t j = 0; j < n; ++j)
+      ar::block_rinv(be, ar::block_rinv_args<float>{.block = k3::host_view(bank + j * T * d, T, d), .rinv = k3::host_view(rinv.data() + j * T, T)});
     auto bv = k3::host_view(bank, n, T, d);
     auto rv = k3::host_view(static_cast<float const*>(rinv.data()), n, T);
     auto uv = k3::host_view(u, nq, d);
     // phase1: o as [T, nq, d] in memory with padded rows; lse transposed
     std::vector<float> o0(std::size_t(nq * T * d)), l0(std::size_t(nq * T)), o1(std::size_t(T * nq * (d + 3))), l1(std::size_t(nq * T));
-    ar::phase1(be, bv, rv, uv, k3::host_view(o0.data(), nq, T, d), k3::host_view(l0.data(), nq, T));
+    ar::phase1(be, ar::phase1_args<float>{
+                       .bank = bv, .bank_rinv = rv, .u = uv, .o = k3::host_view(o0.data(), nq, T, d), .lse = k3::host_view(l0.data(), nq, T)});
     k3::tensor_view<float, 3> o1v(o1.data(), {nq, T, d}, {d + 3, nq * (d + 3), 1});
     k3::tensor_view<float, 2> l1v(l1.data(), {nq, T}, {1, nq});
-    ar::phase1(be, bv, rv, uv, o1v, l1v);
+    ar::phase1(be, ar::phase1_args<float>{.bank = bv, .bank_rinv = rv, .u = uv, .o = o1v, .lse = l1v});
     for (index_t l = 0; l < nq; ++l)
       for (index_t t = 0; t < T; ++t) {
         CHECK(l1v(l, t) == l0[std::size_t(l * T + t)]);
@@ -318,9 +368,10 @@ TEST_CASE("attnres: strided outputs (padded rows, sites and tokens swapped) give
     auto oc = k3::host_view(static_cast<float const*>(o0.data()), T, d);
     auto lc = k3::host_view(static_cast<float const*>(l0.data()), T);
     std::vector<float> h0(std::size_t(T * d)), h1(std::size_t(T * (d + 5)));
-    ar::phase2(be, oc, lc, k3::host_view(part, T, d), true, k3::host_view(u, d), k3::host_view(h0.data(), T, d));
+    ar::phase2(be, ar::phase2_args<float>{
+                       .o = oc, .lse = lc, .partial = k3::host_view(part, T, d), .u = k3::host_view(u, d), .h = k3::host_view(h0.data(), T, d)});
     k3::tensor_view<float, 2> h1v(h1.data(), {T, d}, {d + 5, 1});
-    ar::phase2(be, oc, lc, k3::host_view(part, T, d), true, k3::host_view(u, d), h1v);
+    ar::phase2(be, ar::phase2_args<float>{.o = oc, .lse = lc, .partial = k3::host_view(part, T, d), .u = k3::host_view(u, d), .h = h1v});
     for (index_t t = 0; t < T; ++t)
       for (index_t k = 0; k < d; ++k) REQUIRE(h1v(t, k) == h0[std::size_t(t * d + k)]);
     // phase2_add: prefix and h with padded rows
@@ -329,8 +380,13 @@ TEST_CASE("attnres: strided outputs (padded rows, sites and tokens swapped) give
     for (index_t t = 0; t < T; ++t)
       for (index_t k = 0; k < d; ++k) pf1v(t, k) = pf0[std::size_t(t * d + k)];
     auto delta = k3::host_view(bank + d, T, d);
-    ar::phase2_add(be, oc, lc, k3::host_view(pf0.data(), T, d), delta, k3::host_view(u, d), k3::host_view(h0.data(), T, d));
-    ar::phase2_add(be, oc, lc, pf1v, delta, k3::host_view(u, d), h2v);
+    ar::phase2_add(be, ar::phase2_add_args<float>{.o = oc,
+                                                  .lse = lc,
+                                                  .prefix = k3::host_view(pf0.data(), T, d),
+                                                  .delta = delta,
+                                                  .u = k3::host_view(u, d),
+                                                  .h = k3::host_view(h0.data(), T, d)});
+    ar::phase2_add(be, ar::phase2_add_args<float>{.o = oc, .lse = lc, .prefix = pf1v, .delta = delta, .u = k3::host_view(u, d), .h = h2v});
     for (index_t t = 0; t < T; ++t)
       for (index_t k = 0; k < d; ++k) {
         REQUIRE(pf1v(t, k) == pf0[std::size_t(t * d + k)]);
@@ -340,20 +396,27 @@ TEST_CASE("attnres: strided outputs (padded rows, sites and tokens swapped) give
     auto src = ar::make_sources(bv, k3::host_view(part, T, d));
     auto w = k3::host_view(u, d);
     auto g = k3::host_view(u + d, d);
-    ar::mix_forward(be, src, w, g, k3::host_view(h0.data(), T, d));
-    ar::mix_forward(be, src, w, g, h1v);
+    ar::mix_forward(be, ar::mix_forward_args<float>{.sources = src, .w = w, .gain = g, .h = k3::host_view(h0.data(), T, d)});
+    ar::mix_forward(be, ar::mix_forward_args<float>{.sources = src, .w = w, .gain = g, .h = h1v});
     for (index_t t = 0; t < T; ++t)
       for (index_t k = 0; k < d; ++k) REQUIRE(h1v(t, k) == h0[std::size_t(t * d + k)]);
     // mix backward into padded dsources / dpartial and strided dw / dgain
     std::vector<float> db0(std::size_t(n * T * d)), dp0(std::size_t(T * d)), dw0(static_cast<std::size_t>(d)), dg0(static_cast<std::size_t>(d));
     std::vector<float> db1(std::size_t(n * T * (d + 1) + n)), dp1(std::size_t(T * (d + 4))), dw1(std::size_t(3 * d)), dg1(std::size_t(2 * d));
     auto dh = k3::host_view(bank + 2 * d, T, d);
-    ar::mix_backward(be, src, w, g, dh, ar::make_grads(k3::host_view(db0.data(), n, T, d), k3::host_view(dp0.data(), T, d)),
-                     k3::host_view(dw0.data(), d), k3::host_view(dg0.data(), d));
+    ar::mix_backward(be,
+                     ar::mix_backward_args<float>{.sources = src,
+                                                  .w = w,
+                                                  .gain = g,
+                                                  .d_h = dh,
+                                                  .d_sources = ar::make_grads(k3::host_view(db0.data(), n, T, d), k3::host_view(dp0.data(), T, d)),
+                                                  .d_w = k3::host_view(dw0.data(), d),
+                                                  .d_gain = k3::host_view(dg0.data(), d)});
     k3::tensor_view<float, 3> db1v(db1.data(), {n, T, d}, {T * (d + 1) + 1, d + 1, 1});
     k3::tensor_view<float, 2> dp1v(dp1.data(), {T, d}, {d + 4, 1});
     k3::tensor_view<float, 1> dw1v(dw1.data(), {d}, {3}), dg1v(dg1.data(), {d}, {2});
-    ar::mix_backward(be, src, w, g, dh, ar::make_grads(db1v, dp1v), dw1v, dg1v);
+    ar::mix_backward(be, ar::mix_backward_args<float>{
+                             .sources = src, .w = w, .gain = g, .d_h = dh, .d_sources = ar::make_grads(db1v, dp1v), .d_w = dw1v, .d_gain = dg1v});
     for (index_t k = 0; k < d; ++k) {
       REQUIRE(dw1v(k) == dw0[std::size_t(k)]);
       REQUIRE(dg1v(k) == dg0[std::size_t(k)]);

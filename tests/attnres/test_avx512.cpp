@@ -55,7 +55,7 @@ struct p1_case {
 };
 
 template <class B>
-void check_phase1(B const& b, p1_case c, std::uint64_t seed, double tiny_token_scale = 0) {
+void check_phase1(B const& b, p1_case c, std::uint64_t seed, double tiny_token_scale = 0, ar::two_phase_options const& opt = {}) {
   auto [n, nq, T, d] = c;
   attnres_ref::rng r(seed);
   k3::tensor<bfloat16, 3> bank({n, T, d});
@@ -72,15 +72,15 @@ void check_phase1(B const& b, p1_case c, std::uint64_t seed, double tiny_token_s
   std::vector<float> u = r.normals<float>(std::size_t(nq * d), 4.0 / std::sqrt(double(d)));
   std::vector<float> rinv(std::size_t(n * T));
   for (index_t j = 0; j < n; ++j)
-    ar::block_rinv(b, k3::tensor_view<bfloat16 const, 2>(bank.view().slice(0, j)), k3::host_view(rinv.data() + j * T, T));
+    ar::block_rinv(b, ar::block_rinv_args<bfloat16>{.block = bank.view().slice(0, j), .rinv = k3::host_view(rinv.data() + j * T, T)});
   k3::tensor<float, 3> of({nq, T, d});
   k3::tensor<bfloat16, 3> ob({nq, T, d});
   std::vector<float> lf(std::size_t(nq * T)), lb(lf.size());
   auto bv = k3::tensor_view<bfloat16 const, 3>(bank.view());
   auto rv = k3::tensor_view<float const, 2>(rinv.data(), {n, T});
   auto uv = k3::tensor_view<float const, 2>(u.data(), {nq, d});
-  ar::phase1(b, bv, rv, uv, of.view(), k3::host_view(lf.data(), nq, T));
-  ar::phase1(b, bv, rv, uv, ob.view(), k3::host_view(lb.data(), nq, T));
+  ar::phase1(b, ar::phase1_args<bfloat16, float>{.bank = bv, .bank_rinv = rv, .u = uv, .o = of.view(), .lse = k3::host_view(lf.data(), nq, T)}, opt);
+  ar::phase1(b, ar::phase1_args<bfloat16>{.bank = bv, .bank_rinv = rv, .u = uv, .o = ob.view(), .lse = k3::host_view(lb.data(), nq, T)}, opt);
   double err = 0, lerr = 0;
   bool same_bits = true, same_lse = true;
   index_t subnormal = 0;
@@ -134,12 +134,10 @@ TEST_CASE("phase 1 kernels: awkward d, site and source counts against float64, b
 TEST_CASE("phase 1 kernels: subnormal mixes round exactly, streaming stores on aligned and unaligned rows") {
   check_phase1(k3::cpu::threads<>(2), p1_case{8, 24, 3, 64}, 7, 1e-39);
   check_phase1(k3::cpu::threads<>(2), p1_case{5, 7, 2, 37}, 8, 1e-40);
-  auto const saved = ar::detail::stream_threshold_bytes;
-  ar::detail::stream_threshold_bytes = 0;
-  check_phase1(k3::cpu::threads<>(2), p1_case{8, 24, 3, 64}, 9);   // every row 64-byte aligned
-  check_phase1(k3::cpu::threads<>(2), p1_case{8, 24, 3, 77}, 10);  // rows at odd offsets
-  check_phase1(k3::cpu::threads<>(2), p1_case{3, 5, 4, 32}, 11, 1e-39);
-  ar::detail::stream_threshold_bytes = saved;
+  ar::two_phase_options const streamed{.tuning = {.stream_threshold_bytes = 0}};
+  check_phase1(k3::cpu::threads<>(2), p1_case{8, 24, 3, 64}, 9, 0, streamed);   // every row 64-byte aligned
+  check_phase1(k3::cpu::threads<>(2), p1_case{8, 24, 3, 77}, 10, 0, streamed);  // rows at odd offsets
+  check_phase1(k3::cpu::threads<>(2), p1_case{3, 5, 4, 32}, 11, 1e-39, streamed);
 }
 
 TEST_CASE("phase 1 kernels: a NaN in one bf16 token stays in that token") {
@@ -150,10 +148,14 @@ TEST_CASE("phase 1 kernels: a NaN in one bf16 token stays in that token") {
   bank.data()[(5 * T + 2) * d + 69] = bfloat16(std::numeric_limits<float>::quiet_NaN());  // token 2, last column
   std::vector<float> rinv(std::size_t(n * T)), u = r.normals<float>(std::size_t(nq * d)), lse(std::size_t(nq * T));
   k3::cpu::threads<> b(2);
-  for (index_t j = 0; j < n; ++j) ar::block_rinv(b, k3::tensor_view<bfloat16 const, 2>(bank.view().slice(0, j)), k3::host_view(rinv.data() + j * T, T));
+  for (index_t j = 0; j < n; ++j)
+    ar::block_rinv(b, ar::block_rinv_args<bfloat16>{.block = bank.view().slice(0, j), .rinv = k3::host_view(rinv.data() + j * T, T)});
   k3::tensor<bfloat16, 3> o({nq, T, d});
-  ar::phase1(b, k3::tensor_view<bfloat16 const, 3>(bank.view()), k3::tensor_view<float const, 2>(rinv.data(), {n, T}),
-             k3::tensor_view<float const, 2>(u.data(), {nq, d}), o.view(), k3::host_view(lse.data(), nq, T));
+  ar::phase1(b, ar::phase1_args<bfloat16>{.bank = bank.view(),
+                                          .bank_rinv = k3::tensor_view<float const, 2>(rinv.data(), {n, T}),
+                                          .u = k3::tensor_view<float const, 2>(u.data(), {nq, d}),
+                                          .o = o.view(),
+                                          .lse = k3::host_view(lse.data(), nq, T)});
   for (index_t l = 0; l < nq; ++l)
     for (index_t t = 0; t < T; ++t) {
       bool all_nan = true, all_finite = true;
@@ -172,7 +174,7 @@ namespace {
 // phase2_add against float64: the prefix update bit for bit (k3::bfloat16 rounding of the
 // float sum), h against o + p (b - o) with p = sigmoid(r_b (u . b) - lse) in double.
 template <class D, class O, class H, class B>
-void check_phase2_add(B const& b, index_t T, index_t d, std::uint64_t seed) {
+void check_phase2_add(B const& b, index_t T, index_t d, std::uint64_t seed, ar::two_phase_options const& opt = {}) {
   attnres_ref::rng r(seed);
   k3::tensor<bfloat16, 2> prefix({T, d});
   k3::tensor<D, 2> delta({T, d});
@@ -186,8 +188,14 @@ void check_phase2_add(B const& b, index_t T, index_t d, std::uint64_t seed) {
   std::vector<float> u = r.normals<float>(std::size_t(d), 3.0 / std::sqrt(double(d))), lse(static_cast<std::size_t>(T));
   for (auto& x : lse) x = float(r.uniform(-2, 2));
   std::vector<bfloat16> pre0(prefix.data(), prefix.data() + T * d);
-  ar::phase2_add(b, k3::tensor_view<O const, 2>(o.view()), k3::tensor_view<float const, 1>(lse.data(), {T}), prefix.view(),
-                 k3::tensor_view<D const, 2>(delta.view()), k3::tensor_view<float const, 1>(u.data(), {d}), h.view(), 1e-5);
+  ar::phase2_add(b,
+                 ar::phase2_add_args<bfloat16, D, O, H>{.o = o.view(),
+                                                        .lse = k3::tensor_view<float const, 1>(lse.data(), {T}),
+                                                        .prefix = prefix.view(),
+                                                        .delta = delta.view(),
+                                                        .u = k3::tensor_view<float const, 1>(u.data(), {d}),
+                                                        .h = h.view()},
+                 opt);
   bool prefix_exact = true;
   double err = 0;
   for (index_t t = 0; t < T; ++t) {
@@ -230,14 +238,12 @@ TEST_CASE("phase2_add kernels: d around the 32-column chunk, T = 1, float and bf
       check_phase2_add<bfloat16, float, bfloat16>(k3::cpu::simd<>{}, T, d, seed++);
       check_phase2_add<float, bfloat16, float>(k3::cpu::threads<>(2), T, d, seed++);
     }
-  auto const saved = ar::detail::stream_threshold_bytes;
-  ar::detail::stream_threshold_bytes = 0;
+  ar::two_phase_options const streamed{.tuning = {.stream_threshold_bytes = 0}};
   for (index_t d : {index_t(64), index_t(7168), index_t(77)}) {
     CAPTURE(d);
-    check_phase2_add<bfloat16, bfloat16, bfloat16>(k3::cpu::threads<>(2), 5, d, seed++);
-    check_phase2_add<bfloat16, bfloat16, float>(k3::cpu::threads<>(2), 5, d, seed++);
+    check_phase2_add<bfloat16, bfloat16, bfloat16>(k3::cpu::threads<>(2), 5, d, seed++, streamed);
+    check_phase2_add<bfloat16, bfloat16, float>(k3::cpu::threads<>(2), 5, d, seed++, streamed);
   }
-  ar::detail::stream_threshold_bytes = saved;
 }
 
 TEST_CASE("phase2_add kernels: the residual add rounds every bit pattern as k3::bfloat16 does, NaN stays in its token") {
@@ -259,8 +265,12 @@ TEST_CASE("phase2_add kernels: the residual add rounds every bit pattern as k3::
   }
   std::vector<bfloat16> pre0(prefix.data(), prefix.data() + T * d);
   k3::cpu::threads<> b(2);
-  ar::phase2_add(b, k3::tensor_view<bfloat16 const, 2>(o.view()), k3::tensor_view<float const, 1>(lse.data(), {T}), prefix.view(),
-                 k3::tensor_view<bfloat16 const, 2>(delta.view()), k3::tensor_view<float const, 1>(u.data(), {d}), h.view());
+  ar::phase2_add(b, ar::phase2_add_args<bfloat16>{.o = o.view(),
+                                                  .lse = k3::tensor_view<float const, 1>(lse.data(), {T}),
+                                                  .prefix = prefix.view(),
+                                                  .delta = delta.view(),
+                                                  .u = k3::tensor_view<float const, 1>(u.data(), {d}),
+                                                  .h = h.view()});
   index_t mismatches = 0;
   for (index_t i = 0; i < T * d; ++i) {
     bfloat16 v;
@@ -276,8 +286,12 @@ TEST_CASE("phase2_add kernels: the residual add rounds every bit pattern as k3::
     o.data()[i] = bfloat16(float(r.normal()));
   }
   delta.data()[1 * d + 40] = bfloat16(std::numeric_limits<float>::quiet_NaN());
-  ar::phase2_add(b, k3::tensor_view<bfloat16 const, 2>(o.view()), k3::tensor_view<float const, 1>(lse.data(), {T}), prefix.view(),
-                 k3::tensor_view<bfloat16 const, 2>(delta.view()), k3::tensor_view<float const, 1>(u.data(), {d}), h.view());
+  ar::phase2_add(b, ar::phase2_add_args<bfloat16>{.o = o.view(),
+                                                  .lse = k3::tensor_view<float const, 1>(lse.data(), {T}),
+                                                  .prefix = prefix.view(),
+                                                  .delta = delta.view(),
+                                                  .u = k3::tensor_view<float const, 1>(u.data(), {d}),
+                                                  .h = h.view()});
   for (index_t t = 0; t < T; ++t) {
     bool all_nan = true, all_finite = true;
     for (index_t k = 0; k < d; ++k) {
@@ -290,11 +304,10 @@ TEST_CASE("phase2_add kernels: the residual add rounds every bit pattern as k3::
 
 TEST_CASE("phase 2 at a block's first site (h = o): every value rounded as k3::bfloat16 rounds, streamed or not") {
   attnres_ref::rng r(91);
-  auto const saved = ar::detail::stream_threshold_bytes;
-  for (std::size_t threshold : {saved, std::size_t(0)})
+  for (std::size_t threshold : {ar::tuning::host().stream_threshold_bytes, std::size_t(0)})
     for (index_t d : {index_t(1), index_t(31), index_t(32), index_t(77), index_t(4096)}) {
       CAPTURE(d);
-      ar::detail::stream_threshold_bytes = threshold;
+      ar::two_phase_options const opt{.tuning = {.stream_threshold_bytes = threshold}};
       index_t const T = 3;
       k3::tensor<bfloat16, 2> ob({T, d}), hb({T, d}), part({T, d});
       k3::tensor<float, 2> of({T, d}), hf({T, d});
@@ -307,9 +320,9 @@ TEST_CASE("phase 2 at a block's first site (h = o): every value rounded as k3::b
       k3::cpu::threads<> b(2);
       auto lv = k3::tensor_view<float const, 1>(lse.data(), {T});
       auto uv = k3::tensor_view<float const, 1>(u.data(), {d});
-      auto pv = k3::tensor_view<bfloat16 const, 2>(part.view());
-      ar::phase2(b, k3::tensor_view<bfloat16 const, 2>(ob.view()), lv, pv, false, uv, hb.view());
-      ar::phase2(b, k3::tensor_view<float const, 2>(of.view()), lv, pv, false, uv, hf.view());
+      // no partial: the block's first site
+      ar::phase2(b, ar::phase2_args<bfloat16>{.o = ob.view(), .lse = lv, .u = uv, .h = hb.view()}, opt);
+      ar::phase2(b, ar::phase2_args<bfloat16, float, float>{.o = of.view(), .lse = lv, .u = uv, .h = hf.view()}, opt);
       index_t bad = 0;
       for (index_t i = 0; i < T * d; ++i) {
         bfloat16 v;
@@ -319,7 +332,7 @@ TEST_CASE("phase 2 at a block's first site (h = o): every value rounded as k3::b
         bad += !(std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(y) || (std::isnan(x) && std::isnan(y)));
       }
       CHECK(bad == 0);
-      ar::phase2(b, k3::tensor_view<float const, 2>(of.view()), lv, pv, false, uv, hb.view());
+      ar::phase2(b, ar::phase2_args<bfloat16, float>{.o = of.view(), .lse = lv, .u = uv, .h = hb.view()}, opt);
       for (index_t i = 0; i < T * d; ++i) {
         bfloat16 v;
         ar::detail::put(v, of.data()[i]);
@@ -327,5 +340,4 @@ TEST_CASE("phase 2 at a block's first site (h = o): every value rounded as k3::b
       }
       CHECK(bad == 0);
     }
-  ar::detail::stream_threshold_bytes = saved;
 }

@@ -70,12 +70,12 @@ std::vector<std::vector<double>> simulate(toy::model const& m, params const& p, 
 template <class S, class B = k3::cpu::serial>
 struct driver {
   params p;
-  std::vector<ar::compute_t<S>> w, g;
+  std::vector<k3::accumulation_t<S>> w, g;
   ar::block_attn_res<S, B> a;
   driver(params const& p_, ar::block_config c, B b = B{})
-      : p(p_), w(toy::to<ar::compute_t<S>>(p.w)), g(toy::to<ar::compute_t<S>>(p.g)),
-        a(c, k3::tensor_view<ar::compute_t<S> const, 2>(w.data(), {p.L + 1, p.d}),
-          k3::tensor_view<ar::compute_t<S> const, 2>(g.data(), {p.L + 1, p.d}), b) {}
+      : p(p_), w(toy::to<k3::accumulation_t<S>>(p.w)), g(toy::to<k3::accumulation_t<S>>(p.g)),
+        a(c, k3::tensor_view<k3::accumulation_t<S> const, 2>(w.data(), {p.L + 1, p.d}),
+          k3::tensor_view<k3::accumulation_t<S> const, 2>(g.data(), {p.L + 1, p.d}), b) {}
 };
 
 ar::block_config cfg(index_t d, index_t T, index_t L, index_t S, ar::mode m, bool skip = true) {
@@ -313,7 +313,7 @@ void run_backward(ar::block_attn_res<S, B>& a, toy::model const& m, std::vector<
     auto gy = a.grad_sublayer_output();
     dy = toy::from(gy.data_handle(), std::size_t(T * m.d));
     m.backward(l, xs[std::size_t(l)], dy, dx, T);
-    auto dxs = toy::to<ar::compute_t<S>>(dx);
+    auto dxs = toy::to<k3::accumulation_t<S>>(dx);
     a.backward_site(k3::host_view(dxs.data(), T, m.d));
   }
   auto ge = a.grad_embedding();

@@ -87,7 +87,7 @@ void sublayer_grad(problem const& p, index_t l, std::vector<S> const& x, G const
 // c % P (P = 1: one driver, no cache).
 template <class S, class Comm>
 result<S> run(Comm const& comm, problem const& p, ar::mode m, std::vector<index_t> const& cuts, bool alone) {
-  using C = ar::compute_t<S>;
+  using C = k3::accumulation_t<S>;
   int const P = alone ? 1 : comm.size(), me = alone ? 0 : comm.rank();
   index_t const T = p.T, d = p.d, nc = index_t(cuts.size()) - 1;
   std::vector<C> w(p.w.begin(), p.w.end()), g(p.g.begin(), p.g.end());

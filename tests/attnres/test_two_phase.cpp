@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attnres/reference.hpp"
@@ -10,6 +11,22 @@
 namespace ar = k3::attnres;
 using attnres_ref::rel_err;
 using k3::index_t;
+
+// Every op takes one aggregate of views, the same for each CPU backend.
+static_assert(std::is_aggregate_v<ar::mix_forward_args<float>> && std::is_aggregate_v<ar::mix_backward_args<k3::bfloat16>> &&
+              std::is_aggregate_v<ar::block_rinv_args<double>> && std::is_aggregate_v<ar::phase1_args<k3::bfloat16, float>> &&
+              std::is_aggregate_v<ar::phase2_args<float>> && std::is_aggregate_v<ar::phase2_add_args<k3::bfloat16, float>> &&
+              std::is_aggregate_v<ar::two_phase_options> && std::is_aggregate_v<ar::tuning>);
+template <class B>
+concept takes_attnres_args = requires(B const& b) {
+  ar::mix_forward(b, ar::mix_forward_args<float>{}, ar::options{});
+  ar::mix_backward(b, ar::mix_backward_args<k3::bfloat16, float, float>{}, ar::options{});
+  ar::block_rinv(b, ar::block_rinv_args<double>{}, ar::two_phase_options{});
+  ar::phase1(b, ar::phase1_args<k3::bfloat16, float>{}, ar::two_phase_options{});
+  ar::phase2(b, ar::phase2_args<float>{}, ar::two_phase_options{});
+  ar::phase2_add(b, ar::phase2_add_args<k3::bfloat16, float>{}, ar::two_phase_options{});
+};
+static_assert(takes_attnres_args<k3::cpu::serial> && takes_attnres_args<k3::cpu::simd<>> && takes_attnres_args<k3::cpu::threads<>>);
 
 namespace {
 
@@ -30,7 +47,7 @@ std::vector<double> widen(std::vector<S> const& v) {
 template <class S, class B>
 double two_phase_vs_one_pass(B const& b, index_t n, index_t nq, index_t T, index_t d, std::uint64_t seed, bool check_lse,
                              double scale = 1.0) {
-  using C = ar::compute_t<S>;
+  using C = k3::accumulation_t<S>;
   attnres_ref::rng r(seed);
   std::vector<double> bankd(std::size_t(n * T * d));
   for (index_t j = 0; j < n; ++j) {
@@ -46,9 +63,12 @@ double two_phase_vs_one_pass(B const& b, index_t n, index_t nq, index_t T, index
   std::vector<C> rinv(std::size_t(n * T)), o(std::size_t(nq * T * d)), lse(std::size_t(nq * T));
   auto bv = k3::host_view(bank.data(), n, T, d);
   for (index_t j = 0; j < n; ++j)
-    ar::block_rinv(b, k3::tensor_view<S const, 2>(bv.slice(0, j)), k3::host_view(rinv.data() + j * T, T), 1e-5);
-  ar::phase1(b, k3::tensor_view<S const, 3>(bv), k3::tensor_view<C const, 2>(rinv.data(), {n, T}),
-             k3::tensor_view<C const, 2>(u.data(), {nq, d}), k3::host_view(o.data(), nq, T, d), k3::host_view(lse.data(), nq, T));
+    ar::block_rinv(b, ar::block_rinv_args<S>{.block = bv.slice(0, j), .rinv = k3::host_view(rinv.data() + j * T, T)}, {.eps = 1e-5});
+  ar::phase1(b, ar::phase1_args<S, C>{.bank = bv,
+                                      .bank_rinv = k3::tensor_view<C const, 2>(rinv.data(), {n, T}),
+                                      .u = k3::tensor_view<C const, 2>(u.data(), {nq, d}),
+                                      .o = k3::host_view(o.data(), nq, T, d),
+                                      .lse = k3::host_view(lse.data(), nq, T)});
   double err = 0;
   for (index_t l = 0; l < nq; ++l) {
     auto wl = k3::host_view(w.data() + l * d, d), gl = k3::host_view(g.data() + l * d, d);
@@ -58,13 +78,16 @@ double two_phase_vs_one_pass(B const& b, index_t n, index_t nq, index_t T, index
     std::vector<S> h1(std::size_t(T * d)), h2(h1.size()), h3(h1.size()), h4(h1.size());
     // first site of a block: bank only
     if (n > 0) {
-      ar::mix_forward(b, ar::make_sources(bv), wl, gl, k3::host_view(h1.data(), T, d));
-      ar::phase2(b, ol, ll, k3::tensor_view<S const, 2>(part.data(), {T, d}), false, ul, k3::host_view(h2.data(), T, d));
+      ar::mix_forward(b, ar::mix_forward_args<S>{.sources = ar::make_sources(bv), .w = wl, .gain = gl, .h = k3::host_view(h1.data(), T, d)});
+      ar::phase2(b, ar::phase2_args<S, C>{.o = ol, .lse = ll, .u = ul, .h = k3::host_view(h2.data(), T, d)});
       err = std::max(err, rel_err(widen(h2), widen(h1)));
     }
     // later sites: bank + partial
-    ar::mix_forward(b, ar::make_sources(bv, k3::host_view(part.data(), T, d)), wl, gl, k3::host_view(h3.data(), T, d));
-    ar::phase2(b, ol, ll, k3::tensor_view<S const, 2>(part.data(), {T, d}), true, ul, k3::host_view(h4.data(), T, d));
+    ar::mix_forward(b,
+                    ar::mix_forward_args<S>{
+                        .sources = ar::make_sources(bv, k3::host_view(part.data(), T, d)), .w = wl, .gain = gl, .h = k3::host_view(h3.data(), T, d)});
+    ar::phase2(b, ar::phase2_args<S, C>{
+                      .o = ol, .lse = ll, .partial = k3::tensor_view<S const, 2>(part.data(), {T, d}), .u = ul, .h = k3::host_view(h4.data(), T, d)});
     err = std::max(err, rel_err(widen(h4), widen(h3)));
     if (check_lse && n > 0) {
       for (index_t t = 0; t < T; ++t) {
@@ -119,12 +142,17 @@ TEST_CASE("two-phase equals one-pass for huge rows on the vector backends (float
     std::vector<float> lse = {0.5f, -1.f, 2.f};
     std::vector<k3::bfloat16> pre2(pre.size()), h1(pre.size()), h2(pre.size());
     for (std::size_t i = 0; i < pre.size(); ++i) pre2[i] = k3::bfloat16(float(pre[i]) + float(del[i]));
-    ar::phase2_add(k3::cpu::threads<>(2), k3::tensor_view<k3::bfloat16 const, 2>(o.data(), {T, d}), k3::tensor_view<float const, 1>(lse.data(), {T}),
-                   k3::host_view(pre.data(), T, d), k3::tensor_view<k3::bfloat16 const, 2>(del.data(), {T, d}),
-                   k3::tensor_view<float const, 1>(u.data(), {d}), k3::host_view(h1.data(), T, d));
-    ar::phase2(k3::cpu::serial{}, k3::tensor_view<k3::bfloat16 const, 2>(o.data(), {T, d}), k3::tensor_view<float const, 1>(lse.data(), {T}),
-               k3::tensor_view<k3::bfloat16 const, 2>(pre2.data(), {T, d}), true, k3::tensor_view<float const, 1>(u.data(), {d}),
-               k3::host_view(h2.data(), T, d));
+    ar::phase2_add(k3::cpu::threads<>(2), ar::phase2_add_args<k3::bfloat16>{.o = k3::tensor_view<k3::bfloat16 const, 2>(o.data(), {T, d}),
+                                                                            .lse = k3::tensor_view<float const, 1>(lse.data(), {T}),
+                                                                            .prefix = k3::host_view(pre.data(), T, d),
+                                                                            .delta = k3::tensor_view<k3::bfloat16 const, 2>(del.data(), {T, d}),
+                                                                            .u = k3::tensor_view<float const, 1>(u.data(), {d}),
+                                                                            .h = k3::host_view(h1.data(), T, d)});
+    ar::phase2(k3::cpu::serial{}, ar::phase2_args<k3::bfloat16>{.o = k3::tensor_view<k3::bfloat16 const, 2>(o.data(), {T, d}),
+                                                                .lse = k3::tensor_view<float const, 1>(lse.data(), {T}),
+                                                                .partial = k3::tensor_view<k3::bfloat16 const, 2>(pre2.data(), {T, d}),
+                                                                .u = k3::tensor_view<float const, 1>(u.data(), {d}),
+                                                                .h = k3::host_view(h2.data(), T, d)});
     CHECK(rel_err(widen(h1), widen(h2)) <= 8e-3);
   }
 }
@@ -134,7 +162,8 @@ TEST_CASE("block_rinv is the inverse RMS of each token, phase2_add fuses the res
   attnres_ref::rng r(3);
   auto x = r.normals<double>(std::size_t(T * d), 0.01);
   std::vector<double> rinv(static_cast<std::size_t>(T));
-  ar::block_rinv(k3::cpu::threads<>(2), k3::host_view(x.data(), T, d), k3::host_view(rinv.data(), T), 1e-5);
+  ar::block_rinv(k3::cpu::threads<>(2), ar::block_rinv_args<double>{.block = k3::host_view(x.data(), T, d), .rinv = k3::host_view(rinv.data(), T)},
+                 {.eps = 1e-5});
   for (index_t t = 0; t < T; ++t) {
     double ss = 0;
     for (index_t k = 0; k < d; ++k) ss += x[std::size_t(t * d + k)] * x[std::size_t(t * d + k)];
@@ -145,14 +174,19 @@ TEST_CASE("block_rinv is the inverse RMS of each token, phase2_add fuses the res
        del = cast<float>(r.normals<double>(std::size_t(T * d))), u = cast<float>(r.normals<double>(std::size_t(d)));
   std::vector<float> lse = {0.1f, -2.f, 3.f, 0.f, 1.f}, pre2 = pre, h1(std::size_t(T * d)), h2(h1.size());
   k3::cpu::threads<> b(2);
-  ar::phase2_add(b, k3::tensor_view<float const, 2>(o.data(), {T, d}), k3::tensor_view<float const, 1>(lse.data(), {T}),
-                 k3::host_view(pre.data(), T, d), k3::tensor_view<float const, 2>(del.data(), {T, d}),
-                 k3::tensor_view<float const, 1>(u.data(), {d}), k3::host_view(h1.data(), T, d));
+  ar::phase2_add(b, ar::phase2_add_args<float>{.o = k3::host_view(o.data(), T, d),
+                                               .lse = k3::host_view(lse.data(), T),
+                                               .prefix = k3::host_view(pre.data(), T, d),
+                                               .delta = k3::host_view(del.data(), T, d),
+                                               .u = k3::host_view(u.data(), d),
+                                               .h = k3::host_view(h1.data(), T, d)});
   for (std::size_t i = 0; i < pre2.size(); ++i) pre2[i] += del[i];
   CHECK(pre == pre2);
-  ar::phase2(b, k3::tensor_view<float const, 2>(o.data(), {T, d}), k3::tensor_view<float const, 1>(lse.data(), {T}),
-             k3::tensor_view<float const, 2>(pre2.data(), {T, d}), true, k3::tensor_view<float const, 1>(u.data(), {d}),
-             k3::host_view(h2.data(), T, d));
+  ar::phase2(b, ar::phase2_args<float>{.o = k3::host_view(o.data(), T, d),
+                                       .lse = k3::host_view(lse.data(), T),
+                                       .partial = k3::host_view(pre2.data(), T, d),
+                                       .u = k3::host_view(u.data(), d),
+                                       .h = k3::host_view(h2.data(), T, d)});
   CHECK(h1 == h2);
 }
 
@@ -165,9 +199,13 @@ TEST_CASE("two-phase: a NaN in one token stays there, shape errors name the argu
       lse(std::size_t(nq * T));
   k3::cpu::threads<> b(3);
   auto bv = k3::host_view(bank.data(), n, T, d);
-  for (index_t j = 0; j < n; ++j) ar::block_rinv(b, bv.slice(0, j), k3::host_view(rinv.data() + j * T, T));
-  ar::phase1(b, bv, k3::host_view(rinv.data(), n, T), k3::host_view(u.data(), nq, d), k3::host_view(o.data(), nq, T, d),
-             k3::host_view(lse.data(), nq, T));
+  for (index_t j = 0; j < n; ++j)
+    ar::block_rinv(b, ar::block_rinv_args<float>{.block = bv.slice(0, j), .rinv = k3::host_view(rinv.data() + j * T, T)});
+  ar::phase1(b, ar::phase1_args<float>{.bank = bv,
+                                       .bank_rinv = k3::host_view(rinv.data(), n, T),
+                                       .u = k3::host_view(u.data(), nq, d),
+                                       .o = k3::host_view(o.data(), nq, T, d),
+                                       .lse = k3::host_view(lse.data(), nq, T)});
   for (index_t l = 0; l < nq; ++l)
     for (index_t t = 0; t < T; ++t) {
       bool fin = true;
@@ -177,8 +215,11 @@ TEST_CASE("two-phase: a NaN in one token stays there, shape errors name the argu
     }
   std::vector<float> u5(std::size_t(nq * (d + 1)));
   try {
-    ar::phase1(b, bv, k3::host_view(rinv.data(), n, T), k3::host_view(u5.data(), nq, d + 1), k3::host_view(o.data(), nq, T, d),
-               k3::host_view(lse.data(), nq, T));
+    ar::phase1(b, ar::phase1_args<float>{.bank = bv,
+                                         .bank_rinv = k3::host_view(rinv.data(), n, T),
+                                         .u = k3::host_view(u5.data(), nq, d + 1),
+                                         .o = k3::host_view(o.data(), nq, T, d),
+                                         .lse = k3::host_view(lse.data(), nq, T)});
     FAIL("no throw");
   } catch (k3::error const& e) {
     std::string m = e.what();
@@ -186,7 +227,10 @@ TEST_CASE("two-phase: a NaN in one token stays there, shape errors name the argu
     CHECK(m.find("[4, 10]") != std::string::npos);
     CHECK(m.find("[4, 11]") != std::string::npos);
   }
-  CHECK_THROWS_AS(ar::phase1(b, bv, k3::host_view(rinv.data(), n - 1, T), k3::host_view(u.data(), nq, d), k3::host_view(o.data(), nq, T, d),
-                             k3::host_view(lse.data(), nq, T)),
+  CHECK_THROWS_AS(ar::phase1(b, ar::phase1_args<float>{.bank = bv,
+                                                       .bank_rinv = k3::host_view(rinv.data(), n - 1, T),
+                                                       .u = k3::host_view(u.data(), nq, d),
+                                                       .o = k3::host_view(o.data(), nq, T, d),
+                                                       .lse = k3::host_view(lse.data(), nq, T)}),
                   k3::error);
 }

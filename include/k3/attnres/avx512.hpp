@@ -46,6 +46,19 @@
 
 namespace k3::attnres::detail {
 
+// Outputs from this size on are written with streaming stores. A cached store to a line that is
+// not present first reads it (read for ownership): a read of every line of a write-only array,
+// which a streaming store skips, at the price of the cache a next reader might have found it
+// in. Where to switch depends on the vendor (as for the quant kernels, core/cpu_info.hpp):
+//  * Intel: 16 MiB, well past the private L2s: an output that large (phase 2's h at K3 shape)
+//    is out of cache before its next reader anyway, so skipping the read for ownership pays.
+//  * AMD and others: 64 MiB, far past the last-level cache (benchmarks/attnres.md).
+inline std::size_t host_stream_threshold_bytes() noexcept {
+  static std::size_t const v =
+      k3::detail::host_cpu_vendor() == k3::detail::cpu_vendor::intel ? std::size_t(16) << 20 : std::size_t(64) << 20;
+  return v;
+}
+
 // True when Arch's kernels may use the intrinsics below (the TU is compiled for AVX-512BW and
 // the backend asked for an AVX-512 arch). Otherwise the portable xsimd kernels run.
 template <class Arch>
@@ -56,16 +69,20 @@ inline constexpr bool avx512_kernels =
     false;
 #endif
 
-// Outputs from this size on are written with streaming stores. A cached store to a line that is
-// not present first reads it (read for ownership): a read of every line of a write-only array,
-// which a streaming store skips, at the price of the cache a next reader might have found it
-// in. Where to switch depends on the vendor (as for the quant kernels, core/cpu_info.hpp):
-//  * Intel: 16 MiB, well past the private L2s: an output that large (phase 2's h at K3 shape)
-//    is out of cache before its next reader anyway, so skipping the read for ownership pays.
-//  * AMD and others: 64 MiB, far past the last-level cache (benchmarks/attnres.md).
-// (A variable so that tests can force either path.)
-inline std::size_t stream_threshold_bytes =
-    k3::detail::host_cpu_vendor() == k3::detail::cpu_vendor::intel ? std::size_t(16) << 20 : std::size_t(64) << 20;
+}  // namespace k3::attnres::detail
+
+namespace k3::attnres {
+
+// Per-machine choices of the two-phase kernels, carried in two_phase_options.
+struct tuning {
+  // Outputs of at least this many bytes are written with streaming stores (the vendor's value, see above).
+  std::size_t stream_threshold_bytes = detail::host_stream_threshold_bytes();
+  static tuning host() noexcept { return {}; }
+};
+
+}  // namespace k3::attnres
+
+namespace k3::attnres::detail {
 
 #if K3_ATTNRES_AVX512
 

@@ -52,6 +52,7 @@
 
 #include "k3/attnres/mix.hpp"
 #include "k3/attnres/two_phase.hpp"
+#include "k3/core/storage.hpp"
 #include "k3/core/tensor.hpp"
 
 namespace k3::attnres {
@@ -105,7 +106,7 @@ template <class S, HostBackend B = cpu::serial>
 class block_attn_res {
  public:
   using storage_type = S;
-  using compute_type = compute_t<S>;
+  using compute_type = k3::accumulation_t<S>;
   using C = compute_type;
 
   // w, gain: [L + 1, d], one pseudo-query and one key-norm gain per site (row L: output head).
@@ -206,8 +207,10 @@ class block_attn_res {
       index_t const i = l - block_start_;
       auto xo = o_.view().slice(0, i).sub(0, 0, T_);
       auto xl = lse_.view().slice(0, i).sub(0, 0, T_);
-      phase2(b_, tensor_view<C const, 2>(xo), tensor_view<C const, 1>(xl), partial(), !boundary,
-             tensor_view<C const, 1>(u_.view().slice(0, i)), x, cfg_.eps);
+      phase2(
+          b_,
+          phase2_args<S, C, X>{.o = xo, .lse = xl, .partial = boundary ? tensor_view<S const, 2>{} : partial(), .u = u_.view().slice(0, i), .h = x},
+          {.eps = cfg_.eps});
     } else {
       auto src = boundary ? make_sources(bank()) : make_sources(bank(), partial());
       options opt;
@@ -235,7 +238,7 @@ class block_attn_res {
           st = ss.view();
         }
       }
-      mix_forward(b_, src, w_.slice(0, l), g_.slice(0, l), x, opt, st);
+      mix_forward(b_, mix_forward_args<S, C, X>{.sources = src, .w = w_.slice(0, l), .gain = g_.slice(0, l), .h = x, .stats = st}, opt);
       if (training() && saves_.save_stats) {
         held_stats_[std::size_t(l)] = saves_.save_stats(tensor_view<C const, 3>(stats_ws_.view())) + 1;
         stats_ws_ = {};
@@ -302,8 +305,16 @@ class block_attn_res {
     detail::check_view("x", x);
     detail::check_shape("x", x, {T_, cfg_.d});
     index_t const i = next - block_start_;
-    phase2_add(b_, tensor_view<C const, 2>(o_.view().slice(0, i).sub(0, 0, T_)), tensor_view<C const, 1>(lse_.view().slice(0, i).sub(0, 0, T_)),
-               cur_prefix(), y, tensor_view<C const, 1>(u_.view().slice(0, i)), x, cfg_.eps);
+    using Y_ = std::remove_const_t<typename decltype(y)::element_type>;
+    using X_ = typename decltype(x)::element_type;
+    phase2_add(b_,
+               phase2_add_args<S, Y_, C, X_>{.o = o_.view().slice(0, i).sub(0, 0, T_),
+                                             .lse = lse_.view().slice(0, i).sub(0, 0, T_),
+                                             .prefix = cur_prefix(),
+                                             .delta = y,
+                                             .u = u_.view().slice(0, i),
+                                             .h = x},
+               {.eps = cfg_.eps});
     l_ = next;
     if (l_ == cfg_.sublayers) output_done_ = true;
     awaiting_add_ = l_ < cfg_.sublayers;
@@ -371,7 +382,16 @@ class block_attn_res {
       opt.eps = cfg_.eps;
       opt.accumulate = true;
       auto grads = make_grads(dbank_.view().sub(0, 0, nl), grad_.view());
-      mix_backward(b_, src, w_.slice(0, l), g_.slice(0, l), dh, grads, dw_.view().slice(0, l), dg_.view().slice(0, l), opt, st);
+      mix_backward(b_,
+                   mix_backward_args<S, C, std::remove_const_t<DH>, C, C>{.sources = src,
+                                                                          .w = w_.slice(0, l),
+                                                                          .gain = g_.slice(0, l),
+                                                                          .d_h = dh,
+                                                                          .d_sources = grads,
+                                                                          .d_w = dw_.view().slice(0, l),
+                                                                          .d_gain = dg_.view().slice(0, l),
+                                                                          .stats = st},
+                   opt);
     } else {
       // site 0 is the embedding itself: the gradient flows straight into bank row 0
       auto d0 = dbank_.view().slice(0, 0);
@@ -440,7 +460,7 @@ class block_attn_res {
     auto row = bank_.view().slice(0, n_).sub(0, 0, T_);
     copy_rows(partial(), row);
     if (cfg_.run_mode == mode::two_phase)
-      block_rinv(b_, tensor_view<S const, 2>(row), rinv_.view().slice(0, n_).sub(0, 0, T_), cfg_.eps);
+      block_rinv(b_, block_rinv_args<S>{.block = row, .rinv = rinv_.view().slice(0, n_).sub(0, 0, T_)}, {.eps = cfg_.eps});
     ++n_;
     prefix_empty_ = true;
     if (cfg_.run_mode == mode::two_phase) start_phase1(l_);
@@ -453,8 +473,11 @@ class block_attn_res {
     auto u = u_.view();
     for (index_t i = 0; i < nq; ++i)
       for (index_t k = 0; k < cfg_.d; ++k) u(i, k) = w_(l0 + i, k) * g_(l0 + i, k);
-    phase1(b_, bank(), bank_rinv(), tensor_view<C const, 2>(u.sub(0, 0, nq)), o_.view().sub(0, 0, nq).sub(1, 0, T_),
-           lse_.view().sub(0, 0, nq).sub(1, 0, T_));
+    phase1(b_, phase1_args<S, C>{.bank = bank(),
+                                 .bank_rinv = bank_rinv(),
+                                 .u = u.sub(0, 0, nq),
+                                 .o = o_.view().sub(0, 0, nq).sub(1, 0, T_),
+                                 .lse = lse_.view().sub(0, 0, nq).sub(1, 0, T_)});
   }
 
   template <class V, class W>

@@ -2,17 +2,17 @@
 //
 // Per token t, over sources v_0..v_{m-1} (the n rows of a bank [n, T, d] plus, optionally, a
 // partial sum [T, d] as source n):
-//     u = g * w,   r_j = (mean_k v_j[k]^2 + eps)^-1/2,   c_j = u . v_j,
+//     u = gain * w,   r_j = (mean_k v_j[k]^2 + eps)^-1/2,   c_j = u . v_j,
 //     alpha = softmax_j(r_j c_j),   h = sum_j alpha_j v_j.
-// The RMSNorm gain g is folded into the pseudo-query so every site of a block shares one key
+// The RMSNorm gain is folded into the pseudo-query so every site of a block shares one key
 // set (spec §2.1, §4.2). Values are the raw sources. Mixing runs in float (double for double
-// storage) whatever the storage type; the cross-token sums for dw and dg run in double.
+// storage) whatever the storage type; the cross-token sums for d_w and d_gain run in double.
 //
 // Backward (spec §5.2): ds_j = alpha_j (dh.v_j - dh.h);
 //     dv_j = alpha_j dh + ds_j (r_j u - c_j r_j^3 v_j / d);  du = sum_t sum_j ds_j r_j v_j;
-//     dw = du * g;  dg = du * w.
+//     d_w = du * gain;  d_gain = du * w.
 // Each token is independent: a NaN or Inf in one token's sources stays in that token's h and
-// dsources (dw and dg, being sums over tokens, do see it).
+// d_sources (d_w and d_gain, being sums over tokens, do see it).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "k3/core/backend_traits.hpp"
 #include "k3/attnres/simd_ops.hpp"
 #include "k3/backend/cpu/serial.hpp"
 #include "k3/backend/cpu/simd.hpp"
@@ -37,42 +38,37 @@ namespace k3::attnres {
 
 struct options {
   double eps = 1e-5;        // the key RMSNorm's eps (K3: rms_norm_eps = 1e-5)
-  bool accumulate = false;  // backward: add into dsources/dpartial/dw/dg instead of overwriting
+  bool accumulate = false;  // backward: add into d_sources/d_w/d_gain instead of overwriting
 };
 
-// Mixing precision for a storage type: double storage mixes in double, everything else in float.
-template <class S>
-using compute_t = std::conditional_t<std::is_same_v<std::remove_cv_t<S>, double>, double, float>;
 
-template <class S>
-concept Storage = std::same_as<S, float> || std::same_as<S, double> || std::same_as<S, bfloat16>;
-
-// The sources of one site: bank rows [0, n) and, when has_partial, the partial sum as source n.
+// The sources of one site: bank rows [0, n) and, when the partial view is present, the
+// partial sum as source n.
 template <class S>
 struct sources {
-  tensor_view<S const, 3> bank;     // [n, T, d]
-  tensor_view<S const, 2> partial;  // [T, d] when has_partial
-  bool has_partial = false;
+  tensor_view<S const, 3> bank;          // [n, T, d]
+  tensor_view<S const, 2> partial = {};  // optional [T, d]
 
-  index_t count() const noexcept { return bank.extent(0) + (has_partial ? 1 : 0); }
+  bool has_partial() const noexcept { return present(partial); }
+  index_t count() const noexcept { return bank.extent(0) + (has_partial() ? 1 : 0); }
 };
 
 template <class S, std::size_t R>
 sources<std::remove_const_t<S>> make_sources(tensor_view<S, R> bank) {
   static_assert(R == 3, "make_sources: the bank is [n, T, d]");
-  return {bank, {}, false};
+  return {bank, {}};
 }
 template <class S, class P>
 sources<std::remove_const_t<S>> make_sources(tensor_view<S, 3> bank, tensor_view<P, 2> partial) {
   static_assert(std::is_same_v<std::remove_const_t<S>, std::remove_const_t<P>>, "bank and partial must share a storage type");
-  return {bank, partial, true};
+  return {bank, partial};
 }
 
-// Gradients for the sources, laid out like them.
+// Gradients for the sources, laid out like them (partial read only when the sources have one).
 template <class G>
 struct source_grads {
-  tensor_view<G, 3> bank;     // [n, T, d]
-  tensor_view<G, 2> partial;  // [T, d] when the sources have a partial
+  tensor_view<G, 3> bank;          // [n, T, d]
+  tensor_view<G, 2> partial = {};  // [T, d] when the sources have a partial
 };
 
 template <class G>
@@ -107,7 +103,7 @@ struct rows {
 template <class S>
 rows<S const> rows_of(sources<S> const& s) {
   return {s.bank.data_handle(), s.bank.stride(0), s.bank.stride(1), s.bank.extent(0),
-          s.has_partial ? s.partial.data_handle() : nullptr, s.has_partial ? s.partial.stride(0) : 0};
+          s.has_partial() ? s.partial.data_handle() : nullptr, s.has_partial() ? s.partial.stride(0) : 0};
 }
 template <class G>
 rows<G> rows_of(source_grads<G> const& g, bool has_partial) {
@@ -120,7 +116,7 @@ template <class S>
 void check_sources(sources<S> const& s, index_t& T, index_t& d) {
   check_view("sources", s.bank);
   check_inner_contiguous("sources", s.bank);
-  if (s.has_partial) {
+  if (s.has_partial()) {
     check_view("partial", s.partial);
     check_inner_contiguous("partial", s.partial);
   }
@@ -128,7 +124,7 @@ void check_sources(sources<S> const& s, index_t& T, index_t& d) {
   if (s.bank.extent(0) > 0) {
     T = s.bank.extent(1);
     d = s.bank.extent(2);
-    if (s.has_partial) check_shape("partial", s.partial, {T, d});
+    if (s.has_partial()) check_shape("partial", s.partial, {T, d});
   } else {
     T = s.partial.extent(0);
     d = s.partial.extent(1);
@@ -137,13 +133,13 @@ void check_sources(sources<S> const& s, index_t& T, index_t& d) {
 
 template <class G>
 void check_grads(source_grads<G> const& g, index_t n, bool has_partial, index_t T, index_t d) {
-  check_view("dsources", g.bank);
-  check_inner_contiguous("dsources", g.bank);
-  check_shape("dsources", g.bank, {n, T, d});
+  check_view("d_sources", g.bank);
+  check_inner_contiguous("d_sources", g.bank);
+  check_shape("d_sources", g.bank, {n, T, d});
   if (has_partial) {
-    check_view("dpartial", g.partial);
-    check_inner_contiguous("dpartial", g.partial);
-    check_shape("dpartial", g.partial, {T, d});
+    check_view("d_partial", g.partial);
+    check_inner_contiguous("d_partial", g.partial);
+    check_shape("d_partial", g.partial, {T, d});
   }
 }
 
@@ -164,28 +160,19 @@ struct simd_arch<cpu::threads<A>> {
   using type = A;
 };
 
-// Token blocks of the backward's cross-token sums (dw, dgain): a constant, so the summation
+// Token blocks of the backward's cross-token sums (d_w, d_gain): a constant, so the summation
 // order does not depend on the thread count; enough blocks to feed 16 threads 4 each.
 inline constexpr index_t grad_blocks = 64;
 
 // Runs f(lo, hi, task) over contiguous token ranges; returns the task count (task < count).
 template <class B>
 index_t token_tasks(B const& b, index_t T) {
-  if constexpr (requires { b.for_each_task(index_t{1}, [](index_t) {}); }) {
-    if (T <= 0) return 0;
-    return std::min<index_t>(T, 4 * index_t(b.concurrency()));
-  } else {
-    return T > 0 ? 1 : 0;
-  }
+  if (T <= 0) return 0;
+  return TaskBackend<B> ? std::min<index_t>(T, 4 * k3::concurrency(b)) : 1;
 }
 template <class B, class F>
 void for_token_ranges(B const& b, index_t T, index_t tasks, F&& f) {
-  if (tasks <= 0) return;
-  if constexpr (requires { b.for_each_task(index_t{1}, [](index_t) {}); }) {
-    b.for_each_task(tasks, [&](index_t i) { f(T * i / tasks, T * (i + 1) / tasks, i); });
-  } else {
-    for (index_t i = 0; i < tasks; ++i) f(T * i / tasks, T * (i + 1) / tasks, i);
-  }
+  k3::run_tasks(b, tasks, [&](index_t i) { f(T * i / tasks, T * (i + 1) / tasks, i); });
 }
 
 // Per-thread scratch for one token: the m source rows in compute precision (only when the
@@ -264,7 +251,7 @@ void token_combine(index_t m, index_t d, token_scratch<C>& w) {
   }
 }
 
-// The backward of one token: writes dsources rows, adds ds_j r_j v_j into du (double).
+// The backward of one token: writes d_sources rows, adds ds_j r_j v_j into du (double).
 template <class Ops, class C, class G, class DH>
 void token_backward(index_t m, index_t d, C const* u, DH const* dh_row, token_scratch<C>& w, rows<G> const& dsrc, index_t t,
                     bool accumulate, double* K3_RESTRICT du) {
@@ -310,17 +297,40 @@ std::vector<C> fold_query(WV w, GV g, index_t d) {
 }  // namespace detail
 
 // Token-local statistics a stored-mode forward can keep for the backward: [T, m, 3] holding
-// (r_j, c_j, alpha_j) in compute precision. Pass an empty view when not wanted.
+// (r_j, c_j, alpha_j) in compute precision. Leave it absent when not wanted.
 template <class C>
 using stats_view = tensor_view<C, 3>;
 
-// h[T, d] = the mix of `src` with pseudo-query w[d] and key-norm gain g[d].
-template <HostBackend B, class S, class W1, class W2, class H>
-void mix_forward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor_view<W2, 1> g, tensor_view<H, 2> h,
-                 options const& opt = {}, stats_view<compute_t<S>> stats = {}) {
-  static_assert(Storage<S>, "attnres: sources must be float, double or bfloat16");
+// The views of mix_forward: S the sources' storage, W the type of w and gain, H that of h.
+template <Storage S, class W = k3::accumulation_t<S>, class H = S>
+struct mix_forward_args {
+  ::k3::attnres::sources<S> sources;
+  tensor_view<W const, 1> w, gain;                      // [d] pseudo-query and key-norm gain
+  tensor_view<H, 2> h;                                  // [T, d], written
+  stats_view<k3::accumulation_t<S>> stats = {};         // optional, filled for a stored-mode backward
+};
+
+// The views of mix_backward: DH the type of d_h, G that of d_sources, DW that of d_w and d_gain.
+template <Storage S, class W = k3::accumulation_t<S>, class DH = S, class G = k3::accumulation_t<S>, class DW = k3::accumulation_t<S>>
+struct mix_backward_args {
+  ::k3::attnres::sources<S> sources;
+  tensor_view<W const, 1> w, gain;
+  tensor_view<DH const, 2> d_h;                         // [T, d]
+  source_grads<G> d_sources;                            // d_sources.partial used when sources has a partial
+  tensor_view<DW, 1> d_w, d_gain;                       // [d]
+  stats_view<k3::accumulation_t<S> const> stats = {};   // optional: the forward's stats (stored mode)
+};
+
+// h[T, d] = the mix of `sources` with pseudo-query w[d] and key-norm gain gain[d].
+template <HostBackend B, class S, class W, class H>
+void mix_forward(B const& b, mix_forward_args<S, W, H> const& args, options const& opt = {}) {
   static_assert(!std::is_const_v<H>, "attnres: h is written");
-  using C = compute_t<S>;
+  auto const& src = args.sources;
+  auto const w = args.w;
+  auto const g = args.gain;
+  auto const h = args.h;
+  auto const stats = args.stats;
+  using C = k3::accumulation_t<S>;
   index_t T = 0, d = 0;
   detail::check_sources(src, T, d);
   detail::check_view("w", w);
@@ -347,7 +357,7 @@ void mix_forward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor
       },
       [&](auto&& f) {
         f("sources", src.bank);
-        if (src.has_partial) f("partial", src.partial);
+        if (src.has_partial()) f("partial", src.partial);
         f("w", w);
         f("gain", g);
       });
@@ -377,15 +387,20 @@ void mix_forward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor
   });
 }
 
-// Gradients of the mix: dsources (and dpartial), dw[d], dgain[d], given dh[T, d]. With
-// `stats` from the forward the token statistics are taken from there (stored mode); without,
-// they are recomputed (recompute mode) — bit-identical either way.
-template <HostBackend B, class S, class W1, class W2, class DH, class G, class DW>
-void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tensor_view<W2, 1> g, tensor_view<DH, 2> dh,
-                  source_grads<G> const& dsrc, tensor_view<DW, 1> dw, tensor_view<DW, 1> dg, options const& opt = {},
-                  stats_view<compute_t<S> const> stats = {}) {
-  static_assert(Storage<S>, "attnres: sources must be float, double or bfloat16");
-  using C = compute_t<S>;
+// Gradients of the mix: d_sources (and d_sources.partial), d_w[d], d_gain[d], given d_h[T, d].
+// With `stats` from the forward the token statistics are taken from there (stored mode);
+// without, they are recomputed (recompute mode) — bit-identical either way.
+template <HostBackend B, class S, class W, class DH, class G, class DW>
+void mix_backward(B const& b, mix_backward_args<S, W, DH, G, DW> const& args, options const& opt = {}) {
+  auto const& src = args.sources;
+  auto const w = args.w;
+  auto const g = args.gain;
+  auto const dh = args.d_h;
+  auto const& dsrc = args.d_sources;
+  auto const dw = args.d_w;
+  auto const dg = args.d_gain;
+  auto const stats = args.stats;
+  using C = k3::accumulation_t<S>;
   index_t T = 0, d = 0;
   detail::check_sources(src, T, d);
   index_t const n = src.bank.extent(0), m = src.count();
@@ -393,12 +408,12 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
   detail::check_view("gain", g);
   detail::check_shape("w", w, {d});
   detail::check_shape("gain", g, {d});
-  detail::check_rows("dh", dh, {T, d});
-  detail::check_grads(dsrc, n, src.has_partial, T, d);
-  detail::check_view("dw", dw);
-  detail::check_view("dgain", dg);
-  detail::check_shape("dw", dw, {d});
-  detail::check_shape("dgain", dg, {d});
+  detail::check_rows("d_h", dh, {T, d});
+  detail::check_grads(dsrc, n, src.has_partial(), T, d);
+  detail::check_view("d_w", dw);
+  detail::check_view("d_gain", dg);
+  detail::check_shape("d_w", dw, {d});
+  detail::check_shape("d_gain", dg, {d});
   detail::require(opt.eps >= 0 && std::isfinite(opt.eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
   bool const have_stats = stats.size() > 0;
   if (have_stats) {
@@ -409,22 +424,22 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
   {
     // Every output against every input and the outputs pairwise: a gradient written over an
     // input (or over another gradient) is read back half-updated by later tokens.
-    tensor_view<G const, 2> const dpart = src.has_partial ? tensor_view<G const, 2>(dsrc.partial) : tensor_view<G const, 2>{};
+    tensor_view<G const, 2> const dpart = src.has_partial() ? tensor_view<G const, 2>(dsrc.partial) : tensor_view<G const, 2>{};
     auto outs = [&](auto&& f) {
-      f("dsources", dsrc.bank);
-      f("dpartial", dpart);
-      f("dw", dw);
-      f("dgain", dg);
+      f("d_sources", dsrc.bank);
+      f("d_partial", dpart);
+      f("d_w", dw);
+      f("d_gain", dg);
     };
     auto ins = [&](auto&& f) {
       f("sources", src.bank);
-      f("partial", src.has_partial ? src.partial : tensor_view<S const, 2>{});
+      f("partial", src.has_partial() ? src.partial : tensor_view<S const, 2>{});
       f("w", w);
       f("gain", g);
-      f("dh", dh);
+      f("d_h", dh);
       f("stats", stats);
     };
-    // dh may BE the partial's gradient (same view: an identity sublayer handing the driver's
+    // d_h may BE the partial's gradient (same view: an identity sublayer handing the driver's
     // grad_sublayer_output() straight back): each token converts its dh row before writing
     // that token's rows, so an exact alias is safe; any other overlap is not.
     auto same = [](auto const& a, auto const& b) {
@@ -437,7 +452,7 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
         if constexpr (std::decay_t<decltype(ov)>::rank() == 2 && std::decay_t<decltype(iv)>::rank() == 2 &&
                       std::is_same_v<std::remove_cv_t<typename std::decay_t<decltype(ov)>::element_type>,
                                      std::remove_cv_t<typename std::decay_t<decltype(iv)>::element_type>>) {
-          if (std::string_view(on) == "dpartial" && std::string_view(in) == "dh" && same(ov, iv)) return;
+          if (std::string_view(on) == "d_partial" && std::string_view(in) == "d_h" && same(ov, iv)) return;
         }
         detail::check_no_overlap(on, ov, in, iv);
       });
@@ -447,10 +462,10 @@ void mix_backward(B const& b, sources<S> const& src, tensor_view<W1, 1> w, tenso
   if (d == 0) return;
   auto const u = detail::fold_query<C>(w, g, d);
   auto const rows = detail::rows_of(src);
-  auto const grows = detail::rows_of(dsrc, src.has_partial);
+  auto const grows = detail::rows_of(dsrc, src.has_partial());
   C const eps = C(opt.eps);
   using Ops = typename detail::ops_for<B>::template type<C>;
-  // dw and dgain sum over tokens: in a fixed number of contiguous token blocks (not one per
+  // d_w and d_gain sum over tokens: in a fixed number of contiguous token blocks (not one per
   // thread task), added in block order, so they are bitwise the same for every backend and
   // thread count (they differed in the last bits of double between 1, 2 and 3 threads).
   index_t const tasks = std::min<index_t>(T, detail::grad_blocks);

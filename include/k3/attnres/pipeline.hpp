@@ -24,6 +24,7 @@
 
 #include "k3/attnres/block.hpp"
 #include "k3/comm/communicator.hpp"
+#include "k3/core/storage.hpp"
 
 namespace k3::attnres {
 
@@ -47,7 +48,7 @@ class pipeline_cache {
   template <class S, class B>
   void send_forward(block_attn_res<S, B>& ar, int peer, int tag) {
     check_peer(peer);
-    using C = compute_t<S>;
+    using C = k3::accumulation_t<S>;
     std::int64_t const n = ar.bank_count(), k = known_[std::size_t(peer)], T = ar.tokens();
     detail::require(k >= 0 && k <= n, error_kind::shape, [&] { return "pipeline_cache: rank " + std::to_string(peer) + " holds more rows than the sender"; });
     known_[std::size_t(peer)] = n;
@@ -72,7 +73,7 @@ class pipeline_cache {
   template <class S, class B>
   void recv_forward(block_attn_res<S, B>& ar, int peer, int tag) {
     check_peer(peer);
-    using C = compute_t<S>;
+    using C = k3::accumulation_t<S>;
     std::vector<std::int64_t> header(5 + known_.size());
     comm_.recv(tensor_view<std::int64_t, 1>(header.data(), {index_t(header.size())}), peer, tag);
     std::int64_t const site = header[0], n = header[1], k = header[2], T = header[3];
@@ -139,18 +140,18 @@ class pipeline_cache {
     received_.pop_back();
     index_t const T = ar.tokens();
     auto g = ar.grad_storage();
-    comm_.send(tensor_view<compute_t<S> const, 2>(g.data_handle(), {T, ar.config().d}), peer, tag);
+    comm_.send(tensor_view<k3::accumulation_t<S> const, 2>(g.data_handle(), {T, ar.config().d}), peer, tag);
     if (n > k) {
       auto db = ar.dbank_storage().sub(0, k, n - k);
-      comm_.send(tensor_view<compute_t<S> const, 3>(db.data_handle(), {n - k, T, ar.config().d}), peer, tag);
-      std::fill(db.data_handle(), db.data_handle() + db.size(), compute_t<S>(0));  // routed upstream now
+      comm_.send(tensor_view<k3::accumulation_t<S> const, 3>(db.data_handle(), {n - k, T, ar.config().d}), peer, tag);
+      std::fill(db.data_handle(), db.data_handle() + db.size(), k3::accumulation_t<S>(0));  // routed upstream now
     }
   }
 
   template <class S, class B>
   void recv_backward(block_attn_res<S, B>& ar, int peer, int tag) {
     check_peer(peer);
-    using C = compute_t<S>;
+    using C = k3::accumulation_t<S>;
     detail::require(!sent_.empty(), error_kind::value, "pipeline_cache::recv_backward: no forward hop to mirror");
     auto [k, n, site] = sent_.back();
     sent_.pop_back();

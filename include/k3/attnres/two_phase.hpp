@@ -9,7 +9,7 @@
 // and can fuse the preceding residual add (prefix += delta).
 //
 // rinv_j, the inverse RMS of a completed block, is computed once when the block is closed
-// (block_rinv) and stored with it. Queries arrive folded: u_l = g_l * w_l.
+// (block_rinv) and stored with it. Queries arrive folded: u_l = gain_l * w_l.
 // Precision: float rows; phase-1 scores from float register tiles rounded into double, softmax
 // and lse in double; the phase-2 weight p from float lane sums (the step is bandwidth-bound).
 // Both agree with the one-pass mix to float rounding (tests: 1e-6 relative per site).
@@ -26,10 +26,58 @@
 #include "k3/attnres/avx512.hpp"
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/attnres/mix.hpp"
+#include "k3/core/storage.hpp"
 
 namespace k3::attnres {
 
+struct two_phase_options {
+  double eps = 1e-5;  // the key RMSNorm's eps
+  ::k3::attnres::tuning tuning = ::k3::attnres::tuning::host();
+};
+
+// The views of block_rinv: S the block's storage; rinv has the compute type.
+template <Storage S>
+struct block_rinv_args {
+  tensor_view<S const, 2> block;                 // [T, d]
+  tensor_view<k3::accumulation_t<S>, 1> rinv;    // [T], written
+};
+
+// The views of phase1: S the bank's storage, O that of o.
+template <Storage S, class O = S>
+struct phase1_args {
+  tensor_view<S const, 3> bank;                               // [n, T, d] completed blocks
+  tensor_view<k3::accumulation_t<S> const, 2> bank_rinv;      // [n, T]
+  tensor_view<k3::accumulation_t<S> const, 2> u;              // [nq, d] folded queries
+  tensor_view<O, 3> o;                                        // [nq, T, d], written
+  tensor_view<k3::accumulation_t<S>, 2> lse;                  // [nq, T], written
+};
+
+// The views of phase2: S the partial's storage, O that of o, H that of h.
+template <Storage S, class O = S, class H = S>
+struct phase2_args {
+  tensor_view<O const, 2> o;                                  // [T, d]
+  tensor_view<k3::accumulation_t<S> const, 1> lse;            // [T]
+  tensor_view<S const, 2> partial = {};                       // [T, d]; absent at a block's first site
+  tensor_view<k3::accumulation_t<S> const, 1> u;              // [d]
+  tensor_view<H, 2> h;                                        // [T, d], written
+};
+
+// The views of phase2_add: S the prefix's storage, D that of delta, O of o, H of h.
+template <Storage S, class D = S, class O = S, class H = S>
+struct phase2_add_args {
+  tensor_view<O const, 2> o;                                  // [T, d]
+  tensor_view<k3::accumulation_t<S> const, 1> lse;            // [T]
+  tensor_view<S, 2> prefix;                                   // [T, d], updated in place
+  tensor_view<D const, 2> delta;                              // [T, d]
+  tensor_view<k3::accumulation_t<S> const, 1> u;              // [d]
+  tensor_view<H, 2> h;                                        // [T, d], written
+};
+
 namespace detail {
+
+inline void check_eps(double eps) {
+  require(eps >= 0 && std::isfinite(eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
+}
 
 // Phase-1 scores of one token: dots[l * n + j] = u_l . x_j, in double. The xsimd version
 // tiles 2 sites x 8 sources in float registers (a GEMM micro-kernel) and rounds each tile's
@@ -163,18 +211,20 @@ double row_rinv(S const* row, index_t d, double eps, std::vector<C>& buf) {
 }  // namespace detail
 
 // rinv[t] = (mean_k block[t, k]^2 + eps)^-1/2: computed once when a block is closed.
-template <HostBackend B, class S, class R>
-void block_rinv(B const& b, tensor_view<S, 2> block, tensor_view<R, 1> rinv, double eps = 1e-5) {
-  using SS = std::remove_const_t<S>;
-  using C = compute_t<SS>;
-  static_assert(std::is_same_v<R, C>, "block_rinv: rinv has the compute type (float, or double for double storage)");
+template <HostBackend B, class S>
+void block_rinv(B const& b, block_rinv_args<S> const& args, two_phase_options const& opt = {}) {
+  using SS = S;
+  using C = k3::accumulation_t<SS>;
+  auto const block = args.block;
+  auto const rinv = args.rinv;
+  double const eps = opt.eps;
   detail::check_view("block", block);
   detail::check_inner_contiguous("block", block);
   index_t const T = block.extent(0), d = block.extent(1);
   detail::check_view("rinv", rinv);
   detail::check_shape("rinv", rinv, {T});
   detail::check_outputs_apart([&](auto&& f) { f("rinv", rinv); }, [&](auto&& f) { f("block", block); });
-  detail::require(eps >= 0 && std::isfinite(eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
+  detail::check_eps(eps);
   using Ops = typename detail::ops_for<B>::template type<C>;
   index_t const tasks = detail::token_tasks(b, T);
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
@@ -184,16 +234,19 @@ void block_rinv(B const& b, tensor_view<S, 2> block, tensor_view<R, 1> rinv, dou
 }
 
 // Phase 1 for nq sites against the n completed blocks of `bank` ([n, T, d], their inverse RMS
-// in bank_rinv [n, T]); u [nq, d] holds the folded queries g_l * w_l. Writes o [nq, T, d]
+// in bank_rinv [n, T]); u [nq, d] holds the folded queries gain_l * w_l. Writes o [nq, T, d]
 // (normalised inter-block mix) and lse [nq, T]. With n = 0, o = 0 and lse = -inf.
-template <HostBackend B, class S, class R, class U, class O, class L>
-void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, tensor_view<U, 2> u, tensor_view<O, 3> o,
-            tensor_view<L, 2> lse) {
-  using SS = std::remove_const_t<S>;
-  using C = compute_t<SS>;
-  static_assert(std::is_same_v<std::remove_const_t<R>, C> && std::is_same_v<std::remove_const_t<U>, C> && std::is_same_v<L, C>,
-                "phase1: bank_rinv, u and lse have the compute type");
+template <HostBackend B, class S, class O>
+void phase1(B const& b, phase1_args<S, O> const& args, two_phase_options const& opt = {}) {
+  using SS = S;
+  using C = k3::accumulation_t<SS>;
+  using U = C const;
   static_assert(!std::is_const_v<O>, "phase1: o is written");
+  auto const bank = args.bank;
+  auto const bank_rinv = args.bank_rinv;
+  auto const u = args.u;
+  auto const o = args.o;
+  auto const lse = args.lse;
   detail::check_view("bank", bank);
   detail::check_inner_contiguous("bank", bank);
   index_t const n = bank.extent(0), T = bank.extent(1), d = bank.extent(2);
@@ -228,7 +281,7 @@ void phase1(B const& b, tensor_view<S, 3> bank, tensor_view<R, 2> bank_rinv, ten
       return false;
     }
   }();
-  bool const stream = std::size_t(nq) * std::size_t(T) * std::size_t(d) * sizeof(O_) >= detail::stream_threshold_bytes;
+  bool const stream = std::size_t(nq) * std::size_t(T) * std::size_t(d) * sizeof(O_) >= opt.tuning.stream_threshold_bytes;
   (void)stream;
   index_t const tasks = detail::token_tasks(b, T);
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
@@ -334,13 +387,19 @@ void merge_token(C const* b, O const* o, C lse, C const* u, index_t d, double ep
 
 }  // namespace detail
 
-// Phase 2 at one site. With has_partial: h = o + p (partial - o), p = sigmoid(s2 - lse);
+// Phase 2 at one site. With a partial: h = o + p (partial - o), p = sigmoid(s2 - lse);
 // without (the block's first site): h = o.
-template <HostBackend B, class O, class L, class S, class U, class H>
-void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<S, 2> partial, bool has_partial,
-            tensor_view<U, 1> u, tensor_view<H, 2> h, double eps = 1e-5) {
-  using SS = std::remove_const_t<S>;
-  using C = compute_t<SS>;
+template <HostBackend B, class S, class O, class H>
+void phase2(B const& b, phase2_args<S, O, H> const& args, two_phase_options const& opt = {}) {
+  using SS = S;
+  using C = k3::accumulation_t<SS>;
+  auto const o = args.o;
+  auto const lse = args.lse;
+  auto const partial = args.partial;
+  bool const has_partial = present(partial);
+  auto const u = args.u;
+  auto const h = args.h;
+  double const eps = opt.eps;
   static_assert(!std::is_const_v<H>, "phase2: h is written");
   detail::check_view("o", o);
   detail::check_inner_contiguous("o", o);
@@ -358,7 +417,7 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
                                 if (has_partial) f("partial", partial);
                                 f("u", u);
                               });
-  detail::require(eps >= 0 && std::isfinite(eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
+  detail::check_eps(eps);
   using Ops = typename detail::ops_for<B>::template type<C>;
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
@@ -374,7 +433,7 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
       return false;
     }
   }();
-  bool const stream = std::size_t(T) * std::size_t(d) * sizeof(H) >= detail::stream_threshold_bytes;
+  bool const stream = std::size_t(T) * std::size_t(d) * sizeof(H) >= opt.tuning.stream_threshold_bytes;
   (void)stream;
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
 #if K3_ATTNRES_AVX512
@@ -408,10 +467,16 @@ void phase2(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<
 
 // The fused step the sublayer loop runs (spec §4.5): prefix += delta (the residual add, in
 // place, rounded to the storage type as a plain add would be), then phase 2 with b = prefix.
-template <HostBackend B, class O, class L, class S, class D, class U, class H>
-void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_view<S, 2> prefix, tensor_view<D, 2> delta,
-                tensor_view<U, 1> u, tensor_view<H, 2> h, double eps = 1e-5) {
-  using C = compute_t<S>;
+template <HostBackend B, class S, class D, class O, class H>
+void phase2_add(B const& b, phase2_add_args<S, D, O, H> const& args, two_phase_options const& opt = {}) {
+  using C = k3::accumulation_t<S>;
+  auto const o = args.o;
+  auto const lse = args.lse;
+  auto const prefix = args.prefix;
+  auto const delta = args.delta;
+  auto const u = args.u;
+  auto const h = args.h;
+  double const eps = opt.eps;
   static_assert(!std::is_const_v<S> && !std::is_const_v<H>, "phase2_add: prefix and h are written");
   detail::check_view("o", o);
   detail::check_inner_contiguous("o", o);
@@ -436,7 +501,7 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
         f("lse", lse);
         f("u", u);
       });
-  detail::require(eps >= 0 && std::isfinite(eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
+  detail::check_eps(eps);
   using Ops = typename detail::ops_for<B>::template type<C>;
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
@@ -452,7 +517,7 @@ void phase2_add(B const& b, tensor_view<O, 2> o, tensor_view<L, 1> lse, tensor_v
       return false;
     }
   }();
-  bool const stream = std::size_t(T) * std::size_t(d) * sizeof(H) >= detail::stream_threshold_bytes;
+  bool const stream = std::size_t(T) * std::size_t(d) * sizeof(H) >= opt.tuning.stream_threshold_bytes;
   (void)stream;
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
     std::vector<C> buf(static_cast<std::size_t>(d));

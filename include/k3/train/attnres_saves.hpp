@@ -15,14 +15,15 @@
 
 #include "k3/attnres/block.hpp"
 #include "k3/core/error.hpp"
+#include "k3/core/storage.hpp"
 #include "k3/train/saved_tensors.hpp"
 
 namespace k3::train {
 
 template <class S, class Bk>
-::k3::attnres::site_saves<S, ::k3::attnres::compute_t<S>> attnres_site_saves(saved_tensor_store<Bk>& store, save_policy partials,
+::k3::attnres::site_saves<S, k3::accumulation_t<S>> attnres_site_saves(saved_tensor_store<Bk>& store, save_policy partials,
                                                                              save_policy stats) {
-  using C = ::k3::attnres::compute_t<S>;
+  using C = k3::accumulation_t<S>;
   ::k3::detail::require(!has_policy(partials, recompute), error_kind::value, [&] {
     return "attnres_site_saves: policy " + policy_name(partials) +
            " for the partial sums: they are running sums of sublayer outputs the driver does not keep, so nothing can recompute them";
