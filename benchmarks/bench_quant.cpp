@@ -66,20 +66,28 @@ int main(int argc, char** argv) {
   for (int r = 0; r < reps + 1; ++r) {  // the first round warms up (page faults) and is dropped
     double p = 0, t1 = 0;
     double const cpu_p = cpu_seconds([&] { p = pass.gbps(); });
-    double const cpu_1 = cpu_seconds([&] { t1 = seconds([&] {
-      k3::quant::fp8_quantize(be, xv, k3::host_view(q8.data(), m, k), k3::host_view(s128.data(), m, k / 128), k3::quant::tile_1x128);
-    }); });
+    double const cpu_1 = cpu_seconds([&] {
+      t1 = seconds([&] {
+        k3::quant::fp8_quantize(be,
+                                k3::quant::fp8_quantize_args<k3::bfloat16>{
+                                    .x = xv, .q = k3::host_view(q8.data(), m, k), .scales = k3::host_view(s128.data(), m, k / 128)},
+                                {.tile = k3::quant::tile_1x128});
+      });
+    });
     double const t1s = seconds([&] {
       k3::quant::simd_impl::fp8_quantize<decltype(be)::arch_type>(be, xc, k3::host_view(q8.data(), m, k), k3::host_view(s128.data(), m, k / 128),
                                                                   k3::quant::tile_1x128, k3::quant::scale_format::fp32, other_mode);
     });
     double t2 = seconds([&] {
-      k3::quant::mx_quantize(be, xv, k3::host_view(q8.data(), m, k), k3::host_view(smx.data(), m, k / 32), k3::quant::mx_element::e4m3,
-                             k3::quant::mx_rule::rceil);
+      k3::quant::mx_quantize(
+          be, k3::quant::mx_quantize_args<k3::bfloat16>{.x = xv, .q = k3::host_view(q8.data(), m, k), .scales = k3::host_view(smx.data(), m, k / 32)},
+          {.element = k3::quant::mx_element::e4m3, .rule = k3::quant::mx_rule::rceil});
     });
     double t3 = seconds([&] {
-      k3::quant::mx_quantize(be, xv, k3::host_view(q4.data(), m, k / 2), k3::host_view(smx.data(), m, k / 32),
-                             k3::quant::mx_element::e2m1, k3::quant::mx_rule::floor);
+      k3::quant::mx_quantize(
+          be,
+          k3::quant::mx_quantize_args<k3::bfloat16>{.x = xv, .q = k3::host_view(q4.data(), m, k / 2), .scales = k3::host_view(smx.data(), m, k / 32)},
+          {.element = k3::quant::mx_element::e2m1, .rule = k3::quant::mx_rule::floor});
     });
     if (r == 0) continue;
     cp.push_back(double(pass.bytes()) * 2 / cpu_p * 1e-9);
@@ -124,16 +132,24 @@ int main(int argc, char** argv) {
   for (auto& v : b) v = nd(rng);
   k3::bench::aligned_buffer<std::uint8_t> qa(a.size()), qb(b.size());
   k3::bench::aligned_buffer<float> sa(static_cast<std::size_t>(gm * (gk / 128))), sb(static_cast<std::size_t>((gn / 128) * (gk / 128)));
-  k3::quant::fp8_quantize(be, k3::host_view(a.data(), gm, gk), k3::host_view(qa.data(), gm, gk), k3::host_view(sa.data(), gm, gk / 128));
-  k3::quant::fp8_quantize(be, k3::host_view(b.data(), gn, gk), k3::host_view(qb.data(), gn, gk), k3::host_view(sb.data(), gn / 128, gk / 128),
-                          k3::quant::tile_128x128);
+  k3::quant::fp8_quantize(
+      be, k3::quant::fp8_quantize_args<float>{
+              .x = k3::host_view(a.data(), gm, gk), .q = k3::host_view(qa.data(), gm, gk), .scales = k3::host_view(sa.data(), gm, gk / 128)});
+  k3::quant::fp8_quantize(
+      be,
+      k3::quant::fp8_quantize_args<float>{
+          .x = k3::host_view(b.data(), gn, gk), .q = k3::host_view(qb.data(), gn, gk), .scales = k3::host_view(sb.data(), gn / 128, gk / 128)},
+      {.tile = k3::quant::tile_128x128});
   gemm_yardstick eig(nt);
   std::vector<double> ye, yg;
   for (int r = 0; r < reps + 1; ++r) {
     double e = eig.gflops();
     double t = seconds([&] {
-      k3::quant::fp8_block_gemm(be, k3::host_view(qa.data(), gm, gk), k3::host_view(sa.data(), gm, gk / 128), k3::host_view(qb.data(), gn, gk),
-                                k3::host_view(sb.data(), gn / 128, gk / 128), k3::host_view(c.data(), gm, gn));
+      k3::quant::fp8_block_gemm(be, k3::quant::fp8_block_gemm_args<>{.a_q = k3::host_view(qa.data(), gm, gk),
+                                                                     .a_scales = k3::host_view(sa.data(), gm, gk / 128),
+                                                                     .b_q = k3::host_view(qb.data(), gn, gk),
+                                                                     .b_scales = k3::host_view(sb.data(), gn / 128, gk / 128),
+                                                                     .c = k3::host_view(c.data(), gm, gn)});
     });
     if (r == 0) continue;
     ye.push_back(e);

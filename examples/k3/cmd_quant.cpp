@@ -115,8 +115,11 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k));
     std::vector<float> scales(static_cast<std::size_t>(sr * sc));
     if (!empty) {
-      q::fp8_quantize(be, x, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), s.tile, s.ds_scale);
-      q::fp8_dequantize(be, k3::host_view(codes.data(), m, k), k3::host_view(scales.data(), sr, sc), yv, s.tile);
+      q::fp8_quantize(be, q::fp8_quantize_args<T>{.x = x, .q = k3::host_view(codes.data(), m, k), .scales = k3::host_view(scales.data(), sr, sc)},
+                      {.tile = s.tile, .format = s.ds_scale});
+      q::fp8_dequantize(
+          be, q::fp8_dequantize_args<float>{.q = k3::host_view(codes.data(), m, k), .scales = k3::host_view(scales.data(), sr, sc), .y = yv},
+          {.tile = s.tile});
     }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, xa.shape(), codes.data());
     a.save("scales", k3::host_view(scales.data(), sr, sc));
@@ -126,8 +129,11 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
       throw k3::error(k3::error_kind::shape, "argument 'x': MX needs the last extent (" + std::to_string(k) + ") to be a multiple of 32");
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * qc)), scales(static_cast<std::size_t>(m * (k / 32)));
     if (!empty) {
-      q::mx_quantize(be, x, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), s.elem, s.rule);
-      q::mx_dequantize(be, k3::host_view(codes.data(), m, qc), k3::host_view(scales.data(), m, k / 32), yv, s.elem);
+      q::mx_quantize(be, q::mx_quantize_args<T>{.x = x, .q = k3::host_view(codes.data(), m, qc), .scales = k3::host_view(scales.data(), m, k / 32)},
+                     {.element = s.elem, .rule = s.rule});
+      q::mx_dequantize(
+          be, q::mx_dequantize_args<float>{.q = k3::host_view(codes.data(), m, qc), .scales = k3::host_view(scales.data(), m, k / 32), .y = yv},
+          {.element = s.elem});
     }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, with_last(xa.shape(), qc), codes.data());
     k3::io::write_npy(a.out_path("scales"), k3::io::dtype::uint8, with_last(xa.shape(), k / 32), scales.data());
@@ -135,10 +141,14 @@ int quantize_as(k3::cli::args& a, spec const& s, k3::io::npy_array const& xa) {
     if (k % q::nvfp4_block != 0)
       throw k3::error(k3::error_kind::shape, "argument 'x': NVFP4 needs the last extent (" + std::to_string(k) + ") to be a multiple of 16");
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(m * k / 2)), scales(static_cast<std::size_t>(m * (k / 16)));
-    float g = empty ? 1.f : q::nvfp4_tensor_scale(be, x);
+    float g = empty ? 1.f : q::nvfp4_tensor_scale(be, q::nvfp4_tensor_scale_args<T>{.x = x});
     if (!empty) {
-      q::nvfp4_quantize(be, x, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g, s.nv_rounding);
-      q::nvfp4_dequantize(be, k3::host_view(codes.data(), m, k / 2), k3::host_view(scales.data(), m, k / 16), g, yv);
+      q::nvfp4_quantize(
+          be, q::nvfp4_quantize_args<T>{.x = x, .q = k3::host_view(codes.data(), m, k / 2), .scales = k3::host_view(scales.data(), m, k / 16)},
+          {.tensor_scale = g, .rounding = s.nv_rounding});
+      q::nvfp4_dequantize(
+          be, q::nvfp4_dequantize_args<float>{.q = k3::host_view(codes.data(), m, k / 2), .scales = k3::host_view(scales.data(), m, k / 16), .y = yv},
+          {.tensor_scale = g});
     }
     k3::io::write_npy(a.out_path("codes"), k3::io::dtype::uint8, with_last(xa.shape(), k / 2), codes.data());
     k3::io::write_npy(a.out_path("scales"), k3::io::dtype::uint8, with_last(xa.shape(), k / 16), scales.data());
@@ -218,12 +228,13 @@ int run_dequant(k3::cli::args& a) {
   if (s.fam == family::deepseek) {
     if (sa.type() != k3::io::dtype::float32) throw k3::error(k3::error_kind::dtype, "argument 'scales': expected float32 DeepSeek scales");
     auto sv = flat(sa, "scales", float{}, sshape.first, sshape.second);
-    if (m != 0 && k != 0) q::fp8_dequantize(be, cv, sv, yv, s.tile);  // an empty [2^34, 0] file: no row walk
+    if (m != 0 && k != 0)
+      q::fp8_dequantize(be, q::fp8_dequantize_args<float>{.q = cv, .scales = sv, .y = yv}, {.tile = s.tile});  // an empty [2^34, 0] file: no row walk
   } else {
     if (sa.type() != k3::io::dtype::uint8) throw k3::error(k3::error_kind::dtype, "argument 'scales': expected uint8 E8M0/UE4M3 scales");
     auto sv = flat(sa, "scales", std::uint8_t{}, sshape.first, sshape.second);
     if (s.fam == family::mx) {
-      if (m != 0 && k != 0) q::mx_dequantize(be, cv, sv, yv, s.elem);
+      if (m != 0 && k != 0) q::mx_dequantize(be, q::mx_dequantize_args<float>{.q = cv, .scales = sv, .y = yv}, {.element = s.elem});
     } else {
       // UE4M3 is a 7-bit code in a byte (k3 quant never sets the top bit); a set top bit would be
       // a signed E4M3 scale from elsewhere, which decoding as UE4M3 would silently make positive.
@@ -235,8 +246,11 @@ int run_dequant(k3::cli::args& a) {
       auto ga = a.load("tensor_scale");
       if (ga.type() != k3::io::dtype::float32 || ga.size() != 1) throw k3::error(k3::error_kind::dtype, "argument 'tensor_scale': expected one float32");
       float const g = *static_cast<float const*>(ga.data());
-      if (m != 0 && k != 0) q::nvfp4_dequantize(be, cv, sv, g, yv);
-      else if (!(std::isfinite(g) && g > 0)) q::nvfp4_dequantize(be, cv, sv, g, yv);  // the library's tensor_scale check
+      if (m != 0 && k != 0)
+        q::nvfp4_dequantize(be, q::nvfp4_dequantize_args<float>{.q = cv, .scales = sv, .y = yv}, {.tensor_scale = g});
+      else if (!(std::isfinite(g) && g > 0))
+        q::nvfp4_dequantize(be, q::nvfp4_dequantize_args<float>{.q = cv, .scales = sv, .y = yv},
+                            {.tensor_scale = g});  // the library's tensor_scale check
     }
   }
   k3::io::write_npy(a.out_path("x"), k3::io::dtype::float32, with_last(ca.shape(), k), y.data());

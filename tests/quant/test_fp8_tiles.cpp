@@ -23,8 +23,11 @@ result run(B const& b, std::vector<T> const& x, index_t m, index_t k, tile t, sc
   result r;
   r.q.assign(static_cast<std::size_t>(m * k), 0xAA);
   r.s.assign(static_cast<std::size_t>(qt::cdiv(m, t.rows) * qt::cdiv(k, t.cols)), -1.0f);
-  fp8_quantize(b, host_view(x.data(), m, k), host_view(r.q.data(), m, k),
-               host_view(r.s.data(), qt::cdiv(m, t.rows), qt::cdiv(k, t.cols)), t, fmt);
+  fp8_quantize(b,
+               fp8_quantize_args<T>{.x = host_view(x.data(), m, k),
+                                    .q = host_view(r.q.data(), m, k),
+                                    .scales = host_view(r.s.data(), qt::cdiv(m, t.rows), qt::cdiv(k, t.cols))},
+               {.tile = t, .format = fmt});
   return r;
 }
 
@@ -102,9 +105,11 @@ TEST_CASE("fp8 tiles: recipe, error bound and backend agreement on awkward shape
         CHECK(same_bits(thrb.s, refb.s));
         // dequantize reproduces q·s
         std::vector<float> y(xf.size());
-        fp8_dequantize(thr, host_view(ref.q.data(), sh.m, sh.k),
-                       host_view(ref.s.data(), qt::cdiv(sh.m, t.rows), qt::cdiv(sh.k, t.cols)),
-                       host_view(y.data(), sh.m, sh.k), t);
+        fp8_dequantize(thr,
+                       fp8_dequantize_args<float>{.q = host_view(ref.q.data(), sh.m, sh.k),
+                                                  .scales = host_view(ref.s.data(), qt::cdiv(sh.m, t.rows), qt::cdiv(sh.k, t.cols)),
+                                                  .y = host_view(y.data(), sh.m, sh.k)},
+                       {.tile = t});
         long bad = 0;
         for (index_t i = 0; i < sh.m; ++i)
           for (index_t j = 0; j < sh.k; ++j)
@@ -126,7 +131,7 @@ TEST_CASE("fp8 tiles: strided and transposed inputs give the contiguous result")
   // row stride ld (vector path)
   result r1{std::vector<std::uint8_t>(m * k), std::vector<float>(m * 3)};
   tensor_view<float const, 2> xs(big.data(), {m, k}, {ld, 1});
-  fp8_quantize(thr, xs, host_view(r1.q.data(), m, k), host_view(r1.s.data(), m, 3));
+  fp8_quantize(thr, fp8_quantize_args<float>{.x = xs, .q = host_view(r1.q.data(), m, k), .scales = host_view(r1.s.data(), m, 3)});
   CHECK(r1.q == want.q);
   CHECK(same_bits(r1.s, want.s));
   // a transposed view: x^T stored column-major (inner stride != 1 -> reference path)
@@ -135,7 +140,7 @@ TEST_CASE("fp8 tiles: strided and transposed inputs give the contiguous result")
     for (index_t j = 0; j < k; ++j) xt[j * m + i] = packed[i * k + j];
   tensor_view<float const, 2> xtv(xt.data(), {m, k}, {1, m});
   result r2{std::vector<std::uint8_t>(m * k), std::vector<float>(m * 3)};
-  fp8_quantize(thr, xtv, host_view(r2.q.data(), m, k), host_view(r2.s.data(), m, 3));
+  fp8_quantize(thr, fp8_quantize_args<float>{.x = xtv, .q = host_view(r2.q.data(), m, k), .scales = host_view(r2.s.data(), m, 3)});
   CHECK(r2.q == want.q);
   CHECK(same_bits(r2.s, want.s));
   // a 3-d tensor flattened to rows
@@ -144,7 +149,7 @@ TEST_CASE("fp8 tiles: strided and transposed inputs give the contiguous result")
   CHECK(xm.extent(0) == 70);
   CHECK(xm.extent(1) == k);
   result r3{std::vector<std::uint8_t>(m * k), std::vector<float>(m * 3)};
-  fp8_quantize(thr, xm, host_view(r3.q.data(), m, k), host_view(r3.s.data(), m, 3));
+  fp8_quantize(thr, fp8_quantize_args<float>{.x = xm, .q = host_view(r3.q.data(), m, k), .scales = host_view(r3.s.data(), m, 3)});
   CHECK(r3.q == want.q);
   tensor_view<float const, 3> bad3(big.data(), {7, 10, k}, {10 * ld + 1, ld, 1});
   CHECK_THROWS_AS(as_matrix(bad3), k3::error);
@@ -177,7 +182,8 @@ TEST_CASE("fp8 tiles: reference vectors and special tiles") {
     CHECK(std::isnan(r.s[3]));
     for (int j = 256; j < 512; ++j) CHECK(r.q[j] == 0x7F);
     std::vector<float> y(512);
-    fp8_dequantize(cpu::serial{}, host_view(r.q.data(), 2, 256), host_view(r.s.data(), 2, 2), host_view(y.data(), 2, 256));
+    fp8_dequantize(cpu::serial{}, fp8_dequantize_args<float>{
+                                      .q = host_view(r.q.data(), 2, 256), .scales = host_view(r.s.data(), 2, 2), .y = host_view(y.data(), 2, 256)});
     for (int j = 256; j < 512; ++j) CHECK(std::isnan(y[j]));
     CHECK(y[0] == 448.0f);
   }
@@ -318,11 +324,16 @@ TEST_CASE("fp8 re-quantisation 1x128 -> 128x1") {
     auto a = run(thr, x, m, k, tile_1x128, fmt);
     std::vector<std::uint8_t> q2(m * k);
     std::vector<float> s2(2 * k);
-    fp8_requantize_1x128_to_128x1(thr, host_view(a.q.data(), m, k), host_view(a.s.data(), m, 3), host_view(q2.data(), m, k),
-                                  host_view(s2.data(), 2, k), fmt);
+    fp8_requantize_1x128_to_128x1(thr,
+                                  fp8_requantize_args<>{.q = host_view(a.q.data(), m, k),
+                                                        .scales = host_view(a.s.data(), m, 3),
+                                                        .q2 = host_view(q2.data(), m, k),
+                                                        .scales2 = host_view(s2.data(), 2, k)},
+                                  {.format = fmt});
     // equals quantising the dequantised tensor in 128x1 tiles
     std::vector<float> y(m * k);
-    fp8_dequantize(thr, host_view(a.q.data(), m, k), host_view(a.s.data(), m, 3), host_view(y.data(), m, k));
+    fp8_dequantize(
+        thr, fp8_dequantize_args<float>{.q = host_view(a.q.data(), m, k), .scales = host_view(a.s.data(), m, 3), .y = host_view(y.data(), m, k)});
     auto b = run(cpu::serial{}, y, m, k, tile_128x1, fmt);
     CHECK(b.q == q2);
     CHECK(same_bits(b.s, s2));
@@ -349,20 +360,25 @@ TEST_CASE("fp8 tiles: bad arguments") {
   cpu::serial ser;
   auto xv = host_view(x.data(), 4, 256);
   auto qv = host_view(q.data(), 4, 256);
-  CHECK_NOTHROW(fp8_quantize(ser, xv, qv, host_view(s.data(), 4, 2)));
-  CHECK_THROWS_AS(fp8_quantize(ser, xv, qv, host_view(s.data(), 4, 1)), k3::error);           // scales of the wrong shape
-  CHECK_THROWS_AS(fp8_quantize(ser, xv, qv, host_view(s.data(), 2, 2), tile_128x128), k3::error);
-  CHECK_THROWS_AS(fp8_quantize(ser, xv, host_view(q.data(), 4, 255), host_view(s.data(), 4, 2)), k3::error);
-  CHECK_THROWS_AS(fp8_quantize(ser, xv, qv, host_view(s.data(), 4, 2), tile{0, 128}), k3::error);
+  CHECK_NOTHROW(fp8_quantize(ser, fp8_quantize_args<float>{.x = xv, .q = qv, .scales = host_view(s.data(), 4, 2)}));
+  CHECK_THROWS_AS(fp8_quantize(ser, fp8_quantize_args<float>{.x = xv, .q = qv, .scales = host_view(s.data(), 4, 1)}),
+                  k3::error);  // scales of the wrong shape
+  CHECK_THROWS_AS(fp8_quantize(ser, fp8_quantize_args<float>{.x = xv, .q = qv, .scales = host_view(s.data(), 2, 2)}, {.tile = tile_128x128}),
+                  k3::error);
+  CHECK_THROWS_AS(fp8_quantize(ser, fp8_quantize_args<float>{.x = xv, .q = host_view(q.data(), 4, 255), .scales = host_view(s.data(), 4, 2)}),
+                  k3::error);
+  CHECK_THROWS_AS(fp8_quantize(ser, fp8_quantize_args<float>{.x = xv, .q = qv, .scales = host_view(s.data(), 4, 2)}, {.tile = tile{0, 128}}),
+                  k3::error);
   auto* xb = reinterpret_cast<std::uint8_t*>(x.data());  // q aliasing x
-  CHECK_THROWS_AS(fp8_quantize(ser, xv, host_view(xb, 4, 256), host_view(s.data(), 4, 2)), k3::error);
+  CHECK_THROWS_AS(fp8_quantize(ser, fp8_quantize_args<float>{.x = xv, .q = host_view(xb, 4, 256), .scales = host_view(s.data(), 4, 2)}), k3::error);
   try {
-    fp8_quantize(ser, xv, qv, host_view(s.data(), 4, 1));
+    fp8_quantize(ser, fp8_quantize_args<float>{.x = xv, .q = qv, .scales = host_view(s.data(), 4, 1)});
   } catch (k3::error const& e) {
     std::string w = e.what();
-    CHECK(w.find("'s'") != std::string::npos);
+    CHECK(w.find("'scales'") != std::string::npos);
     CHECK(w.find("[4, 2]") != std::string::npos);
   }
   // empty inputs are fine
-  CHECK_NOTHROW(fp8_quantize(ser, host_view(x.data(), 0, 256), host_view(q.data(), 0, 256), host_view(s.data(), 0, 2)));
+  CHECK_NOTHROW(fp8_quantize(
+      ser, fp8_quantize_args<float>{.x = host_view(x.data(), 0, 256), .q = host_view(q.data(), 0, 256), .scales = host_view(s.data(), 0, 2)}));
 }

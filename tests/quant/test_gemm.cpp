@@ -25,17 +25,26 @@ operands make(index_t m, index_t n, index_t k, std::uint32_t seed) {
   o.sa.resize(m * qt::cdiv(k, 128));
   o.sb.resize(qt::cdiv(n, 128) * qt::cdiv(k, 128));
   cpu::threads<> thr(2);
-  fp8_quantize(thr, host_view(o.a.data(), m, k), host_view(o.qa.data(), m, k), host_view(o.sa.data(), m, qt::cdiv(k, 128)), tile_1x128);
-  fp8_quantize(thr, host_view(o.b.data(), n, k), host_view(o.qb.data(), n, k),
-               host_view(o.sb.data(), qt::cdiv(n, 128), qt::cdiv(k, 128)), tile_128x128);
+  fp8_quantize(thr,
+               fp8_quantize_args<float>{
+                   .x = host_view(o.a.data(), m, k), .q = host_view(o.qa.data(), m, k), .scales = host_view(o.sa.data(), m, qt::cdiv(k, 128))},
+               {.tile = tile_1x128});
+  fp8_quantize(
+      thr,
+      fp8_quantize_args<float>{
+          .x = host_view(o.b.data(), n, k), .q = host_view(o.qb.data(), n, k), .scales = host_view(o.sb.data(), qt::cdiv(n, 128), qt::cdiv(k, 128))},
+      {.tile = tile_128x128});
   return o;
 }
 
 template <class B>
 std::vector<float> gemm(B const& be, operands const& o) {
   std::vector<float> c(o.m * o.n, -7.0f);
-  fp8_block_gemm(be, host_view(o.qa.data(), o.m, o.k), host_view(o.sa.data(), o.m, qt::cdiv(o.k, 128)), host_view(o.qb.data(), o.n, o.k),
-                 host_view(o.sb.data(), qt::cdiv(o.n, 128), qt::cdiv(o.k, 128)), host_view(c.data(), o.m, o.n));
+  fp8_block_gemm(be, fp8_block_gemm_args<>{.a_q = host_view(o.qa.data(), o.m, o.k),
+                                           .a_scales = host_view(o.sa.data(), o.m, qt::cdiv(o.k, 128)),
+                                           .b_q = host_view(o.qb.data(), o.n, o.k),
+                                           .b_scales = host_view(o.sb.data(), qt::cdiv(o.n, 128), qt::cdiv(o.k, 128)),
+                                           .c = host_view(c.data(), o.m, o.n)});
   return c;
 }
 }  // namespace
@@ -85,24 +94,39 @@ TEST_CASE("fp8 block GEMM: strided output and bad arguments") {
   auto ref = gemm(cpu::serial{}, o);
   std::vector<float> big(20 * 50, 0.0f);
   tensor_view<float, 2> cv(big.data(), {20, 40}, {50, 1});
-  fp8_block_gemm(cpu::threads<>(2), host_view(o.qa.data(), 20, 256), host_view(o.sa.data(), 20, 2), host_view(o.qb.data(), 40, 256),
-                 host_view(o.sb.data(), 1, 2), cv);
+  fp8_block_gemm(cpu::threads<>(2), fp8_block_gemm_args<>{.a_q = host_view(o.qa.data(), 20, 256),
+                                                          .a_scales = host_view(o.sa.data(), 20, 2),
+                                                          .b_q = host_view(o.qb.data(), 40, 256),
+                                                          .b_scales = host_view(o.sb.data(), 1, 2),
+                                                          .c = cv});
   long diff = 0;
   for (int i = 0; i < 20; ++i)
     for (int j = 0; j < 40; ++j) diff += big[i * 50 + j] != ref[i * 40 + j];
   CHECK(diff == 0);
   std::vector<float> c(20 * 40);
   cpu::serial ser;
-  CHECK_THROWS_AS(fp8_block_gemm(ser, host_view(o.qa.data(), 20, 256), host_view(o.sa.data(), 20, 1), host_view(o.qb.data(), 40, 256),
-                                 host_view(o.sb.data(), 1, 2), host_view(c.data(), 20, 40)),
+  CHECK_THROWS_AS(fp8_block_gemm(ser, fp8_block_gemm_args<>{.a_q = host_view(o.qa.data(), 20, 256),
+                                                            .a_scales = host_view(o.sa.data(), 20, 1),
+                                                            .b_q = host_view(o.qb.data(), 40, 256),
+                                                            .b_scales = host_view(o.sb.data(), 1, 2),
+                                                            .c = host_view(c.data(), 20, 40)}),
                   k3::error);
-  CHECK_THROWS_AS(fp8_block_gemm(ser, host_view(o.qa.data(), 20, 256), host_view(o.sa.data(), 20, 2), host_view(o.qb.data(), 40, 256),
-                                 host_view(o.sb.data(), 2, 2), host_view(c.data(), 20, 40)),
+  CHECK_THROWS_AS(fp8_block_gemm(ser, fp8_block_gemm_args<>{.a_q = host_view(o.qa.data(), 20, 256),
+                                                            .a_scales = host_view(o.sa.data(), 20, 2),
+                                                            .b_q = host_view(o.qb.data(), 40, 256),
+                                                            .b_scales = host_view(o.sb.data(), 2, 2),
+                                                            .c = host_view(c.data(), 20, 40)}),
                   k3::error);
-  CHECK_THROWS_AS(fp8_block_gemm(ser, host_view(o.qa.data(), 20, 256), host_view(o.sa.data(), 20, 2), host_view(o.qb.data(), 40, 128),
-                                 host_view(o.sb.data(), 1, 1), host_view(c.data(), 20, 40)),
+  CHECK_THROWS_AS(fp8_block_gemm(ser, fp8_block_gemm_args<>{.a_q = host_view(o.qa.data(), 20, 256),
+                                                            .a_scales = host_view(o.sa.data(), 20, 2),
+                                                            .b_q = host_view(o.qb.data(), 40, 128),
+                                                            .b_scales = host_view(o.sb.data(), 1, 1),
+                                                            .c = host_view(c.data(), 20, 40)}),
                   k3::error);
-  CHECK_THROWS_AS(fp8_block_gemm(ser, host_view(o.qa.data(), 20, 256), host_view(o.sa.data(), 20, 2), host_view(o.qb.data(), 40, 256),
-                                 host_view(o.sb.data(), 1, 2), host_view(c.data(), 20, 41)),
+  CHECK_THROWS_AS(fp8_block_gemm(ser, fp8_block_gemm_args<>{.a_q = host_view(o.qa.data(), 20, 256),
+                                                            .a_scales = host_view(o.sa.data(), 20, 2),
+                                                            .b_q = host_view(o.qb.data(), 40, 256),
+                                                            .b_scales = host_view(o.sb.data(), 1, 2),
+                                                            .c = host_view(c.data(), 20, 41)}),
                   k3::error);
 }

@@ -23,13 +23,17 @@ template <class B, class T>
 mx_result mx_run(B const& b, std::vector<T> const& x, index_t m, index_t k, mx_element e, mx_rule rule) {
   index_t const qc = mx_code_columns(e, k);
   mx_result r{std::vector<std::uint8_t>(static_cast<std::size_t>(m * qc), 0xAA), std::vector<std::uint8_t>(static_cast<std::size_t>(m * k / 32), 0xAA)};
-  mx_quantize(b, host_view(x.data(), m, k), host_view(r.q.data(), m, qc), host_view(r.s.data(), m, k / 32), e, rule);
+  mx_quantize(b, mx_quantize_args<T>{.x = host_view(x.data(), m, k), .q = host_view(r.q.data(), m, qc), .scales = host_view(r.s.data(), m, k / 32)},
+              {.element = e, .rule = rule});
   return r;
 }
 
 std::vector<float> mx_deq(mx_result const& r, index_t m, index_t k, mx_element e) {
   std::vector<float> y(static_cast<std::size_t>(m * k));
-  mx_dequantize(cpu::serial{}, host_view(r.q.data(), m, mx_code_columns(e, k)), host_view(r.s.data(), m, k / 32), host_view(y.data(), m, k), e);
+  mx_dequantize(cpu::serial{},
+                mx_dequantize_args<float>{
+                    .q = host_view(r.q.data(), m, mx_code_columns(e, k)), .scales = host_view(r.s.data(), m, k / 32), .y = host_view(y.data(), m, k)},
+                {.element = e});
   return y;
 }
 
@@ -253,16 +257,27 @@ TEST_CASE("mx: bad arguments") {
   std::vector<float> x(2 * 64);
   std::vector<std::uint8_t> q(2 * 64), s(4);
   cpu::serial ser;
-  CHECK_NOTHROW(mx_quantize(ser, host_view(x.data(), 2, 64), host_view(q.data(), 2, 64), host_view(s.data(), 2, 2), mx_element::e4m3));
-  CHECK_THROWS_AS(mx_quantize(ser, host_view(x.data(), 2, 60), host_view(q.data(), 2, 60), host_view(s.data(), 2, 2), mx_element::e4m3),
-                  k3::error);  // K not a multiple of 32
-  CHECK_THROWS_AS(mx_quantize(ser, host_view(x.data(), 2, 64), host_view(q.data(), 2, 64), host_view(s.data(), 2, 1), mx_element::e4m3),
-                  k3::error);  // scales of the wrong shape
-  CHECK_THROWS_AS(mx_quantize(ser, host_view(x.data(), 2, 64), host_view(q.data(), 2, 64), host_view(s.data(), 2, 2), mx_element::e2m1),
-                  k3::error);  // FP4 codes are packed: q must be [2, 32]
+  CHECK_NOTHROW(
+      mx_quantize(ser, mx_quantize_args<float>{.x = host_view(x.data(), 2, 64), .q = host_view(q.data(), 2, 64), .scales = host_view(s.data(), 2, 2)},
+                  {.element = mx_element::e4m3}));
+  CHECK_THROWS_AS(
+      mx_quantize(ser, mx_quantize_args<float>{.x = host_view(x.data(), 2, 60), .q = host_view(q.data(), 2, 60), .scales = host_view(s.data(), 2, 2)},
+                  {.element = mx_element::e4m3}),
+      k3::error);  // K not a multiple of 32
+  CHECK_THROWS_AS(
+      mx_quantize(ser, mx_quantize_args<float>{.x = host_view(x.data(), 2, 64), .q = host_view(q.data(), 2, 64), .scales = host_view(s.data(), 2, 1)},
+                  {.element = mx_element::e4m3}),
+      k3::error);  // scales of the wrong shape
+  CHECK_THROWS_AS(
+      mx_quantize(ser, mx_quantize_args<float>{.x = host_view(x.data(), 2, 64), .q = host_view(q.data(), 2, 64), .scales = host_view(s.data(), 2, 2)},
+                  {.element = mx_element::e2m1}),
+      k3::error);  // FP4 codes are packed: q must be [2, 32]
   std::vector<float> y(2 * 64);
-  CHECK_THROWS_AS(mx_dequantize(ser, host_view(q.data(), 2, 64), host_view(s.data(), 1, 2), host_view(y.data(), 2, 64), mx_element::e4m3),
-                  k3::error);
+  CHECK_THROWS_AS(
+      mx_dequantize(ser,
+                    mx_dequantize_args<float>{.q = host_view(q.data(), 2, 64), .scales = host_view(s.data(), 1, 2), .y = host_view(y.data(), 2, 64)},
+                    {.element = mx_element::e4m3}),
+      k3::error);
 }
 
 // ---- NVFP4 -------------------------------------------------------------------------------------------
@@ -274,13 +289,18 @@ struct nv_result {
 template <class B, class T>
 nv_result nv_run(B const& b, std::vector<T> const& x, index_t m, index_t k, nvfp4_rounding rounding = nvfp4_rounding::reciprocal) {
   nv_result r{0, std::vector<std::uint8_t>(static_cast<std::size_t>(m * k / 2), 0xAA), std::vector<std::uint8_t>(static_cast<std::size_t>(m * k / 16), 0xAA)};
-  r.g = nvfp4_tensor_scale(b, host_view(x.data(), m, k));
-  nvfp4_quantize(b, host_view(x.data(), m, k), host_view(r.q.data(), m, k / 2), host_view(r.s.data(), m, k / 16), r.g, rounding);
+  r.g = nvfp4_tensor_scale(b, nvfp4_tensor_scale_args<T>{.x = host_view(x.data(), m, k)});
+  nvfp4_quantize(
+      b, nvfp4_quantize_args<T>{.x = host_view(x.data(), m, k), .q = host_view(r.q.data(), m, k / 2), .scales = host_view(r.s.data(), m, k / 16)},
+      {.tensor_scale = r.g, .rounding = rounding});
   return r;
 }
 std::vector<float> nv_deq(nv_result const& r, index_t m, index_t k) {
   std::vector<float> y(static_cast<std::size_t>(m * k));
-  nvfp4_dequantize(cpu::threads<>(2), host_view(r.q.data(), m, k / 2), host_view(r.s.data(), m, k / 16), r.g, host_view(y.data(), m, k));
+  nvfp4_dequantize(
+      cpu::threads<>(2),
+      nvfp4_dequantize_args<float>{.q = host_view(r.q.data(), m, k / 2), .scales = host_view(r.s.data(), m, k / 16), .y = host_view(y.data(), m, k)},
+      {.tensor_scale = r.g});
   return y;
 }
 }  // namespace
@@ -414,10 +434,24 @@ TEST_CASE("nvfp4: zero tensor, NaN/Inf blocks, bad arguments") {
   }
   std::vector<std::uint8_t> q(64), s(8);
   cpu::serial ser;
-  CHECK_THROWS_AS(nvfp4_quantize(ser, host_view(x.data(), 2, 40), host_view(q.data(), 2, 20), host_view(s.data(), 2, 2), 1.0f), k3::error);
-  CHECK_THROWS_AS(nvfp4_quantize(ser, host_view(x.data(), 2, 64), host_view(q.data(), 2, 32), host_view(s.data(), 2, 3), 1.0f), k3::error);
-  CHECK_THROWS_AS(nvfp4_quantize(ser, host_view(x.data(), 2, 64), host_view(q.data(), 2, 32), host_view(s.data(), 2, 4), 0.0f), k3::error);
-  CHECK_THROWS_AS(nvfp4_quantize(ser, host_view(x.data(), 2, 64), host_view(q.data(), 2, 32), host_view(s.data(), 2, 4),
-                                 std::numeric_limits<float>::quiet_NaN()),
-                  k3::error);
+  CHECK_THROWS_AS(
+      nvfp4_quantize(
+          ser, nvfp4_quantize_args<float>{.x = host_view(x.data(), 2, 40), .q = host_view(q.data(), 2, 20), .scales = host_view(s.data(), 2, 2)},
+          {.tensor_scale = 1.0f}),
+      k3::error);
+  CHECK_THROWS_AS(
+      nvfp4_quantize(
+          ser, nvfp4_quantize_args<float>{.x = host_view(x.data(), 2, 64), .q = host_view(q.data(), 2, 32), .scales = host_view(s.data(), 2, 3)},
+          {.tensor_scale = 1.0f}),
+      k3::error);
+  CHECK_THROWS_AS(
+      nvfp4_quantize(
+          ser, nvfp4_quantize_args<float>{.x = host_view(x.data(), 2, 64), .q = host_view(q.data(), 2, 32), .scales = host_view(s.data(), 2, 4)},
+          {.tensor_scale = 0.0f}),
+      k3::error);
+  CHECK_THROWS_AS(
+      nvfp4_quantize(
+          ser, nvfp4_quantize_args<float>{.x = host_view(x.data(), 2, 64), .q = host_view(q.data(), 2, 32), .scales = host_view(s.data(), 2, 4)},
+          {.tensor_scale = std::numeric_limits<float>::quiet_NaN()}),
+      k3::error);
 }

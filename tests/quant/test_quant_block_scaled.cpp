@@ -27,7 +27,11 @@ struct quantised {
 
 quantised quantise(std::vector<float> const& x, index_t rows, index_t k, tile t) {
   quantised o{rows, k, std::vector<std::uint8_t>(std::size_t(rows * k)), std::vector<float>(std::size_t(cdiv(rows, t.rows) * cdiv(k, t.cols)))};
-  fp8_quantize(cpu::serial{}, host_view(x.data(), rows, k), host_view(o.q.data(), rows, k), host_view(o.s.data(), cdiv(rows, t.rows), cdiv(k, t.cols)), t);
+  fp8_quantize(cpu::serial{},
+               fp8_quantize_args<float>{.x = host_view(x.data(), rows, k),
+                                        .q = host_view(o.q.data(), rows, k),
+                                        .scales = host_view(o.s.data(), cdiv(rows, t.rows), cdiv(k, t.cols))},
+               {.tile = t});
   return o;
 }
 
@@ -78,8 +82,11 @@ TEST_CASE("block-scaled GEMM on awkward M/N/K, transposed operand views, every b
     auto qat = transposed(A.q, s.m, s.k), qbt = transposed(B.q, s.n, s.k);
     const_view<std::uint8_t, 2> qa_t(qat.data(), {s.m, s.k}, {1, s.m}), qb_t(qbt.data(), {s.n, s.k}, {1, s.n});
     std::vector<float> c0(std::size_t(s.m * s.n));
-    fp8_block_gemm(cpu::serial{}, host_view(A.q.data(), s.m, s.k), host_view(A.s.data(), s.m, kb), host_view(B.q.data(), s.n, s.k),
-                   host_view(B.s.data(), cdiv(s.n, 128), kb), host_view(c0.data(), s.m, s.n));
+    fp8_block_gemm(cpu::serial{}, fp8_block_gemm_args<>{.a_q = host_view(A.q.data(), s.m, s.k),
+                                                        .a_scales = host_view(A.s.data(), s.m, kb),
+                                                        .b_q = host_view(B.q.data(), s.n, s.k),
+                                                        .b_scales = host_view(B.s.data(), cdiv(s.n, 128), kb),
+                                                        .c = host_view(c0.data(), s.m, s.n)});
     double worst = 0;
     for (std::size_t e = 0; e < ref.size(); ++e)
       worst = std::max(worst, std::fabs(double(c0[e]) - ref[e]) / (mag[e] * 0x1p-22 + 1e-300));
@@ -88,7 +95,11 @@ TEST_CASE("block-scaled GEMM on awkward M/N/K, transposed operand views, every b
       std::vector<float> c(std::size_t(s.m * s.n), -3.0f);
       const_view<std::uint8_t, 2> qa = ta ? qa_t : const_view<std::uint8_t, 2>(A.q.data(), {s.m, s.k});
       const_view<std::uint8_t, 2> qb = tb ? qb_t : const_view<std::uint8_t, 2>(B.q.data(), {s.n, s.k});
-      fp8_block_gemm(be, qa, host_view(A.s.data(), s.m, kb), qb, host_view(B.s.data(), cdiv(s.n, 128), kb), host_view(c.data(), s.m, s.n));
+      fp8_block_gemm(be, fp8_block_gemm_args<>{.a_q = qa,
+                                               .a_scales = host_view(A.s.data(), s.m, kb),
+                                               .b_q = qb,
+                                               .b_scales = host_view(B.s.data(), cdiv(s.n, 128), kb),
+                                               .c = host_view(c.data(), s.m, s.n)});
       CHECK(std::memcmp(c.data(), c0.data(), c.size() * sizeof(float)) == 0);
     };
     for (bool ta : {false, true})
@@ -116,17 +127,29 @@ TEST_CASE("1x128 -> 128x1 requantisation on row/column tails equals quantise(deq
       index_t const kb = cdiv(s.k, 128), mb = cdiv(s.m, 128);
       std::vector<std::uint8_t> q(std::size_t(s.m * s.k));
       std::vector<float> sc(std::size_t(s.m * kb));
-      fp8_quantize(cpu::serial{}, host_view(x.data(), s.m, s.k), host_view(q.data(), s.m, s.k), host_view(sc.data(), s.m, kb), tile_1x128, fmt);
+      fp8_quantize(
+          cpu::serial{},
+          fp8_quantize_args<float>{.x = host_view(x.data(), s.m, s.k), .q = host_view(q.data(), s.m, s.k), .scales = host_view(sc.data(), s.m, kb)},
+          {.tile = tile_1x128, .format = fmt});
       std::vector<float> y(x.size());
-      fp8_dequantize(cpu::serial{}, host_view(q.data(), s.m, s.k), host_view(sc.data(), s.m, kb), host_view(y.data(), s.m, s.k));
+      fp8_dequantize(cpu::serial{},
+                     fp8_dequantize_args<float>{
+                         .q = host_view(q.data(), s.m, s.k), .scales = host_view(sc.data(), s.m, kb), .y = host_view(y.data(), s.m, s.k)});
       std::vector<std::uint8_t> qr(q.size());
       std::vector<float> sr(std::size_t(mb * s.k));
-      fp8_quantize(cpu::serial{}, host_view(y.data(), s.m, s.k), host_view(qr.data(), s.m, s.k), host_view(sr.data(), mb, s.k), tile_128x1, fmt);
+      fp8_quantize(
+          cpu::serial{},
+          fp8_quantize_args<float>{.x = host_view(y.data(), s.m, s.k), .q = host_view(qr.data(), s.m, s.k), .scales = host_view(sr.data(), mb, s.k)},
+          {.tile = tile_128x1, .format = fmt});
       auto run = [&](auto const& be) {
         std::vector<std::uint8_t> q2(q.size(), 0xAA);
         std::vector<float> s2(sr.size(), -1.0f);
-        fp8_requantize_1x128_to_128x1(be, host_view(q.data(), s.m, s.k), host_view(sc.data(), s.m, kb), host_view(q2.data(), s.m, s.k),
-                                      host_view(s2.data(), mb, s.k), fmt);
+        fp8_requantize_1x128_to_128x1(be,
+                                      fp8_requantize_args<>{.q = host_view(q.data(), s.m, s.k),
+                                                            .scales = host_view(sc.data(), s.m, kb),
+                                                            .q2 = host_view(q2.data(), s.m, s.k),
+                                                            .scales2 = host_view(s2.data(), mb, s.k)},
+                                      {.format = fmt});
         CHECK(q2 == qr);
         CHECK(std::memcmp(s2.data(), sr.data(), sr.size() * sizeof(float)) == 0);
       };
@@ -141,31 +164,46 @@ TEST_CASE("wrong scale shapes name the argument with expected and actual shapes"
   index_t const m = 3, k = 130;
   std::vector<float> x(std::size_t(m * k), 1.0f), s(300), y(std::size_t(m * k));
   std::vector<std::uint8_t> q(std::size_t(m * k)), sm(16);
-  auto e1 = k3::test::error_of([&] { fp8_quantize(cpu::serial{}, host_view(x.data(), m, k), host_view(q.data(), m, k), host_view(s.data(), 3, 1), tile_1x128); });
-  CHECK(e1.find("'s'") != std::string::npos);
+  auto e1 = k3::test::error_of([&] {
+    fp8_quantize(cpu::serial{},
+                 fp8_quantize_args<float>{.x = host_view(x.data(), m, k), .q = host_view(q.data(), m, k), .scales = host_view(s.data(), 3, 1)},
+                 {.tile = tile_1x128});
+  });
+  CHECK(e1.find("'scales'") != std::string::npos);
   CHECK(e1.find("[3, 2]") != std::string::npos);
   CHECK(e1.find("[3, 1]") != std::string::npos);
   auto e2 = k3::test::error_of([&] {
-    fp8_dequantize(cpu::serial{}, host_view(q.data(), m, k), host_view(s.data(), 2, 2), host_view(y.data(), m, k), tile_128x128);
+    fp8_dequantize(cpu::serial{},
+                   fp8_dequantize_args<float>{.q = host_view(q.data(), m, k), .scales = host_view(s.data(), 2, 2), .y = host_view(y.data(), m, k)},
+                   {.tile = tile_128x128});
   });
-  CHECK(e2.find("'s'") != std::string::npos);
+  CHECK(e2.find("'scales'") != std::string::npos);
   CHECK(e2.find("[1, 2]") != std::string::npos);
   std::vector<float> x2(64 * 2);
   auto e3 = k3::test::error_of([&] {
-    mx_quantize(cpu::serial{}, host_view(x2.data(), 2, 64), host_view(q.data(), 2, 64), host_view(sm.data(), 2, 3), mx_element::e4m3);
+    mx_quantize(cpu::serial{},
+                mx_quantize_args<float>{.x = host_view(x2.data(), 2, 64), .q = host_view(q.data(), 2, 64), .scales = host_view(sm.data(), 2, 3)},
+                {.element = mx_element::e4m3});
   });
-  CHECK(e3.find("'s'") != std::string::npos);
+  CHECK(e3.find("'scales'") != std::string::npos);
   CHECK(e3.find("[2, 2]") != std::string::npos);
   CHECK(e3.find("[2, 3]") != std::string::npos);
   auto e4 = k3::test::error_of([&] {
-    fp8_block_gemm(cpu::serial{}, host_view(q.data(), m, k), host_view(s.data(), m, 1), host_view(q.data(), m, k), host_view(s.data(), 1, 2),
-                   host_view(y.data(), m, m));
+    fp8_block_gemm(cpu::serial{}, fp8_block_gemm_args<>{.a_q = host_view(q.data(), m, k),
+                                                        .a_scales = host_view(s.data(), m, 1),
+                                                        .b_q = host_view(q.data(), m, k),
+                                                        .b_scales = host_view(s.data(), 1, 2),
+                                                        .c = host_view(y.data(), m, m)});
   });
-  CHECK(e4.find("'sa'") != std::string::npos);
+  CHECK(e4.find("'a_scales'") != std::string::npos);
   CHECK(e4.find("[3, 2]") != std::string::npos);
   auto e5 = k3::test::error_of([&] {
-    fp8_requantize_1x128_to_128x1(cpu::serial{}, host_view(q.data(), m, k), host_view(s.data(), m, 2), host_view(q.data() , m, k),
-                                  host_view(s.data(), 1, k), scale_format::ue8m0);
+    fp8_requantize_1x128_to_128x1(cpu::serial{},
+                                  fp8_requantize_args<>{.q = host_view(q.data(), m, k),
+                                                        .scales = host_view(s.data(), m, 2),
+                                                        .q2 = host_view(q.data(), m, k),
+                                                        .scales2 = host_view(s.data(), 1, k)},
+                                  {.format = scale_format::ue8m0});
   });
   CHECK(e5.find("(no error)") == std::string::npos);  // q2 over q (and s2 over s) is an overlap error
 }
@@ -207,13 +245,20 @@ TEST_CASE("DeepSeek FP8 quantisation with custom tiles (1x1, 1x7, 3x5, 2x128, 12
           std::vector<std::uint8_t> q(std::size_t(m * k), 0x55);
           std::vector<float> s(std::size_t(sr * scn), -1.0f);
           if (bf)
-            fp8_quantize(be, host_view(xb.data(), m, k), host_view(q.data(), m, k), host_view(s.data(), sr, scn), tt, fmt);
+            fp8_quantize(
+                be,
+                fp8_quantize_args<bfloat16>{.x = host_view(xb.data(), m, k), .q = host_view(q.data(), m, k), .scales = host_view(s.data(), sr, scn)},
+                {.tile = tt, .format = fmt});
           else
-            fp8_quantize(be, host_view(xf.data(), m, k), host_view(q.data(), m, k), host_view(s.data(), sr, scn), tt, fmt);
+            fp8_quantize(
+                be, fp8_quantize_args<float>{.x = host_view(xf.data(), m, k), .q = host_view(q.data(), m, k), .scales = host_view(s.data(), sr, scn)},
+                {.tile = tt, .format = fmt});
           CHECK(q == q_ref);
           CHECK(std::memcmp(s.data(), s_ref.data(), s.size() * sizeof(float)) == 0);
           std::vector<float> y(std::size_t(m * k));
-          fp8_dequantize(be, host_view(q.data(), m, k), host_view(s.data(), sr, scn), host_view(y.data(), m, k), tt);
+          fp8_dequantize(
+              be, fp8_dequantize_args<float>{.q = host_view(q.data(), m, k), .scales = host_view(s.data(), sr, scn), .y = host_view(y.data(), m, k)},
+              {.tile = tt});
           bool ok = true;
           for (index_t i = 0; i < m; ++i)
             for (index_t j = 0; j < k; ++j)

@@ -124,7 +124,8 @@ TEST_CASE("simd stores: 1x128 E4M3 of bf16, streaming and cached, every alignmen
         index_t const sc = qt::cdiv(k, 128);
         std::vector<std::uint8_t> want(static_cast<std::size_t>(m * k));
         std::vector<float> want_s(static_cast<std::size_t>(m * sc));
-        fp8_quantize(ser, xv, host_view(want.data(), m, k), host_view(want_s.data(), m, sc), tile_1x128, fmt);
+        fp8_quantize(ser, fp8_quantize_args<bfloat16>{.x = xv, .q = host_view(want.data(), m, k), .scales = host_view(want_s.data(), m, sc)},
+                     {.tile = tile_1x128, .format = fmt});
         for (index_t off : offs)
           for (index_t ld : {k, k + 5})
             for (store_config const& cfg : store_configs()) {
@@ -163,7 +164,8 @@ TEST_CASE("simd stores: MXFP8 (E4M3) of bf16, streaming and cached, every alignm
       for (mx_rule rule : {mx_rule::floor, mx_rule::rceil}) {
         index_t const sc = k / 32;
         std::vector<std::uint8_t> want(static_cast<std::size_t>(m * k)), want_s(static_cast<std::size_t>(m * sc));
-        mx_quantize(ser, xv, host_view(want.data(), m, k), host_view(want_s.data(), m, sc), mx_element::e4m3, rule);
+        mx_quantize(ser, mx_quantize_args<bfloat16>{.x = xv, .q = host_view(want.data(), m, k), .scales = host_view(want_s.data(), m, sc)},
+                    {.element = mx_element::e4m3, .rule = rule});
         for (index_t off : offs)
           for (index_t ld : {k, k + 3})
             for (store_config const& cfg : store_configs()) {
@@ -195,8 +197,10 @@ TEST_CASE("simd row kernels: MXFP4 (E2M1) of bf16 with and without the input pre
         index_t const sc = k / 32;
         for (mx_rule rule : {mx_rule::floor, mx_rule::rceil}) {
           std::vector<std::uint8_t> want(static_cast<std::size_t>(m * k / 2)), want_s(static_cast<std::size_t>(m * sc));
-          mx_quantize(ser, host_view(dense.data(), m, k), host_view(want.data(), m, k / 2), host_view(want_s.data(), m, sc), mx_element::e2m1,
-                      rule);
+          mx_quantize(ser,
+                      mx_quantize_args<bfloat16>{
+                          .x = host_view(dense.data(), m, k), .q = host_view(want.data(), m, k / 2), .scales = host_view(want_s.data(), m, sc)},
+                      {.element = mx_element::e2m1, .rule = rule});
           for (bool prefetch : {false, true}) {
             outbuf q(m, k / 2, k / 2 + 3, 5);
             std::vector<std::uint8_t> s(static_cast<std::size_t>(m * sc), 0);

@@ -107,10 +107,12 @@ TEST_CASE("saved_tensor_store: fp8 is the 1x128 E4M3 round trip, at about a quar
   // The direct round trip through k3's quantiser, for comparison.
   std::vector<std::uint8_t> q(x.size());
   std::vector<float> s(static_cast<std::size_t>(m * 3)), rt(x.size()), back(x.size());
-  k3::quant::fp8_quantize(cpu, k3::tensor_view<float const, 2>(x.data(), {m, k}), k3::tensor_view<std::uint8_t, 2>(q.data(), {m, k}),
-                          k3::tensor_view<float, 2>(s.data(), {m, 3}));
-  k3::quant::fp8_dequantize(cpu, k3::tensor_view<std::uint8_t const, 2>(q.data(), {m, k}), k3::tensor_view<float const, 2>(s.data(), {m, 3}),
-                            k3::tensor_view<float, 2>(rt.data(), {m, k}));
+  k3::quant::fp8_quantize(cpu, k3::quant::fp8_quantize_args<float>{.x = k3::tensor_view<float const, 2>(x.data(), {m, k}),
+                                                                   .q = k3::tensor_view<std::uint8_t, 2>(q.data(), {m, k}),
+                                                                   .scales = k3::tensor_view<float, 2>(s.data(), {m, 3})});
+  k3::quant::fp8_dequantize(cpu, k3::quant::fp8_dequantize_args<float>{.q = k3::tensor_view<std::uint8_t const, 2>(q.data(), {m, k}),
+                                                                       .scales = k3::tensor_view<float const, 2>(s.data(), {m, 3}),
+                                                                       .y = k3::tensor_view<float, 2>(rt.data(), {m, k})});
   store.load(h, k3::tensor_view<float, 2>(back.data(), {m, k}));
   for (index_t i = 0; i < m; ++i)
     for (index_t j = 0; j < k; ++j) {

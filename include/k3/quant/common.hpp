@@ -182,7 +182,7 @@ inline void check_divides(char const* arg, index_t k, index_t block) {
 
 inline void check_tensor_scale(float g) {
   k3::detail::require(std::isfinite(g) && g > 0, error_kind::value, [&] {
-    return "argument 'tensor_scale': expected a finite positive float, got " + std::to_string(g);
+    return "option 'tensor_scale': expected a finite positive float (k3::quant::nvfp4_tensor_scale), got " + std::to_string(g);
   });
 }
 
@@ -199,7 +199,7 @@ void check_quantize_outputs(Q const& q, S const& s, X const& x) {
   k3::detail::check_outputs_apart(
       [&](auto&& f) {
         f("q", q);
-        f("s", s);
+        f("scales", s);
       },
       [&](auto&& f) { f("x", x); });
 }
@@ -209,7 +209,7 @@ void check_dequantize_output(Y const& y, Q const& q, S const& s) {
   k3::detail::check_outputs_apart([&](auto&& f) { f("y", y); },
                                   [&](auto&& f) {
                                     f("q", q);
-                                    f("s", s);
+                                    f("scales", s);
                                   });
 }
 
@@ -217,10 +217,10 @@ template <class C, class QA, class SA, class QB, class SB>
 void check_gemm_output(C const& c, QA const& qa, SA const& sa, QB const& qb, SB const& sb) {
   k3::detail::check_outputs_apart([&](auto&& f) { f("c", c); },
                                   [&](auto&& f) {
-                                    f("qa", qa);
-                                    f("sa", sa);
-                                    f("qb", qb);
-                                    f("sb", sb);
+                                    f("a_q", qa);
+                                    f("a_scales", sa);
+                                    f("b_q", qb);
+                                    f("b_scales", sb);
                                   });
 }
 

@@ -182,7 +182,7 @@ void fp8_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<float, 2>
   detail::check_tile(t);
   index_t const m = x.extent(0), k = x.extent(1);
   k3::detail::check_shape("q", q, {m, k});
-  k3::detail::check_shape("s", s, {detail::ceil_div(m, t.rows), detail::ceil_div(k, t.cols)});
+  k3::detail::check_shape("scales", s, {detail::ceil_div(m, t.rows), detail::ceil_div(k, t.cols)});
   detail::check_2d("x", x);
   detail::check_2d("q", q);
   detail::check_2d("s", s);
@@ -195,7 +195,7 @@ void fp8_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<float, 2>
 
 inline void fp8_dequantize(dview<std::uint8_t const, 2> q, dview<float const, 2> s, dview<float, 2> y, tile t, CUstream_st* stream) {
   detail::check_tile(t);
-  k3::detail::check_shape("s", s, {detail::ceil_div(q.extent(0), t.rows), detail::ceil_div(q.extent(1), t.cols)});
+  k3::detail::check_shape("scales", s, {detail::ceil_div(q.extent(0), t.rows), detail::ceil_div(q.extent(1), t.cols)});
   k3::detail::check_shape("y", y, {q.extent(0), q.extent(1)});
   detail::check_2d("q", q);
   detail::check_2d("s", s);
@@ -211,7 +211,7 @@ void mx_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::uint8
   index_t const m = x.extent(0), k = x.extent(1);
   detail::check_divides("x", k, mx_block);
   k3::detail::check_shape("q", q, {m, mx_code_columns(e, k)});
-  k3::detail::check_shape("s", s, {m, k / mx_block});
+  k3::detail::check_shape("scales", s, {m, k / mx_block});
   detail::check_2d("x", x);
   detail::check_2d("q", q);
   detail::check_2d("s", s);
@@ -229,7 +229,7 @@ inline void mx_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t con
   index_t const m = y.extent(0), k = y.extent(1);
   detail::check_divides("y", k, mx_block);
   k3::detail::check_shape("q", q, {m, mx_code_columns(e, k)});
-  k3::detail::check_shape("s", s, {m, k / mx_block});
+  k3::detail::check_shape("scales", s, {m, k / mx_block});
   detail::check_2d("q", q);
   detail::check_2d("s", s);
   detail::check_2d("y", y);
@@ -246,7 +246,7 @@ void nvfp4_quantize(dview<T const, 2> x, dview<std::uint8_t, 2> q, dview<std::ui
   detail::check_tensor_scale(g);
   detail::check_divides("x", k, nvfp4_block);
   k3::detail::check_shape("q", q, {m, k / 2});
-  k3::detail::check_shape("s", s, {m, k / nvfp4_block});
+  k3::detail::check_shape("scales", s, {m, k / nvfp4_block});
   detail::check_2d("x", x);
   detail::check_2d("q", q);
   detail::check_2d("s", s);
@@ -262,7 +262,7 @@ inline void nvfp4_dequantize(dview<std::uint8_t const, 2> q, dview<std::uint8_t 
   detail::check_tensor_scale(g);
   detail::check_divides("y", k, nvfp4_block);
   k3::detail::check_shape("q", q, {m, k / 2});
-  k3::detail::check_shape("s", s, {m, k / nvfp4_block});
+  k3::detail::check_shape("scales", s, {m, k / nvfp4_block});
   detail::check_2d("q", q);
   detail::check_2d("s", s);
   detail::check_2d("y", y);
@@ -292,9 +292,9 @@ float nvfp4_tensor_scale(dview<T const, 2> x, CUstream_st* stream) {
 inline void fp8_block_gemm(dview<std::uint8_t const, 2> qa, dview<float const, 2> sa, dview<std::uint8_t const, 2> qb,
                            dview<float const, 2> sb, dview<float, 2> c, CUstream_st* stream) {
   index_t const m = qa.extent(0), k = qa.extent(1), n = qb.extent(0);
-  k3::detail::check_shape("qb", qb, {n, k});
-  k3::detail::check_shape("sa", sa, {m, detail::ceil_div(k, 128)});
-  k3::detail::check_shape("sb", sb, {detail::ceil_div(n, 128), detail::ceil_div(k, 128)});
+  k3::detail::check_shape("b_q", qb, {n, k});
+  k3::detail::check_shape("a_scales", sa, {m, detail::ceil_div(k, 128)});
+  k3::detail::check_shape("b_scales", sb, {detail::ceil_div(n, 128), detail::ceil_div(k, 128)});
   k3::detail::check_shape("c", c, {m, n});
   detail::check_2d("qa", qa);
   detail::check_2d("sa", sa);

@@ -63,7 +63,7 @@ void fp8_block_gemm(B const& b, const_view<std::uint8_t, 2> qa, const_view<float
   index_t const mblocks = detail::ceil_div(m, MC), nblocks = detail::ceil_div(n, NB), kblocks = detail::ceil_div(k, KB);
   float const* lut = e4m3_table.data();
 
-  simd_impl::run_tasks(b, mblocks * nblocks, [&](index_t task) {
+  k3::run_tasks(b, mblocks * nblocks, [&](index_t task) {
     index_t const mb = task / nblocks, nb = task % nblocks;
     index_t const i0 = mb * MC, mc = std::min(MC, m - i0);
     index_t const n0 = nb * NB, nc = std::min(NB, n - n0);

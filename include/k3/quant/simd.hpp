@@ -12,6 +12,7 @@
 
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/core/cpu_info.hpp"
+#include "k3/core/backend_traits.hpp"
 #include "k3/core/host_memory.hpp"
 #include "k3/core/prefetch.hpp"
 #include "k3/quant/common.hpp"
@@ -19,15 +20,6 @@
 
 namespace k3::quant::simd_impl {
 
-// Runs task(i) for i in [0, n): on the pool when the backend has one.
-template <class B, class F>
-void run_tasks(B const& b, index_t n, F&& f) {
-  if constexpr (requires { b.for_each_task(n, f); }) {
-    b.for_each_task(n, f);
-  } else {
-    for (index_t i = 0; i < n; ++i) f(i);
-  }
-}
 
 template <class T>
 K3_INLINE void to_float(T const* K3_RESTRICT p, float* K3_RESTRICT out, index_t n) noexcept {
@@ -828,7 +820,7 @@ void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q
     if (t.rows == 1 && t.cols == 128) {
       bool const stream = tune.stream(mode, static_cast<std::size_t>(m * k));
       index_t const rpt = task_rows(b, m, 16);
-      run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
+      k3::run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
         avx512_1x128::rows<Arch>(x, q, s, fmt, task * rpt, std::min(m, (task + 1) * rpt), stream, tune.prefetch);
       });
       return;
@@ -836,7 +828,7 @@ void fp8_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q
   }
 #endif
   index_t const rows_per_task = t.rows == 1 ? 16 : t.rows;
-  run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+  k3::run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
     for (index_t i0 = r0; i0 < r1; i0 += t.rows) {
       index_t const i1 = std::min(m, i0 + t.rows);
@@ -871,7 +863,7 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
     if (k % (2 * mx_block) == 0) {
       bool const stream = tune.stream(mode, static_cast<std::size_t>(m * k));
       index_t const rpt = task_rows(b, m, 8);
-      run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
+      k3::run_tasks(b, detail::ceil_div(m, rpt), [&](index_t task) {
         avx512_1x128::mx_e4m3_rows<Arch>(x, q, s, rule, task * rpt, std::min(m, (task + 1) * rpt), stream, tune.prefetch);
       });
       return;
@@ -880,13 +872,13 @@ void mx_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2> q,
 #endif
 #if defined(__AVX512BW__)
   if constexpr (K::avx512 && std::is_same_v<F, e2m1_format> && std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
-    run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+    k3::run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
       avx512_1x128::mx_e2m1_rows<Arch>(x, q, s, rule, task * rows_per_task, std::min(m, (task + 1) * rows_per_task), tune.prefetch);
     });
     return;
   }
 #endif
-  run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+  k3::run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
     for (index_t i = r0; i < r1; ++i) {
       T const* xr = &x(i, 0);
@@ -906,7 +898,7 @@ void nvfp4_quantize(B const& b, const_view<T, 2> x, tensor_view<std::uint8_t, 2>
   using K = kernels<Arch>;
   index_t const m = x.extent(0), k = x.extent(1);
   index_t const rows_per_task = 8;
-  run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
+  k3::run_tasks(b, detail::ceil_div(m, rows_per_task), [&](index_t task) {
     index_t const r0 = task * rows_per_task, r1 = std::min(m, r0 + rows_per_task);
     for (index_t i = r0; i < r1; ++i) {
       T const* xr = &x(i, 0);
@@ -929,7 +921,7 @@ std::uint32_t finite_amax_bits(B const& b, const_view<T, 2> x) {
   index_t const m = x.extent(0), k = x.extent(1);
   index_t const rows_per_task = 16, tasks = detail::ceil_div(m, rows_per_task);
   std::vector<std::uint32_t> part(static_cast<std::size_t>(tasks), 0);
-  run_tasks(b, tasks, [&](index_t task) {
+  k3::run_tasks(b, tasks, [&](index_t task) {
     std::vector<float> buf(static_cast<std::size_t>(std::min<index_t>(k, 4096)));
     std::uint32_t r = 0;
     for (index_t i = task * rows_per_task; i < std::min(m, (task + 1) * rows_per_task); ++i)

@@ -260,8 +260,9 @@ class saved_tensor_store<Bk> {
           using Q = detail::fp8_source_t<S>;
           std::vector<Q> flat(static_cast<std::size_t>(rows * cols));
           copy_out(x, flat.data(), [](S v) { return static_cast<Q>(v); });
-          ::k3::quant::fp8_quantize(b_, tensor_view<Q const, 2>(flat.data(), {rows, cols}), tensor_view<std::uint8_t, 2>(q, {rows, cols}),
-                                    tensor_view<float, 2>(sp, {rows, sc}));
+          ::k3::quant::fp8_quantize(b_, ::k3::quant::fp8_quantize_args<Q>{.x = tensor_view<Q const, 2>(flat.data(), {rows, cols}),
+                                                                          .q = tensor_view<std::uint8_t, 2>(q, {rows, cols}),
+                                                                          .scales = tensor_view<float, 2>(sp, {rows, sc})});
         }
       }
     } else {
@@ -366,8 +367,9 @@ class saved_tensor_store<Bk> {
     auto const* sp = reinterpret_cast<float const*>(e.data.data());
     auto const* q = reinterpret_cast<std::uint8_t const*>(sp + e.rows * sc);
     std::vector<Q> flat(static_cast<std::size_t>(e.rows * e.cols));
-    ::k3::quant::fp8_dequantize(b_, tensor_view<std::uint8_t const, 2>(q, {e.rows, e.cols}), tensor_view<float const, 2>(sp, {e.rows, sc}),
-                                tensor_view<Q, 2>(flat.data(), {e.rows, e.cols}));
+    ::k3::quant::fp8_dequantize(b_, ::k3::quant::fp8_dequantize_args<Q>{.q = tensor_view<std::uint8_t const, 2>(q, {e.rows, e.cols}),
+                                                                        .scales = tensor_view<float const, 2>(sp, {e.rows, sc}),
+                                                                        .y = tensor_view<Q, 2>(flat.data(), {e.rows, e.cols})});
     copy_in(flat.data(), out, [](Q v) { return static_cast<T>(static_cast<float>(v)); });
   }
 
