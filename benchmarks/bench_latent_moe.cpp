@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
   for (int r = 0; r < reps; ++r) {
     ys.push_back(gemm.gflops());
     tf.push_back(seconds([&] { k3::moe::latent_moe_forward(cpu, a, o); }));
-    tb.push_back(seconds([&] { k3::moe::latent_moe_backward(cpu, a, g, o); }));
+    tb.push_back(seconds([&] { k3::moe::latent_moe_backward(cpu, k3::moe::latent_moe_backward_args<float>{a, g}, o); }));
   }
   double const f_s = median(tf), b_s = median(tb), yard = median(ys), rate = fwd_flops / f_s * 1e-9;
   std::printf("%-34s %10s %12s %12s %8s\n", "figure", "ms", "GFLOP/s", "GEMM GFLOP/s", "ratio");

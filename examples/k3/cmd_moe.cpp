@@ -99,7 +99,7 @@ int run_typed(k3::cli::args const& args, moe::latent_moe_options const& o) {
     moe::latent_moe_saved<T> saved;
     a.saved = &saved;
     moe::latent_moe_forward(backend, a, o);
-    moe::latent_moe_backward(backend, a, g, o);
+    moe::latent_moe_backward(backend, moe::latent_moe_backward_args<T>{a, g}, o);
     args.save("dx", g.dx);
     args.save("dw_router", g.dw_router);
     args.save("dw_down", g.dw_down);

@@ -41,9 +41,9 @@ int run_train_step(k3::cli::args& args) {
   auto const params = train::stack_parameters<float>(c);
   auto const in = train::stack_inputs<float>(c);
   train::step_policy const p = *train::parse_step_policy(policy);
-  auto const r = train::train_step(backend, c, params, in, p);
+  auto const r = train::train_step(backend, train::train_step_args<float>{&params, &in}, {c, p});
   double err = 0;
-  if (p != train::step_policy::keep) err = rel_rms(r.gradients, train::train_step(backend, c, params, in, train::step_policy::keep).gradients);
+  if (p != train::step_policy::keep) err = rel_rms(r.gradients, train::train_step(backend, train::train_step_args<float>{&params, &in}, {c, train::step_policy::keep}).gradients);
   std::string const sum = checksum(r.gradients);
   if (args.has("out")) {
     std::filesystem::create_directories(args.value("out"));

@@ -10,7 +10,7 @@
 //     train_step(backend, stack_config, stack_parameters<T>(c), stack_inputs<T>(c), step_policy)
 //                                  one step of KDA layers + a LatentMoE layer through the store
 //     attnres_site_saves<S>(store, partials, stats) -> the Block AttnRes driver's per-site saves
-//     kda_forward / kda_backward(store, backend, ...), latent_moe_forward / latent_moe_backward(store, ...)
+//     kda_forward / kda_backward(backend, {.store = &store, ...}, options), latent_moe_forward / _backward(...)
 //                                  KDA's and the MoE layer's training paths on the store
 #pragma once
 #include "k3/train/ledger.hpp"

@@ -31,7 +31,7 @@ namespace {
 
 template <class T, class Bk>
 grouped_ffn_result run(Bk const& b, grouped_ffn_problem const& q) {
-  using C = moe::grouped_ffn_compute_t<T>;
+  using C = k3::accumulation_t<T>;
   auto z = stored<T>(q.z), p = stored<T>(q.p), wg = stored<T>(q.w_gate), wu = stored<T>(q.w_up), wd = stored<T>(q.w_down), du = stored<T>(q.du);
   std::vector<T> u(static_cast<std::size_t>(q.T * q.l)), dz(u.size()), dp(p.size()), dwg(wg.size()), dwu(wu.size()), dwd(wd.size());
   std::vector<C> hg(static_cast<std::size_t>(q.T * q.k * q.f), C(7)), hu(hg.size(), C(7));
@@ -46,13 +46,13 @@ grouped_ffn_result run(Bk const& b, grouped_ffn_problem const& q) {
                              {hu.data(), {q.T, q.k, q.f}}};
   moe::grouped_ffn_options const o{q.beta_gate, q.beta_up};
   moe::grouped_ffn_forward(b, a, o);
-  moe::grouped_ffn_backward(b, a,
+  moe::grouped_ffn_backward(b, moe::grouped_ffn_backward_args<T>{a,
                             moe::grouped_ffn_gradients<T>{{du.data(), {q.T, q.l}},
                                                           {dz.data(), {q.T, q.l}},
                                                           {dp.data(), {q.T, q.k}},
                                                           {dwg.data(), {q.n, q.f, q.l}},
                                                           {dwu.data(), {q.n, q.f, q.l}},
-                                                          {dwd.data(), {q.n, q.l, q.f}}},
+                                                          {dwd.data(), {q.n, q.l, q.f}}}},
                             o);
   return {widened(u), widened(hg), widened(hu), widened(dz), widened(dp), widened(dwg), widened(dwu), widened(dwd)};
 }
@@ -166,7 +166,7 @@ TEST_CASE("grouped_ffn on the host: errors name the argument") {
   CHECK(k3::test::error_of([&] { moe::grouped_ffn_forward(cpu, args()); }).find("argument 'indices': expected expert ids in [-1, 3), got 3 at [2, 1]") !=
         std::string::npos);
   idx[5] = -2;
-  CHECK(k3::test::error_of([&] { moe::grouped_ffn_backward(cpu, args(), {{du.data(), {4, 5}}}); }).find("got -2 at [2, 1]") != std::string::npos);
+  CHECK(k3::test::error_of([&] { moe::grouped_ffn_backward(cpu, moe::grouped_ffn_backward_args<float>{args(), {{du.data(), {4, 5}}}}); }).find("got -2 at [2, 1]") != std::string::npos);
   idx = q.idx;
   auto a = args();
   a.w_down = {wd.data(), {3, 4, 5}};
@@ -180,9 +180,9 @@ TEST_CASE("grouped_ffn on the host: errors name the argument") {
   a = args();
   a.h_gate = {};
   a.h_up = {};
-  CHECK(k3::test::error_of([&] { moe::grouped_ffn_backward(cpu, a, {{du.data(), {4, 5}}}); }).find("'h_gate'") != std::string::npos);
+  CHECK(k3::test::error_of([&] { moe::grouped_ffn_backward(cpu, moe::grouped_ffn_backward_args<float>{a, {{du.data(), {4, 5}}}}); }).find("'h_gate'") != std::string::npos);
   CHECK(k3::test::names_overlap(k3::test::error_of([&] {
-                                  moe::grouped_ffn_backward(cpu, args(), {{du.data(), {4, 5}}, {du.data(), {4, 5}}});
+                                  moe::grouped_ffn_backward(cpu, moe::grouped_ffn_backward_args<float>{args(), {{du.data(), {4, 5}}, {du.data(), {4, 5}}}});
                                 }),
                                 "dz", "du"));
   CHECK(k3::test::error_of([&] { moe::grouped_ffn_forward(cpu, args(), {.beta_gate = 0.0}); }).find("option 'beta_gate'") != std::string::npos);

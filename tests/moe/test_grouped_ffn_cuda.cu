@@ -60,7 +60,7 @@ k3::tensor_view<T, R, k3::cuda_device_space> dev(device_vector<std::remove_const
 
 template <class T>
 grouped_ffn_result run(grouped_ffn_problem const& q) {
-  using C = moe::grouped_ffn_compute_t<T>;
+  using C = k3::accumulation_t<T>;
   k3::cuda::stream_backend b;
   device_vector<T> z(b, stored<T>(q.z)), p(b, stored<T>(q.p)), wg(b, stored<T>(q.w_gate)), wu(b, stored<T>(q.w_up)), wd(b, stored<T>(q.w_down)),
       du(b, stored<T>(q.du));
@@ -77,10 +77,10 @@ grouped_ffn_result run(grouped_ffn_problem const& q) {
                                                     dev<C, 3>(hu, {q.T, q.k, q.f})};
   moe::grouped_ffn_options const o{q.beta_gate, q.beta_up};
   moe::grouped_ffn_forward(b, a, o);
-  moe::grouped_ffn_backward(b, a,
+  moe::grouped_ffn_backward(b, moe::grouped_ffn_backward_args<T, k3::cuda_device_space>{a,
                             moe::grouped_ffn_gradients<T, k3::cuda_device_space>{dev<T const, 2>(du, {q.T, q.l}), dev<T, 2>(dz, {q.T, q.l}),
                                                                                  dev<T, 2>(dp, {q.T, q.k}), dev<T, 3>(dwg, {q.n, q.f, q.l}),
-                                                                                 dev<T, 3>(dwu, {q.n, q.f, q.l}), dev<T, 3>(dwd, {q.n, q.l, q.f})},
+                                                                                 dev<T, 3>(dwu, {q.n, q.f, q.l}), dev<T, 3>(dwd, {q.n, q.l, q.f})}},
                             o);
   return {widened(u.host()), widened(hg.host()), widened(hu.host()), widened(dz.host()),
           widened(dp.host()), widened(dwg.host()), widened(dwu.host()), widened(dwd.host())};

@@ -270,7 +270,7 @@ result run(Bk const& b, layer const& L, moe::latent_moe_options const& o, vec co
       REQUIRE(saved.filled());
       std::fill(dx.begin(), dx.end(), static_cast<T>(7.0));  // the backward overwrites every gradient
     }
-    moe::latent_moe_backward(b, a, g, o);
+    moe::latent_moe_backward(b, moe::latent_moe_backward_args<T>{a, g}, o);
     R.dx = widen(dx), R.dwr = widen(dwr), R.dwd = widen(dwd), R.dwg = widen(dwg), R.dwu = widen(dwu), R.dwdn = widen(dwdn);
     R.dnw = widen(dnw), R.dwup = widen(dwup), R.dwsg = widen(dwsg), R.dwsu = widen(dwsu), R.dwsd = widen(dwsd);
   }
@@ -481,15 +481,15 @@ TEST_CASE("latent_moe saved state: 2·k·l values per token fewer than the naive
   moe::latent_moe_gradients<double> g{{dy.data(), {m.T, m.d}}, {dx.data(), {m.T, m.d}}};
   moe::latent_moe_options other = o;
   other.scale = 2.0;
-  CHECK(k3::test::error_of([&] { moe::latent_moe_backward(k3::cpu::serial{}, a, g, other); }).find("argument 'saved'") != std::string::npos);
+  CHECK(k3::test::error_of([&] { moe::latent_moe_backward(k3::cpu::serial{}, moe::latent_moe_backward_args<double>{a, g}, other); }).find("argument 'saved'") != std::string::npos);
   moe::latent_moe_args<double> shorter = a;
   shorter.x = {x.data(), {m.T - 1, m.d}};
   g.dy = {dy.data(), {m.T - 1, m.d}};
   g.dx = {dx.data(), {m.T - 1, m.d}};
-  CHECK(k3::test::error_of([&] { moe::latent_moe_backward(k3::cpu::serial{}, shorter, g, o); }).find("argument 'saved'") != std::string::npos);
+  CHECK(k3::test::error_of([&] { moe::latent_moe_backward(k3::cpu::serial{}, moe::latent_moe_backward_args<double>{shorter, g}, o); }).find("argument 'saved'") != std::string::npos);
   saved.clear();
   CHECK(!saved.filled());
-  CHECK(k3::test::error_of([&] { moe::latent_moe_backward(k3::cpu::serial{}, shorter, g, o); }).empty());
+  CHECK(k3::test::error_of([&] { moe::latent_moe_backward(k3::cpu::serial{}, moe::latent_moe_backward_args<double>{shorter, g}, o); }).empty());
   CHECK(saved.filled());
 }
 

@@ -154,7 +154,7 @@ void check_layer(k3::mpi_communicator const& comm, shape const& m, unsigned seed
     auto const dy = gaussian<T>(x.size(), seed + 200 + static_cast<unsigned>(step), 1.0);
     outputs<T> ref(m, N, m.E);
     auto ra = layer_args<T>(m, w, x.data(), N, 0, m.E, ref);
-    moe::latent_moe_backward(cpu, ra, grad_args<T>(m, dy.data(), N, m.E, ref), o);
+    moe::latent_moe_backward(cpu, moe::latent_moe_backward_args<T>{ra, grad_args<T>(m, dy.data(), N, m.E, ref)}, o);
 
     outputs<T> got(m, m.S, per);
     std::size_t const mine = static_cast<std::size_t>(me * m.S * m.d);
@@ -164,7 +164,7 @@ void check_layer(k3::mpi_communicator const& comm, shape const& m, unsigned seed
     moe::moonep_latent_moe_forward(cpu, a, o);
     std::fill(got.dx.begin(), got.dx.end(), T(7));
     std::fill(got.dwg.begin(), got.dwg.end(), T(7));
-    moe::moonep_latent_moe_backward(cpu, a, grad_args<T>(m, dy.data() + mine, m.S, per, got), o);
+    moe::moonep_latent_moe_backward(cpu, moe::moonep_latent_moe_backward_args<T, k3::mpi_communicator>{a, grad_args<T>(m, dy.data() + mine, m.S, per, got)}, o);
     hosted += static_cast<std::int64_t>(buffers.replicas().size());
 
     std::size_t const tok = static_cast<std::size_t>(m.S * m.d), tk = static_cast<std::size_t>(m.S * m.k);

@@ -139,15 +139,15 @@ TEST_CASE("kda on the store: keep, offload and recomputed states give the saved-
     CAPTURE(c);
     kda_problem mine;
     tr::saved_tensor_store<backend> store(b);
-    auto rec = tr::kda_forward(store, b, fwd_args(mine, o), opt, pol);
+    auto rec = tr::kda_forward(b, tr::kda_forward_args<backend, float>{&store, fwd_args(mine, o)}, {opt, pol});
     CHECK(same_bits(o, o_ref));
     std::size_t const input_bytes = (mine.q.size() + mine.k.size() + mine.v.size() + mine.g.size() + mine.beta.size() + mine.h0.size()) * 4;
     if (c < 4) CHECK(store.stats().saved_bytes == input_bytes + (c == 2 ? 0 : saved.size() * 4));
     // The caller's inputs are gone; the backward reads the store's.
     for (auto* x : {&mine.q, &mine.k, &mine.v, &mine.g, &mine.beta, &mine.h0}) std::fill(x->begin(), x->end(), 0.f);
-    if (c == 1) tr::kda_prefetch(store, rec);
+    if (c == 1) tr::kda_prefetch(b, tr::kda_prefetch_args<backend, float>{&store, &rec});
     kda_grads got;
-    tr::kda_backward(store, b, rec, grad_args(p, got), opt);
+    tr::kda_backward(b, tr::kda_backward_args<backend, float>{&store, &rec, grad_args(p, got)}, opt);
     if (c < 4) {
       CHECK(same_bits(got.all(), want));
     } else {
@@ -161,8 +161,10 @@ TEST_CASE("kda on the store: keep, offload and recomputed states give the saved-
     CHECK(store.stats().host_bytes == 0);
   }
   tr::saved_tensor_store<backend> store(b);
-  CHECK(k3::test::error_of([&] { (void)tr::kda_forward(store, b, fwd_args(p, o), opt, {tr::recompute, tr::keep}); })
+  CHECK(k3::test::error_of([&] { (void)tr::kda_forward(b, tr::kda_forward_args<backend, float>{&store, fwd_args(p, o)}, {opt, {tr::recompute, tr::keep}}); })
             .find("policy recompute for 'inputs'") != std::string::npos);
+  CHECK(k3::test::error_of([&] { (void)tr::kda_forward(b, tr::kda_forward_args<backend, float>{nullptr, fwd_args(p, o)}); })
+            .find("kda_forward: arguments 'store', 'record': required") != std::string::npos);
 }
 
 namespace {
@@ -247,7 +249,7 @@ TEST_CASE("latent_moe on the store: keep, offload and a recomputed state give th
   k3::moe::latent_moe_forward(b, a, o);
   std::size_t const state_bytes = saved.bytes();
   moe_grads ref;
-  k3::moe::latent_moe_backward(b, a, ref.views(p), o);
+  k3::moe::latent_moe_backward(b, k3::moe::latent_moe_backward_args<float>{a, ref.views(p)}, o);
   auto const want = ref.all();
 
   for (int c = 0; c < 5; ++c) {
@@ -259,15 +261,15 @@ TEST_CASE("latent_moe on the store: keep, offload and a recomputed state give th
     CAPTURE(c);
     moe_problem mine;
     tr::saved_tensor_store<backend> store(b);
-    auto rec = tr::latent_moe_forward(store, b, mine.args(y), o, pol);
+    auto rec = tr::latent_moe_forward(b, tr::latent_moe_forward_args<backend, float>{&store, mine.args(y)}, {o, pol});
     CHECK(same_bits(y, y_ref));
     std::size_t const x_bytes = mine.x.size() * 4;
     if (c == 0 || c == 1) CHECK(store.stats().saved_bytes == x_bytes + state_bytes);
     if (c == 2) CHECK(store.stats().saved_bytes == x_bytes);
     std::fill(mine.x.begin(), mine.x.end(), 0.f);
-    if (c == 1) tr::latent_moe_prefetch(store, rec);
+    if (c == 1) tr::latent_moe_prefetch(b, tr::latent_moe_prefetch_args<backend, float>{&store, &rec});
     moe_grads got;
-    tr::latent_moe_backward(store, b, rec, mine.args(y), got.views(p), o);
+    tr::latent_moe_backward(b, tr::latent_moe_backward_args<backend, float>{&store, &rec, mine.args(y), got.views(p)}, o);
     if (c < 4) {
       CHECK(same_bits(got.all(), want));
     } else {
@@ -281,12 +283,14 @@ TEST_CASE("latent_moe on the store: keep, offload and a recomputed state give th
     CHECK(store.stats().host_bytes == 0);
   }
   tr::saved_tensor_store<backend> store(b);
-  CHECK(k3::test::error_of([&] { (void)tr::latent_moe_forward(store, b, p.args(y), o, {tr::recompute, tr::keep, tr::keep}); })
+  CHECK(k3::test::error_of([&] { (void)tr::latent_moe_forward(b, tr::latent_moe_forward_args<backend, float>{&store, p.args(y)}, {o, {tr::recompute, tr::keep, tr::keep}}); })
             .find("policy recompute for 'input'") != std::string::npos);
-  auto rec = tr::latent_moe_forward(store, b, p.args(y), o, {});
+  CHECK(k3::test::error_of([&] { (void)tr::latent_moe_forward(b, tr::latent_moe_forward_args<backend, float>{nullptr, p.args(y)}); })
+            .find("latent_moe_forward: arguments 'store', 'record': required") != std::string::npos);
+  auto rec = tr::latent_moe_forward(b, tr::latent_moe_forward_args<backend, float>{&store, p.args(y)}, {o, {}});
   k3::moe::latent_moe_options other = o;
   other.k = 2;
   moe_grads g;
-  CHECK(k3::test::error_of([&] { tr::latent_moe_backward(store, b, rec, p.args(y), g.views(p), other); }).find("options differ") !=
+  CHECK(k3::test::error_of([&] { tr::latent_moe_backward(b, tr::latent_moe_backward_args<backend, float>{&store, &rec, p.args(y), g.views(p)}, other); }).find("options differ") !=
         std::string::npos);
 }

@@ -79,7 +79,7 @@ TEST_CASE("train_step: float64 gradients of every parameter match central differ
     tr::stack_config const c = small(tokens);
     auto params = tr::stack_parameters<double>(c);
     auto const in = tr::stack_inputs<double>(c);
-    auto const r = tr::train_step(b, c, params, in, tr::step_policy::keep);
+    auto const r = tr::train_step(b, tr::train_step_args<double>{&params, &in}, {c, tr::step_policy::keep});
     double const h = 1e-6;
     unsigned pick = 12345;
     for (std::size_t t = 0; t < params.size(); ++t) {
@@ -90,9 +90,9 @@ TEST_CASE("train_step: float64 gradients of every parameter match central differ
         std::size_t const i = (pick >> 8) % n;
         double const keep_v = params.values[t][i];
         params.values[t][i] = keep_v + h;
-        double const up = loss(tr::train_step(b, c, params, in, tr::step_policy::keep).y, in.dy);
+        double const up = loss(tr::train_step(b, tr::train_step_args<double>{&params, &in}, {c, tr::step_policy::keep}).y, in.dy);
         params.values[t][i] = keep_v - h;
-        double const down = loss(tr::train_step(b, c, params, in, tr::step_policy::keep).y, in.dy);
+        double const down = loss(tr::train_step(b, tr::train_step_args<double>{&params, &in}, {c, tr::step_policy::keep}).y, in.dy);
         params.values[t][i] = keep_v;
         double const fd = (up - down) / (2 * h), g = r.gradients.values[t][i];
         CAPTURE(i);
@@ -109,17 +109,17 @@ TEST_CASE("train_step: recompute and offload give keep's gradients bit for bit, 
     tr::stack_config const c = small(tokens, 3);
     auto const params = tr::stack_parameters<float>(c);
     auto const in = tr::stack_inputs<float>(c);
-    auto const keep = tr::train_step(b, c, params, in, tr::step_policy::keep);
+    auto const keep = tr::train_step(b, tr::train_step_args<float>{&params, &in}, {c, tr::step_policy::keep});
     auto const ref = concat(keep.gradients);
     for (auto p : {tr::step_policy::recompute, tr::step_policy::offload}) {
       CAPTURE(std::string(tr::name_of(p)));
-      auto const r = tr::train_step(b, c, params, in, p);
+      auto const r = tr::train_step(b, tr::train_step_args<float>{&params, &in}, {c, p});
       CHECK(same_bits(concat(r.gradients), ref));
       CHECK(same_bits(r.y, keep.y));
     }
     for (auto p : {tr::step_policy::fp8, tr::step_policy::mixed}) {
       CAPTURE(std::string(tr::name_of(p)));
-      auto const r = tr::train_step(b, c, params, in, p);
+      auto const r = tr::train_step(b, tr::train_step_args<float>{&params, &in}, {c, p});
       double const e = k3::test::rel_rms(concat(r.gradients), ref);
       CAPTURE(e);
       // E4M3 keeps 3 mantissa bits: a value's relative rounding error is at most 2^-4.
@@ -134,17 +134,18 @@ TEST_CASE("train_step: the same gradients on 1, 2 and 3 threads and for the seri
   tr::stack_config const c = small(100, 2);
   auto const params = tr::stack_parameters<float>(c);
   auto const in = tr::stack_inputs<float>(c);
-  auto const one = concat(tr::train_step(k3::cpu::threads<>(1), c, params, in, tr::step_policy::mixed).gradients);
-  CHECK(same_bits(concat(tr::train_step(k3::cpu::threads<>(2), c, params, in, tr::step_policy::mixed).gradients), one));
-  CHECK(same_bits(concat(tr::train_step(k3::cpu::threads<>(3), c, params, in, tr::step_policy::mixed).gradients), one));
+  auto const one = concat(tr::train_step(k3::cpu::threads<>(1), tr::train_step_args<float>{&params, &in}, {c, tr::step_policy::mixed}).gradients);
+  CHECK(same_bits(concat(tr::train_step(k3::cpu::threads<>(2), tr::train_step_args<float>{&params, &in}, {c, tr::step_policy::mixed}).gradients), one));
+  CHECK(same_bits(concat(tr::train_step(k3::cpu::threads<>(3), tr::train_step_args<float>{&params, &in}, {c, tr::step_policy::mixed}).gradients), one));
   k3::cpu::serial s;
-  auto const a = concat(tr::train_step(s, c, params, in, tr::step_policy::recompute).gradients);
-  CHECK(same_bits(concat(tr::train_step(s, c, params, in, tr::step_policy::recompute).gradients), a));
+  auto const a = concat(tr::train_step(s, tr::train_step_args<float>{&params, &in}, {c, tr::step_policy::recompute}).gradients);
+  CHECK(same_bits(concat(tr::train_step(s, tr::train_step_args<float>{&params, &in}, {c, tr::step_policy::recompute}).gradients), a));
   // Another seed gives other parameters, inputs and gradients.
   tr::stack_config c2 = c;
   c2.seed = c.seed + 1;
-  auto const other = concat(tr::train_step(k3::cpu::threads<>(1), c2, tr::stack_parameters<float>(c2), tr::stack_inputs<float>(c2),
-                                           tr::step_policy::mixed).gradients);
+  auto const params2 = tr::stack_parameters<float>(c2);
+  auto const in2 = tr::stack_inputs<float>(c2);
+  auto const other = concat(tr::train_step(k3::cpu::threads<>(1), tr::train_step_args<float>{&params2, &in2}, {c2, tr::step_policy::mixed}).gradients);
   CHECK(!same_bits(other, one));
 }
 
@@ -155,7 +156,7 @@ TEST_CASE("train_step: what each preset saves, resident and offloaded, the pools
     tr::stack_config const c = small(tokens, 4);
     auto const params = tr::stack_parameters<float>(c);
     auto const in = tr::stack_inputs<float>(c);
-    auto run = [&](tr::step_policy p) { return tr::train_step(b, c, params, in, p).stats; };
+    auto run = [&](tr::step_policy p) { return tr::train_step(b, tr::train_step_args<float>{&params, &in}, {c, p}).stats; };
     auto const keep = run(tr::step_policy::keep), rec = run(tr::step_policy::recompute), f8 = run(tr::step_policy::fp8),
                off = run(tr::step_policy::offload), mix = run(tr::step_policy::mixed);
     std::size_t const td4 = static_cast<std::size_t>(c.tokens * c.d()) * 4;
@@ -193,19 +194,23 @@ TEST_CASE("train_step: errors name the setting") {
   CHECK(k3::test::error_of([&] { (void)tr::stack_inputs<float>(bad); }).find("'layers' must be >= 1, got 0") != std::string::npos);
   bad = c;
   bad.gate_lower_bound = -6;
-  CHECK(k3::test::error_of([&] { (void)tr::train_step(b, bad, params, in, tr::step_policy::keep); }).find("'gate_lower_bound'") !=
+  CHECK(k3::test::error_of([&] { (void)tr::train_step(b, tr::train_step_args<float>{&params, &in}, {bad, tr::step_policy::keep}); }).find("'gate_lower_bound'") !=
         std::string::npos);
   bad = c;
   bad.layers = 2;
-  CHECK(k3::test::error_of([&] { (void)tr::train_step(b, bad, params, tr::stack_inputs<float>(bad), tr::step_policy::keep); })
-            .find("argument 'params': expected 29 tensors") != std::string::npos);
+  auto in_bad = tr::stack_inputs<float>(bad);
+  CHECK(k3::test::error_of([&] { (void)tr::train_step(b, tr::train_step_args<float>{&params, &in_bad}, {bad, tr::step_policy::keep}); })
+            .find("argument 'parameters': expected 29 tensors") != std::string::npos);
   bad = c;
   bad.head_dim = 4;
-  CHECK(k3::test::error_of([&] { (void)tr::train_step(b, bad, params, tr::stack_inputs<float>(bad), tr::step_policy::keep); })
+  in_bad = tr::stack_inputs<float>(bad);
+  CHECK(k3::test::error_of([&] { (void)tr::train_step(b, tr::train_step_args<float>{&params, &in_bad}, {bad, tr::step_policy::keep}); })
             .find("tensor 'kda0.w_q' has another shape") != std::string::npos);
   bad = c;
   bad.tokens = 11;
-  CHECK(k3::test::error_of([&] { (void)tr::train_step(b, bad, params, in, tr::step_policy::keep); }).find("argument 'in'") != std::string::npos);
+  CHECK(k3::test::error_of([&] { (void)tr::train_step(b, tr::train_step_args<float>{&params, &in}, {bad, tr::step_policy::keep}); }).find("argument 'input'") != std::string::npos);
+  CHECK(k3::test::error_of([&] { (void)tr::train_step(b, tr::train_step_args<float>{&params, nullptr}, {c, tr::step_policy::keep}); })
+            .find("arguments 'parameters', 'input': required") != std::string::npos);
   CHECK(tr::parse_step_policy("mixed") == tr::step_policy::mixed);
   CHECK(!tr::parse_step_policy("chunked").has_value());
 }

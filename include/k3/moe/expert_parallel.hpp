@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "k3/comm/communicator.hpp"
+#include "k3/core/storage.hpp"
 #include "k3/moe/latent_moe.hpp"
 #include "k3/moe/placement.hpp"
 
@@ -100,10 +101,17 @@ class moonep_buffers {
 template <class T, class Comm>
 struct moonep_latent_moe_args {
   Comm const* comm = nullptr;
-  moonep_buffers<detail::lm_compute_t<T>>* buffers = nullptr;
+  moonep_buffers<k3::accumulation_t<T>>* buffers = nullptr;
   // This rank's part of the layer: x [S, d] its tokens, we_gate / we_up / we_down [E/R, ...] its
   // experts, the rest replicated; saved is required by the backward (filled by the forward).
   latent_moe_args<T> layer;
+};
+
+// The expert-parallel backward's one aggregate: the forward's args and the gradients.
+template <class T, class Comm>
+struct moonep_latent_moe_backward_args {
+  moonep_latent_moe_args<T, Comm> forward;
+  latent_moe_gradients<T> gradients;
 };
 
 namespace detail {
@@ -283,7 +291,7 @@ void ep_experts_backward(Bk const& b, Comm const& comm, moonep_buffers<C>& B, la
     row[2 * l] = st.p[static_cast<std::size_t>(q)];
   }
   ep_exchange(comm, B.send.data(), B.send_count, B.send_off, B.recv.data(), B.recv_count, B.recv_off, W, ep_back_tag);
-  bool const want = lm_present(grad.dwe_gate) || lm_present(grad.dwe_up) || lm_present(grad.dwe_down);
+  bool const want = k3::present(grad.dwe_gate) || k3::present(grad.dwe_up) || k3::present(grad.dwe_down);
   using V2 = decltype(grad.dwe_gate.slice(0, 0));
   b.for_each(0, B.E, [&](std::int64_t e64) {
     index_t const e = static_cast<index_t>(e64);
@@ -307,9 +315,9 @@ void ep_experts_backward(Bk const& b, Comm const& comm, moonep_buffers<C>& B, la
     if (want) {
       if (mine) {
         index_t const el = e - me * per;
-        if (lm_present(grad.dwe_gate)) g[0] = grad.dwe_gate.slice(0, el);
-        if (lm_present(grad.dwe_up)) g[1] = grad.dwe_up.slice(0, el);
-        if (lm_present(grad.dwe_down)) g[2] = grad.dwe_down.slice(0, el);
+        if (k3::present(grad.dwe_gate)) g[0] = grad.dwe_gate.slice(0, el);
+        if (k3::present(grad.dwe_up)) g[1] = grad.dwe_up.slice(0, el);
+        if (k3::present(grad.dwe_down)) g[2] = grad.dwe_down.slice(0, el);
       } else {
         auto const it = std::find(B.replica_expert.begin(), B.replica_expert.end(), e);
         C* base = B.replica_g.data() + static_cast<std::size_t>(it - B.replica_expert.begin()) * 3 * fl;
@@ -320,7 +328,7 @@ void ep_experts_backward(Bk const& b, Comm const& comm, moonep_buffers<C>& B, la
     }
     if (ne == 0) {  // an owned expert no pair of this rank reached: its partial gradients are 0
       for (auto const& gv : g)
-        if (lm_present(gv))
+        if (k3::present(gv))
           for (index_t i = 0; i < gv.extent(0); ++i)
             for (index_t j = 0; j < gv.extent(1); ++j) gv(i, j) = T(0);
       return;
@@ -347,10 +355,10 @@ void ep_experts_backward(Bk const& b, Comm const& comm, moonep_buffers<C>& B, la
       auto r = comm.irecv(tensor_view<C, 1>(B.scratch_g.data(), {static_cast<index_t>(3 * fl)}), static_cast<int>(part.rank), ep_grad_tag);
       comm.wait(r);
       index_t const el = part.expert - me * per;
-      V2 const g[3] = {lm_present(grad.dwe_gate) ? grad.dwe_gate.slice(0, el) : V2{}, lm_present(grad.dwe_up) ? grad.dwe_up.slice(0, el) : V2{},
-                       lm_present(grad.dwe_down) ? grad.dwe_down.slice(0, el) : V2{}};
+      V2 const g[3] = {k3::present(grad.dwe_gate) ? grad.dwe_gate.slice(0, el) : V2{}, k3::present(grad.dwe_up) ? grad.dwe_up.slice(0, el) : V2{},
+                       k3::present(grad.dwe_down) ? grad.dwe_down.slice(0, el) : V2{}};
       for (int w = 0; w < 3; ++w) {
-        if (!lm_present(g[w])) continue;
+        if (!k3::present(g[w])) continue;
         C const* src = B.scratch_g.data() + static_cast<std::size_t>(w) * fl;
         for (index_t i = 0; i < g[w].extent(0); ++i)
           for (index_t j = 0; j < g[w].extent(1); ++j) g[w](i, j) = static_cast<T>(g[w](i, j) + src[i * g[w].extent(1) + j]);
@@ -404,7 +412,7 @@ void ep_agree(Comm const& comm, F&& checks) {
 template <HostBackend Bk, class T, NonBlockingCommunicator Comm>
 void moonep_latent_moe_forward(Bk const& b, moonep_latent_moe_args<T, Comm> const& a, latent_moe_options const& o = {}) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "moonep_latent_moe: storage must be float or double");
-  using C = detail::lm_compute_t<T>;
+  using C = k3::accumulation_t<T>;
   ::k3::detail::require(a.comm != nullptr && a.buffers != nullptr, error_kind::value, "arguments 'comm', 'buffers': required");
   ::k3::detail::require(a.comm->size() >= 1 && a.layer.w_router.extent(0) % a.comm->size() == 0, error_kind::shape, [&] {
     return "argument 'w_router': experts (" + std::to_string(a.layer.w_router.extent(0)) + ") must be a multiple of ranks (" +
@@ -424,10 +432,11 @@ void moonep_latent_moe_forward(Bk const& b, moonep_latent_moe_args<T, Comm> cons
 // of this step, with the same buffers): dx of this rank's tokens, the gradients of its experts
 // (with every replica's reduced in), and the non-expert weight gradients summed over the ranks.
 template <HostBackend Bk, class T, NonBlockingCommunicator Comm>
-void moonep_latent_moe_backward(Bk const& b, moonep_latent_moe_args<T, Comm> const& a, latent_moe_gradients<T> const& g,
-                                latent_moe_options const& o = {}) {
+void moonep_latent_moe_backward(Bk const& b, moonep_latent_moe_backward_args<T, Comm> const& args, latent_moe_options const& o = {}) {
+  auto const& a = args.forward;
+  auto const& g = args.gradients;
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "moonep_latent_moe: storage must be float or double");
-  using C = detail::lm_compute_t<T>;
+  using C = k3::accumulation_t<T>;
   ::k3::detail::require(a.comm != nullptr && a.buffers != nullptr, error_kind::value, "arguments 'comm', 'buffers': required");
   detail::lm_dims m{};
   detail::ep_agree(*a.comm, [&] {
@@ -465,7 +474,7 @@ void moonep_latent_moe_backward(Bk const& b, moonep_latent_moe_args<T, Comm> con
   });
   // The replicated weights' gradients: this rank's tokens' part, summed over the job.
   auto reduce = [&](auto const& v) {
-    if (detail::lm_present(v)) a.comm->all_reduce_sum(v);
+    if (k3::present(v)) a.comm->all_reduce_sum(v);
   };
   reduce(g.dw_router);
   reduce(g.dw_down);

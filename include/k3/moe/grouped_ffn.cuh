@@ -309,7 +309,7 @@ inline dim3 gf_row_tiles(index_t tiles, index_t cols) {
 
 template <CudaBackend Bk, class T>
 void grouped_ffn_forward(Bk const& b, grouped_ffn_args<T, cuda_device_space> const& a, grouped_ffn_options const& o = {}) {
-  using C = grouped_ffn_compute_t<T>;
+  using C = k3::accumulation_t<T>;
   using S = std::remove_const_t<T>;
   namespace d = detail;
   d::gf_dims const m = d::check_grouped_ffn(a, o, false);
@@ -319,7 +319,7 @@ void grouped_ffn_forward(Bk const& b, grouped_ffn_args<T, cuda_device_space> con
   d::gf_group_device(b, a.indices, m.n, g);
   if (m.T == 0) return;
   std::size_t const sf = static_cast<std::size_t>(slots * m.f), tkf = static_cast<std::size_t>(m.T * m.k * m.f);
-  bool const keep = d::gf_present(a.h_gate);
+  bool const keep = k3::present(a.h_gate);
   d::gf_buffer<C, Bk> own_g(b, keep ? 0 : tkf), own_u(b, keep ? 0 : tkf), pa(b, sf), out(b, static_cast<std::size_t>(slots * m.l));
   d::gf_dview3<C> const hg = keep ? a.h_gate : d::gf_dview3<C>(own_g.get(), {m.T, m.k, m.f});
   d::gf_dview3<C> const hu = keep ? a.h_up : d::gf_dview3<C>(own_u.get(), {m.T, m.k, m.f});
@@ -353,9 +353,10 @@ void grouped_ffn_forward(Bk const& b, grouped_ffn_args<T, cuda_device_space> con
 }
 
 template <CudaBackend Bk, class T>
-void grouped_ffn_backward(Bk const& b, grouped_ffn_args<T, cuda_device_space> const& a, grouped_ffn_gradients<T, cuda_device_space> const& gr,
-                          grouped_ffn_options const& o = {}) {
-  using C = grouped_ffn_compute_t<T>;
+void grouped_ffn_backward(Bk const& b, grouped_ffn_backward_args<T, cuda_device_space> const& args, grouped_ffn_options const& o = {}) {
+  auto const& a = args.forward;
+  auto const& gr = args.gradients;
+  using C = k3::accumulation_t<T>;
   using S = std::remove_const_t<T>;
   namespace d = detail;
   d::gf_dims const m = d::check_grouped_ffn(a, gr, o);
@@ -373,12 +374,12 @@ void grouped_ffn_backward(Bk const& b, grouped_ffn_args<T, cuda_device_space> co
     b.launch(d::gf_row_tiles(g.tile_count, m.f), tile, 0, d::gf_rows_gemm_kernel<C, TR, W, TR, W, d::gf_store_epilogue<C>>,
              static_cast<index_t const*>(g.tiles.get()), static_cast<index_t const*>(g.offs.get()), static_cast<index_t const*>(g.list.get()),
              TR{gr.du, m.k}, W{a.w_down, false}, TR{gr.du, m.k}, W{a.w_down, false}, false, m.l, m.f, d::gf_store_epilogue<C>{q.get(), m.f});
-  bool const want_dp = d::gf_present(gr.d_weights);
+  bool const want_dp = k3::present(gr.d_weights);
   if (slots > 0)
     b.launch(dim3(d::gf_grid(slots, 1)), dim3(d::gf_threads), 0, d::gf_act_grad_kernel<C, S>, a.indices, a.weights,
              d::gf_dview3<C const>(a.h_gate), d::gf_dview3<C const>(a.h_up), static_cast<C const*>(q.get()),
              situ_params<C>{static_cast<C>(o.beta_gate), static_cast<C>(o.beta_up)}, dhg.get(), dhu.get(), pa.get(), gr.d_weights, want_dp);
-  if (d::gf_present(gr.dz) && m.T > 0 && m.l > 0) {
+  if (k3::present(gr.dz) && m.T > 0 && m.l > 0) {
     if (m.f == 0) b.zero_fill(dzs.get(), sl);  // no hidden unit: dz = 0
     if (g.tile_count > 0 && m.f > 0)  // dz per slot = dh_g w_gate + dh_u w_up
       b.launch(d::gf_row_tiles(g.tile_count, m.l), tile, 0, d::gf_rows_gemm_kernel<C, SR, W, SR, W, d::gf_store_epilogue<C>>,
@@ -388,7 +389,7 @@ void grouped_ffn_backward(Bk const& b, grouped_ffn_args<T, cuda_device_space> co
              static_cast<C const*>(dzs.get()), gr.dz);
   }
   auto wgrad = [&](auto lhs, auto rhs, d::gf_dview3<S> const& out) {
-    if (!d::gf_present(out) || out.size() == 0) return;
+    if (!k3::present(out) || out.size() == 0) return;
     dim3 const grid(static_cast<unsigned>((out.extent(2) + d::gf_tile - 1) / d::gf_tile), static_cast<unsigned>((out.extent(1) + d::gf_tile - 1) / d::gf_tile),
                     static_cast<unsigned>(m.n));
     b.launch(grid, tile, 0, d::gf_wgrad_kernel<C, decltype(lhs), decltype(rhs), S>, static_cast<index_t const*>(g.offs.get()),

@@ -6,8 +6,8 @@
 //
 // k3::moe::grouped_ffn_forward(backend, grouped_ffn_args<T, Space>{...}, options) writes u and
 // each slot's pre-activations h_gate, h_up [T, k, f] (in the compute type), the only per-expert
-// state the backward needs. grouped_ffn_backward(backend, args with h_gate and h_up filled,
-// grouped_ffn_gradients{du, ...}, options) recomputes a from them and takes the router-weight
+// state the backward needs. grouped_ffn_backward(backend, grouped_ffn_backward_args<T, Space>{.forward =
+// args with h_gate and h_up filled, .gradients = {du, ...}}, options) recomputes a from them and takes the router-weight
 // gradient as <w_down[e]ᵀ du_t, a_s>: no expert output is stored, and z is re-dispatched from
 // the pre-dispatch input. A slot with weight 0 keeps its expert and gets its gradient.
 //
@@ -28,6 +28,7 @@
 #include "k3/core/error.hpp"
 #include "k3/core/memory_space.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
+#include "k3/core/storage.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
 
@@ -37,12 +38,9 @@ struct grouped_ffn_options {
   double beta_gate = 4.0, beta_up = 25.0;  // SiTU's soft-caps (K3: 4 and 25)
 };
 
-template <class T>
-using grouped_ffn_compute_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, double>, double, float>;
-
 template <class T, class Space = host_space>
 struct grouped_ffn_args {
-  using compute_type = grouped_ffn_compute_t<T>;
+  using compute_type = k3::accumulation_t<T>;
   tensor_view<T const, 2, Space> z;                   // [T, l] every token's input (not dispatched)
   tensor_view<std::int64_t const, 2, Space> indices;  // [T, k] expert of each slot, -1: no expert
   tensor_view<T const, 2, Space> weights;             // [T, k] router weights p
@@ -64,6 +62,14 @@ struct grouped_ffn_gradients {
   tensor_view<T, 3, Space> dw_gate{}, dw_up{}, dw_down{};
 };
 
+// The backward's one aggregate: the forward's args (with the h_gate, h_up it wrote) and the
+// gradients.
+template <class T, class Space = host_space>
+struct grouped_ffn_backward_args {
+  grouped_ffn_args<T, Space> forward;
+  grouped_ffn_gradients<T, Space> gradients;
+};
+
 // Multiply-adds of the forward's three GEMMs, times two (the FLOPs of its routed slots).
 inline constexpr double grouped_ffn_flops(index_t routed_slots, index_t l, index_t f) noexcept {
   return 6.0 * static_cast<double>(routed_slots) * static_cast<double>(l) * static_cast<double>(f);
@@ -71,10 +77,6 @@ inline constexpr double grouped_ffn_flops(index_t routed_slots, index_t l, index
 
 namespace detail {
 
-template <class V>
-bool gf_present(V const& v) {
-  return !(v.data_handle() == nullptr && v.size() == 0 && v.extent(0) == 0);
-}
 
 struct gf_dims {
   index_t T = 0, k = 0, n = 0, l = 0, f = 0;
@@ -118,13 +120,13 @@ gf_dims check_grouped_ffn(grouped_ffn_args<T, Space> const& a, grouped_ffn_optio
     return "option 'beta_up': expected a finite value > 0, got " + kd::format_number(o.beta_up);
   });
   if (backward) {
-    kd::require(m.T == 0 || (gf_present(a.h_gate) && gf_present(a.h_up)), error_kind::value, "arguments 'h_gate', 'h_up': the backward reads the pre-activations the forward wrote");
+    kd::require(m.T == 0 || (k3::present(a.h_gate) && k3::present(a.h_up)), error_kind::value, "arguments 'h_gate', 'h_up': the backward reads the pre-activations the forward wrote");
   } else {
-    kd::require(m.T == 0 || gf_present(a.u), error_kind::value, "argument 'u': the forward's output is required");
+    kd::require(m.T == 0 || k3::present(a.u), error_kind::value, "argument 'u': the forward's output is required");
     kd::check_view("u", a.u);
-    if (gf_present(a.u)) kd::check_shape("u", a.u, {m.T, m.l});
+    if (k3::present(a.u)) kd::check_shape("u", a.u, {m.T, m.l});
   }
-  if (gf_present(a.h_gate) || gf_present(a.h_up)) {
+  if (k3::present(a.h_gate) || k3::present(a.h_up)) {
     kd::check_view("h_gate", a.h_gate);
     kd::check_view("h_up", a.h_up);
     kd::check_shape("h_gate", a.h_gate, {m.T, m.k, m.f});
@@ -139,11 +141,11 @@ gf_dims check_grouped_ffn(grouped_ffn_args<T, Space> const& a, grouped_ffn_gradi
   gf_dims const m = check_grouped_ffn(a, o, true);
   kd::check_view("du", g.du);
   kd::check_shape("du", g.du, {m.T, m.l});
-  if (gf_present(g.dz)) kd::check_shape("dz", g.dz, {m.T, m.l});
-  if (gf_present(g.d_weights)) kd::check_shape("d_weights", g.d_weights, {m.T, m.k});
-  if (gf_present(g.dw_gate)) kd::check_shape("dw_gate", g.dw_gate, {m.n, m.f, m.l});
-  if (gf_present(g.dw_up)) kd::check_shape("dw_up", g.dw_up, {m.n, m.f, m.l});
-  if (gf_present(g.dw_down)) kd::check_shape("dw_down", g.dw_down, {m.n, m.l, m.f});
+  if (k3::present(g.dz)) kd::check_shape("dz", g.dz, {m.T, m.l});
+  if (k3::present(g.d_weights)) kd::check_shape("d_weights", g.d_weights, {m.T, m.k});
+  if (k3::present(g.dw_gate)) kd::check_shape("dw_gate", g.dw_gate, {m.n, m.f, m.l});
+  if (k3::present(g.dw_up)) kd::check_shape("dw_up", g.dw_up, {m.n, m.f, m.l});
+  if (k3::present(g.dw_down)) kd::check_shape("dw_down", g.dw_down, {m.n, m.l, m.f});
   kd::check_outputs_apart(
       [&](auto&& f) {
         f("dz", g.dz);

@@ -11,7 +11,8 @@
 //   y_t  = r_t w_upᵀ + Σ_j SiTU(x ws_gate[j]ᵀ, x ws_up[j]ᵀ) ws_down[j]ᵀ
 //
 // k3::moe::latent_moe_forward(backend, latent_moe_args<T>{...}, options) and
-// latent_moe_backward(backend, args with dy and the gradient views, options). Storage float,
+// latent_moe_backward(backend, latent_moe_backward_args<T>{.forward = args, .gradients = {dy, ...}},
+// options). Storage float,
 // double or k3::bfloat16; float and bfloat16 compute in float32 (every intermediate: s, z, a, u,
 // r), double in double. The experts run as grouped GEMMs (Eigen) over the tokens routed to each,
 // one expert per task on the backend's threads; every sum over tokens or slots runs in a fixed
@@ -94,13 +95,18 @@ struct latent_moe_gradients {
   tensor_view<T, 3> dws_gate{}, dws_up{}, dws_down{};
 };
 
+// The backward's one aggregate: the forward's args (weights, and saved when the forward filled
+// it) and the gradients.
+template <class T>
+struct latent_moe_backward_args {
+  latent_moe_args<T> forward;
+  latent_moe_gradients<T> gradients;
+};
+
 namespace detail {
 
 template <class C>
 using lm_matrix = Eigen::Matrix<C, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
-template <class S>
-using lm_compute_t = std::conditional_t<std::is_same_v<S, double>, double, float>;
 
 template <class C, class V>
 lm_matrix<C> lm_load(V const& v) {
@@ -239,10 +245,6 @@ void lm_check_out(char const* name, V const& v, std::initializer_list<index_t> s
   ::k3::detail::check_not_broadcast(name, v);
 }
 
-template <class V>
-bool lm_present(V const& v) {
-  return !(v.data_handle() == nullptr && v.size() == 0 && v.extent(0) == 0);
-}
 
 struct lm_dims {
   index_t T, d, n, l, f, s, F;
@@ -276,9 +278,9 @@ lm_dims check_latent_moe(Bk const& b, latent_moe_args<T> const& a, latent_moe_op
   ::k3::detail::check_shape("we_up", a.we_up, {held, m.f, m.l});
   ::k3::detail::check_shape("we_down", a.we_down, {held, m.l, m.f});
   ::k3::detail::check_shape("w_up", a.w_up, {m.d, m.l});
-  if (lm_present(a.bias)) ::k3::detail::check_shape("bias", a.bias, {m.n});
-  if (lm_present(a.norm_weight)) ::k3::detail::check_shape("norm_weight", a.norm_weight, {m.l});
-  bool const sg = lm_present(a.ws_gate), su = lm_present(a.ws_up), sd = lm_present(a.ws_down);
+  if (k3::present(a.bias)) ::k3::detail::check_shape("bias", a.bias, {m.n});
+  if (k3::present(a.norm_weight)) ::k3::detail::check_shape("norm_weight", a.norm_weight, {m.l});
+  bool const sg = k3::present(a.ws_gate), su = k3::present(a.ws_up), sd = k3::present(a.ws_down);
   ::k3::detail::require(sg == su && su == sd, error_kind::value, "arguments 'ws_gate', 'ws_up', 'ws_down': the shared experts need all three or none");
   if (sg) {
     m.s = a.ws_gate.extent(0);
@@ -299,14 +301,14 @@ lm_dims check_latent_moe(Bk const& b, latent_moe_args<T> const& a, latent_moe_op
   lm_check_out("weights", a.weights, {m.T, o.k});
   lm_check_finite(b, "x", a.x);
   lm_check_finite(b, "w_router", a.w_router);
-  if (lm_present(a.bias)) lm_check_finite(b, "bias", a.bias);
+  if (k3::present(a.bias)) lm_check_finite(b, "bias", a.bias);
   lm_check_finite(b, "w_down", a.w_down);
   if (check_experts) {
     lm_check_finite(b, "we_gate", a.we_gate);
     lm_check_finite(b, "we_up", a.we_up);
     lm_check_finite(b, "we_down", a.we_down);
   }
-  if (lm_present(a.norm_weight)) lm_check_finite(b, "norm_weight", a.norm_weight);
+  if (k3::present(a.norm_weight)) lm_check_finite(b, "norm_weight", a.norm_weight);
   lm_check_finite(b, "w_up", a.w_up);
   if (sg) {
     lm_check_finite(b, "ws_gate", a.ws_gate);
@@ -421,9 +423,9 @@ void lm_expert_backward(ZE const& Ze, lm_matrix<C>& DUe, C const* pe, HG const& 
   }
   Dg.array() *= DA.array();  // dL/dh_g
   Du.array() *= DA.array();  // dL/dh_u
-  if (lm_present(dwe_down)) lm_assign<C>(dwe_down, DUe.transpose() * A);
-  if (lm_present(dwe_gate)) lm_assign<C>(dwe_gate, Dg.transpose() * Ze);
-  if (lm_present(dwe_up)) lm_assign<C>(dwe_up, Du.transpose() * Ze);
+  if (k3::present(dwe_down)) lm_assign<C>(dwe_down, DUe.transpose() * A);
+  if (k3::present(dwe_gate)) lm_assign<C>(dwe_gate, Dg.transpose() * Ze);
+  if (k3::present(dwe_up)) lm_assign<C>(dwe_up, Du.transpose() * Ze);
   DZe.resize(ne, Wg.cols());
   if (ne == 0) return;
   DZe.noalias() = Dg * Wg;
@@ -535,9 +537,9 @@ void lm_forward(Bk const& b, latent_moe_args<T> const& a, latent_moe_options con
   lm_matrix<C> own_x, own_wr, own_wd, own_wup;
   lm_cmap<C> const X = lm_map(a.x, own_x), Wr = lm_map(a.w_router, own_wr), Wd = lm_map(a.w_down, own_wd), Wup = lm_map(a.w_up, own_wup);
   std::vector<C> bias(static_cast<std::size_t>(n), C(0)), nw(static_cast<std::size_t>(l), C(1));
-  if (lm_present(a.bias))
+  if (k3::present(a.bias))
     for (index_t e = 0; e < n; ++e) bias[static_cast<std::size_t>(e)] = load_as<C>(a.bias(e));
-  if (lm_present(a.norm_weight))
+  if (k3::present(a.norm_weight))
     for (index_t j = 0; j < l; ++j) nw[static_cast<std::size_t>(j)] = load_as<C>(a.norm_weight(j));
 
   // Routing: scores by panels of experts, then each token's top-k.
@@ -627,11 +629,11 @@ void lm_forward(Bk const& b, latent_moe_args<T> const& a, latent_moe_options con
     lm_panels(b, m.d, [&](index_t c0, index_t nc) { Y.middleCols(c0, nc).noalias() += As * Wsd.middleRows(c0, nc).transpose(); });
   }
   using S_ = std::remove_const_t<T>;
-  if (lm_present(a.y)) lm_store(Y, a.y);
+  if (k3::present(a.y)) lm_store(Y, a.y);
   for (index_t t = 0; t < T_; ++t)
     for (index_t r = 0; r < k; ++r) {
-      if (lm_present(a.indices)) a.indices(t, r) = st.idx[static_cast<std::size_t>(t * k + r)];
-      if (lm_present(a.weights)) a.weights(t, r) = store_as<S_>(st.p[static_cast<std::size_t>(t * k + r)]);
+      if (k3::present(a.indices)) a.indices(t, r) = st.idx[static_cast<std::size_t>(t * k + r)];
+      if (k3::present(a.weights)) a.weights(t, r) = store_as<S_>(st.p[static_cast<std::size_t>(t * k + r)]);
     }
   st.filled = true;
 }
@@ -656,7 +658,7 @@ void lm_local_experts_backward(Bk const& b, latent_moe_args<T> const& a, latent_
     }
     std::vector<C> pe(static_cast<std::size_t>(ne)), dpe(static_cast<std::size_t>(ne));
     for (index_t i = 0; i < ne; ++i) pe[static_cast<std::size_t>(i)] = st.p[static_cast<std::size_t>(st.slot[static_cast<std::size_t>(r0 + i)])];
-    auto pick = [&](auto const& g3) { return lm_present(g3) ? g3.slice(0, e) : decltype(g3.slice(0, e)){}; };
+    auto pick = [&](auto const& g3) { return k3::present(g3) ? g3.slice(0, e) : decltype(g3.slice(0, e)){}; };
     lm_matrix<C> DZe;
     lm_expert_backward<C>(Ze, PDU, pe.data(), st.Hg.middleRows(r0, ne), st.Hu.middleRows(r0, ne), Wg, Wu, Wdn, sp, dpe.data(), DZe,
                           pick(grad.dwe_gate), pick(grad.dwe_up), pick(grad.dwe_down));
@@ -680,7 +682,7 @@ void lm_backward(Bk const& b, latent_moe_args<T> const& a, latent_moe_gradients<
   lm_matrix<C> own_x, own_wr, own_wd, own_wup;
   lm_cmap<C> const X = lm_map(a.x, own_x), Wr = lm_map(a.w_router, own_wr), Wd = lm_map(a.w_down, own_wd), Wup = lm_map(a.w_up, own_wup);
   std::vector<C> nw(static_cast<std::size_t>(l), C(1));
-  if (lm_present(a.norm_weight))
+  if (k3::present(a.norm_weight))
     for (index_t j = 0; j < l; ++j) nw[static_cast<std::size_t>(j)] = load_as<C>(a.norm_weight(j));
   lm_matrix<C> DYown;
   lm_cmap<C> const DY = lm_map(grad.dy, DYown);
@@ -689,7 +691,7 @@ void lm_backward(Bk const& b, latent_moe_args<T> const& a, latent_moe_gradients<
   lm_matrix<C> R(T_, l);
   for (index_t t = 0; t < T_; ++t)
     for (index_t j = 0; j < l; ++j) R(t, j) = st.Nrm(t, j) * nw[static_cast<std::size_t>(j)];
-  if (lm_present(grad.dw_up))
+  if (k3::present(grad.dw_up))
     lm_assign_rows<C>(b, grad.dw_up, [&](auto& out, index_t c0, index_t nc) { out.middleRows(c0, nc).noalias() = DY.middleCols(c0, nc).transpose() * R; });
   lm_matrix<C> DR(T_, l);
   lm_panels(b, l, [&](index_t c0, index_t nc) { DR.middleCols(c0, nc).noalias() = DY * Wup.middleCols(c0, nc); });
@@ -703,7 +705,7 @@ void lm_backward(Bk const& b, latent_moe_args<T> const& a, latent_moe_gradients<
       for (index_t j = 0; j < l; ++j) DU(t, j) = rs * (DR(t, j) * nw[static_cast<std::size_t>(j)] - st.Nrm(t, j) * dot);
     }
   });
-  if (lm_present(grad.dnorm_weight))
+  if (k3::present(grad.dnorm_weight))
     lm_panels(b, l, [&](index_t c0, index_t nc) {
       for (index_t j = c0; j < c0 + nc; ++j) {
         C s = 0;
@@ -742,9 +744,9 @@ void lm_backward(Bk const& b, latent_moe_args<T> const& a, latent_moe_gradients<
       DL(t, st.idx[q]) = ds * s * (C(1) - s);
     }
   }
-  if (lm_present(grad.dw_router))
+  if (k3::present(grad.dw_router))
     lm_assign_rows<C>(b, grad.dw_router, [&](auto& out, index_t c0, index_t nc) { out.middleRows(c0, nc).noalias() = DL.middleCols(c0, nc).transpose() * X; });
-  if (lm_present(grad.dw_down))
+  if (k3::present(grad.dw_down))
     lm_assign_rows<C>(b, grad.dw_down, [&](auto& out, index_t c0, index_t nc) { out.middleRows(c0, nc).noalias() = DZ.middleCols(c0, nc).transpose() * X; });
   lm_matrix<C> DX(T_, m.d);
   lm_panels(b, m.d, [&](index_t c0, index_t nc) {
@@ -762,15 +764,15 @@ void lm_backward(Bk const& b, latent_moe_args<T> const& a, latent_moe_gradients<
       lm_situ<C>(st.sHg[static_cast<std::size_t>(j)].middleRows(t0, nt), st.sHu[static_cast<std::size_t>(j)].middleRows(t0, nt), sp, As_, &Dg_, &Du_);
     });
     lm_panels(b, m.F, [&](index_t c0, index_t nc) { DAs.middleCols(c0, nc).noalias() = DY * Wsd.middleCols(c0, nc); });
-    if (lm_present(grad.dws_down))
+    if (k3::present(grad.dws_down))
       lm_assign_rows<C>(b, grad.dws_down.slice(0, j),
                         [&](auto& out, index_t c0, index_t nc) { out.middleRows(c0, nc).noalias() = DY.middleCols(c0, nc).transpose() * As; });
     Dg.array() *= DAs.array();
     Du.array() *= DAs.array();
-    if (lm_present(grad.dws_gate))
+    if (k3::present(grad.dws_gate))
       lm_assign_rows<C>(b, grad.dws_gate.slice(0, j),
                         [&](auto& out, index_t c0, index_t nc) { out.middleRows(c0, nc).noalias() = Dg.middleCols(c0, nc).transpose() * X; });
-    if (lm_present(grad.dws_up))
+    if (k3::present(grad.dws_up))
       lm_assign_rows<C>(b, grad.dws_up.slice(0, j),
                         [&](auto& out, index_t c0, index_t nc) { out.middleRows(c0, nc).noalias() = Du.middleCols(c0, nc).transpose() * X; });
     lm_panels(b, m.d, [&](index_t c0, index_t nc) {
@@ -778,7 +780,7 @@ void lm_backward(Bk const& b, latent_moe_args<T> const& a, latent_moe_gradients<
       DX.middleCols(c0, nc).noalias() += Du * Wsu.middleCols(c0, nc);
     });
   }
-  if (lm_present(grad.dx)) lm_store(DX, grad.dx);
+  if (k3::present(grad.dx)) lm_store(DX, grad.dx);
 }
 
 template <HostBackend Bk, class T>
@@ -801,7 +803,7 @@ auto lm_local_backward_fn(Bk const& b, latent_moe_args<T> const& a, latent_moe_g
 template <class T>
 class latent_moe_saved {
  public:
-  using compute_type = detail::lm_compute_t<T>;
+  using compute_type = k3::accumulation_t<T>;
   bool filled() const noexcept { return state.filled; }
   std::size_t bytes() const noexcept { return state.bytes(); }
   std::size_t naive_bytes() const noexcept {
@@ -818,7 +820,7 @@ void latent_moe_forward(Bk const& b, latent_moe_args<T> const& a, latent_moe_opt
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16>,
                 "latent_moe: storage must be float, double or k3::bfloat16");
   detail::lm_dims const m = detail::check_latent_moe(b, a, o, -1, false);
-  using C = detail::lm_compute_t<T>;
+  using C = k3::accumulation_t<T>;
   if (a.saved) {
     detail::lm_forward<C>(b, a, o, m, a.saved->state, detail::lm_local_forward_fn(b, a));
   } else {
@@ -832,10 +834,12 @@ void latent_moe_forward(Bk const& b, latent_moe_args<T> const& a, latent_moe_opt
 // runs the forward first, writing the forward outputs that are given (and filling args.saved,
 // if given).
 template <HostBackend Bk, class T>
-void latent_moe_backward(Bk const& b, latent_moe_args<T> const& a, latent_moe_gradients<T> const& g, latent_moe_options const& o = {}) {
+void latent_moe_backward(Bk const& b, latent_moe_backward_args<T> const& args, latent_moe_options const& o = {}) {
+  auto const& a = args.forward;
+  auto const& g = args.gradients;
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16>,
                 "latent_moe: storage must be float, double or k3::bfloat16");
-  using C = detail::lm_compute_t<T>;
+  using C = k3::accumulation_t<T>;
   bool const reuse = a.saved && a.saved->filled();
   latent_moe_args<T> checked = a;
   if (reuse) {
@@ -926,13 +930,13 @@ lm_matrix<C> gf_gather_slots(V const& h, index_t const* rows, index_t ne) {
 
 template <HostBackend Bk, class T>
 void grouped_ffn_forward(Bk const& b, grouped_ffn_args<T> const& a, grouped_ffn_options const& o = {}) {
-  using C = grouped_ffn_compute_t<T>;
+  using C = k3::accumulation_t<T>;
   using S = std::remove_const_t<T>;
   detail::gf_dims const m = detail::check_grouped_ffn(a, o, false);
   detail::check_grouped_ffn_forward_outputs(a);
   detail::gf_grouping const gr = detail::gf_group(a.indices, m.n);
   situ_params<C> const sp{static_cast<C>(o.beta_gate), static_cast<C>(o.beta_up)};
-  bool const keep = detail::gf_present(a.h_gate);
+  bool const keep = k3::present(a.h_gate);
   index_t const slots = m.T * m.k;
   detail::lm_matrix<C> O = detail::lm_matrix<C>::Zero(slots, m.l);
   if (keep)
@@ -968,8 +972,10 @@ void grouped_ffn_forward(Bk const& b, grouped_ffn_args<T> const& a, grouped_ffn_
 }
 
 template <HostBackend Bk, class T>
-void grouped_ffn_backward(Bk const& b, grouped_ffn_args<T> const& a, grouped_ffn_gradients<T> const& g, grouped_ffn_options const& o = {}) {
-  using C = grouped_ffn_compute_t<T>;
+void grouped_ffn_backward(Bk const& b, grouped_ffn_backward_args<T> const& args, grouped_ffn_options const& o = {}) {
+  auto const& a = args.forward;
+  auto const& g = args.gradients;
+  using C = k3::accumulation_t<T>;
   using S = std::remove_const_t<T>;
   detail::gf_dims const m = detail::check_grouped_ffn(a, g, o);
   detail::gf_grouping const gr = detail::gf_group(a.indices, m.n);
@@ -988,7 +994,7 @@ void grouped_ffn_backward(Bk const& b, grouped_ffn_args<T> const& a, grouped_ffn
     detail::lm_matrix<C> own_g, own_u, own_dn, DZe;
     auto const Wg = detail::lm_map(a.w_gate.slice(0, e), own_g), Wu = detail::lm_map(a.w_up.slice(0, e), own_u),
                Wdn = detail::lm_map(a.w_down.slice(0, e), own_dn);
-    auto slice = [&](auto const& v) { return detail::gf_present(v) ? v.slice(0, e) : decltype(v.slice(0, e)){}; };
+    auto slice = [&](auto const& v) { return k3::present(v) ? v.slice(0, e) : decltype(v.slice(0, e)){}; };
     detail::lm_expert_backward<C>(Ze, DUe, pe.data(), Hg, Hu, Wg, Wu, Wdn, sp, dpe.data(), DZe, slice(g.dw_gate), slice(g.dw_up),
                                   slice(g.dw_down));
     for (index_t i = 0; i < ne; ++i) {
@@ -997,9 +1003,9 @@ void grouped_ffn_backward(Bk const& b, grouped_ffn_args<T> const& a, grouped_ffn
     }
   });
   b.for_each(0, m.T, [&](std::int64_t t) {
-    if (detail::gf_present(g.d_weights))
+    if (k3::present(g.d_weights))
       for (index_t j = 0; j < m.k; ++j) g.d_weights(t, j) = store_as<S>(dp[static_cast<std::size_t>(t * m.k + j)]);
-    if (detail::gf_present(g.dz))
+    if (k3::present(g.dz))
       for (index_t c = 0; c < m.l; ++c) {
         C acc = 0;
         for (index_t j = 0; j < m.k; ++j) acc += DZ(t * m.k + j, c);

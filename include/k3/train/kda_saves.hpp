@@ -2,11 +2,13 @@
 // v, g, beta (and h0) and the chunked form's per-chunk states (forward_args::saved) under
 // policies, the backward loads each once.
 //
-//   auto rec = k3::train::kda_forward(store, cpu, fwd_args, options, {.inputs = k3::train::offload,
-//                                                                     .states = k3::train::fp8 | k3::train::offload});
+//   auto rec = k3::train::kda_forward(cpu, k3::train::kda_forward_args<Backend, float>{.store = &store, .kda = fwd_args},
+//                                     {.kda = options, .policies = {.inputs = k3::train::offload,
+//                                                                   .states = k3::train::fp8 | k3::train::offload}});
 //   ...
-//   k3::train::kda_prefetch(store, rec);
-//   k3::train::kda_backward(store, cpu, rec, bwd_args /* d_o, dht and the gradient views */, options);
+//   k3::train::kda_prefetch(cpu, {.store = &store, .record = &rec});
+//   k3::train::kda_backward(cpu, k3::train::kda_backward_args<Backend, float>{.store = &store, .record = &rec,
+//                                                                           .kda = bwd_args /* d_o, dht, gradients */}, options);
 //
 // inputs: any policy but recompute (they are the caller's tensors, made by the caller's ops:
 // recompute them there). states: any policy; recompute stores nothing and the backward
@@ -16,6 +18,7 @@
 // The recurrent form keeps no states: the policy for them is not used.
 #pragma once
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -39,10 +42,42 @@ struct kda_record {
   ::k3::array<index_t, 3> beta_shape{}, states_shape{};
 };
 
+// The store is a member of the args (the one call shape: backend, args, options).
+template <class Bk, class In, class S = ::k3::accumulation_t<In>>
+struct kda_forward_args {
+  saved_tensor_store<Bk>* store = nullptr;  // receives what the backward reads
+  ::k3::kda::forward_args<In, S> kda;       // o, ht as given; kda.saved is not used
+};
+struct kda_forward_options {
+  ::k3::kda::options kda = {};
+  kda_policies policies = {};
+};
+template <class Bk, class In, class S = ::k3::accumulation_t<In>>
+struct kda_backward_args {
+  saved_tensor_store<Bk>* store = nullptr;
+  kda_record<In, S>* record = nullptr;  // the forward's; its one-shot handles are consumed
+  ::k3::kda::backward_args<In, S> kda;  // d_o, dht and the gradient views
+};
+template <class Bk, class In, class S = ::k3::accumulation_t<In>>
+struct kda_prefetch_args {
+  saved_tensor_store<Bk>* store = nullptr;
+  kda_record<In, S> const* record = nullptr;
+};
+
+namespace detail {
+inline void require_store(bool given, char const* op) {
+  ::k3::detail::require(given, error_kind::value, [&] { return std::string(op) + ": arguments 'store', 'record': required"; });
+}
+}  // namespace detail
+
 // The forward (a.o, a.ht as given; a.saved is not used), saving what the backward reads.
-template <HostBackend Bk, ::k3::kda::Storage In, ::k3::Real S>
-kda_record<In, S> kda_forward(saved_tensor_store<Bk>& store, Bk const& b, ::k3::kda::forward_args<In, S> a, ::k3::kda::options opt,
-                              kda_policies const& p) {
+template <HostBackend Bk, ::k3::Storage In, ::k3::Real S>
+kda_record<In, S> kda_forward(Bk const& b, kda_forward_args<Bk, In, S> const& args, kda_forward_options const& o = {}) {
+  detail::require_store(args.store != nullptr, "kda_forward");
+  auto& store = *args.store;
+  auto a = args.kda;
+  auto opt = o.kda;
+  auto const& p = o.policies;
   // A training forward runs the chunked form unless told otherwise, whether or not it keeps the
   // states: every policy then computes the same forward, bit for bit.
   if (opt.mode == ::k3::kda::algorithm::automatic) opt.mode = ::k3::kda::algorithm::chunk;
@@ -69,7 +104,7 @@ kda_record<In, S> kda_forward(saved_tensor_store<Bk>& store, Bk const& b, ::k3::
   r.v = store.save(a.v, p.inputs);
   r.g = store.save(a.g, p.inputs);
   r.beta = store.save(a.beta, p.inputs);
-  if (::k3::kda::present(a.h0)) {
+  if (::k3::present(a.h0)) {
     r.h0_shape = a.h0.extents();
     r.h0 = store.save(a.h0, p.inputs);
   }
@@ -81,17 +116,23 @@ kda_record<In, S> kda_forward(saved_tensor_store<Bk>& store, Bk const& b, ::k3::
 }
 
 template <HostBackend Bk, class In, class S>
-void kda_prefetch(saved_tensor_store<Bk>& store, kda_record<In, S> const& r) {
+void kda_prefetch(Bk const&, kda_prefetch_args<Bk, In, S> const& args) {
+  detail::require_store(args.store != nullptr && args.record != nullptr, "kda_prefetch");
+  auto& store = *args.store;
+  auto const& r = *args.record;
   for (auto h : {r.q, r.k, r.v, r.g, r.beta}) store.prefetch(h);
   if (r.h0) store.prefetch(*r.h0);
   if (r.states) store.prefetch(*r.states);
 }
 
-// The backward: a gives d_o, dht and the gradient views (its q, k, v, g, beta, h0 and saved are
-// taken from the record); opt must be the forward's.
-template <HostBackend Bk, ::k3::kda::Storage In, ::k3::Real S>
-void kda_backward(saved_tensor_store<Bk>& store, Bk const& b, kda_record<In, S>& r, ::k3::kda::backward_args<In, S> a,
-                  ::k3::kda::options const& opt) {
+// The backward: args.kda gives d_o, dht and the gradient views (its q, k, v, g, beta, h0 and
+// saved are taken from the record); opt must be the forward's.
+template <HostBackend Bk, ::k3::Storage In, ::k3::Real S>
+void kda_backward(Bk const& b, kda_backward_args<Bk, In, S> const& args, ::k3::kda::options const& opt = {}) {
+  detail::require_store(args.store != nullptr && args.record != nullptr, "kda_backward");
+  auto& store = *args.store;
+  auto& r = *args.record;
+  auto a = args.kda;
   ::k3::tensor<In, 4> q(r.qk_shape), k(r.qk_shape), v(r.v_shape), g(r.g_shape);
   ::k3::tensor<In, 3> beta(r.beta_shape);
   ::k3::tensor<S, 4> h0;

@@ -2,12 +2,14 @@
 // store: the forward saves its input and its state (latent_moe_saved: z, h_gate, h_up, the
 // normalised u, the routing) tensor by tensor under policies, the backward loads each once.
 //
-//   auto rec = k3::train::latent_moe_forward(store, cpu, args, options, {.input = k3::train::fp8 | k3::train::offload,
-//                                                                        .activations = k3::train::fp8 | k3::train::offload,
-//                                                                        .routing = k3::train::offload});
+//   auto rec = k3::train::latent_moe_forward(cpu, k3::train::latent_moe_forward_args<Backend, float>{.store = &store, .layer = args},
+//                                            {.layer = options, .policies = {.input = k3::train::fp8 | k3::train::offload,
+//                                                                            .activations = k3::train::fp8 | k3::train::offload,
+//                                                                            .routing = k3::train::offload}});
 //   ...
-//   k3::train::latent_moe_prefetch(store, rec);          // optional, ahead of the backward
-//   k3::train::latent_moe_backward(store, cpu, rec, args /* the weights */, grads, options);
+//   k3::train::latent_moe_prefetch(cpu, k3::train::latent_moe_prefetch_args<Backend, float>{&store, &rec});  // optional
+//   k3::train::latent_moe_backward(cpu, k3::train::latent_moe_backward_args<Backend, float>{.store = &store, .record = &rec,
+//                                  .layer = args /* the weights */, .gradients = grads}, options);
 //
 // Policies: `input` for x (not recompute: it is the caller's tensor); `activations` for z,
 // h_gate, h_up, the normalised u and the shared experts' pre-activations; `routing` for expert
@@ -22,6 +24,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -126,11 +129,44 @@ struct latent_moe_record {
   std::shared_ptr<detail::lm_replay<T, Bk>> replay;
 };
 
-// The layer's forward (y, indices, weights as given in a; a.saved is not used), saving x and
-// the state through the store.
+// The store is a member of the args (the one call shape: backend, args, options).
+template <class Bk, class T>
+struct latent_moe_forward_args {
+  saved_tensor_store<Bk>* store = nullptr;  // receives x and the layer's state
+  ::k3::moe::latent_moe_args<T> layer;      // y, indices, weights as given; layer.saved is not used
+};
+struct latent_moe_forward_options {
+  ::k3::moe::latent_moe_options layer = {};
+  latent_moe_policies policies = {};
+};
+template <class Bk, class T>
+struct latent_moe_backward_args {
+  saved_tensor_store<Bk>* store = nullptr;
+  latent_moe_record<T, Bk>* record = nullptr;  // the forward's; its one-shot handles are consumed
+  ::k3::moe::latent_moe_args<T> layer;         // the weights (x and saved are not read)
+  ::k3::moe::latent_moe_gradients<T> gradients;
+};
+template <class Bk, class T>
+struct latent_moe_prefetch_args {
+  saved_tensor_store<Bk>* store = nullptr;
+  latent_moe_record<T, Bk> const* record = nullptr;
+};
+
+namespace detail {
+inline void require_moe_store(bool given, char const* op) {
+  ::k3::detail::require(given, error_kind::value, [&] { return std::string(op) + ": arguments 'store', 'record': required"; });
+}
+}  // namespace detail
+
+// The layer's forward (y, indices, weights as given in args.layer; its saved is not used),
+// saving x and the state through the store.
 template <HostBackend Bk, class T>
-latent_moe_record<T, Bk> latent_moe_forward(saved_tensor_store<Bk>& store, Bk const& b, ::k3::moe::latent_moe_args<T> a,
-                                            ::k3::moe::latent_moe_options const& o, latent_moe_policies const& p) {
+latent_moe_record<T, Bk> latent_moe_forward(Bk const& b, latent_moe_forward_args<Bk, T> const& args, latent_moe_forward_options const& opt = {}) {
+  detail::require_moe_store(args.store != nullptr, "latent_moe_forward");
+  auto& store = *args.store;
+  auto a = args.layer;
+  auto const& o = opt.layer;
+  auto const& p = opt.policies;
   ::k3::detail::require(!has_policy(p.input, recompute), error_kind::value, "latent_moe_forward: policy recompute for 'input': x is the caller's tensor, nothing here can recompute it");
   ::k3::moe::latent_moe_saved<T> saved;
   a.saved = &saved;
@@ -157,16 +193,23 @@ latent_moe_record<T, Bk> latent_moe_forward(saved_tensor_store<Bk>& store, Bk co
 
 // Starts bringing the record's offloaded tensors back (see saved_tensor_store::prefetch).
 template <HostBackend Bk, class T>
-void latent_moe_prefetch(saved_tensor_store<Bk>& store, latent_moe_record<T, Bk> const& r) {
+void latent_moe_prefetch(Bk const&, latent_moe_prefetch_args<Bk, T> const& args) {
+  detail::require_moe_store(args.store != nullptr && args.record != nullptr, "latent_moe_prefetch");
+  auto& store = *args.store;
+  auto const& r = *args.record;
   store.prefetch(r.x);
   for (auto h : r.state) store.prefetch(h);
 }
 
-// The layer's backward from what the record saved: a gives the weights (a.x and a.saved are
-// not read; y, indices, weights are not written), g the output gradient and the gradients.
+// The layer's backward from what the record saved: args.layer gives the weights (its x and
+// saved are not read; y, indices, weights are not written), args.gradients dy and the gradients.
 template <HostBackend Bk, class T>
-void latent_moe_backward(saved_tensor_store<Bk>& store, Bk const& b, latent_moe_record<T, Bk>& r, ::k3::moe::latent_moe_args<T> a,
-                         ::k3::moe::latent_moe_gradients<T> const& g, ::k3::moe::latent_moe_options const& o) {
+void latent_moe_backward(Bk const& b, latent_moe_backward_args<Bk, T> const& args, ::k3::moe::latent_moe_options const& o = {}) {
+  detail::require_moe_store(args.store != nullptr && args.record != nullptr, "latent_moe_backward");
+  auto& store = *args.store;
+  auto& r = *args.record;
+  auto a = args.layer;
+  auto const& g = args.gradients;
   ::k3::detail::require(::k3::moe::detail::lm_same_options<double>(o, r.options), error_kind::value,
                         "latent_moe_backward: options differ from the forward's that filled the record");
   ::k3::tensor<T, 2> x({r.dims.T, r.dims.d});
@@ -188,7 +231,7 @@ void latent_moe_backward(saved_tensor_store<Bk>& store, Bk const& b, latent_moe_
   a.indices = {};
   a.weights = {};
   a.saved = &saved;
-  ::k3::moe::latent_moe_backward(b, a, g, o);
+  ::k3::moe::latent_moe_backward(b, ::k3::moe::latent_moe_backward_args<T>{a, g}, o);
 }
 
 }  // namespace k3::train

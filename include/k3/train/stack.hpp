@@ -4,7 +4,8 @@
 //
 //   auto params = k3::train::stack_parameters<float>(config);        // seeded, fixed order
 //   auto in     = k3::train::stack_inputs<float>(config);            // x and the output gradient
-//   auto r      = k3::train::train_step(backend, config, params, in, k3::train::step_policy::mixed);
+//   auto r      = k3::train::train_step(backend, {.parameters = &params, .input = &in},
+//                                       {.config = config, .policy = k3::train::step_policy::mixed});
 //   r.gradients  (same names, shapes and order as params), r.y, r.stats (the store's pools)
 //
 // Each KDA layer (d = heads · head_dim, residual):
@@ -286,7 +287,7 @@ class layer_saves {
 // One KDA layer's forward: y = x + KDA(pre-processing(x)) W_oᵀ, saving what the backward needs.
 template <class T, HostBackend Bk>
 struct kda_layer {
-  using S = ::k3::kda::default_state_t<T>;
+  using S = k3::accumulation_t<T>;
   enum saved_id : std::size_t { x_, qr_, kr_, vr_, gr_, br_, qc_, kc_, q_, k_, v_, g_, beta_, states_, o_ };
 
   Bk const& b;
@@ -313,13 +314,17 @@ struct kda_layer {
   tensor_view<T const, 1> a_log_view() const { return {w[a_log], {c.heads}}; }
   tensor_view<T const, 2> dt_bias_view() const { return {w[dt_bias], {c.heads, c.head_dim}}; }
 
-  void conv(T const* in, std::size_t weight, T* out) const { ::k3::kda::short_conv(b, seq3(in), conv_weight(weight), nullptr, seq3(out)); }
-  void norm(T const* in, T* out) const { ::k3::kda::l2norm(b, heads4(in), heads4(out)); }
+  void conv(T const* in, std::size_t weight, T* out) const {
+    ::k3::kda::short_conv(b, ::k3::kda::short_conv_args<T>{.x = seq3(in), .weight = conv_weight(weight), .y = seq3(out)});
+  }
+  void norm(T const* in, T* out) const { ::k3::kda::l2norm(b, ::k3::kda::l2norm_args<T>{.x = heads4(in), .y = heads4(out)}); }
   void gate(T const* in, T* out) const {
-    ::k3::kda::gate_lower_bound(b, heads4(in), a_log_view(), dt_bias_view(), c.gate_lower_bound, heads4(out));
+    ::k3::kda::gate_lower_bound(b, ::k3::kda::gate_args<T>{.x = heads4(in), .A_log = a_log_view(), .dt_bias = dt_bias_view(), .g = heads4(out)},
+                                {.lower_bound = c.gate_lower_bound});
   }
   void beta(T const* in, T* out) const {
-    ::k3::kda::beta_sigmoid(b, tensor_view<T const, 3>(in, {1, c.tokens, c.heads}), tensor_view<T, 3>(out, {1, c.tokens, c.heads}));
+    ::k3::kda::beta_sigmoid(b, ::k3::kda::beta_sigmoid_args<T>{.x = tensor_view<T const, 3>(in, {1, c.tokens, c.heads}),
+                                                               .beta = tensor_view<T, 3>(out, {1, c.tokens, c.heads})});
   }
   // The per-chunk states' shape, k3::kda::saved_shape of the forward's q and v (set by forward).
   ::k3::array<index_t, 3> states_ext{};
@@ -425,16 +430,23 @@ struct kda_layer {
       ::k3::kda::backward(b, a, kda_options());
     }
     flat<T> dbr = buf(Tn * H), dgr = buf(Tn * d), dqc = buf(Tn * d), dkc = buf(Tn * d), dqr = buf(Tn * d), dkr = buf(Tn * d), dvr = buf(Tn * d);
-    ::k3::kda::beta_sigmoid_backward(b, tensor_view<T const, 3>(gt(br_), {1, Tn, H}), tensor_view<T const, 3>(dbt.data(), {1, Tn, H}),
-                                     tensor_view<T, 3>(dbr.data(), {1, Tn, H}));
-    ::k3::kda::gate_lower_bound_backward(b, heads4(static_cast<T const*>(gt(gr_))), a_log_view(), dt_bias_view(), c.gate_lower_bound,
-                                         heads4(static_cast<T const*>(dg.data())), heads4(dgr.data()),
-                                         tensor_view<T, 1>(gw[a_log], {H}), tensor_view<T, 2>(gw[dt_bias], {H, c.head_dim}));
-    ::k3::kda::l2norm_backward(b, heads4(static_cast<T const*>(gt(qc_))), heads4(static_cast<T const*>(dq.data())), heads4(dqc.data()));
-    ::k3::kda::l2norm_backward(b, heads4(static_cast<T const*>(gt(kc_))), heads4(static_cast<T const*>(dk.data())), heads4(dkc.data()));
+    ::k3::kda::beta_sigmoid_backward(b, ::k3::kda::beta_sigmoid_backward_args<T>{.x = tensor_view<T const, 3>(gt(br_), {1, Tn, H}),
+                                                                                 .d_beta = tensor_view<T const, 3>(dbt.data(), {1, Tn, H}),
+                                                                                 .d_x = tensor_view<T, 3>(dbr.data(), {1, Tn, H})});
+    ::k3::kda::gate_lower_bound_backward(
+        b,
+        ::k3::kda::gate_backward_args<T>{.x = heads4(static_cast<T const*>(gt(gr_))), .A_log = a_log_view(), .dt_bias = dt_bias_view(),
+                                         .d_g = heads4(static_cast<T const*>(dg.data())), .d_x = heads4(dgr.data()),
+                                         .d_A_log = tensor_view<T, 1>(gw[a_log], {H}), .d_dt_bias = tensor_view<T, 2>(gw[dt_bias], {H, c.head_dim})},
+        {.lower_bound = c.gate_lower_bound});
+    ::k3::kda::l2norm_backward(b, ::k3::kda::l2norm_backward_args<T>{.x = heads4(static_cast<T const*>(gt(qc_))),
+                                                                     .d_y = heads4(static_cast<T const*>(dq.data())), .d_x = heads4(dqc.data())});
+    ::k3::kda::l2norm_backward(b, ::k3::kda::l2norm_backward_args<T>{.x = heads4(static_cast<T const*>(gt(kc_))),
+                                                                     .d_y = heads4(static_cast<T const*>(dk.data())), .d_x = heads4(dkc.data())});
     auto conv_back = [&](std::size_t in_id, std::size_t weight, T const* dout, T* din) {
-      ::k3::kda::short_conv_backward(b, seq3(static_cast<T const*>(gt(in_id))), conv_weight(weight), nullptr, seq3(dout), seq3(din),
-                                     tensor_view<T, 2>(gw[weight], {d, c.conv_width}));
+      ::k3::kda::short_conv_backward(b, ::k3::kda::short_conv_backward_args<T>{.x = seq3(static_cast<T const*>(gt(in_id))), .weight = conv_weight(weight),
+                                                                               .d_y = seq3(dout), .d_x = seq3(din),
+                                                                               .d_weight = tensor_view<T, 2>(gw[weight], {d, c.conv_width})});
     };
     conv_back(qr_, conv_q, dqc.data(), dqr.data());
     conv_back(kr_, conv_k, dkc.data(), dkr.data());
@@ -490,7 +502,7 @@ struct moe_layer {
     a.y = tensor_view<T, 2>(y, {Tn, d});
     using R = saved_role;
     latent_moe_policies const p{policy_for(preset, R::checkpoint, true), policy_for(preset, R::activation, true), policy_for(preset, R::routing, true)};
-    rec = latent_moe_forward(store, b, a, options(), p);
+    rec = latent_moe_forward(b, latent_moe_forward_args<Bk, T>{&store, a}, {options(), p});
     for (index_t i = 0; i < Tn * d; ++i) y[i] += x[i];
   }
 
@@ -506,7 +518,7 @@ struct moe_layer {
     g.dwe_down = tensor_view<T, 3>(gw[we_down], {n, l, f});
     g.dnorm_weight = tensor_view<T, 1>(gw[norm_weight], {l});
     g.dw_up = tensor_view<T, 2>(gw[w_up], {d, l});
-    latent_moe_backward(store, b, *rec, args(nullptr), g, options());
+    latent_moe_backward(b, latent_moe_backward_args<Bk, T>{&store, &*rec, args(nullptr), g}, options());
     for (index_t i = 0; i < Tn * d; ++i) dx[i] += dy[i];
     rec.reset();
   }
@@ -559,24 +571,42 @@ stack_input<T> stack_inputs(stack_config const& c) {
   return in;
 }
 
-// Forward and backward of the stack with every saved tensor under the preset's policies.
+// What a step reads: the parameters (stack_parameters<T>(config) or trained ones of the same
+// shapes) and the input x with the output gradient dy.
+template <class T>
+struct train_step_args {
+  named_tensors<T> const* parameters = nullptr;
+  stack_input<T> const* input = nullptr;
+};
+struct train_step_options {
+  stack_config config = {};
+  step_policy policy = step_policy::keep;  // what every saved tensor is stored as
+};
+
+// Forward and backward of the stack with every saved tensor under the policy's preset.
 template <class T, HostBackend Bk>
-step_result<T> train_step(Bk const& b, stack_config const& c, named_tensors<T> const& params, stack_input<T> const& in, step_policy preset) {
+step_result<T> train_step(Bk const& b, train_step_args<T> const& args, train_step_options const& opt = {}) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "train_step: float or double parameters");
+  ::k3::detail::require(args.parameters != nullptr && args.input != nullptr, error_kind::value,
+                        "train_step: arguments 'parameters', 'input': required");
+  stack_config const& c = opt.config;
+  named_tensors<T> const& params = *args.parameters;
+  stack_input<T> const& in = *args.input;
+  step_policy const preset = opt.policy;
   detail::check_stack_config(c);
   std::size_t const expected = static_cast<std::size_t>(c.layers) * detail::kda_param_count + detail::moe_param_count;
   ::k3::detail::require(params.size() == expected, error_kind::shape, [&] {
-    return "train_step: argument 'params': expected " + std::to_string(expected) + " tensors (stack_parameters of the same config), got " +
+    return "train_step: argument 'parameters': expected " + std::to_string(expected) + " tensors (stack_parameters of the same config), got " +
            std::to_string(params.size());
   });
   named_tensors<T> shape_ref = stack_parameters<T>(stack_config{c.layers, 1, c.heads, c.head_dim, c.experts, c.top_k, c.latent, c.expert_ffn,
                                                                  c.conv_width, c.gate_lower_bound, 0});
   for (std::size_t i = 0; i < expected; ++i)
     ::k3::detail::require(params.shapes[i] == shape_ref.shapes[i] && params.values[i].size() == shape_ref.values[i].size(), error_kind::shape,
-                          [&] { return "train_step: argument 'params': tensor '" + params.names[i] + "' has another shape than the config's"; });
+                          [&] { return "train_step: argument 'parameters': tensor '" + params.names[i] + "' has another shape than the config's"; });
   std::size_t const td = static_cast<std::size_t>(c.tokens * c.d());
   ::k3::detail::require(in.x.size() == td && in.dy.size() == td, error_kind::shape, [&] {
-    return "train_step: argument 'in': x and dy must hold tokens * d = " + std::to_string(td) + " values, got " + std::to_string(in.x.size()) +
+    return "train_step: argument 'input': x and dy must hold tokens * d = " + std::to_string(td) + " values, got " + std::to_string(in.x.size()) +
            " and " + std::to_string(in.dy.size());
   });
 
