@@ -35,12 +35,18 @@ int main(int argc, char** argv) {
   k3::bench::aligned_buffer<std::int32_t> idx(static_cast<std::size_t>(m * k));
   k3::bench::aligned_buffer<float> w(idx.size()), cut(static_cast<std::size_t>(m));
   std::vector<std::int64_t> load(static_cast<std::size_t>(n));
-  moe::route_outputs out{k3::host_view(idx.data(), m, k), k3::host_view(w.data(), m, k), k3::host_view(cut.data(), m),
-                         k3::host_view(load.data(), n)};
   k3::const_view<float, 2> sv(s.data(), {m, n});
   k3::const_view<float, 1> bv(bias.data(), {n});
+  moe::route_args<float> const args{.scores = sv,
+                                    .bias = bv,
+                                    .indices = k3::host_view(idx.data(), m, k),
+                                    .weights = k3::host_view(w.data(), m, k),
+                                    .cutoff = k3::host_view(cut.data(), m),
+                                    .load = k3::host_view(load.data(), n)};
   k3::cpu::threads<> backend(nt);
   auto hist = moe::qb_histogram::for_bias(bv, B);
+  moe::route_args<float> with_hist = args;
+  with_hist.histogram = &hist;
   inplace_pass_yardstick pass(nt);
 
   // Baseline: fully sort each token's (s + b, j) pairs, then emit the same outputs.
@@ -71,7 +77,7 @@ int main(int argc, char** argv) {
   };
   std::vector<double> p, r, rh, fs, r_cpu, rh_cpu, util;
   // warm-up
-  moe::route(backend, sv, bv, out, opt);
+  moe::route(backend, args, opt);
   full_sort();
   for (int rep = 0; rep < 9; ++rep) {
     // The pass follows the full-sort baseline, ~0.3 s of compute with little memory traffic.
@@ -82,14 +88,14 @@ int main(int argc, char** argv) {
     pass.gbps();
     p.push_back(pass.gbps());
     double c0 = cpu_now();
-    double wr = seconds([&] { moe::route(backend, sv, bv, out, opt); });
+    double wr = seconds([&] { moe::route(backend, args, opt); });
     double c1 = cpu_now();
     r.push_back(bytes / wr * 1e-9);
     r_cpu.push_back(bytes / (c1 - c0) * 1e-9);
     util.push_back((c1 - c0) / wr);
     hist.clear();
     c0 = cpu_now();
-    double wh = seconds([&] { moe::route(backend, sv, bv, out, opt, {}, &hist); });
+    double wh = seconds([&] { moe::route(backend, with_hist, opt); });
     c1 = cpu_now();
     rh.push_back(bytes / wh * 1e-9);
     rh_cpu.push_back(bytes / (c1 - c0) * 1e-9);

@@ -107,19 +107,25 @@ int run_route_body(k3::cli::args& args) {
     // Offline solver on this batch; then route with the solved bias.
     // Bounded: each iteration is O(m n); the solver converges in ~10 (spec A.4.1).
     k3::index_t const it = args.integer_in("iterations", 12, 1, 10000);
-    moe::qb_offline_solve(sv, opt, it, k3::host_view(new_bias.data(), n), mv);
+    moe::qb_offline_solve(backend, moe::qb_offline_args<float>{.scores = sv, .mask = mv, .bias = k3::host_view(new_bias.data(), n)},
+                         {.router = opt, .iterations = it});
     bias = new_bias;
   }
   std::vector<std::int32_t> idx(static_cast<std::size_t>(m * opt.k));
   std::vector<float> w(idx.size()), cut(static_cast<std::size_t>(m));
   std::vector<std::int64_t> load(static_cast<std::size_t>(n));
-  moe::route_outputs out{k3::host_view(idx.data(), m, opt.k), k3::host_view(w.data(), m, opt.k), k3::host_view(cut.data(), m),
-                         k3::host_view(load.data(), n)};
   k3::const_view<float, 1> bv(bias.data(), {n});
+  moe::route_args<float> out{.scores = sv,
+                             .bias = bv,
+                             .mask = mv,
+                             .indices = k3::host_view(idx.data(), m, opt.k),
+                             .weights = k3::host_view(w.data(), m, opt.k),
+                             .cutoff = k3::host_view(cut.data(), m),
+                             .load = k3::host_view(load.data(), n)};
   if (!solve) {
     if (opt.n_groups > 1) {
       // QB does not cover group-limited routing: route only, the bias is kept.
-      moe::route(backend, sv, bv, out, opt, mv);
+      moe::route(backend, out, opt);
     } else if (update == "histogram") {
       // Spec A.4.3/A.7: the histogram range [min b - 1, max b + 1] holds every margin only for
       // scores in [0, 1]; outside it the margins would be clamped into the end bins (a wrong bias).
@@ -141,14 +147,18 @@ int run_route_body(k3::cli::args& args) {
                           " bins (use --update exact)");
       }
       auto hist = moe::qb_histogram::for_bias(bv, bins);
-      moe::route(backend, sv, bv, out, opt, mv, &hist);
-      moe::qb_histogram_update(hist, opt.k, k3::host_view(new_bias.data(), n), ema);
+      out.histogram = &hist;
+      moe::route(backend, out, opt);
+      moe::qb_update(backend, moe::qb_update_args<float>{.histogram = &hist, .bias = k3::host_view(new_bias.data(), n)}, {.router = opt, .ema = ema});
     } else {
-      moe::route(backend, sv, bv, out, opt, mv);
-      moe::qb_exact_update(sv, k3::const_view<float, 1>(cut.data(), {m}), opt, k3::host_view(new_bias.data(), n), mv, ema);
+      moe::route(backend, out, opt);
+      moe::qb_exact_update(backend,
+                           moe::qb_exact_update_args<float>{.scores = sv, .cutoff = k3::const_view<float, 1>(cut.data(), {m}), .mask = mv,
+                                                            .bias = k3::host_view(new_bias.data(), n)},
+                           {.router = opt, .ema = ema});
     }
   } else {
-    moe::route(backend, sv, bv, out, opt, mv);
+    moe::route(backend, out, opt);
   }
   args.save("indices", out.indices);
   args.save("weights", out.weights);

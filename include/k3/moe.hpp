@@ -1,15 +1,16 @@
 // k3/moe.hpp — MoE routing with Quantile Balancing (Kimi K3), SiTU-GLU and the expert FFN
 // backward without stored expert outputs, and expert placement (EPLB, MoonEP).
 //
-//   k3::moe::route(backend, scores, bias, out, opt, mask, &hist)   route (+ fused histogram)
-//   k3::moe::quantile_balancer                                     per-step causal QB state
-//   k3::moe::qb_offline_solve / qb_exact_update / qb_histogram     (quantile_balancing.hpp)
-//   k3::moe::situ_glu / expert_ffn_*                               (situ.hpp)
+//   k3::moe::route(be, route_args<float>{...}, router_options)          route (+ fused histogram)
+//   k3::moe::quantile_balancer                                        per-step causal QB state
+//   k3::moe::qb_accumulate / qb_update / qb_exact_update / qb_offline_solve, qb_histogram
+//                                                                     (quantile_balancing.hpp)
+//   k3::moe::situ_glu / expert_ffn_forward / expert_ffn_backward     (situ.hpp)
 //   k3::moe::grouped_ffn_forward / grouped_ffn_backward            the routed experts over grouped tokens
 //                                                                  (grouped_ffn.hpp; CUDA: grouped_ffn.cuh)
 //   k3::moe::latent_moe_forward / latent_moe_backward              the Stable LatentMoE layer (latent_moe.hpp)
 //   k3::moe::moonep_latent_moe_forward / _backward                 the layer under MoonEP over MPI (expert_parallel.hpp)
-//   k3::moe::eplb_rebalance / moonep_rebalance / check_*           (placement.hpp)
+//   k3::moe::eplb / moonep_rebalance / check_*                     (placement.hpp)
 //   k3::moe::cuda::route_launch                                    (cuda.hpp / cuda.cuh, nvcc)
 //
 // Training loop, one MoE layer (bias is the only persistent state; freeze it for inference):
@@ -17,10 +18,11 @@
 //   k3::cpu::threads<> cpu;
 //   k3::moe::router_options opt;  opt.k = 16;                  // n = 896 experts
 //   k3::moe::quantile_balancer qb(896, opt);                   // histogram mode, 1000 bins
-//   for each micro-batch:  qb.route(cpu, scores, {indices, weights});   // old bias, counts added
-//   at the optimizer step: qb.step(comm);                       // all-reduce counts, new bias
-//   inference:             k3::moe::route(cpu, scores, qb.bias(), out, opt);
+//   for each micro-batch:  qb.route(cpu, k3::moe::route_args<float>{.scores = s, .indices = idx, .weights = w});  // old bias, counts added
+//   at the optimizer step: qb.step(cpu, k3::moe::qb_step_args<Comm>{.comm = &comm});  // all-reduce counts, new bias
+//   inference:             k3::moe::route(cpu, k3::moe::route_args<float>{.scores = s, .bias = qb.bias(), .indices = idx, .weights = w}, opt);
 #pragma once
+#include <concepts>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -57,41 +59,42 @@ inline route_outputs with_cutoff(route_outputs out, index_t m, std::vector<float
 }
 }  // namespace detail
 
-// Routes m tokens with `bias` (see router.hpp for the exact definition and tie-breaking).
-// If `hist` is given, the margins alpha_i - s_ij of the real tokens are ADDED to it in the same
-// pass (training only); build it with qb_histogram::for_bias(bias) so its bounds come from the
-// bias used here. cpu::threads<Arch> runs the fused SIMD pass; other host backends the reference.
-template <HostBackend B>
-void route(B const& backend, const_view<float, 2> scores, const_view<float, 1> bias, route_outputs const& out,
-           router_options const& opt, const_view<std::uint8_t, 1> mask = {}, qb_histogram* hist = nullptr) {
-  detail::validate_route(scores, bias, out, opt, mask);
+// Routes m tokens with `bias` (see router.hpp for the exact definition and tie-breaking), and
+// adds the margins to args.histogram when present (see route_args). cpu::threads<Arch> runs the
+// fused SIMD pass; other host backends the reference.
+template <HostBackend B, class T>
+  requires std::same_as<T, float>
+void route(B const& backend, route_args<T> const& a, router_options const& opt = {}) {
+  detail::route_outputs const out{a.indices, a.weights, a.cutoff, a.load};
+  detail::validate_route(a.scores, a.bias, out, opt, a.mask);
+  qb_histogram* const hist = a.histogram;
   if (hist) {
     detail::require(opt.n_groups == 1, error_kind::value, [&] { return detail::qb_groups_message(opt.n_groups); });
-    detail::require(hist->experts() == scores.extent(1), error_kind::shape, [&] {
-      return "argument 'hist': built for " + std::to_string(hist->experts()) + " experts, scores have " +
-             std::to_string(scores.extent(1));
+    detail::require(hist->experts() == a.scores.extent(1), error_kind::shape, [&] {
+      return "argument 'histogram': built for " + std::to_string(hist->experts()) + " experts, scores have " +
+             std::to_string(a.scores.extent(1));
     });
     detail::require(hist->experts() * hist->bins() <= index_t(0x7fffffff), error_kind::value, [&] {
-      return "argument 'hist': experts x bins = " + std::to_string(hist->experts() * hist->bins()) + " exceeds 2^31 - 1";
+      return "argument 'histogram': experts x bins = " + std::to_string(hist->experts() * hist->bins()) + " exceeds 2^31 - 1";
     });
   }
   if constexpr (detail::is_threads_backend<B>::value) {
-    detail::route_threads_impl(backend, scores, bias, out, opt, mask, hist);
+    detail::route_threads_impl(backend, a.scores, a.bias, out, opt, a.mask, hist);
   } else {
-    (void)backend;
     if (!hist) {
-      route_serial(scores, bias, out, opt, mask);
+      detail::route_serial(a.scores, a.bias, out, opt, a.mask);
       return;
     }
     std::vector<float> cut;
-    route_outputs const o = detail::with_cutoff(out, scores.extent(0), cut);
-    route_serial(scores, bias, o, opt, mask);
-    qb_accumulate(scores, o.cutoff, *hist, opt, mask);
+    detail::route_outputs const o = detail::with_cutoff(out, a.scores.extent(0), cut);
+    detail::route_serial(a.scores, a.bias, o, opt, a.mask);
+    qb_accumulate(backend, qb_accumulate_args<float>{.scores = a.scores, .cutoff = o.cutoff, .mask = a.mask, .histogram = hist}, opt);
   }
 }
 
 enum class qb_mode { exact, histogram };
 
+// The balancer's configuration (the update itself is qb_update / qb_exact_update).
 struct qb_options {
   qb_mode mode = qb_mode::histogram;
   index_t bins = 1000;  // K3 / Megatron default
@@ -103,6 +106,17 @@ struct qb_options {
 // every micro-batch) turns the pooled statistics into the bias for the NEXT batches. The batch
 // that produced an update is never routed with it. Only bias() is persistent state; the
 // statistics are dropped by step() and discard() (a failed or retried step).
+struct qb_route_options {
+  bool training = true;  // false: route only (inference, or a batch that must not update the bias)
+};
+
+// The communicator of the data-parallel ranks whose statistics pool (not owned); none: this
+// process only.
+template <Communicator C = single_process>
+struct qb_step_args {
+  C const* comm = nullptr;
+};
+
 class quantile_balancer {
  public:
   quantile_balancer(std::vector<float> bias, router_options ropt, qb_options qopt = {})
@@ -120,46 +134,63 @@ class quantile_balancer {
   qb_histogram const& histogram() const noexcept { return hist_; }
   std::int64_t pending_tokens() const noexcept { return qopt_.mode == qb_mode::histogram ? hist_.tokens() : exact_rows_; }
 
-  template <HostBackend B>
-  void route(B const& backend, const_view<float, 2> scores, route_outputs const& out, const_view<std::uint8_t, 1> mask = {},
-             bool training = true) {
-    if (!training) {
-      moe::route(backend, scores, bias(), out, ropt_, mask);
+  // Routes args (bias and histogram absent: the balancer supplies its own) with the current
+  // bias and, when opt.training, adds this micro-batch to the statistics of the next step().
+  template <HostBackend B, class T>
+    requires std::same_as<T, float>
+  void route(B const& backend, route_args<T> const& args, qb_route_options const& opt = {}) {
+    detail::require(!present(args.bias), error_kind::value,
+                    "quantile_balancer::route: argument 'bias': must be absent (the balancer routes with its own bias)");
+    detail::require(args.histogram == nullptr, error_kind::value,
+                    "quantile_balancer::route: argument 'histogram': must be absent (the balancer keeps its own statistics)");
+    route_args<T> a = args;
+    a.bias = bias();
+    if (!opt.training) {
+      moe::route(backend, a, ropt_);
       return;
     }
     if (qopt_.mode == qb_mode::histogram) {
-      moe::route(backend, scores, bias(), out, ropt_, mask, &hist_);
+      a.histogram = &hist_;
+      moe::route(backend, a, ropt_);
       return;
     }
     std::vector<float> cut;
-    route_outputs const o = detail::with_cutoff(out, scores.extent(0), cut);
-    moe::route(backend, scores, bias(), o, ropt_, mask);
-    index_t const n = scores.extent(1);
-    for (index_t i = 0; i < scores.extent(0); ++i) {
-      if (!mask.empty() && mask(i) == 0) continue;
-      for (index_t j = 0; j < n; ++j) exact_s_.push_back(detail::load_score(scores(i, j), ropt_.input));
-      exact_a_.push_back(o.cutoff(i));
+    if (!present(a.cutoff)) {
+      cut.resize(static_cast<std::size_t>(a.scores.extent(0)));
+      a.cutoff = host_view(cut.data(), a.scores.extent(0));
+    }
+    moe::route(backend, a, ropt_);
+    index_t const n = a.scores.extent(1);
+    for (index_t i = 0; i < a.scores.extent(0); ++i) {
+      if (present(a.mask) && a.mask(i) == 0) continue;
+      for (index_t j = 0; j < n; ++j) exact_s_.push_back(detail::load_score(a.scores(i, j), ropt_.input));
+      exact_a_.push_back(a.cutoff(i));
       ++exact_rows_;
     }
   }
 
   // Applies the update from everything routed since the last step. Histogram mode all-reduces
-  // the counts over `comm` first (every rank must call step). Returns whether the bias changed.
-  template <Communicator C = single_process>
-  bool step(C const& comm = C{}) {
+  // the counts over args.comm first when one is given (every rank must call step). Returns
+  // whether the bias changed.
+  template <HostBackend B, Communicator C = single_process>
+  bool step(B const& backend, qb_step_args<C> const& args = {}) {
     bool changed = false;
     auto b = tensor_view<float, 1>(bias_.data(), {static_cast<index_t>(bias_.size())});
+    qb_update_options const uo{.router = ropt_, .ema = qopt_.ema};
     if (qopt_.mode == qb_mode::histogram) {
-      hist_.all_reduce(comm);
-      changed = qb_histogram_update(hist_, ropt_.k, b, qopt_.ema);
+      changed = qb_update(backend, qb_update_args<float, C>{.histogram = &hist_, .bias = b, .comm = args.comm}, uo);
     } else {
-      detail::require(comm.size() == 1, error_kind::unsupported, "quantile_balancer: exact mode is single-process; use qb_mode::histogram across ranks");
+      detail::require(args.comm == nullptr || args.comm->size() == 1, error_kind::unsupported,
+                      "quantile_balancer: exact mode is single-process; use qb_mode::histogram across ranks");
       if (exact_rows_ > 0) {
-        router_options o = ropt_;
-        o.input = score_kind::scores;
+        qb_update_options o = uo;
+        o.router.input = score_kind::scores;
         index_t const n = static_cast<index_t>(bias_.size());
-        changed = qb_exact_update(const_view<float, 2>(exact_s_.data(), {exact_rows_, n}),
-                                  const_view<float, 1>(exact_a_.data(), {exact_rows_}), o, b, {}, qopt_.ema);
+        changed = qb_exact_update(backend,
+                                  qb_exact_update_args<float>{.scores = const_view<float, 2>(exact_s_.data(), {exact_rows_, n}),
+                                                              .cutoff = const_view<float, 1>(exact_a_.data(), {exact_rows_}),
+                                                              .bias = b},
+                                  o);
       }
     }
     reset_stats();

@@ -58,11 +58,11 @@ TEST_CASE("k3 route: histogram and exact updates, --solve, and a clear error for
   opt.k = k;
   routed r(m, k, n);
   auto hist = moe::qb_histogram::for_bias(cview(b), 1000);
-  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r.out(), opt, {}, &hist);
+  moe::route(k3::cpu::serial{}, r.args(cview(s, m, n), cview(b), {}, &hist), opt);
   auto bh = b;
-  moe::qb_histogram_update(hist, k, mview(bh));
+  moe::qb_update(k3::cpu::serial{}, moe::qb_update_args<float>{.histogram = &hist, .bias = mview(bh)}, {.router = {.k = k}});
   auto be = b;
-  moe::qb_exact_update(cview(s, m, n), cview(r.cut), opt, mview(be));
+  moe::qb_exact_update(k3::cpu::serial{}, moe::qb_exact_update_args<float>{.scores = cview(s, m, n), .cutoff = cview(r.cut), .bias = mview(be)}, {.router = opt});
 
   REQUIRE(run(io + (dir / "h").string() + " --k 4 --threads 2") == 0);
   CHECK(load<std::int32_t>(dir / "h", "indices") == r.idx);

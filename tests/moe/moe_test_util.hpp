@@ -41,10 +41,26 @@ struct routed {
   routed(index_t m_, index_t k_, index_t n_)
       : m(m_), k(k_), n(n_), idx(static_cast<std::size_t>(m * k)), w(static_cast<std::size_t>(m * k)), cut(static_cast<std::size_t>(m)),
         load(static_cast<std::size_t>(n)) {}
-  k3::moe::route_outputs out() {
-    return {k3::host_view(idx.data(), m, k), k3::host_view(w.data(), m, k), k3::host_view(cut.data(), m), k3::host_view(load.data(), n)};
+  // The routing call's args with these buffers as every output.
+  k3::moe::route_args<float> args(k3::const_view<float, 2> scores, k3::const_view<float, 1> bias = {},
+                                  k3::const_view<std::uint8_t, 1> mask = {}, k3::moe::qb_histogram* histogram = nullptr) {
+    return {.scores = scores,
+            .bias = bias,
+            .mask = mask,
+            .indices = k3::host_view(idx.data(), m, k),
+            .weights = k3::host_view(w.data(), m, k),
+            .cutoff = k3::host_view(cut.data(), m),
+            .load = k3::host_view(load.data(), n),
+            .histogram = histogram};
   }
 };
+
+// EPLB's plan for `load` on the serial backend.
+inline k3::moe::eplb_plan eplb_plan_of(k3::const_view<double, 2> load, k3::moe::eplb_options const& opt) {
+  k3::moe::eplb_plan plan;
+  k3::moe::eplb(k3::cpu::serial{}, k3::moe::eplb_args<double>{.load = load, .placement = &plan}, opt);
+  return plan;
+}
 
 inline k3::const_view<float, 2> cview(std::vector<float> const& v, index_t m, index_t n) { return {v.data(), {m, n}}; }
 inline k3::const_view<float, 1> cview(std::vector<float> const& v) { return {v.data(), {static_cast<index_t>(v.size())}}; }

@@ -75,7 +75,7 @@ TEST_CASE("EPLB on adversarial loads (zero, one hot expert, P >> E, one slot per
     }
     if (c.kind == 2)
       for (index_t l = 0; l < c.L; ++l) load[l * c.E + (l * 5) % c.E] = 1e6;
-    auto plan = moe::eplb_rebalance({load.data(), {c.L, c.E}}, c.P, c.groups, c.nodes, c.gpus);
+    auto plan = moe_test::eplb_plan_of({load.data(), {c.L, c.E}}, {.physical = c.P, .groups = c.groups, .nodes = c.nodes, .gpus = c.gpus});
     bool const hier = c.groups % c.nodes == 0 && c.nodes > 1;
     check_eplb_properties(plan, load, hier ? c.nodes : 1, c.gpus, hier);
     if (c.kind == 2 && !hier)
@@ -85,7 +85,7 @@ TEST_CASE("EPLB on adversarial loads (zero, one hot expert, P >> E, one slot per
 
 TEST_CASE("check_eplb rejects malformed plans without reading out of bounds") {
   std::vector<double> w = {90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86};
-  auto const good = moe::eplb_rebalance({w.data(), {1, 12}}, 16, 4, 2, 8);
+  auto const good = moe_test::eplb_plan_of({w.data(), {1, 12}}, {.physical = 16, .groups = 4, .nodes = 2, .gpus = 8});
   REQUIRE(moe::check_eplb(good).empty());
   REQUIRE(good.max_replicas >= 2);
   // an expert placed once, its only slot numbered replica 1 (< max_replicas): log2phy[e][0] is
@@ -303,13 +303,13 @@ bool has(std::string const& s, std::string const& sub) { return s.find(sub) != s
 TEST_CASE("placement and QB errors name the argument and give the values") {
   std::vector<double> w(12, 1.0);
   k3::const_view<double, 2> lv(w.data(), {1, 12});
-  auto e1 = error_of([&] { moe::eplb_rebalance(lv, 16, 0, 2, 8); });
+  auto e1 = error_of([&] { moe_test::eplb_plan_of(lv, {.physical = 16, .groups = 0, .nodes = 2, .gpus = 8}); });
   CHECK(has(e1, "'groups'"));
   CHECK(has(e1, "groups = 0"));
-  auto e2 = error_of([&] { moe::eplb_rebalance(lv, 15, 4, 2, 5); });
+  auto e2 = error_of([&] { moe_test::eplb_plan_of(lv, {.physical = 15, .groups = 4, .nodes = 2, .gpus = 5}); });
   CHECK(has(e2, "'gpus' (5)"));
   CHECK(has(e2, "'nodes' (2)"));
-  auto e3 = error_of([&] { moe::eplb_rebalance(lv, 14, 4, 4, 4); });  // 14 % 4 != 0 (also physical % gpus)
+  auto e3 = error_of([&] { moe_test::eplb_plan_of(lv, {.physical = 14, .groups = 4, .nodes = 4, .gpus = 4}); });  // 14 % 4 != 0 (also physical % gpus)
   CHECK(has(e3, "'physical'"));
   CHECK(has(e3, "14"));
   std::vector<std::int64_t> counts = {5, 3, 2, 6};
@@ -330,7 +330,12 @@ TEST_CASE("placement and QB errors name the argument and give the values") {
   std::vector<float> s(8, 0.5f), b(8, 0.f), wt(2);
   std::vector<std::int32_t> ix(2);
   auto e6 = error_of([&] {
-    moe::route(k3::cpu::serial{}, {s.data(), {1, 8}}, {b.data(), {8}}, {k3::host_view(ix.data(), 1, 2), k3::host_view(wt.data(), 1, 2)}, ro);
+    moe::route(k3::cpu::serial{},
+               moe::route_args<float>{.scores = {s.data(), {1, 8}},
+                                      .bias = {b.data(), {8}},
+                                      .indices = k3::host_view(ix.data(), 1, 2),
+                                      .weights = k3::host_view(wt.data(), 1, 2)},
+               ro);
   });
   CHECK(has(e6, "'routed_scale'"));
   CHECK(has(e6, "inf"));
@@ -359,9 +364,9 @@ TEST_CASE("group-limited routing: topk_groups = n_groups is plain top-k, k = 1, 
         all.n_groups = G;
         all.topk_groups = G;
         moe_test::routed r0(m, k, n), r1(m, k, n), r2(m, k, n);
-        moe::route(k3::cpu::serial{}, moe_test::cview(s, m, n), moe_test::cview(b), r0.out(), plain, {mask.data(), {m}});
-        moe::route(k3::cpu::serial{}, moe_test::cview(s, m, n), moe_test::cview(b), r1.out(), all, {mask.data(), {m}});
-        moe::route(thr, moe_test::cview(s, m, n), moe_test::cview(b), r2.out(), all, {mask.data(), {m}});
+        moe::route(k3::cpu::serial{}, r0.args(moe_test::cview(s, m, n), moe_test::cview(b), {mask.data(), {m}}), plain);
+        moe::route(k3::cpu::serial{}, r1.args(moe_test::cview(s, m, n), moe_test::cview(b), {mask.data(), {m}}), all);
+        moe::route(thr, r2.args(moe_test::cview(s, m, n), moe_test::cview(b), {mask.data(), {m}}), all);
         CHECK(r0.idx == r1.idx);
         CHECK(r0.w == r1.w);
         CHECK(r0.cut == r1.cut);
@@ -378,8 +383,8 @@ TEST_CASE("group-limited routing: topk_groups = n_groups is plain top-k, k = 1, 
           lim.input = moe::score_kind::logits;
           auto lg = moe_test::uniform(m * n, -6.0, 6.0, gen());
           moe_test::routed a(m, k, n), c(m, k, n);
-          moe::route(k3::cpu::serial{}, moe_test::cview(lg, m, n), moe_test::cview(b), a.out(), lim, {mask.data(), {m}});
-          moe::route(thr, moe_test::cview(lg, m, n), moe_test::cview(b), c.out(), lim, {mask.data(), {m}});
+          moe::route(k3::cpu::serial{}, a.args(moe_test::cview(lg, m, n), moe_test::cview(b), {mask.data(), {m}}), lim);
+          moe::route(thr, c.args(moe_test::cview(lg, m, n), moe_test::cview(b), {mask.data(), {m}}), lim);
           CHECK(a.idx == c.idx);
           CHECK(a.w == c.w);
           CHECK(a.cut == c.cut);

@@ -5,13 +5,14 @@
 #include <vector>
 
 #include "k3/moe/placement.hpp"
+#include "moe/moe_test_util.hpp"
 
 namespace moe = k3::moe;
 using k3::index_t;
 
 TEST_CASE("EPLB reproduces the published hierarchical example") {
   std::vector<double> w = {90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86, 20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27};
-  auto plan = moe::eplb_rebalance({w.data(), {2, 12}}, 16, 4, 2, 8);
+  auto plan = moe_test::eplb_plan_of({w.data(), {2, 12}}, {.physical = 16, .groups = 4, .nodes = 2, .gpus = 8});
   std::vector<std::int64_t> expect = {5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1, 7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1};
   CHECK(plan.phy2log == expect);
   CHECK(moe::check_eplb(plan).empty());
@@ -31,7 +32,7 @@ TEST_CASE("EPLB global mode: consistent plans and no GPU worse than greedy bound
     std::gamma_distribution<double> gd(0.5, 1.0);
     std::vector<double> w(static_cast<std::size_t>(E));
     for (auto& x : w) x = 1000 * gd(g);
-    auto plan = moe::eplb_rebalance({w.data(), {1, E}}, P, 3, 2, gpus);  // 3 % 2 != 0 -> global
+    auto plan = moe_test::eplb_plan_of({w.data(), {1, E}}, {.physical = P, .groups = 3, .nodes = 2, .gpus = gpus});  // 3 % 2 != 0 -> global
     INFO("E " << E << " P " << P << " gpus " << gpus);
     CHECK(moe::check_eplb(plan).empty());
     // per-GPU load: each replica carries w / cnt
@@ -47,7 +48,7 @@ TEST_CASE("EPLB global mode: consistent plans and no GPU worse than greedy bound
     CHECK(*std::max_element(gl.begin(), gl.end()) <= total / double(gpus) + heaviest_replica + 1e-9);
   }
   std::vector<double> w(6, 1.0);
-  CHECK_THROWS_AS(moe::eplb_rebalance({w.data(), {1, 6}}, 7, 1, 1, 2), k3::error);
+  CHECK_THROWS_AS(moe_test::eplb_plan_of({w.data(), {1, 6}}, {.physical = 7, .groups = 1, .nodes = 1, .gpus = 2}), k3::error);
 }
 
 TEST_CASE("MoonEP: every rank holds exactly S*K pairs with at most E/R redundant experts") {

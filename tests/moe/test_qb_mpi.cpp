@@ -35,17 +35,17 @@ int main(int argc, char** argv) {
     routed mine(len, k, n), all(m, k, n);
     k3::const_view<float, 2> shard(s.data() + a * n, {len, n});
     k3::const_view<std::uint8_t, 1> shard_mask(mask.data() + a, {len});
-    if (r % 2) dist.route(thr, shard, mine.out(), shard_mask);
-    else dist.route(k3::cpu::serial{}, shard, mine.out(), shard_mask);
-    single.route(k3::cpu::serial{}, cview(s, m, n), all.out(), k3::const_view<std::uint8_t, 1>(mask.data(), {m}));
+    if (r % 2) dist.route(thr, mine.args(shard, {}, shard_mask));
+    else dist.route(k3::cpu::serial{}, mine.args(shard, {}, shard_mask));
+    single.route(k3::cpu::serial{}, all.args(cview(s, m, n), {}, k3::const_view<std::uint8_t, 1>(mask.data(), {m})));
     // the shard's routing equals the corresponding rows of the single-process routing
     EXPECT(std::memcmp(mine.idx.data(), all.idx.data() + a * k, mine.idx.size() * sizeof(std::int32_t)) == 0);
     // a plain histogram all-reduce equals the pooled histogram
     auto h = moe::qb_histogram::for_bias(dist.bias(), 1000);
-    moe::qb_accumulate(shard, k3::const_view<float, 1>(mine.cut.data(), {len}), h, opt, shard_mask);
+    moe::qb_accumulate(k3::cpu::serial{}, moe::qb_accumulate_args<float>{.scores = shard, .cutoff = k3::const_view<float, 1>(mine.cut.data(), {len}), .mask = shard_mask, .histogram = &h}, opt);
     h.all_reduce(comm);
     EXPECT(h == single.histogram());
-    bool c1 = dist.step(comm), c2 = single.step();
+    bool c1 = dist.step(k3::cpu::serial{}, moe::qb_step_args<decltype(comm)>{.comm = &comm}), c2 = single.step(k3::cpu::serial{});
     EXPECT(c1 && c2);
     EXPECT(std::memcmp(dist.bias().data_handle(), single.bias().data_handle(), sizeof(float) * n) == 0);
   }

@@ -16,7 +16,7 @@ std::vector<std::int64_t> loads_with(std::vector<float> const& s, std::vector<fl
   moe::router_options opt;
   opt.k = k;
   routed r(m, k, n);
-  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r.out(), opt);
+  moe::route(k3::cpu::serial{}, r.args(cview(s, m, n), cview(b)), opt);
   return r.load;
 }
 
@@ -34,11 +34,11 @@ TEST_CASE("A.6-1 histogram recovery: [0.25, -0.25] and new bounds [-1.25, 1.25]"
   for (int j = 0; j < 2; ++j)
     for (int l = 0; l < 4; ++l) h(j, l) = H[j][l];
   std::vector<double> raw;
-  REQUIRE(moe::qb_histogram_quantile(h, 1, raw));
+  REQUIRE(moe::detail::qb_histogram_quantile(h, 1, raw));
   CHECK(raw[0] == doctest::Approx(0.0));
   CHECK(raw[1] == doctest::Approx(-0.5));
   std::vector<float> b = {0.f, 0.f};
-  CHECK(moe::qb_histogram_update(h, 1, mview(b)));
+  CHECK(moe::qb_update(k3::cpu::serial{}, moe::qb_update_args<float>{.histogram = &h, .bias = mview(b)}, {.router = {.k = 1}}));
   CHECK(b[0] == doctest::Approx(0.25f));
   CHECK(b[1] == doctest::Approx(-0.25f));
   auto next = moe::qb_histogram::for_bias(cview(b), 4);
@@ -50,7 +50,7 @@ TEST_CASE("A.6-1 histogram recovery: [0.25, -0.25] and new bounds [-1.25, 1.25]"
 TEST_CASE("A.6-2 an empty histogram keeps the bias and bounds") {
   std::vector<float> b = {0.3f, -0.3f};
   auto h = moe::qb_histogram::for_bias(cview(b), 16);
-  CHECK_FALSE(moe::qb_histogram_update(h, 1, mview(b)));
+  CHECK_FALSE(moe::qb_update(k3::cpu::serial{}, moe::qb_update_args<float>{.histogram = &h, .bias = mview(b)}, {.router = {.k = 1}}));
   CHECK(b == std::vector<float>{0.3f, -0.3f});
   auto h2 = moe::qb_histogram::for_bias(cview(b), 16);
   CHECK(h2.lo() == h.lo());
@@ -60,9 +60,9 @@ TEST_CASE("A.6-2 an empty histogram keeps the bias and bounds") {
   std::vector<float> s = {0.5f, 0.7f, 0.2f, 0.1f};
   std::vector<std::uint8_t> mask = {0, 0};
   routed r(2, 1, 2);
-  qb.route(k3::cpu::serial{}, cview(s, 2, 2), r.out(), k3::const_view<std::uint8_t, 1>(mask.data(), {2}));
+  qb.route(k3::cpu::serial{}, r.args(cview(s, 2, 2), {}, k3::const_view<std::uint8_t, 1>(mask.data(), {2})));
   CHECK(qb.pending_tokens() == 0);
-  CHECK_FALSE(qb.step());
+  CHECK_FALSE(qb.step(k3::cpu::serial{}));
   CHECK(std::vector<float>(qb.bias().data_handle(), qb.bias().data_handle() + 2) == b);
 }
 
@@ -74,9 +74,9 @@ TEST_CASE("A.6-3 the pooled quantile is not the mean of micro-batch quantiles") 
   auto pooled = mb1;
   pooled.merge(mb2);
   std::vector<float> bp(2, 0.f), b1(2, 0.f), b2(2, 0.f);
-  REQUIRE(moe::qb_histogram_update(pooled, 1, mview(bp)));
-  REQUIRE(moe::qb_histogram_update(mb1, 1, mview(b1)));
-  REQUIRE(moe::qb_histogram_update(mb2, 1, mview(b2)));
+  REQUIRE(moe::qb_update(k3::cpu::serial{}, moe::qb_update_args<float>{.histogram = &pooled, .bias = mview(bp)}, {.router = {.k = 1}}));
+  REQUIRE(moe::qb_update(k3::cpu::serial{}, moe::qb_update_args<float>{.histogram = &mb1, .bias = mview(b1)}, {.router = {.k = 1}}));
+  REQUIRE(moe::qb_update(k3::cpu::serial{}, moe::qb_update_args<float>{.histogram = &mb2, .bias = mview(b2)}, {.router = {.k = 1}}));
   CHECK(bp[0] == doctest::Approx(4.35f));
   CHECK(bp[1] == doctest::Approx(-4.35f));
   CHECK(b1[0] == doctest::Approx(0.083333f));
@@ -95,11 +95,11 @@ TEST_CASE("A.6-4 histogram estimate within one bin width of the exact quantile, 
   opt.k = k;
   routed r(m, k, n);
   auto whole = moe::qb_histogram::for_bias(cview(b), B);
-  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r.out(), opt, {}, &whole);
+  moe::route(k3::cpu::serial{}, r.args(cview(s, m, n), cview(b), {}, &whole), opt);
   CHECK(whole.tokens() == m);
   std::vector<double> est, exact;
-  REQUIRE(moe::qb_histogram_quantile(whole, k, est));
-  REQUIRE(moe::qb_exact_quantile(cview(s, m, n), cview(r.cut), opt, exact));
+  REQUIRE(moe::detail::qb_histogram_quantile(whole, k, est));
+  REQUIRE(moe::detail::qb_exact_quantile(cview(s, m, n), cview(r.cut), opt, exact));
   for (index_t j = 0; j < n; ++j) CHECK(std::fabs(est[j] - exact[j]) <= whole.width() * (1 + 1e-6));
   // any split of the tokens, on any backend, sums to the whole batch's counts
   for (std::vector<index_t> cuts : {std::vector<index_t>{0, 1, 4096}, {0, 1000, 1001, 3000, 4096}, {0, 2048, 4096}}) {
@@ -109,8 +109,8 @@ TEST_CASE("A.6-4 histogram estimate within one bin width of the exact quantile, 
       auto part = moe::qb_histogram::for_bias(cview(b), B);
       routed rp(len, k, n);
       k3::const_view<float, 2> sv(s.data() + a * n, {len, n});
-      if (c % 2) moe::route(k3::cpu::threads<>(2), sv, cview(b), rp.out(), opt, {}, &part);
-      else moe::route(k3::cpu::serial{}, sv, cview(b), rp.out(), opt, {}, &part);
+      if (c % 2) moe::route(k3::cpu::threads<>(2), rp.args(sv, cview(b), {}, &part), opt);
+      else moe::route(k3::cpu::serial{}, rp.args(sv, cview(b), {}, &part), opt);
       sum.merge(part);
     }
     CHECK(sum == whole);
@@ -124,9 +124,9 @@ TEST_CASE("A.6-5 exact column-quantile contract: b_j = -sort_desc(s - alpha)[flo
     moe::router_options opt;
     opt.k = k;
     routed r(m, k, n);
-    moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r.out(), opt);
+    moe::route(k3::cpu::serial{}, r.args(cview(s, m, n), cview(b)), opt);
     std::vector<double> raw;
-    REQUIRE(moe::qb_exact_quantile(cview(s, m, n), cview(r.cut), opt, raw));
+    REQUIRE(moe::detail::qb_exact_quantile(cview(s, m, n), cview(r.cut), opt, raw));
     index_t const q = m * k / n;
     double mean = 0;
     for (index_t j = 0; j < n; ++j) {
@@ -138,7 +138,7 @@ TEST_CASE("A.6-5 exact column-quantile contract: b_j = -sort_desc(s - alpha)[flo
     }
     mean /= double(n);
     auto b2 = b;
-    REQUIRE(moe::qb_exact_update(cview(s, m, n), cview(r.cut), opt, mview(b2)));
+    REQUIRE(moe::qb_exact_update(k3::cpu::serial{}, moe::qb_exact_update_args<float>{.scores = cview(s, m, n), .cutoff = cview(r.cut), .bias = mview(b2)}, {.router = opt}));
     for (index_t j = 0; j < n; ++j) CHECK(b2[j] == static_cast<float>(raw[j] - mean));
   }
 }
@@ -157,8 +157,8 @@ TEST_CASE("A.6-6 one step reduces imbalance (exact and histogram)") {
   for (auto mode : {moe::qb_mode::exact, moe::qb_mode::histogram}) {
     moe::quantile_balancer qb(n, opt, {mode, 1000, 0.0});
     routed r(m, k, n);
-    qb.route(k3::cpu::serial{}, cview(s, m, n), r.out());
-    CHECK(qb.step());
+    qb.route(k3::cpu::serial{}, r.args(cview(s, m, n)));
+    CHECK(qb.step(k3::cpu::serial{}));
     std::vector<float> b1(qb.bias().data_handle(), qb.bias().data_handle() + n);
     double mean = std::accumulate(b1.begin(), b1.end(), 0.0) / double(n);
     CHECK(std::fabs(mean) < 1e-6);
@@ -177,16 +177,16 @@ TEST_CASE("A.6-8 causality: batch t is routed identically whether or not its upd
     moe::quantile_balancer a(n, opt, {mode, 1000, 0.0}), b(n, opt, {mode, 1000, 0.0});
     // step 0 on both, so the bias in use is not trivially zero
     routed w1(m, k, n), w2(m, k, n);
-    a.route(k3::cpu::serial{}, cview(s0, m, n), w1.out());
-    b.route(k3::cpu::threads<>(2), cview(s0, m, n), w2.out());
-    a.step();
-    b.step();
+    a.route(k3::cpu::serial{}, w1.args(cview(s0, m, n)));
+    b.route(k3::cpu::threads<>(2), w2.args(cview(s0, m, n)));
+    a.step(k3::cpu::serial{});
+    b.step(k3::cpu::serial{});
     std::vector<float> bias_t(a.bias().data_handle(), a.bias().data_handle() + n);
     routed ra(m, k, n), rb(m, k, n), rref(m, k, n);
-    a.route(k3::cpu::serial{}, cview(s1, m, n), ra.out());           // training: its update follows
-    b.route(k3::cpu::serial{}, cview(s1, m, n), rb.out(), {}, false);  // no update computed
-    CHECK(a.step());
-    moe::route(k3::cpu::serial{}, cview(s1, m, n), cview(bias_t), rref.out(), opt);
+    a.route(k3::cpu::serial{}, ra.args(cview(s1, m, n)));           // training: its update follows
+    b.route(k3::cpu::serial{}, rb.args(cview(s1, m, n), {}, {}), {.training = false});  // no update computed
+    CHECK(a.step(k3::cpu::serial{}));
+    moe::route(k3::cpu::serial{}, rref.args(cview(s1, m, n), cview(bias_t)), opt);
     CHECK(ra.idx == rb.idx);
     CHECK(ra.w == rb.w);
     CHECK(ra.idx == rref.idx);
@@ -194,7 +194,7 @@ TEST_CASE("A.6-8 causality: batch t is routed identically whether or not its upd
     std::vector<float> bias_next(a.bias().data_handle(), a.bias().data_handle() + n);
     CHECK(bias_next != bias_t);
     routed rn(m, k, n);
-    moe::route(k3::cpu::serial{}, cview(s1, m, n), cview(bias_next), rn.out(), opt);
+    moe::route(k3::cpu::serial{}, rn.args(cview(s1, m, n), cview(bias_next)), opt);
     CHECK(rn.idx != ra.idx);
   }
 }
@@ -206,25 +206,25 @@ TEST_CASE("lifecycle: eval routing does not accumulate, discard drops a failed s
   auto s = skewed_scores(m, n, 3.0, 8);
   moe::quantile_balancer qb(n, opt);
   routed r(m, k, n);
-  qb.route(k3::cpu::serial{}, cview(s, m, n), r.out(), {}, false);
+  qb.route(k3::cpu::serial{}, r.args(cview(s, m, n), {}, {}), {.training = false});
   CHECK(qb.pending_tokens() == 0);
-  qb.route(k3::cpu::serial{}, cview(s, m, n), r.out());
-  qb.route(k3::cpu::serial{}, cview(s, m, n), r.out());
+  qb.route(k3::cpu::serial{}, r.args(cview(s, m, n)));
+  qb.route(k3::cpu::serial{}, r.args(cview(s, m, n)));
   CHECK(qb.pending_tokens() == 2 * m);  // exactly once per micro-batch
   qb.discard();
   CHECK(qb.pending_tokens() == 0);
-  CHECK_FALSE(qb.step());
+  CHECK_FALSE(qb.step(k3::cpu::serial{}));
   // EMA: centred(ema * old + (1 - ema) * new)
   std::vector<float> old = {0.3f, -0.1f, -0.2f, 0.f, 0.f, 0.f, 0.f, 0.f};
   routed r2(m, k, n);
-  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(old), r2.out(), opt);
+  moe::route(k3::cpu::serial{}, r2.args(cview(s, m, n), cview(old)), opt);
   std::vector<double> raw;
-  REQUIRE(moe::qb_exact_quantile(cview(s, m, n), cview(r2.cut), opt, raw));
+  REQUIRE(moe::detail::qb_exact_quantile(cview(s, m, n), cview(r2.cut), opt, raw));
   double mean = std::accumulate(raw.begin(), raw.end(), 0.0) / double(n);
   auto b = old;
-  REQUIRE(moe::qb_exact_update(cview(s, m, n), cview(r2.cut), opt, mview(b), {}, 0.75));
+  REQUIRE(moe::qb_exact_update(k3::cpu::serial{}, moe::qb_exact_update_args<float>{.scores = cview(s, m, n), .cutoff = cview(r2.cut), .bias = mview(b)}, {.router = opt, .ema = 0.75}));
   for (index_t j = 0; j < n; ++j) CHECK(b[j] == doctest::Approx(0.75 * old[j] + 0.25 * (raw[j] - mean)).epsilon(1e-5));
-  CHECK_THROWS_AS(moe::qb_exact_update(cview(s, m, n), cview(r2.cut), opt, mview(b), {}, 1.0), k3::error);
+  CHECK_THROWS_AS(moe::qb_exact_update(k3::cpu::serial{}, moe::qb_exact_update_args<float>{.scores = cview(s, m, n), .cutoff = cview(r2.cut), .bias = mview(b)}, {.router = opt, .ema = 1.0}), k3::error);
 }
 
 TEST_CASE("property: offline solver reaches max|load - q| < 5% of q within 12 iterations (m=4096, n=64, k=4)") {
@@ -238,16 +238,16 @@ TEST_CASE("property: offline solver reaches max|load - q| < 5% of q within 12 it
     moe::router_options opt;
     opt.k = k;
     std::vector<float> b(n);
-    moe::qb_offline_solve(cview(s, m, n), opt, 12, mview(b));
+    moe::qb_offline_solve(k3::cpu::serial{}, moe::qb_offline_args<float>{.scores = cview(s, m, n), .bias = mview(b)}, {.router = opt, .iterations = 12});
     auto load = loads_with(s, b, m, n, k);
     double v = max_violation(load, m, k);
     MESSAGE("seed " << seed << ": initial max violation " << v0 << ", after 12 iterations " << v << " (q = " << q << ")");
     CHECK(v < 0.05);
     // 1 iteration is worse than 12
-    moe::qb_offline_solve(cview(s, m, n), opt, 1, mview(b));
+    moe::qb_offline_solve(k3::cpu::serial{}, moe::qb_offline_args<float>{.scores = cview(s, m, n), .bias = mview(b)}, {.router = opt, .iterations = 1});
     CHECK(max_violation(loads_with(s, b, m, n, k), m, k) >= v);
     // Algorithm 1's literal (k+1)-th / (q+1)-th convention converges too, more slowly
-    moe::qb_offline_solve(cview(s, m, n), opt, 12, mview(b), {}, moe::qb_cut::next);
+    moe::qb_offline_solve(k3::cpu::serial{}, moe::qb_offline_args<float>{.scores = cview(s, m, n), .bias = mview(b)}, {.router = opt, .iterations = 12, .cut = moe::qb_cut::next});
     double vn = max_violation(loads_with(s, b, m, n, k), m, k);
     MESSAGE("  (k+1)-th convention after 12 iterations: " << vn);
     CHECK(vn < 0.15);
@@ -266,11 +266,11 @@ TEST_CASE("property: the per-step causal update stays within a few 1/sqrt(q) on 
     for (int t = 0; t < 24; ++t) {
       auto s = skewed_scores(m, n, 6.0, 1000 + std::uint64_t(t));
       routed r(m, k, n);
-      qb.route(thr, cview(s, m, n), r.out());
+      qb.route(thr, r.args(cview(s, m, n)));
       double v = max_violation(r.load, m, k);
       if (t == 0) first = v;
       if (t >= 6) worst_late = std::max(worst_late, v);
-      qb.step();
+      qb.step(k3::cpu::serial{});
     }
     MESSAGE(std::string(mode == moe::qb_mode::exact ? "exact" : "histogram") << ": step 0 " << first << ", worst after step 6 " << worst_late
                                                                   << " = " << worst_late / floor_ << " x 1/sqrt(q)");
@@ -284,21 +284,21 @@ TEST_CASE("QB inputs are validated") {
   moe::router_options opt;
   opt.k = 4;
   std::vector<double> out;
-  CHECK_THROWS_AS(moe::qb_exact_quantile(cview(s, 3, 4), cview(cut), opt, out), k3::error);
+  CHECK_THROWS_AS(moe::detail::qb_exact_quantile(cview(s, 3, 4), cview(cut), opt, out), k3::error);
   opt.k = 1;
   std::vector<float> cut2(2, 0.f);
-  CHECK_THROWS_AS(moe::qb_exact_quantile(cview(s, 3, 4), cview(cut2), opt, out), k3::error);
+  CHECK_THROWS_AS(moe::detail::qb_exact_quantile(cview(s, 3, 4), cview(cut2), opt, out), k3::error);
   CHECK_THROWS_AS(moe::qb_histogram(4, 0, 0.f, 1.f), k3::error);
   CHECK_THROWS_AS(moe::qb_histogram(4, 10, 1.f, 1.f), k3::error);
   std::vector<float> b5(5, 0.f);
-  CHECK_THROWS_AS(moe::qb_offline_solve(cview(s, 3, 4), opt, 3, mview(b5)), k3::error);
+  CHECK_THROWS_AS(moe::qb_offline_solve(k3::cpu::serial{}, moe::qb_offline_args<float>{.scores = cview(s, 3, 4), .bias = mview(b5)}, {.router = opt, .iterations = 3}), k3::error);
   // regression: the offline solver ignored n_groups (k3 route --solve --groups 2 solved for
   // ungrouped routing, then routed group-limited with that bias)
   opt.n_groups = 2;
   opt.topk_groups = 1;
-  CHECK_THROWS_WITH_AS(moe::qb_offline_solve(cview(s, 3, 4), opt, 3, mview(b)), doctest::Contains("group-limited"), k3::error);
+  CHECK_THROWS_WITH_AS(moe::qb_offline_solve(k3::cpu::serial{}, moe::qb_offline_args<float>{.scores = cview(s, 3, 4), .bias = mview(b)}, {.router = opt, .iterations = 3}), doctest::Contains("group-limited"), k3::error);
   opt.n_groups = 1;
   auto h = moe::qb_histogram::for_bias(cview(b5), 10);
   routed r(3, 1, 4);
-  CHECK_THROWS_AS(moe::route(k3::cpu::serial{}, cview(s, 3, 4), cview(b), r.out(), opt, {}, &h), k3::error);
+  CHECK_THROWS_AS(moe::route(k3::cpu::serial{}, r.args(cview(s, 3, 4), cview(b), {}, &h), opt), k3::error);
 }

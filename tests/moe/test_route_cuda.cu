@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "support/error_of.hpp"
+#include "k3/backend/cpu/serial.hpp"
 #include "k3/moe/cuda.cuh"
 #include "k3/moe/quantile_balancing.hpp"
 #include "k3/moe/router.hpp"
@@ -53,10 +54,13 @@ void run_case(index_t m, index_t n, index_t k, index_t bins, bool ties, std::uin
   k3::const_view<float, 2> sv(s.data(), {m, n});
   k3::const_view<float, 1> bv(b.data(), {n});
   k3::const_view<std::uint8_t, 1> mv(mask.data(), {m});
-  moe::route_serial(sv, bv, {k3::host_view(idx.data(), m, k), k3::host_view(w.data(), m, k), k3::host_view(cut.data(), m), k3::host_view(load.data(), n)},
-                    opt, mv);
+  // The serial kernel itself: k3/moe.hpp (and so moe::route) holds the host SIMD path, which nvcc does not compile.
+  moe::detail::route_serial(sv, bv,
+                            {k3::host_view(idx.data(), m, k), k3::host_view(w.data(), m, k), k3::host_view(cut.data(), m),
+                             k3::host_view(load.data(), n)},
+                            opt, mv);
   auto hist = moe::qb_histogram::for_bias(bv, bins);
-  moe::qb_accumulate(sv, k3::const_view<float, 1>(cut.data(), {m}), hist, opt, mv);
+  moe::qb_accumulate(k3::cpu::serial{}, moe::qb_accumulate_args<float>{.scores = sv, .cutoff = k3::const_view<float, 1>(cut.data(), {m}), .mask = mv, .histogram = &hist}, opt);
   // GPU
   moe::cuda::route_args a;
   a.scores = to_device(s);

@@ -56,7 +56,7 @@ void check_against_brute(B const& backend, index_t m, index_t n, index_t k, std:
   opt.k = k;
   opt.routed_scale = 2.5f;
   routed r(m, k, n);
-  moe::route(backend, cview(s, m, n), cview(b), r.out(), opt);
+  moe::route(backend, r.args(cview(s, m, n), cview(b)), opt);
   std::vector<std::int32_t> idx;
   std::vector<double> w;
   std::vector<float> cut;
@@ -81,6 +81,32 @@ void check_bit_identical(routed const& got, moe::qb_histogram const& hgot, route
 }
 
 }  // namespace
+
+// The args and options are aggregates (designated initialisers) that the ops take on every CPU backend.
+template <class Be>
+constexpr bool moe_ops_accept =
+    requires(Be const& be, moe::route_args<float> const& r, moe::qb_accumulate_args<float> const& acc, moe::qb_update_args<float> const& up,
+             moe::qb_exact_update_args<float> const& ex, moe::qb_offline_args<float> const& off, moe::expert_ffn_args<float> const& ff,
+             moe::expert_ffn_backward_args<double> const& fb, moe::eplb_args<double> const& ep, moe::quantile_balancer& qb) {
+      moe::route(be, r, moe::router_options{});
+      moe::qb_accumulate(be, acc, moe::router_options{});
+      moe::qb_update(be, up, moe::qb_update_options{});
+      moe::qb_exact_update(be, ex, moe::qb_update_options{});
+      moe::qb_offline_solve(be, off, moe::qb_offline_options{});
+      moe::expert_ffn_forward(be, ff, moe::expert_ffn_options<float>{});
+      moe::expert_ffn_backward(be, fb, moe::expert_ffn_options<double>{});
+      moe::eplb(be, ep, moe::eplb_options{});
+      qb.route(be, r, moe::qb_route_options{});
+      qb.step(be, moe::qb_step_args<>{});
+    };
+static_assert(std::is_aggregate_v<moe::route_args<float>> && std::is_aggregate_v<moe::qb_accumulate_args<float>> &&
+              std::is_aggregate_v<moe::qb_update_args<float>> && std::is_aggregate_v<moe::qb_exact_update_args<float>> &&
+              std::is_aggregate_v<moe::qb_offline_args<float>> && std::is_aggregate_v<moe::expert_ffn_args<float>> &&
+              std::is_aggregate_v<moe::expert_ffn_backward_args<float>> && std::is_aggregate_v<moe::eplb_args<double>> &&
+              std::is_aggregate_v<moe::qb_step_args<>> && std::is_aggregate_v<moe::qb_update_options> &&
+              std::is_aggregate_v<moe::qb_offline_options> && std::is_aggregate_v<moe::eplb_options> &&
+              std::is_aggregate_v<moe::expert_ffn_options<float>> && std::is_aggregate_v<moe::qb_route_options>);
+static_assert(moe_ops_accept<k3::cpu::serial> && moe_ops_accept<k3::cpu::simd<>> && moe_ops_accept<k3::cpu::threads<>>);
 
 TEST_CASE("serial router matches a brute-force top-k with the documented tie-breaking") {
   k3::cpu::serial ser;
@@ -114,9 +140,9 @@ TEST_CASE("threads router and fused histogram are bit-identical to the serial re
     k3::const_view<std::uint8_t, 1> mv(mask.data(), {m});
     routed r1(m, k, n), r2(m, k, n);
     auto h1 = moe::qb_histogram::for_bias(cview(b), 97), h2 = h1;
-    moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, mv, &h1);
+    moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b), mv, &h1), opt);
     k3::cpu::threads<> thr(3);
-    moe::route(thr, cview(s, m, n), cview(b), r2.out(), opt, mv, &h2);
+    moe::route(thr, r2.args(cview(s, m, n), cview(b), mv, &h2), opt);
     CHECK(r1.idx == r2.idx);
     CHECK(std::memcmp(r1.w.data(), r2.w.data(), r1.w.size() * sizeof(float)) == 0);
     CHECK(r1.cut == r2.cut);
@@ -137,8 +163,8 @@ TEST_CASE("padding tokens are never dispatched and not counted") {
   for (int backend = 0; backend < 2; ++backend) {
     routed r(m, k, n);
     k3::const_view<std::uint8_t, 1> mv(mask.data(), {m});
-    if (backend == 0) moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r.out(), opt, mv);
-    else moe::route(k3::cpu::threads<>(2), cview(s, m, n), cview(b), r.out(), opt, mv);
+    if (backend == 0) moe::route(k3::cpu::serial{}, r.args(cview(s, m, n), cview(b), mv), opt);
+    else moe::route(k3::cpu::threads<>(2), r.args(cview(s, m, n), cview(b), mv), opt);
     std::int64_t total = 0;
     for (auto l : r.load) total += l;
     CHECK(total == 4 * k);
@@ -158,7 +184,7 @@ TEST_CASE("weights come from the unbiased scores, renormalised and scaled") {
   opt.k = 2;
   opt.routed_scale = 2.0f;
   routed r(1, 2, 4);
-  moe::route(k3::cpu::serial{}, cview(s, 1, 4), cview(b), r.out(), opt);
+  moe::route(k3::cpu::serial{}, r.args(cview(s, 1, 4), cview(b)), opt);
   CHECK(r.idx == std::vector<std::int32_t>{2, 3});
   CHECK(r.w[0] == doctest::Approx(2.0 * 0.2 / 0.3));
   CHECK(r.w[1] == doctest::Approx(2.0 * 0.1 / 0.3));
@@ -177,13 +203,13 @@ TEST_CASE("weights are scale-invariant for tiny scores, an all-zero choice gives
   opt.k = k;
   opt.routed_scale = 2.5f;
   routed r1(m, k, n);
-  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt);
+  moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b)), opt);
   for (float sc : {0x1p-100f, 0x1p-60f}) {
     std::vector<float> t(s.size());
     for (std::size_t i = 0; i < s.size(); ++i) t[i] = s[i] * sc;  // exact, all normal
     routed r2(m, k, n), r3(m, k, n);
-    moe::route(k3::cpu::serial{}, cview(t, m, n), cview(b), r2.out(), opt);
-    moe::route(k3::cpu::threads<>(2), cview(t, m, n), cview(b), r3.out(), opt);
+    moe::route(k3::cpu::serial{}, r2.args(cview(t, m, n), cview(b)), opt);
+    moe::route(k3::cpu::threads<>(2), r3.args(cview(t, m, n), cview(b)), opt);
     CHECK(r2.idx == r1.idx);
     CHECK(r2.w == r1.w);
     CHECK(r3.idx == r1.idx);
@@ -193,7 +219,7 @@ TEST_CASE("weights are scale-invariant for tiny scores, an all-zero choice gives
   std::vector<float> bz = {1.f, 1.f, 0.f, 0.f};
   opt.k = 2;
   routed rz(1, 2, 4);
-  moe::route(k3::cpu::serial{}, cview(z, 1, 4), cview(bz), rz.out(), opt);
+  moe::route(k3::cpu::serial{}, rz.args(cview(z, 1, 4), cview(bz)), opt);
   CHECK(rz.idx == std::vector<std::int32_t>{0, 1});
   CHECK(rz.w == std::vector<float>{0.f, 0.f});
 }
@@ -207,10 +233,10 @@ TEST_CASE("logit input applies a FP32 sigmoid") {
   moe::router_options opt;
   opt.k = k;
   routed r1(m, k, n), r2(m, k, n), r3(m, k, n);
-  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt);
+  moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b)), opt);
   opt.input = moe::score_kind::logits;
-  moe::route(k3::cpu::serial{}, cview(x, m, n), cview(b), r2.out(), opt);
-  moe::route(k3::cpu::threads<>(2), cview(x, m, n), cview(b), r3.out(), opt);
+  moe::route(k3::cpu::serial{}, r2.args(cview(x, m, n), cview(b)), opt);
+  moe::route(k3::cpu::threads<>(2), r3.args(cview(x, m, n), cview(b)), opt);
   CHECK(r1.idx == r2.idx);
   CHECK(r1.w == r2.w);
   CHECK(r2.idx == r3.idx);
@@ -227,8 +253,8 @@ TEST_CASE("group-limited routing masks dropped groups with -inf, not 0") {
   opt.topk_groups = 1;
   for (int backend = 0; backend < 2; ++backend) {
     routed r(1, 2, 6);
-    if (backend == 0) moe::route(k3::cpu::serial{}, cview(s, 1, 6), cview(b), r.out(), opt);
-    else moe::route(k3::cpu::threads<>(2), cview(s, 1, 6), cview(b), r.out(), opt);
+    if (backend == 0) moe::route(k3::cpu::serial{}, r.args(cview(s, 1, 6), cview(b)), opt);
+    else moe::route(k3::cpu::threads<>(2), r.args(cview(s, 1, 6), cview(b)), opt);
     CHECK(r.idx == std::vector<std::int32_t>{0, 1});
     CHECK(r.cut[0] == -std::numeric_limits<float>::infinity());
   }
@@ -237,7 +263,7 @@ TEST_CASE("group-limited routing masks dropped groups with -inf, not 0") {
   std::vector<float> b0(4, 0.f);
   opt.n_groups = 2;
   routed r(1, 2, 4);
-  moe::route(k3::cpu::serial{}, cview(s2, 1, 4), cview(b0), r.out(), opt);
+  moe::route(k3::cpu::serial{}, r.args(cview(s2, 1, 4), cview(b0)), opt);
   CHECK(r.idx == std::vector<std::int32_t>{2, 3});
 }
 
@@ -260,31 +286,31 @@ TEST_CASE("bad input gives a k3::error naming the argument") {
   moe::router_options opt;
   opt.k = 8;
   routed r8(m, 8, n);
-  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b), r8.out(), opt); }, "'k'");
+  expect_error([&] { moe::route(ser, r8.args(cview(s, m, n), cview(b)), opt); }, "'k'");
   opt.k = 2;
   routed r(m, 2, n);
   std::vector<float> b7(7, 0.f);
-  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b7), r.out(), opt); }, "'bias': expected shape [8]");
-  expect_error([&] { moe::route(thr, cview(s, m, n), cview(b7), r.out(), opt); }, "'bias'");
+  expect_error([&] { moe::route(ser, r.args(cview(s, m, n), cview(b7)), opt); }, "'bias': expected shape [8]");
+  expect_error([&] { moe::route(thr, r.args(cview(s, m, n), cview(b7)), opt); }, "'bias'");
   routed r0(0, 2, n);
-  expect_error([&] { moe::route(ser, cview(s, 0, n), cview(b), r0.out(), opt); }, "zero tokens");
+  expect_error([&] { moe::route(ser, r0.args(cview(s, 0, n), cview(b)), opt); }, "zero tokens");
   routed rbad(m, 3, n);
-  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b), rbad.out(), opt); }, "'indices'");
+  expect_error([&] { moe::route(ser, rbad.args(cview(s, m, n), cview(b)), opt); }, "'indices'");
   for (float badv : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     auto s2 = s;
     s2[2 * n + 5] = badv;
-    expect_error([&] { moe::route(ser, cview(s2, m, n), cview(b), r.out(), opt); }, "token 2, expert 5");
-    expect_error([&] { moe::route(thr, cview(s2, m, n), cview(b), r.out(), opt); }, "token 2, expert 5");
+    expect_error([&] { moe::route(ser, r.args(cview(s2, m, n), cview(b)), opt); }, "token 2, expert 5");
+    expect_error([&] { moe::route(thr, r.args(cview(s2, m, n), cview(b)), opt); }, "token 2, expert 5");
     std::vector<float> sbig = uniform(3 * 64, 0, 1, 9), bb(64, 0.f);
     sbig[64 + 40] = badv;  // inside the SIMD body
     routed rb(3, 2, 64);
-    expect_error([&] { moe::route(thr, cview(sbig, 3, 64), cview(bb), rb.out(), opt); }, "token 1, expert 40");
+    expect_error([&] { moe::route(thr, rb.args(cview(sbig, 3, 64), cview(bb)), opt); }, "token 1, expert 40");
   }
   auto b2 = b;
   b2[3] = std::numeric_limits<float>::quiet_NaN();
-  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b2), r.out(), opt); }, "'bias': non-finite");
+  expect_error([&] { moe::route(ser, r.args(cview(s, m, n), cview(b2)), opt); }, "'bias': non-finite");
   opt.n_groups = 3;
-  expect_error([&] { moe::route(ser, cview(s, m, n), cview(b), r.out(), opt); }, "'n_groups'");
+  expect_error([&] { moe::route(ser, r.args(cview(s, m, n), cview(b)), opt); }, "'n_groups'");
 }
 
 TEST_CASE("threads router stays exact when the carried threshold guess is poor") {
@@ -314,8 +340,8 @@ TEST_CASE("threads router stays exact when the carried threshold guess is poor")
     opt.k = kk;
     routed r1(m, kk, n), r2(m, kk, n);
     auto h1 = moe::qb_histogram::for_bias(cview(b), 50), h2 = h1;
-    moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, {}, &h1);
-    moe::route(k3::cpu::threads<>(2), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
+    moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b), {}, &h1), opt);
+    moe::route(k3::cpu::threads<>(2), r2.args(cview(s, m, n), cview(b), {}, &h2), opt);
     CHECK(r1.idx == r2.idx);
     CHECK(std::memcmp(r1.w.data(), r2.w.data(), r1.w.size() * sizeof(float)) == 0);
     CHECK(r1.cut == r2.cut);
@@ -333,11 +359,11 @@ void check_threads_vs_serial(std::vector<float> const& s, std::vector<float> con
   opt.routed_scale = 1.5f;
   routed r1(m, k, n);
   auto h1 = moe::qb_histogram::for_bias(cview(b), bins);
-  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, {}, &h1);
+  moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b), {}, &h1), opt);
   for (int nt : {1, 2, 3}) {
     routed r2(m, k, n);
     auto h2 = moe::qb_histogram::for_bias(cview(b), bins);
-    moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
+    moe::route(k3::cpu::threads<>(nt), r2.args(cview(s, m, n), cview(b), {}, &h2), opt);
     CHECK(r1.idx == r2.idx);
     CHECK(std::memcmp(r1.w.data(), r2.w.data(), r1.w.size() * sizeof(float)) == 0);
     CHECK(std::memcmp(r1.cut.data(), r2.cut.data(), r1.cut.size() * sizeof(float)) == 0);
@@ -427,7 +453,7 @@ std::string nonfinite_route_error(index_t m, index_t n, index_t k, index_t token
   s[std::size_t(token * n + bad_j)] = v;
   routed r(m, k, n);
   try {
-    moe::route(k3::cpu::threads<>(1), cview(s, m, n), cview(b), r.out(), opt);
+    moe::route(k3::cpu::threads<>(1), r.args(cview(s, m, n), cview(b)), opt);
   } catch (k3::error const& e) {
     return e.what();
   }
@@ -458,17 +484,24 @@ void check_threads_vs_serial_ex(std::vector<float> const& s, std::vector<float> 
   k3::const_view<std::uint8_t, 1> mv = mask.empty() ? k3::const_view<std::uint8_t, 1>{} : k3::const_view<std::uint8_t, 1>(mask.data(), {m});
   routed r1(m, k, n);
   auto h1 = moe::qb_histogram::for_bias(cview(b), 97);
-  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, mv, &h1);
+  moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b), mv, &h1), opt);
   for (int nt : {1, 2, 3}) {
     CAPTURE(nt);
     index_t const ld = strided ? k + 3 : k;  // row stride of the outputs (padding columns)
     std::vector<std::int32_t> idx(static_cast<std::size_t>(m * ld), 77);
     std::vector<float> w(static_cast<std::size_t>(m * ld), 77.f), cut(static_cast<std::size_t>(m));
     std::vector<std::int64_t> load(static_cast<std::size_t>(n));
-    moe::route_outputs out{k3::tensor_view<std::int32_t, 2>(idx.data(), {m, k}, {ld, 1}), k3::tensor_view<float, 2>(w.data(), {m, k}, {ld, 1}),
-                           k3::host_view(cut.data(), m), k3::host_view(load.data(), n)};
     auto h2 = moe::qb_histogram::for_bias(cview(b), 97);
-    moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), out, opt, mv, &h2);
+    moe::route(k3::cpu::threads<>(nt),
+               moe::route_args<float>{.scores = cview(s, m, n),
+                                      .bias = cview(b),
+                                      .mask = mv,
+                                      .indices = k3::tensor_view<std::int32_t, 2>(idx.data(), {m, k}, {ld, 1}),
+                                      .weights = k3::tensor_view<float, 2>(w.data(), {m, k}, {ld, 1}),
+                                      .cutoff = k3::host_view(cut.data(), m),
+                                      .load = k3::host_view(load.data(), n),
+                                      .histogram = &h2},
+               opt);
     bool same_idx = true, same_w = true, pad_kept = true;
     for (index_t i = 0; i < m; ++i) {
       for (index_t x = 0; x < k; ++x) {
@@ -555,7 +588,7 @@ TEST_CASE("threads router: 8-bit per-thread counts carry exactly (a bin past 255
   opt.k = k;
   routed r1(m, k, n);
   auto h1 = moe::qb_histogram::for_bias(cview(b), 3);
-  moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, {}, &h1);
+  moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b), {}, &h1), opt);
   std::int64_t maxc = 0;
   for (index_t j = 0; j < n; ++j)
     for (index_t x = 0; x < 3; ++x) maxc = std::max(maxc, h1(j, x));
@@ -563,7 +596,7 @@ TEST_CASE("threads router: 8-bit per-thread counts carry exactly (a bin past 255
   for (int nt : {1, 2, 3, 5}) {  // threads take 64-token chunks: uneven shares, wraps at different tokens
     routed r2(m, k, n);
     auto h2 = moe::qb_histogram::for_bias(cview(b), 3);
-    moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
+    moe::route(k3::cpu::threads<>(nt), r2.args(cview(s, m, n), cview(b), {}, &h2), opt);
     CHECK(h1 == h2);
     CHECK(r1.idx == r2.idx);
   }
@@ -581,8 +614,8 @@ TEST_CASE("threads router: 8-bit per-thread counts carry exactly (a bin past 255
       auto got = moe::qb_histogram::for_bias(cview(b), bins);
       routed ra(mm, k, n), rb(mm, k, n);
       for (int call = 0; call < 2; ++call) {
-        moe::route(k3::cpu::serial{}, sv, cview(b), ra.out(), opt, {}, &ref);
-        moe::route(k3::cpu::threads<>(1), sv, cview(b), rb.out(), opt, {}, &got);
+        moe::route(k3::cpu::serial{}, ra.args(sv, cview(b), {}, &ref), opt);
+        moe::route(k3::cpu::threads<>(1), rb.args(sv, cview(b), {}, &got), opt);
         CHECK(got == ref);
       }
       std::int64_t top = 0;
@@ -631,8 +664,8 @@ TEST_CASE("threads router + fused histogram: random shapes, bins, masks, strides
     auto h2 = moe::qb_histogram::for_bias(cview(b), bins);
     if (touched) (void)h2.data();
     for (int call = 0; call < 2; ++call) {
-      moe::route(k3::cpu::serial{}, sv, cview(b), r1.out(), opt, mv, &h1);
-      moe::route(k3::cpu::threads<>(nt), sv, cview(b), r2.out(), opt, mv, &h2);
+      moe::route(k3::cpu::serial{}, r1.args(sv, cview(b), mv, &h1), opt);
+      moe::route(k3::cpu::threads<>(nt), r2.args(sv, cview(b), mv, &h2), opt);
       check_bit_identical(r2, h2, r1, h1);
     }
   }
@@ -653,8 +686,8 @@ TEST_CASE("threads router + fused histogram: more private histograms than the me
   k3::cpu::threads<> many(300);
   REQUIRE(many.concurrency() == 300);  // 300 private histograms (m >= 300 tokens)
   for (int call = 0; call < 2; ++call) {
-    moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, {}, &h1);
-    moe::route(many, cview(s, m, n), cview(b), r2.out(), opt, {}, &h2);
+    moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b), {}, &h1), opt);
+    moe::route(many, r2.args(cview(s, m, n), cview(b), {}, &h2), opt);
     check_bit_identical(r2, h2, r1, h1);
   }
 }
@@ -694,8 +727,8 @@ TEST_CASE("qb_histogram::known_zero tracks every way the counts can change") {
   auto touched = moe::qb_histogram::for_bias(cview(b), 10);
   (void)touched.data();
   routed r(m, 1, n);
-  moe::route(k3::cpu::threads<>(2), cview(s, m, n), cview(b), r.out(), opt, {}, &fresh);
-  moe::route(k3::cpu::threads<>(2), cview(s, m, n), cview(b), r.out(), opt, {}, &touched);
+  moe::route(k3::cpu::threads<>(2), r.args(cview(s, m, n), cview(b), {}, &fresh), opt);
+  moe::route(k3::cpu::threads<>(2), r.args(cview(s, m, n), cview(b), {}, &touched), opt);
   CHECK_FALSE(fresh.known_zero());
   CHECK(fresh == touched);
   CHECK(fresh.tokens() == m);
@@ -722,15 +755,15 @@ TEST_CASE("threads router: tokens handed out in chunks from a shared counter, an
         opt.k = k;
         routed r1(m, k, n);
         auto h1 = moe::qb_histogram::for_bias(cview(b), 50);
-        moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, mv, &h1);
-        moe::route(k3::cpu::serial{}, cview(s, m, n), cview(b), r1.out(), opt, mv, &h1);
+        moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b), mv, &h1), opt);
+        moe::route(k3::cpu::serial{}, r1.args(cview(s, m, n), cview(b), mv, &h1), opt);
         for (int nt = 1; nt <= 5; ++nt) {
           CAPTURE(nt);
           k3::cpu::threads<> thr(nt);
           routed r2(m, k, n);
           auto h2 = moe::qb_histogram::for_bias(cview(b), 50);
-          moe::route(thr, cview(s, m, n), cview(b), r2.out(), opt, mv, &h2);
-          moe::route(thr, cview(s, m, n), cview(b), r2.out(), opt, mv, &h2);
+          moe::route(thr, r2.args(cview(s, m, n), cview(b), mv, &h2), opt);
+          moe::route(thr, r2.args(cview(s, m, n), cview(b), mv, &h2), opt);
           check_bit_identical(r2, h2, r1, h1);
         }
       }
@@ -764,7 +797,7 @@ TEST_CASE("threads router: with several non-finite tokens the first one is repor
       h(0, 0) = 7;
       std::string got;
       try {
-        moe::route(k3::cpu::threads<>(nt), cview(s, m, n), cview(b), r.out(), opt, {}, &h);
+        moe::route(k3::cpu::threads<>(nt), r.args(cview(s, m, n), cview(b), {}, &h), opt);
       } catch (k3::error const& e) {
         got = e.what();
       }
@@ -778,6 +811,6 @@ TEST_CASE("threads router: with several non-finite tokens the first one is repor
   routed r(1, k, n);
   moe::router_options opt;
   opt.k = k;
-  CHECK_THROWS_WITH_AS(moe::route(k3::cpu::threads<>(3), cview(s1, 1, n), cview(b1), r.out(), opt),
+  CHECK_THROWS_WITH_AS(moe::route(k3::cpu::threads<>(3), r.args(cview(s1, 1, n), cview(b1)), opt),
                        doctest::Contains("non-finite value at token 0, expert 400"), k3::error);
 }

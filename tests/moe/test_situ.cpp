@@ -5,6 +5,7 @@
 #include <random>
 #include <vector>
 
+#include "k3/backend/cpu/serial.hpp"
 #include "k3/moe/situ.hpp"
 
 namespace moe = k3::moe;
@@ -97,14 +98,25 @@ struct ffn_case {
     p[0] = 0.0;                     // a selected expert with p = 0 keeps its id and gets dp
     if (Tn > 1) idx[K + K - 1] = -1;  // a dropped slot
   }
-  moe::expert_ffn_weights<double> weights() const {
-    return {{wg.data(), {E, d, f}}, {wu.data(), {E, d, f}}, {wd.data(), {E, f, d}},
-            bias ? k3::const_view<double, 2>(bd.data(), {E, d}) : k3::const_view<double, 2>{}, act};
+  moe::expert_ffn_args<double> args(k3::tensor_view<double, 2> o, k3::tensor_view<double, 3> hg, k3::tensor_view<double, 3> hu,
+                                     k3::tensor_view<double, 3> y = {}) const {
+    return {.x = {x.data(), {Tn, d}},
+            .idx = {idx.data(), {Tn, K}},
+            .p = {p.data(), {Tn, K}},
+            .w_gate = {wg.data(), {E, d, f}},
+            .w_up = {wu.data(), {E, d, f}},
+            .w_down = {wd.data(), {E, f, d}},
+            .b_down = bias ? k3::const_view<double, 2>(bd.data(), {E, d}) : k3::const_view<double, 2>{},
+            .o = o,
+            .h_gate = hg,
+            .h_up = hu,
+            .y = y};
   }
+  moe::expert_ffn_options<double> options() const { return {.act = act}; }
   double loss() const {
     std::vector<double> o(static_cast<std::size_t>(Tn * d)), hg(static_cast<std::size_t>(Tn * K * f)), hu(hg.size());
-    moe::expert_ffn_forward<double>({x.data(), {Tn, d}}, {idx.data(), {Tn, K}}, {p.data(), {Tn, K}}, weights(), k3::host_view(o.data(), Tn, d),
-                                    k3::host_view(hg.data(), Tn, K, f), k3::host_view(hu.data(), Tn, K, f));
+    moe::expert_ffn_forward(k3::cpu::serial{}, args(k3::host_view(o.data(), Tn, d), k3::host_view(hg.data(), Tn, K, f), k3::host_view(hu.data(), Tn, K, f)),
+                            options());
     double L = 0;
     for (std::size_t i = 0; i < o.size(); ++i) L += o[i] * dO[i];
     return L;
@@ -113,16 +125,33 @@ struct ffn_case {
 
 struct grads {
   std::vector<double> dx, dp, dwg, dwu, dwd, dbd;
-  moe::expert_ffn_grads<double> g;
-  grads(ffn_case const& c)
-      : dx(static_cast<std::size_t>(c.Tn * c.d)), dp(static_cast<std::size_t>(c.Tn * c.K)), dwg(c.wg.size()), dwu(c.wu.size()),
-        dwd(c.wd.size()), dbd(c.bd.size()) {
-    g.dx = k3::host_view(dx.data(), c.Tn, c.d);
-    g.dp = k3::host_view(dp.data(), c.Tn, c.K);
-    g.dw_gate = k3::host_view(dwg.data(), c.E, c.d, c.f);
-    g.dw_up = k3::host_view(dwu.data(), c.E, c.d, c.f);
-    g.dw_down = k3::host_view(dwd.data(), c.E, c.f, c.d);
-    if (c.bias) g.db_down = k3::host_view(dbd.data(), c.E, c.d);
+  double d_beta1 = 0, d_beta2 = 0;
+  ffn_case const& c;
+  grads(ffn_case const& c_)
+      : dx(static_cast<std::size_t>(c_.Tn * c_.d)), dp(static_cast<std::size_t>(c_.Tn * c_.K)), dwg(c_.wg.size()), dwu(c_.wu.size()),
+        dwd(c_.wd.size()), dbd(c_.bd.size()), c(c_) {}
+  // The backward's args: the case's inputs, the forward's cache (and y for the naive d_p), these gradients.
+  moe::expert_ffn_backward_args<double> args(k3::const_view<double, 3> hg, k3::const_view<double, 3> hu, k3::const_view<double, 3> y = {}) {
+    auto const a = c.args({}, {}, {});
+    return {.x = a.x,
+            .idx = a.idx,
+            .p = a.p,
+            .w_gate = a.w_gate,
+            .w_up = a.w_up,
+            .w_down = a.w_down,
+            .b_down = a.b_down,
+            .h_gate = hg,
+            .h_up = hu,
+            .y = y,
+            .d_o = {c.dO.data(), {c.Tn, c.d}},
+            .d_x = k3::host_view(dx.data(), c.Tn, c.d),
+            .d_p = k3::host_view(dp.data(), c.Tn, c.K),
+            .d_w_gate = k3::host_view(dwg.data(), c.E, c.d, c.f),
+            .d_w_up = k3::host_view(dwu.data(), c.E, c.d, c.f),
+            .d_w_down = k3::host_view(dwd.data(), c.E, c.f, c.d),
+            .d_b_down = c.bias ? k3::host_view(dbd.data(), c.E, c.d) : k3::tensor_view<double, 2>{},
+            .d_beta1 = &d_beta1,
+            .d_beta2 = &d_beta2};
   }
 };
 
@@ -149,14 +178,14 @@ TEST_CASE("expert FFN: dp without stored outputs equals the naive <dO, y>, and a
     index_t const Tn = c.Tn, d = c.d, f = c.f, K = c.K;
     std::vector<double> o(static_cast<std::size_t>(Tn * d)), hg(static_cast<std::size_t>(Tn * K * f)), hu(hg.size()),
         y(static_cast<std::size_t>(Tn * K * d));
-    k3::const_view<double, 2> xv(c.x.data(), {Tn, d}), pv(c.p.data(), {Tn, K}), dov(c.dO.data(), {Tn, d});
-    k3::const_view<std::int32_t, 2> iv(c.idx.data(), {Tn, K});
-    moe::expert_ffn_forward<double>(xv, iv, pv, c.weights(), k3::host_view(o.data(), Tn, d), k3::host_view(hg.data(), Tn, K, f),
-                                    k3::host_view(hu.data(), Tn, K, f), k3::host_view(y.data(), Tn, K, d));
+    moe::expert_ffn_forward(k3::cpu::serial{},
+                            c.args(k3::host_view(o.data(), Tn, d), k3::host_view(hg.data(), Tn, K, f), k3::host_view(hu.data(), Tn, K, f),
+                                   k3::host_view(y.data(), Tn, K, d)),
+                            c.options());
     grads fast(c), naive(c);
     k3::const_view<double, 3> hgv(hg.data(), {Tn, K, f}), huv(hu.data(), {Tn, K, f}), yv(y.data(), {Tn, K, d});
-    moe::expert_ffn_backward<double>(xv, iv, pv, c.weights(), hgv, huv, dov, fast.g);
-    moe::expert_ffn_backward_naive<double>(xv, iv, pv, c.weights(), hgv, huv, yv, dov, naive.g);
+    moe::expert_ffn_backward(k3::cpu::serial{}, fast.args(hgv, huv), c.options());
+    moe::expert_ffn_backward(k3::cpu::serial{}, naive.args(hgv, huv, yv), c.options());  // d_p from the stored y
     for (std::size_t i = 0; i < fast.dp.size(); ++i) CHECK(fast.dp[i] == doctest::Approx(naive.dp[i]).epsilon(1e-12).scale(1e-12));
     CHECK(fast.dx == naive.dx);
     CHECK(fast.dwd == naive.dwd);
@@ -175,13 +204,13 @@ TEST_CASE("expert FFN: dp without stored outputs equals the naive <dO, y>, and a
     c.act.beta1 = b1 - h;
     double lm = c.loss();
     c.act.beta1 = b1;
-    CHECK(fast.g.d_beta1 == doctest::Approx((lp - lm) / (2 * h)).epsilon(1e-6).scale(1.0));
+    CHECK(fast.d_beta1 == doctest::Approx((lp - lm) / (2 * h)).epsilon(1e-6).scale(1.0));
     c.act.beta2 = b2 + h;
     lp = c.loss();
     c.act.beta2 = b2 - h;
     lm = c.loss();
     c.act.beta2 = b2;
-    CHECK(fast.g.d_beta2 == doctest::Approx((lp - lm) / (2 * h)).epsilon(1e-6).scale(1.0));
+    CHECK(fast.d_beta2 == doctest::Approx((lp - lm) / (2 * h)).epsilon(1e-6).scale(1.0));
   }
 }
 
@@ -189,8 +218,8 @@ TEST_CASE("expert FFN validates its arguments") {
   ffn_case c(3, 4, 2, 3, 2, true, 5);
   c.idx[1] = 7;
   std::vector<double> o(12), hg(12), hu(12);
-  CHECK_THROWS_AS(moe::expert_ffn_forward<double>({c.x.data(), {3, 4}}, {c.idx.data(), {3, 2}}, {c.p.data(), {3, 2}}, c.weights(),
-                                                  k3::host_view(o.data(), 3, 4), k3::host_view(hg.data(), 3, 2, 2),
-                                                  k3::host_view(hu.data(), 3, 2, 2)),
+  CHECK_THROWS_AS(moe::expert_ffn_forward(k3::cpu::serial{},
+                                          c.args(k3::host_view(o.data(), 3, 4), k3::host_view(hg.data(), 3, 2, 2), k3::host_view(hu.data(), 3, 2, 2)),
+                                          c.options()),
                   k3::error);
 }

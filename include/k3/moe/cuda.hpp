@@ -5,7 +5,7 @@
 // arg-max (ties -> lower expert index, the CPU's order), weights renormalised by one thread in
 // rank order (the CPU's float summation order), then every expert's margin binned with the
 // CPU's float sequence and counted with 64-bit global atomics. Indices, weights, cut-offs,
-// loads and histogram counts are therefore bit-identical to k3::moe::route_serial +
+// loads and histogram counts are therefore bit-identical to k3::moe::detail::route_serial +
 // qb_accumulate. Inputs must be finite sigmoid scores (validate on the host; the kernel cannot
 // throw); logits and group-limited routing are CPU-only.
 #pragma once

@@ -13,12 +13,14 @@
 // experts of one overloaded rank, largest remaining expert first, and is then final.
 #pragma once
 #include <algorithm>
+#include <concepts>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "k3/core/concepts.hpp"
 #include "k3/core/error.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
@@ -82,9 +84,27 @@ inline void replicate_experts(std::vector<double> const& w, index_t P, std::vect
 
 }  // namespace detail
 
-// Plans `physical` slots for `load` [layers, experts] (e.g. a moving average of tokens per
-// expert). Hierarchical if groups % nodes == 0, else global (groups = nodes = 1).
-inline eplb_plan eplb_rebalance(const_view<double, 2> load, index_t physical, index_t groups, index_t nodes, index_t gpus) {
+// The statistics EPLB plans from and the plan it writes.
+template <class T>
+struct eplb_args {
+  const_view<T, 2> load;          // [layers, experts], e.g. a moving average of tokens per expert
+  eplb_plan* placement = nullptr;  // required; overwritten
+};
+
+struct eplb_options {
+  index_t physical = 0;  // slots in all, >= experts and a multiple of gpus
+  index_t groups = 1, nodes = 1, gpus = 1;
+};
+
+// Plans options.physical slots for args.load. Hierarchical if groups % nodes == 0, else global
+// (groups = nodes = 1). A reference on every host backend.
+template <HostBackend B, class T>
+  requires std::same_as<T, double>
+void eplb(B const&, eplb_args<T> const& a, eplb_options const& o) {
+  ::k3::detail::require(a.placement != nullptr, error_kind::value, "eplb: argument 'placement': missing (null)");
+  auto const load = a.load;
+  index_t const physical = o.physical, gpus = o.gpus;
+  index_t groups = o.groups, nodes = o.nodes;
   using ::k3::detail::require;
   index_t const L = load.extent(0), E = load.extent(1);
   ::k3::detail::check_view("load", load);
@@ -98,25 +118,26 @@ inline eplb_plan eplb_rebalance(const_view<double, 2> load, index_t physical, in
                ", expert " + std::to_string(e);
       });
   require(groups >= 1 && nodes >= 1 && gpus >= 1, error_kind::value, [&] {
-    return "eplb: arguments 'groups', 'nodes' and 'gpus' must be >= 1, got groups = " + std::to_string(groups) + ", nodes = " +
+    return "eplb: options 'groups', 'nodes' and 'gpus' must be >= 1, got groups = " + std::to_string(groups) + ", nodes = " +
            std::to_string(nodes) + ", gpus = " + std::to_string(gpus);
   });
   require(physical >= E && physical % gpus == 0, error_kind::shape, [&] {
-    return "argument 'physical': need physical >= experts (" + std::to_string(E) + ") and a multiple of gpus (" + std::to_string(gpus) +
+    return "eplb: option 'physical': need physical >= experts (" + std::to_string(E) + ") and a multiple of gpus (" + std::to_string(gpus) +
            "), got " + std::to_string(physical);
   });
   require(gpus % nodes == 0, error_kind::shape, [&] {
-    return "eplb: argument 'gpus' (" + std::to_string(gpus) + ") must be a multiple of 'nodes' (" + std::to_string(nodes) + ")";
+    return "eplb: option 'gpus' (" + std::to_string(gpus) + ") must be a multiple of option 'nodes' (" + std::to_string(nodes) + ")";
   });
   if (groups % nodes != 0) groups = nodes = 1;
   require(E % groups == 0, error_kind::shape, [&] { return "eplb: experts (" + std::to_string(E) + ") must be a multiple of groups (" + std::to_string(groups) + ")"; });
   require(physical % nodes == 0 && physical / nodes >= E / nodes, error_kind::shape, [&] {
-    return "eplb: argument 'physical' (" + std::to_string(physical) + ") must be a multiple of nodes (" + std::to_string(nodes) +
+    return "eplb: option 'physical' (" + std::to_string(physical) + ") must be a multiple of nodes (" + std::to_string(nodes) +
            ") with at least experts / nodes (" + std::to_string(E / nodes) + ") slots per node";
   });
   index_t const gsize = E / groups, gpn = groups / nodes, epn = E / nodes, ppn = physical / nodes, gpu_per_node = gpus / nodes,
                 per_gpu = physical / gpus;
-  eplb_plan plan;
+  eplb_plan& plan = *a.placement;
+  plan = eplb_plan{};
   plan.layers = L;
   plan.experts = E;
   plan.physical = physical;
@@ -160,7 +181,6 @@ inline eplb_plan eplb_rebalance(const_view<double, 2> load, index_t physical, in
   for (index_t l = 0; l < L; ++l)
     for (index_t s = 0; s < physical; ++s)
       plan.log2phy[(l * E + plan.phy2log[l * physical + s]) * plan.max_replicas + plan.phyrank[l * physical + s]] = s;
-  return plan;
 }
 
 // Structural check of an EPLB plan: every expert placed logcnt times with replica numbers

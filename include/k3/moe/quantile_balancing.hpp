@@ -15,7 +15,7 @@
 //                         returned with the OLD bias; the result is used from the next batch.
 //   qb_histogram          per-expert integer counts of r over [min(b)-1, max(b)+1] in B bins;
 //                         counts add, so micro-batches and ranks merge exactly (all-reduce),
-//                         and qb_histogram_update interpolates the pooled quantile inside the
+//                         and qb_update interpolates the pooled quantile inside the
 //                         bin that holds it (error <= one bin width).
 // Only the bias persists (and is frozen at inference); the histogram is training-only state.
 #pragma once
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "k3/comm/communicator.hpp"
+#include "k3/core/concepts.hpp"
 #include "k3/core/config.hpp"
 #include "k3/core/error.hpp"
 #include "k3/core/tensor_view.hpp"
@@ -217,25 +218,67 @@ inline void check_ema(double ema) {
 
 }  // namespace detail
 
-// Adds the margins of a routed batch to `hist` (reference scatter). `cutoff` is what the
-// router returned for these scores with the bias the histogram's bounds came from.
-inline void qb_accumulate(const_view<float, 2> scores, const_view<float, 1> cutoff, qb_histogram& hist,
-                          router_options const& opt, const_view<std::uint8_t, 1> mask = {}) {
-  detail::check_qb_inputs(scores, cutoff, mask, opt);
+// Inputs of qb_accumulate: a routed batch and the histogram its margins are added to.
+template <class T>
+struct qb_accumulate_args {
+  const_view<T, 2> scores;                // [m, n]
+  const_view<float, 1> cutoff;            // [m]  what the router returned for these scores
+  const_view<std::uint8_t, 1> mask = {};  // [m]
+  qb_histogram* histogram = nullptr;      // required; counts added
+};
+
+// The histogram update from a (pooled) histogram. With a communicator the counts are first
+// summed over its ranks in place (every rank must call it).
+template <class T, Communicator C = single_process>
+struct qb_update_args {
+  qb_histogram* histogram = nullptr;  // required
+  tensor_view<T, 1> bias;             // [n]  the bias routed with; overwritten by the next one
+  C const* comm = nullptr;            // optional
+};
+
+// One causal exact update from a routed batch.
+template <class T>
+struct qb_exact_update_args {
+  const_view<T, 2> scores;                // [m, n]
+  const_view<float, 1> cutoff;            // [m]  the router's cut-off with `bias`
+  const_view<std::uint8_t, 1> mask = {};  // [m]
+  tensor_view<float, 1> bias;             // [n]  the bias routed with; overwritten by the next one
+};
+
+// The update options: router.k (and, for the exact update, router.input) as routed; ema in
+// [0, 1) blends the new bias with the old one.
+struct qb_update_options {
+  router_options router{};
+  double ema = 0.0;
+};
+
+// Adds the margins of a routed batch to args.histogram (reference scatter) with the router's
+// options of that batch.
+template <HostBackend B, class T>
+  requires std::same_as<T, float>
+void qb_accumulate(B const&, qb_accumulate_args<T> const& a, router_options const& opt = {}) {
+  detail::check_qb_inputs(a.scores, a.cutoff, a.mask, opt);
+  detail::require(a.histogram != nullptr, error_kind::value, "argument 'histogram': missing (null)");
+  qb_histogram& hist = *a.histogram;
+  auto const scores = a.scores;
+  auto const cutoff = a.cutoff;
+  auto const mask = a.mask;
   index_t const m = scores.extent(0), n = scores.extent(1);
   detail::require(hist.experts() == n, error_kind::value, [&] {
-    return "argument 'hist': built for " + std::to_string(hist.experts()) + " experts, scores have " + std::to_string(n);
+    return "argument 'histogram': built for " + std::to_string(hist.experts()) + " experts, scores have " + std::to_string(n);
   });
   auto const bins = static_cast<std::int32_t>(hist.bins());
   for (index_t i = 0; i < m; ++i) {
     if (!mask.empty() && mask(i) == 0) continue;
-    float const a = cutoff(i);
+    float const a_i = cutoff(i);
     for (index_t j = 0; j < n; ++j) {
       float const s = detail::load_score(scores(i, j), opt.input);
-      ++hist(j, qb_bin(a - s, hist.lo(), hist.inv_width(), bins));
+      ++hist(j, qb_bin(a_i - s, hist.lo(), hist.inv_width(), bins));
     }
   }
 }
+
+namespace detail {
 
 // The pooled quantile estimate, before centring: for each expert the position of the
 // q-th of m counted margins (q = m k / n, real), interpolated linearly inside its bin.
@@ -264,19 +307,29 @@ inline bool qb_histogram_quantile(qb_histogram const& hist, index_t k, std::vect
   return true;
 }
 
+}  // namespace detail
+
 // Step-end update from a (pooled) histogram: new bias = centred estimate (optionally an EMA
 // with the old bias, re-centred). An empty histogram keeps the bias. Returns whether the bias
 // changed. The caller then builds the next histogram with qb_histogram::for_bias(bias).
-inline bool qb_histogram_update(qb_histogram const& hist, index_t k, tensor_view<float, 1> bias, double ema = 0.0) {
-  detail::check_ema(ema);
+template <HostBackend B, class T, Communicator C>
+  requires std::same_as<T, float>
+bool qb_update(B const&, qb_update_args<T, C> const& a, qb_update_options const& opt = {}) {
+  detail::check_ema(opt.ema);
+  detail::require(a.histogram != nullptr, error_kind::value, "argument 'histogram': missing (null)");
+  qb_histogram& hist = *a.histogram;
+  auto const bias = a.bias;
   ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {hist.experts()});
   ::k3::detail::check_not_broadcast("bias", bias);
+  if (a.comm) hist.all_reduce(*a.comm);
   std::vector<double> b;
-  if (!qb_histogram_quantile(hist, k, b)) return false;
-  detail::finish_bias(b, bias, ema);
+  if (!detail::qb_histogram_quantile(hist, opt.router.k, b)) return false;
+  detail::finish_bias(b, bias, opt.ema);
   return true;
 }
+
+namespace detail {
 
 // Exact column quantiles of a routed batch, before centring: b_j = (q+1)-th smallest of
 // alpha_i - s_ij over real tokens, q = floor(m k / n). Returns false when no token is real.
@@ -303,22 +356,26 @@ inline bool qb_exact_quantile(const_view<float, 2> scores, const_view<float, 1> 
   return true;
 }
 
-// One causal per-step update with exact quantiles; `bias` must be the bias the batch was
+}  // namespace detail
+
+// One causal per-step update with exact quantiles; args.bias must be the bias the batch was
 // routed with (it is overwritten by the bias for the NEXT batch). Padding-only batches keep it.
-inline bool qb_exact_update(const_view<float, 2> scores, const_view<float, 1> cutoff, router_options const& opt,
-                            tensor_view<float, 1> bias, const_view<std::uint8_t, 1> mask = {}, double ema = 0.0) {
-  detail::check_ema(ema);
+template <HostBackend B, class T>
+  requires std::same_as<T, float>
+bool qb_exact_update(B const&, qb_exact_update_args<T> const& a, qb_update_options const& opt = {}) {
+  detail::check_ema(opt.ema);
+  auto const bias = a.bias;
   ::k3::detail::check_view("bias", bias);
-  detail::check_shape("bias", bias, {scores.extent(1)});
+  detail::check_shape("bias", bias, {a.scores.extent(1)});
   ::k3::detail::check_outputs_apart([&](auto&& f) { f("bias", bias); },
                                     [&](auto&& f) {
-                                      f("scores", scores);
-                                      f("cutoff", cutoff);
-                                      f("mask", mask);
+                                      f("scores", a.scores);
+                                      f("cutoff", a.cutoff);
+                                      f("mask", a.mask);
                                     });
   std::vector<double> b;
-  if (!qb_exact_quantile(scores, cutoff, opt, b, mask)) return false;
-  detail::finish_bias(b, bias, ema);
+  if (!detail::qb_exact_quantile(a.scores, a.cutoff, opt.router, b, a.mask)) return false;
+  detail::finish_bias(b, bias, opt.ema);
   return true;
 }
 
@@ -330,11 +387,31 @@ inline bool qb_exact_update(const_view<float, 2> scores, const_view<float, 1> cu
 // 12 iterations where `next` plateaus at 4-8% (tests/moe/test_quantile_balancing.cpp).
 enum class qb_cut { midpoint, next };
 
+// Inputs of the offline solver: one fixed batch, and the bias it writes.
+template <class T>
+struct qb_offline_args {
+  const_view<T, 2> scores;                // [m, n]
+  const_view<std::uint8_t, 1> mask = {};  // [m]  padding rows (0) are ignored
+  tensor_view<float, 1> bias;             // [n]  written
+};
+
+struct qb_offline_options {
+  router_options router{};
+  index_t iterations = 12;  // converges in ~10 (spec A.4.1)
+  qb_cut cut = qb_cut::midpoint;
+};
+
 // Algorithm 1 (offline, one fixed batch): T alternations of the closed-form alpha and beta
-// updates from beta = 0, in double. Writes the centred bias b = -beta. Padding rows (mask 0)
-// are ignored.
-inline void qb_offline_solve(const_view<float, 2> scores, router_options const& opt, index_t iterations, tensor_view<float, 1> bias,
-                             const_view<std::uint8_t, 1> mask = {}, qb_cut cut = qb_cut::midpoint) {
+// updates from beta = 0, in double. Writes the centred bias b = -beta.
+template <HostBackend B, class T>
+  requires std::same_as<T, float>
+void qb_offline_solve(B const&, qb_offline_args<T> const& a, qb_offline_options const& o = {}) {
+  auto const scores = a.scores;
+  auto const mask = a.mask;
+  auto const bias = a.bias;
+  router_options const& opt = o.router;
+  index_t const iterations = o.iterations;
+  qb_cut const cut = o.cut;
   ::k3::detail::check_view("scores", scores);
   index_t const m = scores.extent(0), n = scores.extent(1);
   detail::require(m > 0, error_kind::value, "argument 'scores': zero tokens");

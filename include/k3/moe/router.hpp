@@ -42,13 +42,23 @@ struct router_options {
   index_t topk_groups = 1;     // ... of which 4 are kept. 1/1 = off (K3)
 };
 
-// Outputs of one routing call. indices and weights are required; cutoff and load are
-// filled when non-empty.
-struct route_outputs {
-  tensor_view<std::int32_t, 2> indices;  // [m, k]
-  tensor_view<float, 2> weights;         // [m, k]
-  tensor_view<float, 1> cutoff{};        // [m]  alpha_i, the (k+1)-th biased score
-  tensor_view<std::int64_t, 1> load{};   // [n]  tokens per expert (padding excluded)
+class qb_histogram;  // k3/moe/quantile_balancing.hpp
+
+// What k3::moe::route reads and writes. scores (float) and bias are required inputs, mask
+// optional ([m], nonzero = real token); indices and weights are required outputs, cutoff and
+// load are filled when present. A present histogram (training only) gets the margins
+// alpha_i - s_ij of the real tokens ADDED; build it with qb_histogram::for_bias(bias) so its
+// bounds come from the bias used here.
+template <class T>
+struct route_args {
+  const_view<T, 2> scores;                 // [m, n]
+  const_view<float, 1> bias = {};          // [n]; absent only through quantile_balancer::route
+  const_view<std::uint8_t, 1> mask = {};   // [m]
+  tensor_view<std::int32_t, 2> indices;    // [m, k]
+  tensor_view<float, 2> weights;           // [m, k]
+  tensor_view<float, 1> cutoff = {};       // [m]  alpha_i, the (k+1)-th biased score
+  tensor_view<std::int64_t, 1> load = {};  // [n]  tokens per expert (padding excluded)
+  qb_histogram* histogram = nullptr;
 };
 
 // The options' checks against n experts, as route() makes them. A caller that sizes buffers
@@ -78,6 +88,14 @@ inline void check_router_options(router_options const& opt, index_t n) {
 }
 
 namespace detail {
+
+// The outputs as the routing kernels take them (cutoff and load filled when non-empty).
+struct route_outputs {
+  tensor_view<std::int32_t, 2> indices;  // [m, k]
+  tensor_view<float, 2> weights;         // [m, k]
+  tensor_view<float, 1> cutoff{};        // [m]
+  tensor_view<std::int64_t, 1> load{};   // [n]
+};
 
 // k3::moe::detail shadows k3::detail; re-export the shared validators.
 using ::k3::detail::any_extent;
@@ -220,10 +238,8 @@ inline void emit_padding(index_t i, router_options const& opt, route_outputs con
   if (!out.cutoff.empty()) out.cutoff(i) = 0.f;
 }
 
-}  // namespace detail
-
-// The serial reference router over tokens [0, m). `mask` (optional, [m], nonzero = real
-// token) marks padding.
+// The serial reference router over tokens [0, m) (k3::moe::route on cpu::serial). `mask`
+// (optional, [m], nonzero = real token) marks padding.
 inline void route_serial(const_view<float, 2> scores, const_view<float, 1> bias, route_outputs const& out,
                          router_options const& opt, const_view<std::uint8_t, 1> mask = {}) {
   detail::validate_route(scores, bias, out, opt, mask);
@@ -248,5 +264,7 @@ inline void route_serial(const_view<float, 2> scores, const_view<float, 1> bias,
       for (index_t r = 0; r < opt.k; ++r) ++out.load(best[r].j);
   }
 }
+
+}  // namespace detail
 
 }  // namespace k3::moe

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "k3/core/concepts.hpp"
 #include "k3/core/config.hpp"
 #include "k3/core/error.hpp"
 #include "k3/core/math.hpp"
@@ -98,6 +99,58 @@ inline situ_grad<T> situ_glu_grad(T g, T u, situ_params<T> const& c = {}) noexce
   return {p.value, p.d_gate, p.d_up, detail::softcap_dcap(zg) * sg * cu, cg * sg * detail::softcap_dcap(zu)};
 }
 
+// The routed-expert FFN forward: inputs x, idx (-1 = padding / dropped slot), p and the expert
+// weights; outputs o and the pre-activations h_gate, h_up (the backward's only per-expert
+// cache), and y, the expert outputs, when present (the naive scheme).
+template <class T>
+struct expert_ffn_args {
+  const_view<T, 2> x;               // [Tn, d]
+  const_view<std::int32_t, 2> idx;  // [Tn, K]
+  const_view<T, 2> p;               // [Tn, K]
+  const_view<T, 3> w_gate;          // [E, d, f]
+  const_view<T, 3> w_up;            // [E, d, f]
+  const_view<T, 3> w_down;          // [E, f, d]
+  const_view<T, 2> b_down = {};     // [E, d]  absent: no bias
+  tensor_view<T, 2> o;              // [Tn, d]
+  tensor_view<T, 3> h_gate;         // [Tn, K, f]
+  tensor_view<T, 3> h_up;           // [Tn, K, f]
+  tensor_view<T, 3> y = {};         // [Tn, K, d]
+};
+
+// The backward: the forward's inputs and cache, d_o, and the gradients. d_x and d_p are
+// overwritten; the weight gradients and d_beta1 / d_beta2 (when given) are ACCUMULATED (zero
+// them first). With y present, d_p is the naive <d_o, y> from the stored expert outputs.
+template <class T>
+struct expert_ffn_backward_args {
+  const_view<T, 2> x;                // [Tn, d]
+  const_view<std::int32_t, 2> idx;   // [Tn, K]
+  const_view<T, 2> p;                // [Tn, K]
+  const_view<T, 3> w_gate;           // [E, d, f]
+  const_view<T, 3> w_up;             // [E, d, f]
+  const_view<T, 3> w_down;           // [E, f, d]
+  const_view<T, 2> b_down = {};      // [E, d]
+  const_view<T, 3> h_gate;           // [Tn, K, f]
+  const_view<T, 3> h_up;             // [Tn, K, f]
+  const_view<T, 3> y = {};           // [Tn, K, d]
+  const_view<T, 2> d_o;              // [Tn, d]
+  tensor_view<T, 2> d_x;             // [Tn, d]
+  tensor_view<T, 2> d_p;             // [Tn, K]
+  tensor_view<T, 3> d_w_gate;        // [E, d, f]
+  tensor_view<T, 3> d_w_up;          // [E, d, f]
+  tensor_view<T, 3> d_w_down;        // [E, f, d]
+  tensor_view<T, 2> d_b_down = {};   // [E, d]  required with b_down
+  T* d_beta1 = nullptr;              // the gate soft-cap's gradient
+  T* d_beta2 = nullptr;              // the linear soft-cap's gradient
+};
+
+template <class T>
+struct expert_ffn_options {
+  situ_params<T> act{};
+};
+
+namespace detail {
+
+// The weights and gradients as the reference kernels take them.
 template <class T>
 struct expert_ffn_weights {
   const_view<T, 3> w_gate;  // [E, d, f]
@@ -117,6 +170,8 @@ struct expert_ffn_grads {
   tensor_view<T, 2> db_down;  // [E, d] (empty if no bias)
   T d_beta1 = T(0), d_beta2 = T(0);
 };
+
+}  // namespace detail
 
 namespace detail {
 
@@ -166,11 +221,11 @@ void for_each_ffn_input(const_view<T, 2> x, const_view<std::int32_t, 2> idx, con
 
 }  // namespace detail
 
-// Forward. Writes o [Tn, d] and the pre-activations h_gate, h_up [Tn, K, f] (the backward's
-// only per-expert cache). If `y` [Tn, K, d] is non-empty the expert outputs are stored too
-// (the naive scheme). Slots with idx = -1 (padding / dropped) contribute nothing.
+namespace detail {
+
+// The reference forward (see expert_ffn_args). Slots with idx = -1 contribute nothing.
 template <class T>
-void expert_ffn_forward(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w,
+void expert_ffn_forward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w,
                         tensor_view<T, 2> o, tensor_view<T, 3> h_gate, tensor_view<T, 3> h_up, tensor_view<T, 3> y = {}) {
   detail::check_ffn(x, idx, p, w);
   index_t const Tn = x.extent(0), d = x.extent(1), K = idx.extent(1), f = w.w_gate.extent(2);
@@ -222,8 +277,6 @@ void expert_ffn_forward(const_view<T, 2> x, const_view<std::int32_t, 2> idx, con
   }
 }
 
-namespace detail {
-
 // Shared backward; `y` empty = the memory-efficient identity, else the naive dp = <dO, y>.
 template <class T>
 void expert_ffn_backward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w,
@@ -236,31 +289,31 @@ void expert_ffn_backward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> id
   check_shape("h_up", h_up, {Tn, K, f});
   check_shape("d_o", d_o, {Tn, d});
   if (!y.empty()) check_shape("y", y, {Tn, K, d});
-  check_shape("dx", g.dx, {Tn, d});
-  check_shape("dp", g.dp, {Tn, K});
-  check_shape("dw_gate", g.dw_gate, {E, d, f});
-  check_shape("dw_up", g.dw_up, {E, d, f});
-  check_shape("dw_down", g.dw_down, {E, f, d});
-  if (!w.b_down.empty()) check_shape("db_down", g.db_down, {E, d});
+  check_shape("d_x", g.dx, {Tn, d});
+  check_shape("d_p", g.dp, {Tn, K});
+  check_shape("d_w_gate", g.dw_gate, {E, d, f});
+  check_shape("d_w_up", g.dw_up, {E, d, f});
+  check_shape("d_w_down", g.dw_down, {E, f, d});
+  if (!w.b_down.empty()) check_shape("d_b_down", g.db_down, {E, d});
   ::k3::detail::check_view("h_gate", h_gate);
   ::k3::detail::check_view("h_up", h_up);
   ::k3::detail::check_view("y", y);
-  ::k3::detail::check_view("dw_gate", g.dw_gate);
-  ::k3::detail::check_view("dw_up", g.dw_up);
-  ::k3::detail::check_view("dw_down", g.dw_down);
+  ::k3::detail::check_view("d_w_gate", g.dw_gate);
+  ::k3::detail::check_view("d_w_up", g.dw_up);
+  ::k3::detail::check_view("d_w_down", g.dw_down);
   ::k3::detail::check_view("d_o", d_o);
-  ::k3::detail::check_view("dx", g.dx);
-  ::k3::detail::check_view("dp", g.dp);
-  ::k3::detail::check_view("db_down", g.db_down);
+  ::k3::detail::check_view("d_x", g.dx);
+  ::k3::detail::check_view("d_p", g.dp);
+  ::k3::detail::check_view("d_b_down", g.db_down);
   tensor_view<T, 2> const db_down = w.b_down.empty() ? tensor_view<T, 2>{} : g.db_down;  // ignored without a bias
   ::k3::detail::check_outputs_apart(
       [&](auto&& f_) {
-        f_("dx", g.dx);
-        f_("dp", g.dp);
-        f_("dw_gate", g.dw_gate);
-        f_("dw_up", g.dw_up);
-        f_("dw_down", g.dw_down);
-        f_("db_down", db_down);
+        f_("d_x", g.dx);
+        f_("d_p", g.dp);
+        f_("d_w_gate", g.dw_gate);
+        f_("d_w_up", g.dw_up);
+        f_("d_w_down", g.dw_down);
+        f_("d_b_down", db_down);
       },
       [&](auto&& f_) {
         for_each_ffn_input(x, idx, p, w, f_);
@@ -323,22 +376,21 @@ void expert_ffn_backward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> id
 
 }  // namespace detail
 
-// Backward without stored expert outputs: dp from <W_d dO, a> (+ <dO, b_d>), a recomputed
-// from h. Weight gradients and d_beta are ACCUMULATED into g (zero them first); dx and dp are
-// overwritten. A selected expert with p = 0 keeps its id and gets its dp.
-template <class T>
-void expert_ffn_backward(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w,
-                         const_view<T, 3> h_gate, const_view<T, 3> h_up, const_view<T, 2> d_o, expert_ffn_grads<T>& g) {
-  detail::expert_ffn_backward_impl<T>(x, idx, p, w, h_gate, h_up, {}, d_o, g);
+// The routed-expert FFN forward (see expert_ffn_args); a reference on every host backend.
+template <HostBackend B, class T>
+void expert_ffn_forward(B const&, expert_ffn_args<T> const& a, expert_ffn_options<T> const& opt = {}) {
+  detail::expert_ffn_forward_impl<T>(a.x, a.idx, a.p, {a.w_gate, a.w_up, a.w_down, a.b_down, opt.act}, a.o, a.h_gate, a.h_up, a.y);
 }
 
-// The naive backward that reads the stored expert outputs y for dp (for comparison).
-template <class T>
-void expert_ffn_backward_naive(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p,
-                               expert_ffn_weights<T> const& w, const_view<T, 3> h_gate, const_view<T, 3> h_up, const_view<T, 3> y,
-                               const_view<T, 2> d_o, expert_ffn_grads<T>& g) {
-  ::k3::detail::require(!y.empty(), error_kind::value, "argument 'y': the naive backward needs the stored expert outputs");
-  detail::expert_ffn_backward_impl<T>(x, idx, p, w, h_gate, h_up, y, d_o, g);
+// Backward without stored expert outputs: d_p from <W_d d_o, a> (+ <d_o, b_d>), a recomputed
+// from h (or, with args.y, the naive <d_o, y>). A selected expert with p = 0 keeps its id and
+// gets its d_p.
+template <HostBackend B, class T>
+void expert_ffn_backward(B const&, expert_ffn_backward_args<T> const& a, expert_ffn_options<T> const& opt = {}) {
+  detail::expert_ffn_grads<T> g{a.d_x, a.d_p, a.d_w_gate, a.d_w_up, a.d_w_down, a.d_b_down, T(0), T(0)};
+  detail::expert_ffn_backward_impl<T>(a.x, a.idx, a.p, {a.w_gate, a.w_up, a.w_down, a.b_down, opt.act}, a.h_gate, a.h_up, a.y, a.d_o, g);
+  if (a.d_beta1) *a.d_beta1 += g.d_beta1;
+  if (a.d_beta2) *a.d_beta2 += g.d_beta2;
 }
 
 }  // namespace k3::moe
