@@ -4,7 +4,7 @@
 //     read-then-write pass over a 256 MiB buffer (inplace_pass_yardstick). Bar: 1x128 E4M3 >= 60%.
 //   * The block-scaled FP8 GEMM (2048^3, 1x128 A tiles, 128x128 B blocks) next to the median of
 //     Eigen float GEMMs (gemm_yardstick). Bar: >= 50%.
-//   * The public calls use store_mode::automatic and the host's row_tuning (k3/quant/simd.hpp),
+//   * The public calls use store_mode::automatic and the host's tuning (k3/quant/tuning.hpp),
 //     which the header prints. Informational: the same 1x128 quantisation with the code stores
 //     forced the other way (cached or non-temporal), to re-check on other machines which pays.
 // Each figure is a median over 7 repetitions interleaved with its yardstick.
@@ -54,10 +54,13 @@ int main(int argc, char** argv) {
   double const bmx4 = in_bytes + double(m) * k / 2 + double(smx.size());
 
   namespace si = k3::quant::simd_impl;
-  si::row_tuning const tune = si::row_tuning::host();
-  bool const streams = tune.stream(si::store_mode::automatic, static_cast<std::size_t>(m * k));
-  si::store_mode const other_mode = streams ? si::store_mode::cached : si::store_mode::streaming;
-  std::printf("# row tuning (by CPU vendor): input prefetch %s, streaming code stores from %s; here: %s\n", tune.prefetch ? "on" : "off",
+  k3::quant::tuning const tune = k3::quant::tuning::host();
+  bool const streams = tune.stream(k3::quant::store_mode::automatic, static_cast<std::size_t>(m * k));
+  k3::quant::store_mode const other_mode = streams ? k3::quant::store_mode::cached : k3::quant::store_mode::streaming;
+  k3::cache_sizes const caches = k3::host_cache_sizes();
+  std::printf("# caches: L1d %zu KiB, L2 %zu KiB, L3 %zu KiB\n", caches.l1d >> 10, caches.l2 >> 10, caches.l3 >> 10);
+  std::printf("# row tuning (from the cache sizes): input prefetch %s, streaming code stores from %s; here: %s\n",
+              tune.prefetch_distance > 0 ? ("on, " + std::to_string(tune.prefetch_distance) + " ahead").c_str() : "off",
               tune.stream_min_bytes == ~std::size_t{0} ? "never" : (std::to_string(tune.stream_min_bytes >> 20) + " MiB").c_str(),
               streams ? "streaming" : "cached");
   inplace_pass_yardstick pass(nt);

@@ -24,10 +24,10 @@
 // tiles) that produce the same bytes. Inputs are float or bfloat16 views of rank 2 with any
 // strides (the vector path needs unit-stride rows and otherwise uses the reference); a tensor
 // of higher rank is quantised as its [rows, last] matrix. Layouts: see k3/quant/common.hpp.
-// Memory tuning (never the bytes): on Intel CPUs the bf16 row kernels prefetch their input and
-// write outputs of 16 MiB of codes or more with non-temporal stores, which leaves the codes in
-// DRAM, not in cache (simd_impl::row_tuning; simd_impl::fp8_quantize / mx_quantize take a
-// store_mode to force either way).
+// Memory tuning (never the bytes): the bf16 row kernels may prefetch their input and write
+// large code outputs with non-temporal stores (which leaves the codes in DRAM, not in cache);
+// fp8_quantize_options / mx_quantize_options carry `stores` (force either way) and `tuning`,
+// whose defaults come from the host's cache sizes (k3/quant/tuning.hpp).
 //
 // Special inputs (documented results, tested):
 //   * DeepSeek: amax is clamped up to 1e-4 (an all-zero tile gets s = 1e-4/448 and zero codes).
@@ -96,6 +96,8 @@ struct fp8_quantize_args {
 struct fp8_quantize_options {
   ::k3::quant::tile tile = tile_1x128;
   scale_format format = scale_format::fp32;
+  store_mode stores = store_mode::automatic;                      // the vector row kernels' code stores
+  ::k3::quant::tuning tuning = ::k3::quant::tuning::host();  // their prefetch and streaming (k3/quant/tuning.hpp)
 };
 
 template <class Out, class QT = std::uint8_t const, class ST = float const, class Space = host_space>
@@ -130,6 +132,8 @@ struct mx_quantize_args {
 struct mx_quantize_options {
   mx_element element = mx_element::e4m3;  // MXFP8 E4M3 unless told otherwise
   mx_rule rule = mx_rule::floor;
+  store_mode stores = store_mode::automatic;                      // as in fp8_quantize_options
+  ::k3::quant::tuning tuning = ::k3::quant::tuning::host();
 };
 
 template <class Out, class QT = std::uint8_t const, class ST = std::uint8_t const, class Space = host_space>
@@ -314,7 +318,7 @@ void fp8_quantize(B const& b, fp8_quantize_args<T> const& a, fp8_quantize_option
   if (x.size() == 0) return;
   if constexpr (VectorBackend<B>) {
     if (detail::unit_rows(x) && detail::unit_rows(q) && t.cols > 1) {
-      simd_impl::fp8_quantize<typename B::arch_type>(b, x, q, s, t, fmt);
+      simd_impl::fp8_quantize<typename B::arch_type>(b, x, q, s, t, fmt, o.stores, o.tuning);
       return;
     }
   }
@@ -362,7 +366,7 @@ void mx_quantize(B const& b, mx_quantize_args<T> const& a, mx_quantize_options c
   visit(o.element, [&]<class F>(F) {
     if constexpr (VectorBackend<B>) {
       if (detail::unit_rows(x) && detail::unit_rows(q)) {
-        simd_impl::mx_quantize<typename B::arch_type, F>(b, x, q, s, rule);
+        simd_impl::mx_quantize<typename B::arch_type, F>(b, x, q, s, rule, o.stores, o.tuning);
         return;
       }
     }

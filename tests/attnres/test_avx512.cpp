@@ -1,4 +1,4 @@
-// The AVX-512 two-phase kernels (k3/attnres/avx512.hpp) at their edges: d not a multiple of
+// The AVX-512 two-phase kernels (k3/attnres/arch/avx512.hpp) at their edges: d not a multiple of
 // 16/32 or of the score kernel's d tile, site and source counts not multiples of the register
 // tiles, more than 8 sources, T = 1, more threads than tokens, streaming stores (aligned and
 // unaligned rows), subnormal results, special values. Each is checked against a float64
@@ -104,8 +104,8 @@ void check_phase1(B const& b, p1_case c, std::uint64_t seed, double tiny_token_s
   // kernels measured up to 1.1e-6 here (float lanes per 512-column tile, summed in double),
   // the portable kernels (float lanes over the whole row) up to 3.3e-6. A subnormal float mix
   // has fewer significant bits: then only the rounding relation below counts.
-  CHECK(err <= (tiny_token_scale != 0 ? 1e-4 : (ar::detail::avx512_kernels<xsimd::default_arch> ? 2e-6 : 5e-6)));
-  CHECK(lerr <= (ar::detail::avx512_kernels<xsimd::default_arch> ? 1e-6 : 5e-6));
+  CHECK(err <= (tiny_token_scale != 0 ? 1e-4 : (ar::kernel::two_phase_kernels<xsimd::default_arch>::available ? 2e-6 : 5e-6)));
+  CHECK(lerr <= (ar::kernel::two_phase_kernels<xsimd::default_arch>::available ? 1e-6 : 5e-6));
   CHECK(same_bits);  // bf16 o is the float o rounded as k3::bfloat16 rounds, subnormals included
   CHECK(same_lse);
   if (tiny_token_scale != 0) CHECK(subnormal > 0);
@@ -114,7 +114,7 @@ void check_phase1(B const& b, p1_case c, std::uint64_t seed, double tiny_token_s
 }  // namespace
 
 TEST_CASE("phase 1 kernels: awkward d, site and source counts against float64, bf16 o is the float o rounded") {
-  constexpr bool fast = ar::detail::avx512_kernels<xsimd::default_arch>;
+  constexpr bool fast = ar::kernel::two_phase_kernels<xsimd::default_arch>::available;
   std::string const kernels = fast ? "AVX-512 kernels" : "portable kernels (no AVX-512 in this build)";
   MESSAGE(kernels);
   std::uint64_t seed = 100;
@@ -340,4 +340,15 @@ TEST_CASE("phase 2 at a block's first site (h = o): every value rounded as k3::b
       }
       CHECK(bad == 0);
     }
+}
+
+TEST_CASE("tuning: the streaming threshold follows the cache sizes, and the host's come from the host's caches") {
+  // a 2 MiB private L2 (the Xeon VM measured): eight L2s
+  CHECK(ar::tuning::for_caches({48 << 10, 2 << 20, 105 << 20}).stream_threshold_bytes == (std::size_t(16) << 20));
+  // a smaller L2 (the Zen 4 VM): twice the L3; nothing reported: 64 MiB
+  CHECK(ar::tuning::for_caches({32 << 10, 1 << 20, 32 << 20}).stream_threshold_bytes == (std::size_t(64) << 20));
+  CHECK(ar::tuning::for_caches({32 << 10, 1 << 20, 96 << 20}).stream_threshold_bytes == (std::size_t(192) << 20));
+  CHECK(ar::tuning::for_caches({}).stream_threshold_bytes == (std::size_t(64) << 20));
+  CHECK(ar::tuning::host().stream_threshold_bytes == ar::tuning::for_caches(k3::host_cache_sizes()).stream_threshold_bytes);
+  CHECK(ar::two_phase_options{}.tuning.stream_threshold_bytes == ar::tuning::host().stream_threshold_bytes);
 }

@@ -323,7 +323,7 @@ TEST_CASE("the backward's block transpose equals the scalar one") {
       std::vector<float> src(std::size_t(rows * lds)), a(std::size_t(cols * ldd), -1.0f), b = a;
       for (auto& x : src) x = nd(rng);
       kda::detail::transpose_into(src.data(), rows, cols, lds, a.data(), ldd);
-      kda::detail::transpose_fast(src.data(), rows, cols, lds, b.data(), ldd);
+      kda::detail::transpose_fast<xsimd::default_arch>(src.data(), rows, cols, lds, b.data(), ldd);
       INFO("rows " << rows << " cols " << cols);
       CHECK(a == b);
       for (index_t i = 0; i < rows; ++i)

@@ -74,22 +74,24 @@ TEST_CASE("chunked forward head groups: any group split, ragged groups, grouped 
   CHECK(f1.ht == f3.ht);
 }
 
-TEST_CASE("transpose_fast equals transpose_into") {
-  auto run = [](auto tag) {
+TEST_CASE("transpose_fast equals transpose_into, on the host's Arch and on one the ISA files do not serve") {
+  auto run = [](auto tag, auto arch) {
     using T = decltype(tag);
+    using Arch = decltype(arch);
     for (index_t rows : {1, 15, 16, 17, 33, 64})
       for (index_t cols : {1, 7, 16, 31, 48, 128}) {
         index_t const lds = cols + 3, ldd = rows + 5;
         std::vector<T> s(std::size_t(rows * lds)), d1(std::size_t(cols * ldd), T(-1)), d2 = d1;
         for (std::size_t i = 0; i < s.size(); ++i) s[i] = T(i) * T(0.5);
         kda::detail::transpose_into(s.data(), rows, cols, lds, d1.data(), ldd);
-        kda::detail::transpose_fast(s.data(), rows, cols, lds, d2.data(), ldd);
-        INFO("rows=" << rows << " cols=" << cols);
+        kda::detail::transpose_fast<Arch>(s.data(), rows, cols, lds, d2.data(), ldd);
+        INFO("rows=" << rows << " cols=" << cols << " portable=" << std::is_same_v<Arch, xsimd::generic>);
         CHECK(d1 == d2);
       }
   };
-  run(float{});
-  run(double{});
+  run(float{}, xsimd::default_arch{});
+  run(double{}, xsimd::default_arch{});
+  run(float{}, xsimd::generic{});
 }
 
 // small_gemm::run_t reads A transposed in place (the backward's A^T B products): the same

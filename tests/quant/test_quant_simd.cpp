@@ -83,29 +83,45 @@ bool same_bits(std::vector<float> const& a, std::vector<float> const& b) {
 // `automatic` resolved each way by its threshold, and the input prefetch on and off (it changes
 // no result; the wrap into the next row is exercised by the strided rows).
 struct store_config {
-  simd_impl::store_mode mode;
-  simd_impl::row_tuning tune;
+  store_mode mode;
+  k3::quant::tuning tune;
   bool streams;  // what the kernel should end up doing
 };
 std::vector<store_config> store_configs() {
-  using simd_impl::store_mode;
-  return {{store_mode::streaming, {false, ~std::size_t{0}}, true},
-          {store_mode::cached, {true, 0}, false},
-          {store_mode::automatic, {true, 0}, true},
-          {store_mode::automatic, {false, ~std::size_t{0}}, false}};
+  return {{store_mode::streaming, {0, ~std::size_t{0}}, true},
+          {store_mode::cached, {2048, 0}, false},
+          {store_mode::automatic, {2048, 0}, true},
+          {store_mode::automatic, {0, ~std::size_t{0}}, false}};
 }
 
-TEST_CASE("row_tuning: the automatic store mode streams from the threshold on, forced modes win") {
-  using simd_impl::store_mode;
-  simd_impl::row_tuning const t{true, 1000};
+TEST_CASE("tuning: the automatic store mode streams from the threshold on, forced modes win") {
+  k3::quant::tuning const t{2048, 1000};
   CHECK_FALSE(t.stream(store_mode::automatic, 999));
   CHECK(t.stream(store_mode::automatic, 1000));
   CHECK_FALSE(t.stream(store_mode::cached, 1 << 30));
   CHECK(t.stream(store_mode::streaming, 1));
-  CHECK_FALSE(simd_impl::row_tuning{}.stream(store_mode::automatic, ~std::size_t{0} - 1));
-  // the host's own tuning is one of the two measured ones
-  simd_impl::row_tuning const h = simd_impl::row_tuning::host();
-  CHECK((h.prefetch ? h.stream_min_bytes == (std::size_t{16} << 20) : h.stream_min_bytes == ~std::size_t{0}));
+  CHECK_FALSE(k3::quant::tuning{}.stream(store_mode::automatic, ~std::size_t{0} - 1));
+}
+
+TEST_CASE("tuning: the defaults follow the cache sizes, and the host's come from the host's caches") {
+  using k3::quant::tuning;
+  // a 2 MiB private L2 (the Xeon VM measured): prefetch 2048 ahead, stream past eight L2s
+  tuning const big = tuning::for_caches({48 << 10, 2 << 20, 105 << 20});
+  CHECK(big.prefetch_distance == 2048);
+  CHECK(big.stream_min_bytes == (std::size_t{16} << 20));
+  CHECK(tuning::for_caches({48 << 10, 4 << 20, 0}).stream_min_bytes == (std::size_t{32} << 20));
+  // a smaller L2 (the Zen 4 VM), or nothing reported: the plain code
+  for (k3::cache_sizes c : {k3::cache_sizes{32 << 10, 1 << 20, 32 << 20}, k3::cache_sizes{}}) {
+    tuning const t = tuning::for_caches(c);
+    CHECK(t.prefetch_distance == 0);
+    CHECK(t.stream_min_bytes == ~std::size_t{0});
+  }
+  tuning const h = tuning::host(), want = tuning::for_caches(k3::host_cache_sizes());
+  CHECK(h.prefetch_distance == want.prefetch_distance);
+  CHECK(h.stream_min_bytes == want.stream_min_bytes);
+  // the options carry it: a forced mode reaches the kernels through fp8_quantize_options
+  k3::quant::fp8_quantize_options const o{.stores = store_mode::streaming, .tuning = big};
+  CHECK(o.tuning.stream(o.stores, 1));
 }
 
 TEST_CASE("simd stores: 1x128 E4M3 of bf16, streaming and cached, every alignment against the reference") {
@@ -139,7 +155,7 @@ TEST_CASE("simd stores: 1x128 E4M3 of bf16, streaming and cached, every alignmen
                   simd_impl::fp8_quantize<arch>(sim, const_view<bfloat16, 2>(xv), q.view(), host_view(s.data(), m, sc), tile_1x128, fmt, cfg.mode,
                                                 cfg.tune);
                 INFO("k=" << k << " m=" << m << " off=" << off << " ld=" << ld << " streaming=" << cfg.streams
-                           << " prefetch=" << cfg.tune.prefetch << " threads=" << (which == 0));
+                           << " prefetch=" << cfg.tune.prefetch_distance << " threads=" << (which == 0));
                 CHECK(q.codes() == want);
                 CHECK(same_bits(s, want_s));
                 CHECK(q.touched_outside() == 0);
@@ -173,7 +189,7 @@ TEST_CASE("simd stores: MXFP8 (E4M3) of bf16, streaming and cached, every alignm
               std::vector<std::uint8_t> s(static_cast<std::size_t>(m * sc), 0);
               simd_impl::mx_quantize<arch, e4m3_format>(thr, const_view<bfloat16, 2>(xv), q.view(), host_view(s.data(), m, sc), rule, cfg.mode,
                                                         cfg.tune);
-              INFO("k=" << k << " m=" << m << " off=" << off << " ld=" << ld << " streaming=" << cfg.streams << " prefetch=" << cfg.tune.prefetch);
+              INFO("k=" << k << " m=" << m << " off=" << off << " ld=" << ld << " streaming=" << cfg.streams << " prefetch=" << cfg.tune.prefetch_distance);
               CHECK(q.codes() == want);
               CHECK(s == want_s);
               CHECK(q.touched_outside() == 0);
@@ -201,11 +217,11 @@ TEST_CASE("simd row kernels: MXFP4 (E2M1) of bf16 with and without the input pre
                       mx_quantize_args<bfloat16>{
                           .x = host_view(dense.data(), m, k), .q = host_view(want.data(), m, k / 2), .scales = host_view(want_s.data(), m, sc)},
                       {.element = mx_element::e2m1, .rule = rule});
-          for (bool prefetch : {false, true}) {
+          for (index_t prefetch : {index_t(0), index_t(2048)}) {
             outbuf q(m, k / 2, k / 2 + 3, 5);
             std::vector<std::uint8_t> s(static_cast<std::size_t>(m * sc), 0);
-            simd_impl::mx_quantize<arch, e2m1_format>(thr, xv, q.view(), host_view(s.data(), m, sc), rule, simd_impl::store_mode::automatic,
-                                                      simd_impl::row_tuning{prefetch, ~std::size_t{0}});
+            simd_impl::mx_quantize<arch, e2m1_format>(thr, xv, q.view(), host_view(s.data(), m, sc), rule, store_mode::automatic,
+                                                      k3::quant::tuning{prefetch, ~std::size_t{0}});
             INFO("k=" << k << " m=" << m << " xld=" << xld << " prefetch=" << prefetch);
             CHECK(q.codes() == want);
             CHECK(s == want_s);

@@ -14,7 +14,7 @@
 // and lse in double; the phase-2 weight p from float lane sums (the step is bandwidth-bound).
 // Both agree with the one-pass mix to float rounding (tests: 1e-6 relative per site).
 // With bfloat16 storage on an AVX-512 backend, phase 1, phase2_add and a block's first phase 2
-// run the kernels of avx512.hpp (bf16 rows read directly, register-tiled products, scores summed
+// run the kernels of arch/avx512.hpp (bf16 rows read directly, register-tiled products, scores summed
 // in double per 512-column tile, streamed outputs); every other case runs the portable ones.
 #pragma once
 #include <algorithm>
@@ -23,9 +23,11 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
-#include "k3/attnres/avx512.hpp"
-#include "k3/backend/cpu/simd.hpp"
+#include "k3/attnres/arch/avx512.hpp"
+#include "k3/attnres/arch/generic.hpp"
 #include "k3/attnres/mix.hpp"
+#include "k3/attnres/tuning.hpp"
+#include "k3/backend/cpu/simd.hpp"
 #include "k3/core/storage.hpp"
 
 namespace k3::attnres {
@@ -272,10 +274,10 @@ void phase1(B const& b, phase1_args<S, O> const& args, two_phase_options const& 
   if (T == 0 || nq == 0) return;
   constexpr bool simd = detail::simd_arch<B>::value;
   using O_ = std::remove_const_t<O>;
-  // The AVX-512 kernels read bfloat16 rows directly (avx512.hpp).
+  // The AVX-512 kernels read bfloat16 rows directly (arch/avx512.hpp).
   [[maybe_unused]] constexpr bool fast = [] {
     if constexpr (simd) {
-      return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<SS, bfloat16> &&
+      return kernel::two_phase_kernels<typename detail::simd_arch<B>::type>::available && std::is_same_v<SS, bfloat16> &&
              (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>);
     } else {
       return false;
@@ -285,14 +287,13 @@ void phase1(B const& b, phase1_args<S, O> const& args, two_phase_options const& 
   (void)stream;
   index_t const tasks = detail::token_tasks(b, T);
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
-#if K3_ATTNRES_AVX512
     if constexpr (fast) {
-      using Arch = typename detail::simd_arch<B>::type;
-      index_t const nlq = (nq + detail::p1_tl - 1) / detail::p1_tl * detail::p1_tl;
+      using K = kernel::two_phase_kernels<typename detail::simd_arch<B>::type>;
+      index_t const nlq = (nq + K::p1_tl - 1) / K::p1_tl * K::p1_tl;
       // 64-byte aligned scratch: parked score accumulators (double), the mix tile (float)
-      std::vector<double> scratch(static_cast<std::size_t>(detail::p1_dots_scratch(n, nq) + (nq * 32 + d) / 2 + 16));
+      std::vector<double> scratch(static_cast<std::size_t>(K::p1_dots_scratch(n, nq) + (nq * 32 + d) / 2 + 16));
       double* acc = scratch.data() + (8 - (reinterpret_cast<std::uintptr_t>(scratch.data()) / sizeof(double)) % 8) % 8;
-      float* tile = reinterpret_cast<float*>(acc + detail::p1_dots_scratch(n, nq));
+      float* tile = reinterpret_cast<float*>(acc + K::p1_dots_scratch(n, nq));
       float* qzero = tile + nq * 32;
       std::fill(qzero, qzero + d, 0.0f);
       std::vector<bfloat16> bzero(static_cast<std::size_t>(d), bfloat16(0.0f));
@@ -313,15 +314,14 @@ void phase1(B const& b, phase1_args<S, O> const& args, two_phase_options const& 
       for (index_t t = lo; t < hi; ++t) {
         for (index_t j = 0; j < n; ++j) x[j] = &bank(j, t, 0);
         for (index_t l = 0; l < nq; ++l) out[l] = &o(l, t, 0);
-        detail::p1_dots_bf16<Arch>(x.data(), n, q.data(), nq, d, bzero.data(), acc, dots.data());
+        K::p1_dots_bf16(x.data(), n, q.data(), nq, d, bzero.data(), acc, dots.data());
         detail::redo_nonfinite_dots(x.data(), n, q.data(), nq, d, dots.data());
         for (index_t l = 0; l < nq; ++l) lse(l, t) = detail::p1_softmax(dots.data() + l * n, n, [&](index_t j) { return double(bank_rinv(j, t)); }, a.data() + l * n);
-        detail::p1_mix_bf16<Arch>(x.data(), n, a.data(), nq, d, out.data(), tile, stream);
+        K::p1_mix_bf16(x.data(), n, a.data(), nq, d, out.data(), tile, stream);
       }
-      if (stream) detail::stream_fence();
+      if (stream) K::stream_fence();
       return;
     }
-#endif
     std::vector<C> rowbuf(static_cast<std::size_t>(std::is_same_v<SS, C> ? 0 : n * d)), zero(static_cast<std::size_t>(d), C(0)), a(static_cast<std::size_t>(nq * n));
     std::vector<double> dots(static_cast<std::size_t>(nq * n));
     std::vector<C const*> x(static_cast<std::size_t>(n));
@@ -424,10 +424,10 @@ void phase2(B const& b, phase2_args<S, O, H> const& args, two_phase_options cons
   index_t const tasks = detail::token_tasks(b, T);
   using O_ = std::remove_const_t<O>;
   // A block's first site copies o into h: with AVX-512 in 32-column chunks, streamed when h is
-  // far larger than the cache (same rounding as put(); see avx512.hpp).
+  // far larger than the cache (same rounding as put(); see arch/avx512.hpp).
   [[maybe_unused]] constexpr bool fast_copy = [] {
     if constexpr (detail::simd_arch<B>::value) {
-      return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<C, float> &&
+      return kernel::two_phase_kernels<typename detail::simd_arch<B>::type>::available && std::is_same_v<C, float> &&
              (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>) && (std::is_same_v<H, bfloat16> || std::is_same_v<H, float>);
     } else {
       return false;
@@ -436,15 +436,14 @@ void phase2(B const& b, phase2_args<S, O, H> const& args, two_phase_options cons
   bool const stream = std::size_t(T) * std::size_t(d) * sizeof(H) >= opt.tuning.stream_threshold_bytes;
   (void)stream;
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
-#if K3_ATTNRES_AVX512
     if constexpr (fast_copy) {
+      using K = kernel::two_phase_kernels<typename detail::simd_arch<B>::type>;
       if (!has_partial) {
-        for (index_t t = lo; t < hi; ++t) detail::copy_row_bf16(&o(t, 0), &h(t, 0), d, stream);
-        if (stream) detail::stream_fence();
+        for (index_t t = lo; t < hi; ++t) K::copy_row_bf16(&o(t, 0), &h(t, 0), d, stream);
+        if (stream) K::stream_fence();
         return;
       }
     }
-#endif
     std::vector<C> buf(static_cast<std::size_t>(d));
     for (index_t t = lo; t < hi; ++t) {
       if (!has_partial) {
@@ -510,7 +509,7 @@ void phase2_add(B const& b, phase2_add_args<S, D, O, H> const& args, two_phase_o
   using O_ = std::remove_const_t<O>;
   [[maybe_unused]] constexpr bool fast = [] {
     if constexpr (detail::simd_arch<B>::value) {
-      return detail::avx512_kernels<typename detail::simd_arch<B>::type> && std::is_same_v<S, bfloat16> &&
+      return kernel::two_phase_kernels<typename detail::simd_arch<B>::type>::available && std::is_same_v<S, bfloat16> &&
              (std::is_same_v<D_, bfloat16> || std::is_same_v<D_, float>) && (std::is_same_v<O_, bfloat16> || std::is_same_v<O_, float>) &&
              (std::is_same_v<H, bfloat16> || std::is_same_v<H, float>);
     } else {
@@ -521,23 +520,22 @@ void phase2_add(B const& b, phase2_add_args<S, D, O, H> const& args, two_phase_o
   (void)stream;
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
     std::vector<C> buf(static_cast<std::size_t>(d));
-#if K3_ATTNRES_AVX512
     if constexpr (fast) {
-      detail::eo_permute_query(uc.data(), d, buf.data());
+      using K = kernel::two_phase_kernels<typename detail::simd_arch<B>::type>;
+      K::eo_permute_query(uc.data(), d, buf.data());
       for (index_t t = lo; t < hi; ++t) {
         bool const more = t + 1 < hi;
-        detail::row_prefetch<3> pf;
+        typename K::template row_prefetch<3> pf;
         pf.d = d;
         pf.set(0, &prefix(t, 0), more ? &prefix(t + 1, 0) : nullptr);
         pf.set(1, &delta(t, 0), more ? &delta(t + 1, 0) : nullptr);
         pf.set(2, &o(t, 0), more ? &o(t + 1, 0) : nullptr);
-        detail::p2_add_token_bf16<typename detail::simd_arch<B>::type>(&prefix(t, 0), &delta(t, 0), &o(t, 0), buf.data(), C(lse(t)), d, eps,
+        K::p2_add_token_bf16(&prefix(t, 0), &delta(t, 0), &o(t, 0), buf.data(), C(lse(t)), d, eps,
                                                                         &h(t, 0), stream, pf);
       }
-      if (stream) detail::stream_fence();
+      if (stream) K::stream_fence();
       return;
     }
-#endif
     for (index_t t = lo; t < hi; ++t) {
       S* K3_RESTRICT pr = &prefix(t, 0);
       auto const* K3_RESTRICT dl = &delta(t, 0);

@@ -13,12 +13,7 @@
 #pragma once
 #include <cstdint>
 
-#if defined(__SSE__) || defined(_M_X64)
-#include <xmmintrin.h>
-#define K3_FLOAT_ENV_X86 1
-#elif defined(__aarch64__)
-#define K3_FLOAT_ENV_AARCH64 1
-#endif
+#include "k3/core/arch/target.hpp"
 
 namespace k3::detail {
 
@@ -27,44 +22,15 @@ namespace k3::detail {
 struct float_env {
   std::uint64_t bits = 0;
 
-  static float_env current() noexcept {
-#if defined(K3_FLOAT_ENV_X86)
-    return {_mm_getcsr() & ~std::uint64_t(0x3F)};  // the low six bits are sticky flags
-#elif defined(K3_FLOAT_ENV_AARCH64)
-    std::uint64_t v;
-    asm volatile("mrs %0, fpcr" : "=r"(v));
-    return {v};
-#else
-    return {};
-#endif
-  }
-  void apply() const noexcept {
-#if defined(K3_FLOAT_ENV_X86)
-    _mm_setcsr(static_cast<unsigned>((_mm_getcsr() & 0x3Fu) | bits));
-#elif defined(K3_FLOAT_ENV_AARCH64)
-    asm volatile("msr fpcr, %0" : : "r"(bits));
-#endif
-  }
-  // Subnormal results flushed to zero and subnormal operands read as zero (x86 FTZ | DAZ;
-  // AArch64 FZ, which does both).
-  float_env flushing_subnormals() const noexcept {
-#if defined(K3_FLOAT_ENV_X86)
-    return {bits | 0x8040u};
-#elif defined(K3_FLOAT_ENV_AARCH64)
-    return {bits | (std::uint64_t(1) << 24)};
-#else
-    return *this;
-#endif
-  }
+  static float_env current() noexcept { return {target::read_float_control()}; }
+  void apply() const noexcept { target::write_float_control(bits); }
+  // Subnormal results flushed to zero and subnormal operands read as zero.
+  float_env flushing_subnormals() const noexcept { return {bits | target::flush_subnormals_bits}; }
   friend bool operator==(float_env const&, float_env const&) = default;
 };
 
 // Whether this target can flush subnormals at all (elsewhere the scope below does nothing).
-#if defined(K3_FLOAT_ENV_X86) || defined(K3_FLOAT_ENV_AARCH64)
-inline constexpr bool can_flush_subnormals = true;
-#else
-inline constexpr bool can_flush_subnormals = false;
-#endif
+inline constexpr bool can_flush_subnormals = target::has_float_env;
 
 // Flushes subnormals on this thread while in scope; restores the previous state after.
 class subnormals_flushed {

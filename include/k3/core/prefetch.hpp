@@ -5,22 +5,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "k3/core/arch/target.hpp"
+
 namespace k3::detail {
 
-// One cache line into L2 (prefetcht1). On x86 an asm statement: g++ 12 deletes a loop whose
-// body is only __builtin_prefetch calls (it has no side effect to keep), which silently
-// disabled an earlier prefetch in KDA. The address goes in a register, not as a memory operand,
-// so the compiler need not assume the asm reads memory (it would then spill register
-// accumulators around every prefetch).
-inline void prefetch_l2(void const* p) noexcept {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("prefetcht1 (%0)" : : "r"(p));
-#elif defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 2);
-#else
-  (void)p;
-#endif
-}
+// One cache line into L2 (x86: prefetcht1; see k3/core/arch/).
+inline void prefetch_l2(void const* p) noexcept { target::prefetch_l2(p); }
 
 // Every line that [p, p + bytes) touches, once each.
 inline void prefetch_span_l2(void const* p, std::size_t bytes) noexcept {

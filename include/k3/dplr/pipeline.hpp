@@ -21,13 +21,7 @@
 #include <memory>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-#include <immintrin.h>
-#define K3_DPLR_PAUSE() _mm_pause()
-#else
-#define K3_DPLR_PAUSE() ((void)0)
-#endif
-
+#include "k3/core/arch/target.hpp"
 #include "k3/core/tensor_view.hpp"
 
 namespace k3::detail::dplr {
@@ -125,7 +119,7 @@ void run_pipeline(Par const& par, index_t n, index_t parts, index_t slots, Build
         // idle cores a wait ends when a build or step of the other thread does, and a
         // futex wake-up costs about as much), then sleep on the epoch.
         int spins = 0;
-        while (epoch.load(std::memory_order_acquire) == seen && ++spins < 512) K3_DPLR_PAUSE();
+        while (epoch.load(std::memory_order_acquire) == seen && ++spins < 512) ::k3::detail::target::cpu_relax();
         if (epoch.load(std::memory_order_acquire) == seen && parts_done.load(std::memory_order_acquire) < parts)
           epoch.wait(seen, std::memory_order_acquire);
       }

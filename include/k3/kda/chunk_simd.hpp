@@ -21,11 +21,10 @@
 #include <type_traits>
 #include <vector>
 #include <xsimd/xsimd.hpp>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "k3/backend/cpu/simd.hpp"
+#include "k3/kda/arch/avx512.hpp"
+#include "k3/kda/arch/generic.hpp"
 #include "k3/kda/chunk.hpp"
 #include "k3/kda/common.hpp"
 #include "k3/kda/recurrent.hpp"
@@ -162,46 +161,17 @@ inline void transpose_into(T const* K3_RESTRICT src, index_t rows, index_t cols,
     }
 }
 
-// transpose_into with 16 x 16 blocks transposed in registers for float under AVX-512 (the
-// scalar loop costs about two cycles per element; the intra-chunk step transposes the keys
-// and gates of every chunk). Exact: only moves values.
-template <class T>
+// transpose_into with whole 16 x 16 blocks transposed in registers where the ISA file of
+// k3/kda/arch/ serves Arch (the scalar loop costs about two cycles per element; the intra-chunk
+// step transposes the keys and gates of every chunk). Exact: only moves values.
+template <class Arch, class T>
 inline void transpose_fast(T const* K3_RESTRICT src, index_t rows, index_t cols, index_t lds, T* K3_RESTRICT dst, index_t ldd) noexcept {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    index_t const rb = rows / 16 * 16, cb = cols / 16 * 16;
-    for (index_t i0 = 0; i0 < rb; i0 += 16)
-      for (index_t j0 = 0; j0 < cb; j0 += 16) {
-        __m512 r[16], t[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * lds + j0);
-        for (int i = 0; i < 8; ++i) {
-          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        // u[4g + k] holds columns {k, k+4, k+8, k+12} (one per 128-bit lane) of rows 4g..4g+3
-        for (int g = 0; g < 4; ++g) {
-          __m512d const a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
-          __m512d const c2 = _mm512_castps_pd(t[4 * g + 2]), d2 = _mm512_castps_pd(t[4 * g + 3]);
-          r[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c2));
-          r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c2));
-          r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d2));
-          r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d2));
-        }
-        for (int k = 0; k < 4; ++k) {
-          __m512 const x = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44), y = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xEE);
-          __m512 const x2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44), y2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xEE);
-          t[k] = _mm512_shuffle_f32x4(x, x2, 0x88);
-          t[k + 4] = _mm512_shuffle_f32x4(x, x2, 0xDD);
-          t[k + 8] = _mm512_shuffle_f32x4(y, y2, 0x88);
-          t[k + 12] = _mm512_shuffle_f32x4(y, y2, 0xDD);
-        }
-        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + (j0 + j) * ldd + i0, t[j]);
-      }
+  index_t const rb = rows / 16 * 16, cb = cols / 16 * 16;
+  if (kernel::transpose_16x16_blocks(src, rb, cb, lds, dst, ldd, Arch{})) {
     if (cb < cols) transpose_into(src + cb, rb, cols - cb, lds, dst + cb * ldd, ldd);
     if (rb < rows) transpose_into(src + rb * lds, rows - rb, cols, lds, dst + rb, ldd);
     return;
   }
-#endif
   transpose_into(src, rows, cols, lds, dst, ldd);
 }
 
@@ -336,7 +306,7 @@ struct chunk_simd_operands {
     Acc const* gl = w.G.row(c - 1).data();
     if (w.split) {
       build_split_factors(w, c, scale);
-      transpose_fast(Kd.data(), c, K, K, KdT.data(), chunk_size);
+      transpose_fast<Arch>(Kd.data(), c, K, K, KdT.data(), chunk_size);
     } else if (with_qk) {
       batch const sc(scale);
       for (index_t r = 0; r < c; ++r) {
@@ -361,7 +331,7 @@ struct chunk_simd_operands {
           kd[d] = k[d] * egd;
         }
       }
-      transpose_fast(Kd.data(), c, K, K, KdT.data(), chunk_size);
+      transpose_fast<Arch>(Kd.data(), c, K, K, KdT.data(), chunk_size);
     }
     chunk_decay_row<Arch>(w, c, decay.data());
     // Only j <= i is written (the rest stays zero): the triangular kernel reads the entries
@@ -574,7 +544,7 @@ struct chunk_intra_simd {
           (batch::load_unaligned(k + d) * xsimd::exp(batch::load_unaligned(cv.data() + d) - batch::load_unaligned(g + d))).store_unaligned(kb + d);
         for (; d < K; ++d) kb[d] = k[d] * std::exp(cv[std::size_t(d)] - g[d]);
       }
-      transpose_fast(Kbr.data(), BC, K, K, KbT.data(), C);
+      transpose_fast<Arch>(Kbr.data(), BC, K, K, KbT.data(), C);
       if (fwd_KdT) {
         // e^{G_last - G_j} = e^{cI - G_j} e^{G_last - cI} for the columns j of block I
         exp_diff(w.G.row(c - 1).data(), cv.data(), s4.data());

@@ -364,10 +364,10 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
           o.template triangularView<Eigen::StrictlyUpper>().setZero();
       };
       // dAqk = dO U^T (lower part kept)
-      transpose_fast(Up, c, Vp, ldv, UT.data(), C);
+      transpose_fast<Arch>(Up, c, Vp, ldv, UT.data(), C);
       lower_product(Y.data(), UT.data(), w.dAqk, false);
       // dB = A^T dU, dA = dU B^T
-      transpose_fast(Ap, c, c, C, AT.data(), C);
+      transpose_fast<Arch>(Ap, c, c, C, AT.data(), C);
       gemm::run(c, Vp, c, AT.data(), C, dU.data(), Vp, dB.data(), Vp, gemm::zero, nullptr, 2);
       for (index_t r = 0; r < c; ++r) {
         Acc const br = w.beta(r);
@@ -382,7 +382,7 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         }
         dbeta(r) = dot_simd<Arch>(rr, db, Vp);
       }
-      transpose_fast(Bm.data(), c, Vp, Vp, BT.data(), C);
+      transpose_fast<Arch>(Bm.data(), c, Vp, Vp, BT.data(), C);
       // dA = dU B^T, strictly lower part only: A = (I + L)^{-1} with L strictly lower, so every
       // variation of A is strictly lower and the rest of dA does not reach dKK.
       lower_product(dU.data(), BT.data(), w.dA, true);
@@ -405,8 +405,8 @@ void chunk_backward_simd_task(problem const& p, backward_args<In, S> const& a, i
         dbeta(i) += acc;
       }
       // [dO; -dR] S^T = [d(scale Qe)/scale; dKe], U dS^T = dKd
-      transpose_fast(Sp, K, Vp, ldv, ST.data(), Kp);
-      transpose_fast(dS.data(), K, Vp, Vp, dST.data(), Kp);
+      transpose_fast<Arch>(Sp, K, Vp, ldv, ST.data(), Kp);
+      transpose_fast<Arch>(dS.data(), K, Vp, Vp, dST.data(), Kp);
       gemm::run(2 * c, Kp, Vp, Y.data(), Vp, ST.data(), Kp, Z.data(), Kp);
       gemm::run(c, Kp, Vp, Up, ldv, dST.data(), Kp, dKd.data(), Kp);
       // d G_last from the state decay: e^{G_last} rowsum(S .* dS)

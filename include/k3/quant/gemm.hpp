@@ -27,17 +27,15 @@ inline constexpr std::array<float, 256> e4m3_table = [] {
   return t;
 }();
 
-// c + a·b with a single rounding. xsimd 8.1 has no AVX-512 fma kernel (it falls back to a
-// multiply and an add), so AVX-512 uses the intrinsic and other ISAs fma lane by lane: the
-// promotion must round exactly as the reference's std::fma. (The partial sums need no fused
+// c + a·b with a single rounding. On AVX-512 k3::simd::fma is the fused instruction (the
+// intrinsic: xsimd 8.1 has no AVX-512 fma kernel); other ISAs fma lane by lane: the promotion
+// must round exactly as the reference's std::fma. (The partial sums need no fused
 // multiply-add: e4m3 products are exact in fp32.)
 template <class Arch>
 K3_INLINE xsimd::batch<float, Arch> fused_fma(xsimd::batch<float, Arch> a, xsimd::batch<float, Arch> b, xsimd::batch<float, Arch> c) {
-#if defined(__AVX512F__)
   if constexpr (std::is_base_of_v<xsimd::avx512f, Arch>) {
-    return _mm512_fmadd_ps(a, b, c);
+    return k3::simd::fma(a, b, c);
   } else
-#endif
   {
     constexpr std::size_t L = xsimd::batch<float, Arch>::size;
     alignas(64) float av[L], bv[L], cv[L];

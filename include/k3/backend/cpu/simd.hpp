@@ -6,7 +6,8 @@
 //   k3::cpu::threads<Arch>  SIMD kernels + a thread pool over independent work
 //
 // Debian 12 ships xsimd 8.1; upstream 9+ renamed hadd -> reduce_add, and 8.1 has no AVX-512
-// fma. The shims below are the only place that knows.
+// fma. The shims below are the only place that knows. ISA-specific forms of the primitives live
+// in k3/backend/cpu/arch/<isa>.hpp, chosen by the Arch type.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +15,8 @@
 #include <type_traits>
 #include <xsimd/xsimd.hpp>
 
+#include "k3/backend/cpu/arch/avx512.hpp"
+#include "k3/backend/cpu/arch/generic.hpp"
 #include "k3/backend/cpu/serial.hpp"
 #include "k3/backend/cpu/thread_pool.hpp"
 #include "k3/core/concepts.hpp"
@@ -30,59 +33,23 @@ inline T reduce_add(xsimd::batch<T, Arch> const& b) noexcept {
 #endif
 }
 
-// x * y + z and z - x * y with one rounding. xsimd 8 has no AVX-512 kernel for these and falls
-// back to a separate multiply and add, which the compiler fuses at -O2 but not at -O1: results
-// would then depend on the optimisation level, and vector code would disagree with scalar
-// std::fma in the same op.
+// x * y + z and z - x * y with one rounding, whatever the ISA and optimisation level (the vector
+// code must agree with scalar std::fma in the same op).
 template <class T, class Arch>
 inline xsimd::batch<T, Arch> fma(xsimd::batch<T, Arch> const& x, xsimd::batch<T, Arch> const& y,
                                  xsimd::batch<T, Arch> const& z) noexcept {
-#if defined(__AVX512F__)
-  if constexpr (std::is_base_of_v<xsimd::avx512f, Arch> && std::is_same_v<T, float>)
-    return _mm512_fmadd_ps(x, y, z);
-  else if constexpr (std::is_base_of_v<xsimd::avx512f, Arch> && std::is_same_v<T, double>)
-    return _mm512_fmadd_pd(x, y, z);
-  else
-#endif
-    return xsimd::fma(x, y, z);
+  return kernel::fma(x, y, z, Arch{});
 }
 template <class T, class Arch>
 inline xsimd::batch<T, Arch> fnma(xsimd::batch<T, Arch> const& x, xsimd::batch<T, Arch> const& y,
                                   xsimd::batch<T, Arch> const& z) noexcept {
-#if defined(__AVX512F__)
-  if constexpr (std::is_base_of_v<xsimd::avx512f, Arch> && std::is_same_v<T, float>)
-    return _mm512_fnmadd_ps(x, y, z);
-  else if constexpr (std::is_base_of_v<xsimd::avx512f, Arch> && std::is_same_v<T, double>)
-    return _mm512_fnmadd_pd(x, y, z);
-  else
-#endif
-    return xsimd::fnma(x, y, z);
+  return kernel::fnma(x, y, z, Arch{});
 }
 
-// exp(x) for float x <= 0 (NaN passes through; below -104 gives 0), within 2 ulp. On AVX-512
-// it is a Cody-Waite reduction, a degree-7 polynomial and one vscalefps (which scales by 2^n
-// and underflows gracefully): 13 vector operations against xsimd::exp's 25 with its
-// special-case blends, which decides whether a sigmoid keeps up with memory.
+// exp(x) for float x <= 0 (NaN passes through; below -104 gives 0), within 2 ulp.
 template <class Arch>
 inline xsimd::batch<float, Arch> exp_nonpositive(xsimd::batch<float, Arch> const& x) noexcept {
-#if defined(__AVX512F__)
-  if constexpr (std::is_base_of_v<xsimd::avx512f, Arch>) {
-    __m512 const v = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // NaN: the second operand, x
-    __m512 const n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);  // ln 2 = 0.693359375 - 2.12194440e-4
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-  } else
-#endif
-    return xsimd::exp(x);
+  return kernel::exp_nonpositive(x, Arch{});
 }
 
 template <class Arch>

@@ -1,4 +1,6 @@
-// k3/attnres/avx512.hpp — AVX-512 kernels of two-phase Block AttnRes for bfloat16 storage.
+// k3/attnres/arch/avx512.hpp — AVX-512 kernels of two-phase Block AttnRes for bfloat16 storage,
+// for xsimd::avx512bw and the architectures derived from it (kernel::two_phase_kernels<Arch>).
+// Empty unless the translation unit is compiled for AVX-512F and BW.
 //
 // Phase 1 is two small GEMM-shaped products per token: the scores [S x d] . [d x N] (the
 // folded queries are shared by every token) and the mix [S x N] . [N x d]. The portable
@@ -28,63 +30,20 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <xsimd/xsimd.hpp>
 
+#include "k3/attnres/arch/generic.hpp"
 #include "k3/attnres/simd_ops.hpp"
 #include "k3/backend/cpu/simd.hpp"
-#include "k3/core/cpu_info.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/prefetch.hpp"
 #include "k3/core/tensor_view.hpp"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define K3_ATTNRES_AVX512 1
-#else
-#define K3_ATTNRES_AVX512 0
-#endif
 
 namespace k3::attnres::detail {
-
-// Outputs from this size on are written with streaming stores. A cached store to a line that is
-// not present first reads it (read for ownership): a read of every line of a write-only array,
-// which a streaming store skips, at the price of the cache a next reader might have found it
-// in. Where to switch depends on the vendor (as for the quant kernels, core/cpu_info.hpp):
-//  * Intel: 16 MiB, well past the private L2s: an output that large (phase 2's h at K3 shape)
-//    is out of cache before its next reader anyway, so skipping the read for ownership pays.
-//  * AMD and others: 64 MiB, far past the last-level cache (benchmarks/attnres.md).
-inline std::size_t host_stream_threshold_bytes() noexcept {
-  static std::size_t const v =
-      k3::detail::host_cpu_vendor() == k3::detail::cpu_vendor::intel ? std::size_t(16) << 20 : std::size_t(64) << 20;
-  return v;
-}
-
-// True when Arch's kernels may use the intrinsics below (the TU is compiled for AVX-512BW and
-// the backend asked for an AVX-512 arch). Otherwise the portable xsimd kernels run.
-template <class Arch>
-inline constexpr bool avx512_kernels =
-#if K3_ATTNRES_AVX512
-    std::is_base_of_v<xsimd::avx512bw, Arch>;
-#else
-    false;
-#endif
-
-}  // namespace k3::attnres::detail
-
-namespace k3::attnres {
-
-// Per-machine choices of the two-phase kernels, carried in two_phase_options.
-struct tuning {
-  // Outputs of at least this many bytes are written with streaming stores (the vendor's value, see above).
-  std::size_t stream_threshold_bytes = detail::host_stream_threshold_bytes();
-  static tuning host() noexcept { return {}; }
-};
-
-}  // namespace k3::attnres
-
-namespace k3::attnres::detail {
-
-#if K3_ATTNRES_AVX512
 
 inline __m512 bf16_lo16(bfloat16 const* p) noexcept {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p))), 16));
@@ -530,6 +489,39 @@ void copy_row_bf16(O const* K3_RESTRICT o, H* K3_RESTRICT h, index_t d, bool str
 
 inline void stream_fence() noexcept { _mm_sfence(); }
 
-#endif  // K3_ATTNRES_AVX512
-
 }  // namespace k3::attnres::detail
+
+namespace k3::attnres::kernel {
+
+// What two_phase.hpp calls for an AVX-512BW Arch.
+template <class Arch>
+  requires std::is_base_of_v<xsimd::avx512bw, Arch>
+struct two_phase_kernels<Arch> {
+  static constexpr bool available = true;
+  static constexpr index_t p1_tl = detail::p1_tl;
+  static index_t p1_dots_scratch(index_t n, index_t nq) noexcept { return detail::p1_dots_scratch(n, nq); }
+  template <class... A>
+  static void p1_dots_bf16(A&&... a) {
+    detail::p1_dots_bf16<Arch>(std::forward<A>(a)...);
+  }
+  template <class... A>
+  static void p1_mix_bf16(A&&... a) {
+    detail::p1_mix_bf16<Arch>(std::forward<A>(a)...);
+  }
+  template <class... A>
+  static void copy_row_bf16(A&&... a) {
+    detail::copy_row_bf16(std::forward<A>(a)...);
+  }
+  static void eo_permute_query(float const* u, index_t d, float* out) noexcept { detail::eo_permute_query(u, d, out); }
+  template <int Streams>
+  using row_prefetch = detail::row_prefetch<Streams>;
+  template <class... A>
+  static void p2_add_token_bf16(A&&... a) {
+    detail::p2_add_token_bf16<Arch>(std::forward<A>(a)...);
+  }
+  static void stream_fence() noexcept { detail::stream_fence(); }
+};
+
+}  // namespace k3::attnres::kernel
+
+#endif
