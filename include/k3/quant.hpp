@@ -454,4 +454,62 @@ void fp8_block_gemm(B const& b, fp8_block_gemm_args<QA, SA, QB, SB> const& a, fp
   }
 }
 
+// ---- device views handed to a host backend: a compile error naming the fix (the CUDA backend's
+// overloads are in k3/quant/cuda/backend.cuh) ----------------------------------------------------
+template <HostBackend B, class T>
+void fp8_quantize(B const&, fp8_quantize_args<T, cuda_device_space> const&, fp8_quantize_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::quant::fp8_quantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class Out, class QT, class ST>
+void fp8_dequantize(B const&, fp8_dequantize_args<Out, QT, ST, cuda_device_space> const&, fp8_dequantize_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::quant::fp8_dequantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class QT, class ST>
+void fp8_requantize_1x128_to_128x1(B const&, fp8_requantize_args<QT, ST, cuda_device_space> const&, fp8_requantize_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::quant::fp8_requantize_1x128_to_128x1: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class T>
+void mx_quantize(B const&, mx_quantize_args<T, cuda_device_space> const&, mx_quantize_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::quant::mx_quantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class Out, class QT, class ST>
+void mx_dequantize(B const&, mx_dequantize_args<Out, QT, ST, cuda_device_space> const&, mx_dequantize_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::quant::mx_dequantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class T>
+float nvfp4_tensor_scale(B const&, nvfp4_tensor_scale_args<T, cuda_device_space> const&, nvfp4_tensor_scale_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::quant::nvfp4_tensor_scale: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+  return 0.0f;
+}
+template <HostBackend B, class T>
+void nvfp4_quantize(B const&, nvfp4_quantize_args<T, cuda_device_space> const&, nvfp4_quantize_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::quant::nvfp4_quantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class Out, class QT, class ST>
+void nvfp4_dequantize(B const&, nvfp4_dequantize_args<Out, QT, ST, cuda_device_space> const&, nvfp4_dequantize_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::quant::nvfp4_dequantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class QA, class SA, class QB, class SB>
+void fp8_block_gemm(B const&, fp8_block_gemm_args<QA, SA, QB, SB, cuda_device_space> const&, fp8_block_gemm_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::quant::fp8_block_gemm: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+
 }  // namespace k3::quant

@@ -366,10 +366,7 @@ problem validate(backward_args<In, S, Space> const& a, options const& opt) {
   return p;
 }
 
-// False for every backend: the condition of the static_asserts that reject args whose views
-// live in a memory space the backend cannot reach (k3/kda.hpp, k3/kda/cuda/backend.cuh).
-template <class B>
-inline constexpr bool views_in_wrong_space = false;
+using ::k3::detail::views_in_wrong_space;  // k3/core/memory_space.hpp
 
 // Every slot(n) of the N sequences inside a pool of P states and used once; negative slots
 // (padding) are skipped.
