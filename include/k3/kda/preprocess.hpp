@@ -8,11 +8,14 @@
 //   short_conv_decode                           one token per sequence, conv-state pool in place
 //
 // Every op is op(backend, args, options = {}): a host backend (k3::cpu::serial, k3::cpu::simd<>,
-// k3::cpu::threads<>), one args aggregate of views (short_conv_args<In, P>, l2norm_args<In, Rank>,
-// beta_sigmoid_args<In, Rank>, gate_args<In, P> and their *_backward_args, whose gradients are
-// d_<name>; optional members left default-constructed are absent), then the options.
+// k3::cpu::threads<>) or k3::cuda::stream_backend, one args aggregate of views
+// (short_conv_args<In, P>, l2norm_args<In, Rank>, beta_sigmoid_args<In, Rank>, gate_args<In, P>
+// and their *_backward_args, whose gradients are d_<name>; optional members left
+// default-constructed are absent), then the options.
 // Storage: float, double or k3::bfloat16 (fp32 math for bfloat16). Bad input throws k3::error
-// naming the args member.
+// naming the args member. Each args struct's last template parameter is the views' memory
+// space (host_space by default): with cuda_device_space views the same calls run on
+// k3::cuda::stream_backend (k3/kda/cuda/preprocess_backend.cuh), through the same checks.
 #pragma once
 
 #include "k3/kda/preprocess/common.hpp"

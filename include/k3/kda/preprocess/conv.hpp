@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "k3/core/math.hpp"
@@ -41,43 +42,45 @@ struct short_conv_options {
 };
 
 // In: the activations (x, y and their gradients). P: weight, bias and the conv states, which
-// may be stored wider than the activations (float parameters with bfloat16 x and y).
-template <Storage In, Storage P = In>
+// may be stored wider than the activations (float parameters with bfloat16 x and y). Space:
+// where the views live (host_space for the CPU backends, cuda_device_space for
+// k3::cuda::stream_backend, k3/kda/cuda/preprocess_backend.cuh); options stay on the host.
+template <Storage In, Storage P = In, class Space = host_space>
 struct short_conv_args {
-  tensor_view<In const, 3> x;                  // [B, T, C]
-  tensor_view<P const, 2> weight;              // [C, W]
-  tensor_view<P const, 1> bias = {};           // [C]; absent = 0
-  tensor_view<In, 3> y;                        // [B, T, C]
-  tensor_view<P const, 3> initial_state = {};  // [N, C, W-1]; absent = zeros
-  tensor_view<P, 3> final_state = {};          // [N, C, W-1]; may be initial_state itself (in place)
+  tensor_view<In const, 3, Space> x;                  // [B, T, C]
+  tensor_view<P const, 2, Space> weight;              // [C, W]
+  tensor_view<P const, 1, Space> bias = {};           // [C]; absent = 0
+  tensor_view<In, 3, Space> y;                        // [B, T, C]
+  tensor_view<P const, 3, Space> initial_state = {};  // [N, C, W-1]; absent = zeros
+  tensor_view<P, 3, Space> final_state = {};          // [N, C, W-1]; may be initial_state itself (in place)
 };
 
 // The final conv state is treated as not differentiated (decode cache).
-template <Storage In, Storage P = In>
+template <Storage In, Storage P = In, class Space = host_space>
 struct short_conv_backward_args {
-  tensor_view<In const, 3> x;                  // [B, T, C]
-  tensor_view<P const, 2> weight;              // [C, W]
-  tensor_view<P const, 1> bias = {};           // [C]
-  tensor_view<In const, 3> d_y;                // [B, T, C]
-  tensor_view<In, 3> d_x;                      // [B, T, C]
-  tensor_view<P, 2> d_weight = {};             // [C, W]; absent = not wanted
-  tensor_view<P, 1> d_bias = {};               // [C]; also wanted without a bias (the gradient at 0)
-  tensor_view<P const, 3> initial_state = {};  // [N, C, W-1]
-  tensor_view<P, 3> d_initial_state = {};      // [N, C, W-1]; needs initial_state
+  tensor_view<In const, 3, Space> x;                  // [B, T, C]
+  tensor_view<P const, 2, Space> weight;              // [C, W]
+  tensor_view<P const, 1, Space> bias = {};           // [C]
+  tensor_view<In const, 3, Space> d_y;                // [B, T, C]
+  tensor_view<In, 3, Space> d_x;                      // [B, T, C]
+  tensor_view<P, 2, Space> d_weight = {};             // [C, W]; absent = not wanted
+  tensor_view<P, 1, Space> d_bias = {};               // [C]; also wanted without a bias (the gradient at 0)
+  tensor_view<P const, 3, Space> initial_state = {};  // [N, C, W-1]
+  tensor_view<P, 3, Space> d_initial_state = {};      // [N, C, W-1]; needs initial_state
 };
 
 // One new token per sequence; conv_state [P, C, W-1] is a pool updated in place. Sequence n
 // uses slot slots32[n] or slots64[n] (at most one given; distinct, in [0, P)), or slot n
 // without slots (then P >= N).
-template <Storage In, Storage P = In>
+template <Storage In, Storage P = In, class Space = host_space>
 struct short_conv_decode_args {
-  tensor_view<In const, 2> x;       // [N, C]
-  tensor_view<P const, 2> weight;   // [C, W]
-  tensor_view<P const, 1> bias = {};
-  tensor_view<P, 3> conv_state;     // [pool, C, W-1]
-  tensor_view<In, 2> y;             // [N, C]
-  tensor_view<std::int32_t const, 1> slots32 = {};
-  tensor_view<std::int64_t const, 1> slots64 = {};
+  tensor_view<In const, 2, Space> x;       // [N, C]
+  tensor_view<P const, 2, Space> weight;   // [C, W]
+  tensor_view<P const, 1, Space> bias = {};
+  tensor_view<P, 3, Space> conv_state;     // [pool, C, W-1]
+  tensor_view<In, 2, Space> y;             // [N, C]
+  tensor_view<std::int32_t const, 1, Space> slots32 = {};
+  tensor_view<std::int64_t const, 1, Space> slots64 = {};
 };
 
 namespace detail {
@@ -186,6 +189,183 @@ bool pp_same_view(A const& a, B const& b) {
          a.extents() == b.extents() && a.strides() == b.strides();
 }
 
+// What the checks of a prefill call (forward or backward) establish.
+struct pp_conv_problem {
+  std::vector<pp_sequence> seqs;  // one per batch row, or the cu_seqlens segments
+  index_t B = 0, T = 0, C = 0, W = 0;
+  bool in_place = false;  // final_state is initial_state itself (forward)
+};
+
+// Every check of short_conv, for views in any memory space (no element is read but the host
+// cu_seqlens): the host backends and k3::cuda::stream_backend report the same k3::error.
+template <class In, class P, class Space>
+pp_conv_problem pp_validate_short_conv(short_conv_args<In, P, Space> const& a, short_conv_options const& opt) {
+  pp_conv_problem pr;
+  pr.seqs = pp_check_conv(a.x, a.weight, a.bias, opt.cu_seqlens, a.initial_state);
+  pr.B = a.x.extent(0), pr.T = a.x.extent(1), pr.C = a.x.extent(2), pr.W = a.weight.extent(1);
+  ::k3::detail::check_view("y", a.y);
+  ::k3::detail::check_shape("y", a.y, {pr.B, pr.T, pr.C});
+  if (::k3::present(a.final_state)) {
+    ::k3::detail::check_view("final_state", a.final_state);
+    ::k3::detail::check_shape("final_state", a.final_state, {static_cast<index_t>(pr.seqs.size()), pr.C, pr.W - 1});
+  }
+  // final_state may BE initial_state (the in-place update): then initial_state is checked as
+  // that output (against y), not as an input it overlaps.
+  pr.in_place = pp_same_view(a.initial_state, a.final_state);
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("y", a.y);
+        f("final_state", a.final_state);
+      },
+      [&](auto&& f) {
+        f("x", a.x);
+        f("weight", a.weight);
+        f("bias", a.bias);
+        if (!pr.in_place) f("initial_state", a.initial_state);
+      });
+  return pr;
+}
+
+// Every check of short_conv_backward, for views in any memory space.
+template <class In, class P, class Space>
+pp_conv_problem pp_validate_short_conv_backward(short_conv_backward_args<In, P, Space> const& a, short_conv_options const& opt) {
+  pp_conv_problem pr;
+  pr.seqs = pp_check_conv(a.x, a.weight, a.bias, opt.cu_seqlens, a.initial_state);
+  index_t const B = a.x.extent(0), Tn = a.x.extent(1), C = a.x.extent(2), W = a.weight.extent(1);
+  index_t const N = static_cast<index_t>(pr.seqs.size());
+  pr.B = B, pr.T = Tn, pr.C = C, pr.W = W;
+  ::k3::detail::check_view("d_y", a.d_y);
+  ::k3::detail::check_shape("d_y", a.d_y, {B, Tn, C});
+  ::k3::detail::check_view("d_x", a.d_x);
+  ::k3::detail::check_shape("d_x", a.d_x, {B, Tn, C});
+  if (::k3::present(a.d_weight)) {
+    ::k3::detail::check_view("d_weight", a.d_weight);
+    ::k3::detail::check_shape("d_weight", a.d_weight, {C, W});
+  }
+  if (::k3::present(a.d_bias)) {
+    ::k3::detail::check_view("d_bias", a.d_bias);
+    ::k3::detail::check_shape("d_bias", a.d_bias, {C});
+  }
+  if (::k3::present(a.d_initial_state)) {
+    ::k3::detail::require(::k3::present(a.initial_state), error_kind::value,
+                          "argument 'd_initial_state': needs the initial_state it differentiates");
+    ::k3::detail::check_view("d_initial_state", a.d_initial_state);
+    ::k3::detail::check_shape("d_initial_state", a.d_initial_state, {N, C, W - 1});
+  }
+  // Every output: not broadcast, not over an input or another output.
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("d_x", a.d_x);
+        f("d_weight", a.d_weight);
+        f("d_bias", a.d_bias);
+        f("d_initial_state", a.d_initial_state);
+      },
+      [&](auto&& f) {
+        f("x", a.x);
+        f("weight", a.weight);
+        f("bias", a.bias);
+        f("d_y", a.d_y);
+        f("initial_state", a.initial_state);
+      });
+  return pr;
+}
+
+// What the checks of a decode step establish: the pool slot of each sequence.
+struct pp_decode_problem {
+  index_t N = 0, C = 0, W = 0, pool = 0;
+  std::vector<index_t> slot;  // [N]
+};
+
+// The slots of a decode call on the host, as indices.
+template <class In, class P>
+std::vector<index_t> pp_read_slots(short_conv_decode_args<In, P, host_space> const& a) {
+  index_t const N = a.x.extent(0);
+  std::vector<index_t> s(static_cast<std::size_t>(N));
+  for (index_t n = 0; n < N; ++n)
+    s[static_cast<std::size_t>(n)] = ::k3::present(a.slots32) ? static_cast<index_t>(a.slots32(n)) : static_cast<index_t>(a.slots64(n));
+  return s;
+}
+
+// Every check of short_conv_decode, for views in any memory space. read_slots() returns the N
+// slot values on the host; it is called only when slots are given and their views passed the
+// checks (a device backend copies them back there).
+template <class In, class P, class Space, class ReadSlots>
+pp_decode_problem pp_validate_short_conv_decode(short_conv_decode_args<In, P, Space> const& a, short_conv_options const& opt,
+                                                ReadSlots&& read_slots) {
+  auto const& x = a.x;
+  auto const& weight = a.weight;
+  auto const& bias = a.bias;
+  auto const& conv_state = a.conv_state;
+  auto const& y = a.y;
+  auto const& slots32 = a.slots32;
+  auto const& slots64 = a.slots64;
+  ::k3::detail::require(!opt.cu_seqlens.present(), error_kind::value, "option 'cu_seqlens': not used by the decode step (one token per sequence)");
+  ::k3::detail::check_view("x", x);
+  ::k3::detail::check_view("weight", weight);
+  ::k3::detail::check_view("conv_state", conv_state);
+  ::k3::detail::check_view("y", y);
+  index_t const N = x.extent(0), C = x.extent(1);
+  ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
+  index_t const W = weight.extent(1);
+  ::k3::detail::require(W >= 1, error_kind::shape, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
+  if (::k3::present(bias)) {
+    ::k3::detail::check_view("bias", bias);
+    ::k3::detail::check_shape("bias", bias, {C});
+  }
+  ::k3::detail::check_shape("conv_state", conv_state, {::k3::detail::any_extent, C, W - 1});
+  ::k3::detail::check_shape("y", y, {N, C});
+  index_t const P_ = conv_state.extent(0);
+  bool const has32 = ::k3::present(slots32), has64 = ::k3::present(slots64);
+  ::k3::detail::require(!(has32 && has64), error_kind::value, "argument 'slots64': give at most one of slots32 (int32) or slots64 (int64)");
+  std::vector<index_t> slot(static_cast<std::size_t>(N));
+  if (!has32 && !has64) {
+    ::k3::detail::require(P_ >= N, error_kind::shape, [&] {
+      return "argument 'conv_state': without slots the pool needs at least N = " + std::to_string(N) + " states, got " +
+             ::k3::detail::shape_of(conv_state);
+    });
+    for (index_t n = 0; n < N; ++n) slot[static_cast<std::size_t>(n)] = n;
+  } else {
+    char const* const sname = has32 ? "slots32" : "slots64";
+    if (has32) {
+      ::k3::detail::check_view(sname, slots32);
+      ::k3::detail::check_shape(sname, slots32, {N});
+    } else {
+      ::k3::detail::check_view(sname, slots64);
+      ::k3::detail::check_shape(sname, slots64, {N});
+    }
+    std::vector<index_t> const given = read_slots();
+    std::vector<char> used(static_cast<std::size_t>(P_), 0);
+    for (index_t n = 0; n < N; ++n) {
+      index_t const s = given[static_cast<std::size_t>(n)];
+      ::k3::detail::require(s >= 0 && s < P_, error_kind::value, [&] {
+        return "argument '" + std::string(sname) + "': slot " + std::to_string(s) + " at index " + std::to_string(n) +
+               " is outside the pool [0, " + std::to_string(P_) + ")";
+      });
+      ::k3::detail::require(!used[static_cast<std::size_t>(s)], error_kind::value, [&] {
+        return "argument '" + std::string(sname) + "': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
+      });
+      used[static_cast<std::size_t>(s)] = 1;
+      slot[static_cast<std::size_t>(n)] = s;
+    }
+  }
+  // The pool is updated in place (its own input): a stride-0 dimension would make distinct
+  // states (or channels, or taps) one address. y and the pool: not broadcast, not over an
+  // input or each other.
+  ::k3::detail::check_outputs_apart(
+      [&](auto&& f) {
+        f("conv_state", conv_state);
+        f("y", y);
+      },
+      [&](auto&& f) {
+        f("x", x);
+        f("weight", weight);
+        f("bias", bias);
+        f("slots32", slots32);
+        f("slots64", slots64);
+      });
+  return {N, C, W, P_, std::move(slot)};
+}
+
 }  // namespace detail
 
 // Prefill: y = silu(conv(x) + bias); optionally reads an initial conv state and writes the
@@ -205,29 +385,10 @@ void short_conv(Bk const& b, short_conv_args<In, P> const& a, short_conv_options
   using S0 = std::remove_cvref_t<decltype(initial_state)>;
   using S1 = std::remove_cvref_t<decltype(final_state)>;
   bool const silu = opt.silu;
-  auto const seqs = detail::pp_check_conv(x, weight, bias, opt.cu_seqlens, initial_state);
-  index_t const B = x.extent(0), Tn = x.extent(1), C = x.extent(2), W = weight.extent(1);
-  ::k3::detail::check_view("y", y);
-  ::k3::detail::check_shape("y", y, {B, Tn, C});
+  auto const pr = detail::pp_validate_short_conv(a, opt);
+  auto const& seqs = pr.seqs;
+  index_t const B = pr.B, Tn = pr.T, C = pr.C, W = pr.W;
   bool const has_final = ::k3::present(final_state);
-  if (has_final) {
-    ::k3::detail::check_view("final_state", final_state);
-    ::k3::detail::check_shape("final_state", final_state, {static_cast<index_t>(seqs.size()), C, W - 1});
-  }
-  // final_state may BE initial_state (the in-place update): then initial_state is checked as
-  // that output (against y), not as an input it overlaps.
-  bool const in_place = detail::pp_same_view(initial_state, final_state);
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("y", y);
-        f("final_state", final_state);
-      },
-      [&](auto&& f) {
-        f("x", x);
-        f("weight", weight);
-        f("bias", bias);
-        if (!in_place) f("initial_state", initial_state);
-      });
   using T = detail::pp_compute_t<X, Wt, Bias, Y, S0, S1>;
   bool const varlen = opt.cu_seqlens.present();
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
@@ -312,44 +473,11 @@ void short_conv_backward(Bk const& b, short_conv_backward_args<In, P> const& a, 
   using S0 = std::remove_cvref_t<decltype(initial_state)>;
   using DS0 = std::remove_cvref_t<decltype(d_initial_state)>;
   bool const silu = opt.silu;
-  auto const seqs = detail::pp_check_conv(x, weight, bias, opt.cu_seqlens, initial_state);
-  index_t const B = x.extent(0), Tn = x.extent(1), C = x.extent(2), W = weight.extent(1);
+  auto const pr = detail::pp_validate_short_conv_backward(a, opt);
+  auto const& seqs = pr.seqs;
+  index_t const B = pr.B, Tn = pr.T, C = pr.C, W = pr.W;
   index_t const N = static_cast<index_t>(seqs.size());
-  ::k3::detail::check_view("d_y", dy);
-  ::k3::detail::check_shape("d_y", dy, {B, Tn, C});
-  ::k3::detail::check_view("d_x", dx);
-  ::k3::detail::check_shape("d_x", dx, {B, Tn, C});
   bool const has_dw = ::k3::present(dweight), has_db = ::k3::present(dbias), has_ds0 = ::k3::present(d_initial_state);
-  if (has_dw) {
-    ::k3::detail::check_view("d_weight", dweight);
-    ::k3::detail::check_shape("d_weight", dweight, {C, W});
-  }
-  if (has_db) {
-    ::k3::detail::check_view("d_bias", dbias);
-    ::k3::detail::check_shape("d_bias", dbias, {C});
-  }
-  if (has_ds0) {
-    ::k3::detail::require(::k3::present(initial_state), error_kind::value,
-                          "argument 'd_initial_state': needs the initial_state it differentiates");
-    ::k3::detail::check_view("d_initial_state", d_initial_state);
-    ::k3::detail::check_shape("d_initial_state", d_initial_state, {N, C, W - 1});
-  }
-  // Every output: not broadcast, not over an input or another output.
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("d_x", dx);
-        f("d_weight", dweight);
-        f("d_bias", dbias);
-        f("d_initial_state", d_initial_state);
-      },
-      [&](auto&& f) {
-        f("x", x);
-        f("weight", weight);
-        f("bias", bias);
-        f("d_y", dy);
-        f("initial_state", initial_state);
-      });
-
   using T = detail::pp_compute_t<X, Wt, Bias, DY, DX, DW, DB, S0, DS0>;
   bool const varlen = opt.cu_seqlens.present();
   std::vector<index_t> const own = varlen ? detail::pp_token_owner(seqs, Tn) : std::vector<index_t>{};
@@ -502,77 +630,15 @@ void short_conv_decode(Bk const& b, short_conv_decode_args<In, P> const& a, shor
   auto const& bias = a.bias;
   auto const& conv_state = a.conv_state;
   auto const& y = a.y;
-  auto const& slots32 = a.slots32;
-  auto const& slots64 = a.slots64;
   using X = std::remove_cvref_t<decltype(x)>;
   using Wt = std::remove_cvref_t<decltype(weight)>;
   using Bias = std::remove_cvref_t<decltype(bias)>;
   using St = std::remove_cvref_t<decltype(conv_state)>;
   using Y = std::remove_cvref_t<decltype(y)>;
   bool const silu = opt.silu;
-  ::k3::detail::require(!opt.cu_seqlens.present(), error_kind::value, "option 'cu_seqlens': not used by the decode step (one token per sequence)");
-  ::k3::detail::check_view("x", x);
-  ::k3::detail::check_view("weight", weight);
-  ::k3::detail::check_view("conv_state", conv_state);
-  ::k3::detail::check_view("y", y);
-  index_t const N = x.extent(0), C = x.extent(1);
-  ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
-  index_t const W = weight.extent(1);
-  ::k3::detail::require(W >= 1, error_kind::shape, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
-  if (::k3::present(bias)) {
-    ::k3::detail::check_view("bias", bias);
-    ::k3::detail::check_shape("bias", bias, {C});
-  }
-  ::k3::detail::check_shape("conv_state", conv_state, {::k3::detail::any_extent, C, W - 1});
-  ::k3::detail::check_shape("y", y, {N, C});
-  index_t const P_ = conv_state.extent(0);
-  bool const has32 = ::k3::present(slots32), has64 = ::k3::present(slots64);
-  ::k3::detail::require(!(has32 && has64), error_kind::value, "argument 'slots64': give at most one of slots32 (int32) or slots64 (int64)");
-  std::vector<index_t> slot(static_cast<std::size_t>(N));
-  if (!has32 && !has64) {
-    ::k3::detail::require(P_ >= N, error_kind::shape, [&] {
-      return "argument 'conv_state': without slots the pool needs at least N = " + std::to_string(N) + " states, got " +
-             ::k3::detail::shape_of(conv_state);
-    });
-    for (index_t n = 0; n < N; ++n) slot[static_cast<std::size_t>(n)] = n;
-  } else {
-    char const* const sname = has32 ? "slots32" : "slots64";
-    if (has32) {
-      ::k3::detail::check_view(sname, slots32);
-      ::k3::detail::check_shape(sname, slots32, {N});
-    } else {
-      ::k3::detail::check_view(sname, slots64);
-      ::k3::detail::check_shape(sname, slots64, {N});
-    }
-    std::vector<char> used(static_cast<std::size_t>(P_), 0);
-    for (index_t n = 0; n < N; ++n) {
-      index_t const s = has32 ? static_cast<index_t>(slots32(n)) : static_cast<index_t>(slots64(n));
-      ::k3::detail::require(s >= 0 && s < P_, error_kind::value, [&] {
-        return "argument '" + std::string(sname) + "': slot " + std::to_string(s) + " at index " + std::to_string(n) +
-               " is outside the pool [0, " + std::to_string(P_) + ")";
-      });
-      ::k3::detail::require(!used[static_cast<std::size_t>(s)], error_kind::value, [&] {
-        return "argument '" + std::string(sname) + "': slot " + std::to_string(s) + " appears twice (index " + std::to_string(n) + ")";
-      });
-      used[static_cast<std::size_t>(s)] = 1;
-      slot[static_cast<std::size_t>(n)] = s;
-    }
-  }
-  // The pool is updated in place (its own input): a stride-0 dimension would make distinct
-  // states (or channels, or taps) one address. y and the pool: not broadcast, not over an
-  // input or each other.
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("conv_state", conv_state);
-        f("y", y);
-      },
-      [&](auto&& f) {
-        f("x", x);
-        f("weight", weight);
-        f("bias", bias);
-        f("slots32", slots32);
-        f("slots64", slots64);
-      });
+  auto const pr = detail::pp_validate_short_conv_decode(a, opt, [&] { return detail::pp_read_slots(a); });
+  index_t const N = pr.N, C = pr.C, W = pr.W;
+  std::vector<index_t> const& slot = pr.slot;
   using T = detail::pp_compute_t<X, Wt, Bias, St, Y>;
   using SS = detail::pp_elem_t<St>;
   b.for_each(0, N, [&](index_t n) {
@@ -594,6 +660,27 @@ void short_conv_decode(Bk const& b, short_conv_decode_args<In, P> const& a, shor
       for (index_t c = 0; c < nc; ++c) y(n, c0 + c) = store_as<detail::pp_elem_t<Y>>(pre[c]);
     }
   });
+}
+
+// Device views handed to a host backend: a compile error naming the fix (the CUDA backend's
+// overloads are in k3/kda/cuda/preprocess_backend.cuh).
+template <HostBackend Bk, class In, class P>
+void short_conv(Bk const&, short_conv_args<In, P, cuda_device_space> const&, short_conv_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::short_conv: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend Bk, class In, class P>
+void short_conv_backward(Bk const&, short_conv_backward_args<In, P, cuda_device_space> const&, short_conv_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::short_conv_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend Bk, class In, class P>
+void short_conv_decode(Bk const&, short_conv_decode_args<In, P, cuda_device_space> const&, short_conv_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::short_conv_decode: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
 }
 
 }  // namespace k3::kda

@@ -32,52 +32,54 @@
 
 namespace k3::kda {
 
-template <Storage In, std::size_t Rank = 4>
+// Space: where the views live (host_space for the CPU backends, cuda_device_space for
+// k3::cuda::stream_backend, k3/kda/cuda/preprocess_backend.cuh).
+template <Storage In, std::size_t Rank = 4, class Space = host_space>
 struct l2norm_args {
-  tensor_view<In const, Rank> x;
-  tensor_view<In, Rank> y;  // same shape as x
+  tensor_view<In const, Rank, Space> x;
+  tensor_view<In, Rank, Space> y;  // same shape as x
 };
-template <Storage In, std::size_t Rank = 4>
+template <Storage In, std::size_t Rank = 4, class Space = host_space>
 struct l2norm_backward_args {
-  tensor_view<In const, Rank> x;    // the forward's input (y is recomputed from it)
-  tensor_view<In const, Rank> d_y;
-  tensor_view<In, Rank> d_x;
+  tensor_view<In const, Rank, Space> x;    // the forward's input (y is recomputed from it)
+  tensor_view<In const, Rank, Space> d_y;
+  tensor_view<In, Rank, Space> d_x;
 };
 // The epsilon is fixed at l2norm_eps (fla's); the struct keeps the call shape uniform.
 struct l2norm_options {};
 
-template <Storage In, std::size_t Rank = 3>
+template <Storage In, std::size_t Rank = 3, class Space = host_space>
 struct beta_sigmoid_args {
-  tensor_view<In const, Rank> x;
-  tensor_view<In, Rank> beta;  // same shape as x
+  tensor_view<In const, Rank, Space> x;
+  tensor_view<In, Rank, Space> beta;  // same shape as x
 };
-template <Storage In, std::size_t Rank = 3>
+template <Storage In, std::size_t Rank = 3, class Space = host_space>
 struct beta_sigmoid_backward_args {
-  tensor_view<In const, Rank> x;
-  tensor_view<In const, Rank> d_beta;
-  tensor_view<In, Rank> d_x;
+  tensor_view<In const, Rank, Space> x;
+  tensor_view<In const, Rank, Space> d_beta;
+  tensor_view<In, Rank, Space> d_x;
 };
 struct beta_sigmoid_options {
   bool allow_neg_eigval = false;  // beta = 2 sigmoid(x), in (0, 2)
 };
 
 // In: x, g and their gradients; P: A_log, dt_bias and their gradients.
-template <Storage In, Storage P = In>
+template <Storage In, Storage P = In, class Space = host_space>
 struct gate_args {
-  tensor_view<In const, 4> x;           // [B, T, HV, K]
-  tensor_view<P const, 1> A_log = {};   // [HV]; absent = 0
-  tensor_view<P const, 2> dt_bias = {}; // [HV, K]; absent = 0
-  tensor_view<In, 4> g;                 // [B, T, HV, K]
+  tensor_view<In const, 4, Space> x;           // [B, T, HV, K]
+  tensor_view<P const, 1, Space> A_log = {};   // [HV]; absent = 0
+  tensor_view<P const, 2, Space> dt_bias = {}; // [HV, K]; absent = 0
+  tensor_view<In, 4, Space> g;                 // [B, T, HV, K]
 };
-template <Storage In, Storage P = In>
+template <Storage In, Storage P = In, class Space = host_space>
 struct gate_backward_args {
-  tensor_view<In const, 4> x;
-  tensor_view<P const, 1> A_log = {};
-  tensor_view<P const, 2> dt_bias = {};
-  tensor_view<In const, 4> d_g;
-  tensor_view<In, 4> d_x;
-  tensor_view<P, 1> d_A_log = {};    // sum over B, T, K; absent = not wanted
-  tensor_view<P, 2> d_dt_bias = {};  // sum over B, T; absent = not wanted
+  tensor_view<In const, 4, Space> x;
+  tensor_view<P const, 1, Space> A_log = {};
+  tensor_view<P const, 2, Space> dt_bias = {};
+  tensor_view<In const, 4, Space> d_g;
+  tensor_view<In, 4, Space> d_x;
+  tensor_view<P, 1, Space> d_A_log = {};    // sum over B, T, K; absent = not wanted
+  tensor_view<P, 2, Space> d_dt_bias = {};  // sum over B, T; absent = not wanted
 };
 // gate_softplus has no options; the struct keeps the call shape uniform.
 struct gate_softplus_options {};
@@ -118,6 +120,49 @@ T l2norm_rstd(T ss, index_t D, Load const& load) {
   return sc / std::sqrt(s2 + T(l2norm_eps) * sc * sc);
 }
 
+// The checks of each row-wise op, for views in any memory space (no element is read): the host
+// backends and k3::cuda::stream_backend report the same k3::error.
+template <class In, std::size_t Rank, class Space>
+void pp_validate_l2norm(l2norm_args<In, Rank, Space> const& a) {
+  ::k3::detail::check_view("x", a.x);
+  ::k3::detail::check_view("y", a.y);
+  pp_check_same_shape("x", a.x, "y", a.y);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("y", a.y); }, [&](auto&& f) { f("x", a.x); });
+}
+template <class In, std::size_t Rank, class Space>
+void pp_validate_l2norm_backward(l2norm_backward_args<In, Rank, Space> const& a) {
+  ::k3::detail::check_view("x", a.x);
+  ::k3::detail::check_view("d_y", a.d_y);
+  ::k3::detail::check_view("d_x", a.d_x);
+  pp_check_same_shape("x", a.x, "d_y", a.d_y);
+  pp_check_same_shape("x", a.x, "d_x", a.d_x);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("d_x", a.d_x); },
+                                    [&](auto&& f) {
+                                      f("x", a.x);
+                                      f("d_y", a.d_y);
+                                    });
+}
+template <class In, std::size_t Rank, class Space>
+void pp_validate_beta_sigmoid(beta_sigmoid_args<In, Rank, Space> const& a) {
+  ::k3::detail::check_view("x", a.x);
+  ::k3::detail::check_view("beta", a.beta);
+  pp_check_same_shape("x", a.x, "beta", a.beta);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("beta", a.beta); }, [&](auto&& f) { f("x", a.x); });
+}
+template <class In, std::size_t Rank, class Space>
+void pp_validate_beta_sigmoid_backward(beta_sigmoid_backward_args<In, Rank, Space> const& a) {
+  ::k3::detail::check_view("x", a.x);
+  ::k3::detail::check_view("d_beta", a.d_beta);
+  ::k3::detail::check_view("d_x", a.d_x);
+  pp_check_same_shape("x", a.x, "d_beta", a.d_beta);
+  pp_check_same_shape("x", a.x, "d_x", a.d_x);
+  ::k3::detail::check_outputs_apart([&](auto&& f) { f("d_x", a.d_x); },
+                                    [&](auto&& f) {
+                                      f("x", a.x);
+                                      f("d_beta", a.d_beta);
+                                    });
+}
+
 }  // namespace detail
 
 template <HostBackend Bk, class In, std::size_t Rank>
@@ -128,10 +173,7 @@ void l2norm(Bk const& b, l2norm_args<In, Rank> const& a, l2norm_options const& =
   using X = std::remove_cvref_t<decltype(x)>;
   using Y = std::remove_cvref_t<decltype(y)>;
   using T = detail::pp_compute_t<X, Y>;
-  ::k3::detail::check_view("x", x);
-  ::k3::detail::check_view("y", y);
-  detail::pp_check_same_shape("x", x, "y", y);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("y", y); }, [&](auto&& f) { f("x", x); });
+  detail::pp_validate_l2norm(a);
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sy = y.stride(L);
   auto const x_row = detail::pp_row_map(x);
@@ -185,16 +227,7 @@ void l2norm_backward(Bk const& b, l2norm_backward_args<In, Rank> const& a, l2nor
   using DY = std::remove_cvref_t<decltype(dy)>;
   using DX = std::remove_cvref_t<decltype(dx)>;
   using T = detail::pp_compute_t<X, DY, DX>;
-  ::k3::detail::check_view("x", x);
-  ::k3::detail::check_view("d_y", dy);
-  ::k3::detail::check_view("d_x", dx);
-  detail::pp_check_same_shape("x", x, "d_y", dy);
-  detail::pp_check_same_shape("x", x, "d_x", dx);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("d_x", dx); },
-                                    [&](auto&& f) {
-                                      f("x", x);
-                                      f("d_y", dy);
-                                    });
+  detail::pp_validate_l2norm_backward(a);
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sg = dy.stride(L), sd = dx.stride(L);
   auto const x_row = detail::pp_row_map(x);
@@ -235,10 +268,7 @@ void beta_sigmoid(Bk const& b, beta_sigmoid_args<In, Rank> const& a, beta_sigmoi
   using X = std::remove_cvref_t<decltype(x)>;
   using Y = std::remove_cvref_t<decltype(beta)>;
   using T = detail::pp_compute_t<X, Y>;
-  ::k3::detail::check_view("x", x);
-  ::k3::detail::check_view("beta", beta);
-  detail::pp_check_same_shape("x", x, "beta", beta);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("beta", beta); }, [&](auto&& f) { f("x", x); });
+  detail::pp_validate_beta_sigmoid(a);
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sy = beta.stride(L);
   T const s = allow_neg_eigval ? T(2) : T(1);
@@ -262,16 +292,7 @@ void beta_sigmoid_backward(Bk const& b, beta_sigmoid_backward_args<In, Rank> con
   using DY = std::remove_cvref_t<decltype(dbeta)>;
   using DX = std::remove_cvref_t<decltype(dx)>;
   using T = detail::pp_compute_t<X, DY, DX>;
-  ::k3::detail::check_view("x", x);
-  ::k3::detail::check_view("d_beta", dbeta);
-  ::k3::detail::check_view("d_x", dx);
-  detail::pp_check_same_shape("x", x, "d_beta", dbeta);
-  detail::pp_check_same_shape("x", x, "d_x", dx);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("d_x", dx); },
-                                    [&](auto&& f) {
-                                      f("x", x);
-                                      f("d_beta", dbeta);
-                                    });
+  detail::pp_validate_beta_sigmoid_backward(a);
   constexpr std::size_t L = X::rank() - 1;
   index_t const D = x.extent(L), sx = x.stride(L), sg = dbeta.stride(L), sd = dx.stride(L);
   T const s = allow_neg_eigval ? T(2) : T(1);
@@ -390,9 +411,15 @@ void pp_gate_forward_checks(X const& x, A const& A_log, Bias const& dt_bias, dou
                                     });
 }
 
+// Every check of a gate's forward, for views in any memory space (shared with the CUDA backend).
+template <pp_gate Kind, class In, class P, class Space>
+void pp_validate_gate(gate_args<In, P, Space> const& a, double lb) {
+  pp_gate_forward_checks<Kind>(a.x, a.A_log, a.dt_bias, lb, a.g);
+}
+
 template <pp_gate Kind, class Bk, class In, class P>
 void pp_gate_run(Bk const& b, gate_args<In, P> const& a, double lb) {
-  pp_gate_forward_checks<Kind>(a.x, a.A_log, a.dt_bias, lb, a.g);
+  pp_validate_gate<Kind>(a, lb);
   if (::k3::present(a.dt_bias))
     pp_gate_forward<Kind, true>(b, a.x, a.A_log, a.dt_bias, lb, a.g);
   else
@@ -501,9 +528,15 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
   }
 }
 
+// Every check of a gate's backward, for views in any memory space.
+template <pp_gate Kind, class In, class P, class Space>
+void pp_validate_gate_backward(gate_backward_args<In, P, Space> const& a, double lb) {
+  pp_gate_backward_checks<Kind>(a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias);
+}
+
 template <pp_gate Kind, class Bk, class In, class P>
 void pp_gate_backward_run(Bk const& b, gate_backward_args<In, P> const& a, double lb) {
-  pp_gate_backward_checks<Kind>(a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias);
+  pp_validate_gate_backward<Kind>(a, lb);
   if (::k3::present(a.dt_bias))
     pp_gate_backward<Kind, true>(b, a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias);
   else
@@ -533,6 +566,57 @@ void gate_lower_bound(Bk const& b, gate_args<In, P> const& a, gate_options const
 template <HostBackend Bk, class In, class P>
 void gate_lower_bound_backward(Bk const& b, gate_backward_args<In, P> const& a, gate_options const& opt = {}) {
   detail::pp_gate_backward_run<detail::pp_gate::lower_bound>(b, a, opt.lower_bound);
+}
+
+// Device views handed to a host backend: a compile error naming the fix (the CUDA backend's
+// overloads are in k3/kda/cuda/preprocess_backend.cuh).
+template <HostBackend Bk, class In, std::size_t Rank>
+void l2norm(Bk const&, l2norm_args<In, Rank, cuda_device_space> const&, l2norm_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::l2norm: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend Bk, class In, std::size_t Rank>
+void l2norm_backward(Bk const&, l2norm_backward_args<In, Rank, cuda_device_space> const&, l2norm_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::l2norm_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend Bk, class In, std::size_t Rank>
+void beta_sigmoid(Bk const&, beta_sigmoid_args<In, Rank, cuda_device_space> const&, beta_sigmoid_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::beta_sigmoid: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend Bk, class In, std::size_t Rank>
+void beta_sigmoid_backward(Bk const&, beta_sigmoid_backward_args<In, Rank, cuda_device_space> const&, beta_sigmoid_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::beta_sigmoid_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend Bk, class In, class P>
+void gate_softplus(Bk const&, gate_args<In, P, cuda_device_space> const&, gate_softplus_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::gate_softplus: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend Bk, class In, class P>
+void gate_softplus_backward(Bk const&, gate_backward_args<In, P, cuda_device_space> const&, gate_softplus_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::gate_softplus_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend Bk, class In, class P>
+void gate_lower_bound(Bk const&, gate_args<In, P, cuda_device_space> const&, gate_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::gate_lower_bound: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend Bk, class In, class P>
+void gate_lower_bound_backward(Bk const&, gate_backward_args<In, P, cuda_device_space> const&, gate_options const& = {}) {
+  static_assert(detail::views_in_wrong_space<Bk>,
+                "k3::kda::gate_lower_bound_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
 }
 
 }  // namespace k3::kda
