@@ -68,16 +68,7 @@ void route(B const& backend, route_args<T> const& a, router_options const& opt =
   detail::route_outputs const out{a.indices, a.weights, a.cutoff, a.load};
   detail::validate_route(a.scores, a.bias, out, opt, a.mask);
   qb_histogram* const hist = a.histogram;
-  if (hist) {
-    detail::require(opt.n_groups == 1, error_kind::value, [&] { return detail::qb_groups_message(opt.n_groups); });
-    detail::require(hist->experts() == a.scores.extent(1), error_kind::shape, [&] {
-      return "argument 'histogram': built for " + std::to_string(hist->experts()) + " experts, scores have " +
-             std::to_string(a.scores.extent(1));
-    });
-    detail::require(hist->experts() * hist->bins() <= index_t(0x7fffffff), error_kind::value, [&] {
-      return "argument 'histogram': experts x bins = " + std::to_string(hist->experts() * hist->bins()) + " exceeds 2^31 - 1";
-    });
-  }
+  if (hist) detail::check_route_histogram(*hist, opt, a.scores.extent(1));
   if constexpr (detail::is_threads_backend<B>::value) {
     detail::route_threads_impl(backend, a.scores, a.bias, out, opt, a.mask, hist);
   } else {
@@ -90,6 +81,15 @@ void route(B const& backend, route_args<T> const& a, router_options const& opt =
     detail::route_serial(a.scores, a.bias, o, opt, a.mask);
     qb_accumulate(backend, qb_accumulate_args<float>{.scores = a.scores, .cutoff = o.cutoff, .mask = a.mask, .histogram = hist}, opt);
   }
+}
+
+// Device views handed to a host backend: a compile error naming the fix (the CUDA backend's
+// overload is in k3/moe/cuda/route_backend.cuh).
+template <HostBackend B, class T>
+void route(B const&, route_args<T, cuda_device_space> const&, router_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::moe::route: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
 }
 
 enum class qb_mode { exact, histogram };

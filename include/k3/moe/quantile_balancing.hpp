@@ -172,6 +172,21 @@ class qb_histogram {
 
 namespace detail {
 
+// The histogram's checks of route() on every backend.
+inline void check_route_histogram(qb_histogram const& hist, router_options const& opt, index_t n) {
+  ::k3::detail::require(opt.n_groups == 1, error_kind::value, [&] { return qb_groups_message(opt.n_groups); });
+  ::k3::detail::require(hist.experts() == n, error_kind::shape, [&] {
+    return "argument 'histogram': built for " + std::to_string(hist.experts()) + " experts, scores have " + std::to_string(n);
+  });
+  ::k3::detail::require(hist.experts() * hist.bins() <= index_t(0x7fffffff), error_kind::value, [&] {
+    return "argument 'histogram': experts x bins = " + std::to_string(hist.experts() * hist.bins()) + " exceeds 2^31 - 1";
+  });
+}
+
+}  // namespace detail
+
+namespace detail {
+
 inline void check_qb_inputs(const_view<float, 2> scores, const_view<float, 1> cutoff, const_view<std::uint8_t, 1> mask,
                             router_options const& opt) {
   ::k3::detail::check_view("scores", scores);

@@ -48,16 +48,18 @@ class qb_histogram;  // k3/moe/quantile_balancing.hpp
 // optional ([m], nonzero = real token); indices and weights are required outputs, cutoff and
 // load are filled when present. A present histogram (training only) gets the margins
 // alpha_i - s_ij of the real tokens ADDED; build it with qb_histogram::for_bias(bias) so its
-// bounds come from the bias used here.
-template <class T>
+// bounds come from the bias used here. The views live in `Space`: host_space for the CPU
+// backends (k3/moe.hpp takes only these), cuda_device_space for k3::cuda::stream_backend
+// (k3/moe/cuda/route_backend.cuh); the histogram stays on the host either way.
+template <class T, class Space = host_space>
 struct route_args {
-  const_view<T, 2> scores;                 // [m, n]
-  const_view<float, 1> bias = {};          // [n]; absent only through quantile_balancer::route
-  const_view<std::uint8_t, 1> mask = {};   // [m]
-  tensor_view<std::int32_t, 2> indices;    // [m, k]
-  tensor_view<float, 2> weights;           // [m, k]
-  tensor_view<float, 1> cutoff = {};       // [m]  alpha_i, the (k+1)-th biased score
-  tensor_view<std::int64_t, 1> load = {};  // [n]  tokens per expert (padding excluded)
+  const_view<T, 2, Space> scores;                 // [m, n]
+  const_view<float, 1, Space> bias = {};          // [n]; absent only through quantile_balancer::route
+  const_view<std::uint8_t, 1, Space> mask = {};   // [m]
+  tensor_view<std::int32_t, 2, Space> indices;    // [m, k]
+  tensor_view<float, 2, Space> weights;           // [m, k]
+  tensor_view<float, 1, Space> cutoff = {};       // [m]  alpha_i, the (k+1)-th biased score
+  tensor_view<std::int64_t, 1, Space> load = {};  // [n]  tokens per expert (padding excluded)
   qb_histogram* histogram = nullptr;
 };
 
@@ -119,8 +121,13 @@ inline float load_score(float x, score_kind kind) noexcept {
   return kind == score_kind::logits ? ::k3::detail::sigmoid(x) : x;
 }
 
-inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bias, route_outputs const& out,
-                           router_options const& opt, const_view<std::uint8_t, 1> mask) {
+// The argument checks of route() on every backend: views of either space, `out` anything with
+// indices, weights, cutoff and load (route_outputs, route_args). bias_values(n) checks the bias
+// values where the caller can read them (the host; the CUDA backend reads them from the device
+// after these checks).
+template <class Scores, class Bias, class Outputs, class Mask, class BiasValues>
+void validate_route_args(Scores const& scores, Bias const& bias, Outputs const& out, router_options const& opt, Mask const& mask,
+                         BiasValues&& bias_values) {
   using ::k3::detail::check_shape;
   using ::k3::detail::require;
   ::k3::detail::check_view("scores", scores);
@@ -133,8 +140,7 @@ inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bia
   require(bias.extent(0) == n, error_kind::shape, [&] {
     return "argument 'bias': expected shape [" + std::to_string(n) + "] (one entry per expert), got " + ::k3::detail::shape_of(bias);
   });
-  for (index_t j = 0; j < n; ++j)
-    require(std::isfinite(bias(j)), error_kind::value, [&] { return "argument 'bias': non-finite value at expert " + std::to_string(j); });
+  bias_values(n);
   ::k3::detail::check_view("indices", out.indices);
   check_shape("indices", out.indices, {m, opt.k});
   ::k3::detail::check_view("weights", out.weights);
@@ -165,6 +171,15 @@ inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bia
         f("bias", bias);
         f("mask", mask);
       });
+}
+
+inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bias, route_outputs const& out,
+                           router_options const& opt, const_view<std::uint8_t, 1> mask) {
+  validate_route_args(scores, bias, out, opt, mask, [&](index_t n) {
+    for (index_t j = 0; j < n; ++j)
+      ::k3::detail::require(std::isfinite(bias(j)), error_kind::value,
+                            [&] { return "argument 'bias': non-finite value at expert " + std::to_string(j); });
+  });
 }
 
 inline std::string qb_groups_message(index_t n_groups) {
