@@ -230,15 +230,8 @@ void validate(fp8_requantize_args<QT, ST, Space> const& a, fp8_requantize_option
   k3::detail::check_shape("scales", a.scales, {m, ceil_div(k, 128)});
   k3::detail::check_shape("q2", a.q2, {m, k});
   k3::detail::check_shape("scales2", a.scales2, {ceil_div(m, 128), k});
-  k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("q2", a.q2);
-        f("scales2", a.scales2);
-      },
-      [&](auto&& f) {
-        f("q", a.q);
-        f("scales", a.scales);
-      });
+  k3::detail::check_outputs_apart(::k3::detail::named_views("q2", a.q2, "scales2", a.scales2),
+                                  ::k3::detail::named_views("q", a.q, "scales", a.scales));
 }
 
 // The codes q [m, code_columns(k)] and block scales [m, k / block] of the [m, k] tensor

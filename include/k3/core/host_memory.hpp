@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <new>
 
+#include "k3/core/memory_space.hpp"
+
 namespace k3::detail {
 
 inline constexpr std::size_t host_alignment = 64;  // a cache line, and one AVX-512 register
@@ -22,5 +24,20 @@ template <class T>
 void host_deallocate(T* p, std::size_t) noexcept {
   std::free(p);
 }
+
+// The memory half of a CPU backend (its base class): every CPU backend hands out the same
+// aligned host blocks.
+struct host_memory {
+  using memory_space = host_space;
+
+  template <class T>
+  T* allocate(std::size_t n) const {
+    return host_allocate<T>(n);
+  }
+  template <class T>
+  void deallocate(T* p, std::size_t n) const noexcept {
+    host_deallocate(p, n);
+  }
+};
 
 }  // namespace k3::detail

@@ -5,6 +5,8 @@
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <utility>
 
 #include "k3/core/error.hpp"
 #include "k3/core/tensor_view.hpp"
@@ -115,6 +117,19 @@ void check_outputs_disjoint(Outs&& outs) {
     });
     ++i;
   });
+}
+
+// named_views("y", y, "x", x, ...)(f) calls f(name, view) for each pair, in order: the outs and
+// ins of check_outputs_apart for a fixed list of views. The views are held by value (they are a
+// pointer, extents and strides), so temporaries such as flat_view(...) may be passed.
+template <class... A>
+auto named_views(A... a) {
+  static_assert(sizeof...(A) % 2 == 0, "named_views takes (name, view) pairs");
+  return [t = std::tuple<A...>(a...)](auto&& f) {
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (f(std::get<2 * I>(t), std::get<2 * I + 1>(t)), ...);
+    }(std::make_index_sequence<sizeof...(A) / 2>{});
+  };
 }
 
 // Every output neither broadcast nor overlapping an input or another output.

@@ -148,17 +148,8 @@ void compose_maps(B const&, compose_args<S> const& x, options const& = {}) {
   d::check_same("N1", N1, Nn, H, K, V);
   d::check_same<S>("M", M, Nn, H, K, K);
   d::check_same<S>("N", N, Nn, H, K, V);
-  k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("M", M);
-        f("N", N);
-      },
-      [&](auto&& f) {
-        f("M2", M2);
-        f("N2", N2);
-        f("M1", M1);
-        f("N1", N1);
-      });
+  k3::detail::check_outputs_apart(::k3::detail::named_views("M", M, "N", N),
+                                  ::k3::detail::named_views("M2", M2, "N2", N2, "M1", M1, "N1", N1));
   for (index_t n = 0; n < Nn; ++n)
     for (index_t h = 0; h < H; ++h)
       for (index_t i = 0; i < K; ++i) {

@@ -431,20 +431,9 @@ problem validate(decode_args<In, S, Space> const& a, options const& opt) {
     check_slots([&](index_t n) { return has32 ? index_t(a.slots32(n)) : index_t(a.slots64(n)); }, N, a.state_pool.extent(0));
   // The pool is read and written in place: checked as an output (not broadcast, apart from
   // o and from every input).
-  check_outputs_apart(
-      [&](auto&& f) {
-        f("o", a.o);
-        f("state_pool", a.state_pool);
-      },
-      [&](auto&& f) {
-        f("q", a.q);
-        f("k", a.k);
-        f("v", a.v);
-        f("g", a.g);
-        f("beta", a.beta);
-        f("slots", a.slots32);
-        f("slots", a.slots64);
-      });
+  check_outputs_apart(::k3::detail::named_views("o", a.o, "state_pool", a.state_pool),
+                      ::k3::detail::named_views("q", a.q, "k", a.k, "v", a.v, "g", a.g, "beta", a.beta, "slots", a.slots32,
+                                                "slots", a.slots64));
   return p;
 }
 

@@ -115,19 +115,11 @@ void route_launch(route_args const& a, CUstream_st* stream) {
   // Blocks read scores, bias and mask while others write: no output over an input or another
   // output (a null pointer is an absent argument: an empty view).
   auto dv = [](auto* p, std::int64_t n) { return k3::detail::flat_view<cuda_device_space>(p, n); };
-  k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("indices", dv(a.indices, a.m * a.k));
-        f("weights", dv(a.weights, a.m * a.k));
-        f("cutoff", dv(a.cutoff, a.m));
-        f("load", dv(a.load, a.n));
-        f("hist", dv(a.hist, a.n * a.bins));
-      },
-      [&](auto&& f) {
-        f("scores", dv(a.scores, a.m * a.n));
-        f("bias", dv(a.bias, a.n));
-        f("mask", dv(a.mask, a.m));
-      });
+  k3::detail::check_outputs_apart(::k3::detail::named_views("indices", dv(a.indices, a.m * a.k),
+                                                            "weights", dv(a.weights, a.m * a.k), "cutoff", dv(a.cutoff, a.m),
+                                                            "load", dv(a.load, a.n), "hist", dv(a.hist, a.n * a.bins)),
+                                  ::k3::detail::named_views("scores", dv(a.scores, a.m * a.n), "bias", dv(a.bias, a.n),
+                                                            "mask", dv(a.mask, a.m)));
   std::size_t const smem = static_cast<std::size_t>(a.n) * 4 + static_cast<std::size_t>(a.k + 1) * 8 + detail::route_threads / 32 * 8;
   if (smem > 48 * 1024)
     K3_CUDA_CHECK(cudaFuncSetAttribute(detail::route_kernel<Score>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));

@@ -354,12 +354,8 @@ inline void moonep_dispatch(const_view<std::int32_t, 2> indices, moonep_plan con
   ::k3::detail::check_view("slot_of", slot_of);
   ::k3::detail::check_shape("rank_of", rank_of, {Tn, K});
   ::k3::detail::check_shape("slot_of", slot_of, {Tn, K});
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("rank_of", rank_of);
-        f("slot_of", slot_of);
-      },
-      [&](auto&& f) { f("indices", indices); });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("rank_of", rank_of, "slot_of", slot_of),
+                                    ::k3::detail::named_views("indices", indices));
   ::k3::detail::require(p.ranks >= 1 && p.experts >= p.ranks && p.experts % p.ranks == 0, error_kind::shape, [&] {
     return "argument 'plan': experts (" + std::to_string(p.experts) + ") must be a positive multiple of ranks (" +
            std::to_string(p.ranks) + ")";

@@ -382,12 +382,8 @@ bool qb_exact_update(B const&, qb_exact_update_args<T> const& a, qb_update_optio
   auto const bias = a.bias;
   ::k3::detail::check_view("bias", bias);
   detail::check_shape("bias", bias, {a.scores.extent(1)});
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("bias", bias); },
-                                    [&](auto&& f) {
-                                      f("scores", a.scores);
-                                      f("cutoff", a.cutoff);
-                                      f("mask", a.mask);
-                                    });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("bias", bias),
+                                    ::k3::detail::named_views("scores", a.scores, "cutoff", a.cutoff, "mask", a.mask));
   std::vector<double> b;
   if (!detail::qb_exact_quantile(a.scores, a.cutoff, opt.router, b, a.mask)) return false;
   detail::finish_bias(b, bias, opt.ema);
@@ -443,11 +439,8 @@ void qb_offline_solve(B const&, qb_offline_args<T> const& a, qb_offline_options 
     ::k3::detail::check_view("mask", mask);
     detail::check_shape("mask", mask, {m});
   }
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("bias", bias); },
-                                    [&](auto&& f) {
-                                      f("scores", scores);
-                                      f("mask", mask);
-                                    });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("bias", bias),
+                                    ::k3::detail::named_views("scores", scores, "mask", mask));
   std::vector<index_t> rows;
   for (index_t i = 0; i < m; ++i)
     if (mask.empty() || mask(i) != 0) rows.push_back(i);

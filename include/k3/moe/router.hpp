@@ -159,18 +159,9 @@ void validate_route_args(Scores const& scores, Bias const& bias, Outputs const& 
   }
   // No output broadcast (stride 0: one address for several tokens or experts, racing between
   // threads), over another, or over an input it would be read back as (scores, bias, mask).
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("indices", out.indices);
-        f("weights", out.weights);
-        f("cutoff", out.cutoff);
-        f("load", out.load);
-      },
-      [&](auto&& f) {
-        f("scores", scores);
-        f("bias", bias);
-        f("mask", mask);
-      });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("indices", out.indices, "weights", out.weights,
+                                                              "cutoff", out.cutoff, "load", out.load),
+                                    ::k3::detail::named_views("scores", scores, "bias", bias, "mask", mask));
 }
 
 inline void validate_route(const_view<float, 2> scores, const_view<float, 1> bias, route_outputs const& out,

@@ -196,32 +196,18 @@ void check_2d(char const* arg, V const& v) {
 // over an input or over the other output. See k3::detail::check_outputs_apart.
 template <class Q, class S, class X>
 void check_quantize_outputs(Q const& q, S const& s, X const& x) {
-  k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("q", q);
-        f("scales", s);
-      },
-      [&](auto&& f) { f("x", x); });
+  k3::detail::check_outputs_apart(::k3::detail::named_views("q", q, "scales", s), ::k3::detail::named_views("x", x));
 }
 
 template <class Y, class Q, class S>
 void check_dequantize_output(Y const& y, Q const& q, S const& s) {
-  k3::detail::check_outputs_apart([&](auto&& f) { f("y", y); },
-                                  [&](auto&& f) {
-                                    f("q", q);
-                                    f("scales", s);
-                                  });
+  k3::detail::check_outputs_apart(::k3::detail::named_views("y", y), ::k3::detail::named_views("q", q, "scales", s));
 }
 
 template <class C, class QA, class SA, class QB, class SB>
 void check_gemm_output(C const& c, QA const& qa, SA const& sa, QB const& qb, SB const& sb) {
-  k3::detail::check_outputs_apart([&](auto&& f) { f("c", c); },
-                                  [&](auto&& f) {
-                                    f("a_q", qa);
-                                    f("a_scales", sa);
-                                    f("b_q", qb);
-                                    f("b_scales", sb);
-                                  });
+  k3::detail::check_outputs_apart(::k3::detail::named_views("c", c),
+                                  ::k3::detail::named_views("a_q", qa, "a_scales", sa, "b_q", qb, "b_scales", sb));
 }
 
 }  // namespace detail

@@ -196,12 +196,7 @@ class saved_tensor_store<Bk> {
   }
 
   pool_stats stats() const noexcept {
-    pool_stats s = stats_;
-    s.resident_bytes = resident_.now();
-    s.resident_peak_bytes = resident_.peak();
-    s.host_bytes = host_.now();
-    s.host_peak_bytes = host_.peak();
-    return s;
+    return detail::stats_of(stats_, resident_, host_);
   }
   std::size_t size() const noexcept { return book_.size(); }
 

@@ -103,6 +103,15 @@ class pool_account {
   std::size_t now_ = 0, peak_ = 0;
 };
 
+// The store's statistics: its running totals with the two pools' current and peak bytes.
+inline pool_stats stats_of(pool_stats s, pool_account const& resident, pool_account const& host) noexcept {
+  s.resident_bytes = resident.now();
+  s.resident_peak_bytes = resident.peak();
+  s.host_bytes = host.now();
+  s.host_peak_bytes = host.peak();
+  return s;
+}
+
 class pool_block {
  public:
   pool_block() = default;
@@ -313,12 +322,7 @@ class saved_tensor_store<Bk> {
   }
 
   pool_stats stats() const noexcept {
-    pool_stats s = stats_;
-    s.resident_bytes = resident_.now();
-    s.resident_peak_bytes = resident_.peak();
-    s.host_bytes = host_.now();
-    s.host_peak_bytes = host_.peak();
-    return s;
+    return detail::stats_of(stats_, resident_, host_);
   }
   std::size_t size() const noexcept { return book_.size(); }
 

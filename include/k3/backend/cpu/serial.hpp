@@ -10,18 +10,9 @@
 
 namespace k3::cpu {
 
-struct serial {
-  using memory_space = host_space;
+struct serial : ::k3::detail::host_memory {
   static constexpr char const* name() noexcept { return "cpu::serial"; }
 
-  template <class T>
-  T* allocate(std::size_t n) const {
-    return detail::host_allocate<T>(n);
-  }
-  template <class T>
-  void deallocate(T* p, std::size_t n) const noexcept {
-    detail::host_deallocate(p, n);
-  }
   template <class F>
   void for_each(std::int64_t begin, std::int64_t end, F&& f) const {
     for (std::int64_t i = begin; i < end; ++i) f(i);

@@ -70,9 +70,8 @@ struct simd : serial {
 };
 
 template <class Arch = xsimd::default_arch>
-class threads {
+class threads : public ::k3::detail::host_memory {
  public:
-  using memory_space = host_space;
   using arch_type = Arch;
   static constexpr char const* name() noexcept { return "cpu::threads"; }
 
@@ -82,14 +81,6 @@ class threads {
     detail::require(pool_ != nullptr, error_kind::value, "cpu::threads: the thread pool must not be null");
   }
 
-  template <class T>
-  T* allocate(std::size_t n) const {
-    return detail::host_allocate<T>(n);
-  }
-  template <class T>
-  void deallocate(T* p, std::size_t n) const noexcept {
-    detail::host_deallocate(p, n);
-  }
   // Splits [begin, end) into one contiguous range per thread.
   template <class F>
   void for_each(std::int64_t begin, std::int64_t end, F&& f) const {

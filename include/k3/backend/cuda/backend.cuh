@@ -359,6 +359,25 @@ void copy(std::type_identity_t<tensor_view<T const, Rank, cuda_device_space>> sr
   }
 }
 
+namespace detail {
+// n elements of device memory from a backend for the duration of one call (freed at scope
+// exit; n = 0 holds nullptr).
+template <class T, class B = stream_backend>
+class call_buffer {
+ public:
+  call_buffer(B const& be, std::size_t n) : be_(be), n_(n), p_(be.template allocate<T>(n)) {}
+  call_buffer(call_buffer const&) = delete;
+  call_buffer& operator=(call_buffer const&) = delete;
+  ~call_buffer() { be_.deallocate(p_, n_); }
+  T* get() const noexcept { return p_; }
+
+ private:
+  B be_;
+  std::size_t n_;
+  T* p_;
+};
+}  // namespace detail
+
 }  // namespace k3::cuda
 
 // Instantiates the three copies for one element type and rank, so that .cpp TUs that only

@@ -12,12 +12,12 @@ namespace k3::detail::target {
 
 // The tag kernels dispatch on: overloads for a base tag serve every target derived from it.
 using tag = x86_64_tag;
-inline constexpr char const* name = "x86-64";
-inline constexpr bool has_float_env = true;
 
 // MXCSR without its low six bits, the sticky exception flags (they stay per thread).
 inline std::uint64_t read_float_control() noexcept { return _mm_getcsr() & ~std::uint64_t(0x3F); }
 inline void write_float_control(std::uint64_t bits) noexcept { _mm_setcsr(static_cast<unsigned>((_mm_getcsr() & 0x3Fu) | bits)); }
+inline constexpr bool has_float_env = true;
+inline constexpr char const* name = "x86-64";
 // FTZ | DAZ: subnormal results flushed, subnormal operands read as zero.
 inline constexpr std::uint64_t flush_subnormals_bits = 0x8040u;
 

@@ -49,21 +49,7 @@ inline void check_cuda_call(problem const& p, options const& opt, bool saved) {
                         [&] { return "option 'scale': the CUDA kernels take a scale > 0, got " + ::k3::format_number(p.scale); });
 }
 
-// n elements on the device for the duration of a call (freed by the backend at scope exit).
-template <class T, class B>
-class call_buffer {
- public:
-  call_buffer(B const& be, std::size_t n) : be_(be), n_(n), p_(be.template allocate<T>(n)) {}
-  call_buffer(call_buffer const&) = delete;
-  call_buffer& operator=(call_buffer const&) = delete;
-  ~call_buffer() { be_.deallocate(p_, n_); }
-  T* get() const noexcept { return p_; }
-
- private:
-  B be_;
-  std::size_t n_;
-  T* p_;
-};
+using ::k3::cuda::detail::call_buffer;  // k3/backend/cuda/backend.cuh
 
 // options::cu_seqlens (host, int32 or int64) as the launchers take it: int64 on the host and
 // on the device.

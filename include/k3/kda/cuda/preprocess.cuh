@@ -269,7 +269,8 @@ void l2norm_fwd(S const* x, S* y, index_t rows, index_t D, CUstream_st* stream) 
   if (rows == 0) return;
   detail::require_ptr(x, "x", D > 0);
   detail::require_ptr(y, "y", D > 0);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("y", detail::span(y, rows * D)); }, [&](auto&& f) { f("x", detail::span(x, rows * D)); });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("y", detail::span(y, rows * D)),
+                                    ::k3::detail::named_views("x", detail::span(x, rows * D)));
   ::k3::cuda::launch_kernel(detail::l2norm_fwd_kernel<S>, {detail::blocks_for(rows * 32, detail::pp_threads), detail::pp_threads, 0, stream}, x, y, rows, D);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -281,11 +282,8 @@ void l2norm_bwd(S const* x, S const* dy, S* dx, index_t rows, index_t D, CUstrea
   detail::require_ptr(x, "x", D > 0);
   detail::require_ptr(dy, "dy", D > 0);
   detail::require_ptr(dx, "dx", D > 0);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("dx", detail::span(dx, rows * D)); },
-                                    [&](auto&& f) {
-                                      f("x", detail::span(x, rows * D));
-                                      f("dy", detail::span(dy, rows * D));
-                                    });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("dx", detail::span(dx, rows * D)),
+                                    ::k3::detail::named_views("x", detail::span(x, rows * D), "dy", detail::span(dy, rows * D)));
   ::k3::cuda::launch_kernel(detail::l2norm_bwd_kernel<S>, {detail::blocks_for(rows * 32, detail::pp_threads), detail::pp_threads, 0, stream}, x, dy, dx, rows, D);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -296,7 +294,8 @@ void beta_sigmoid_fwd(S const* x, S* beta, index_t n, bool allow_neg_eigval, CUs
   if (n == 0) return;
   detail::require_ptr(x, "x", true);
   detail::require_ptr(beta, "beta", true);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("beta", detail::span(beta, n)); }, [&](auto&& f) { f("x", detail::span(x, n)); });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("beta", detail::span(beta, n)),
+                                    ::k3::detail::named_views("x", detail::span(x, n)));
   ::k3::cuda::launch_kernel(detail::beta_fwd_kernel<S>, {detail::grid_for(n), detail::pp_threads, 0, stream}, x, beta, n, allow_neg_eigval ? 2.f : 1.f);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -308,11 +307,8 @@ void beta_sigmoid_bwd(S const* x, S const* dbeta, S* dx, index_t n, bool allow_n
   detail::require_ptr(x, "x", true);
   detail::require_ptr(dbeta, "dbeta", true);
   detail::require_ptr(dx, "dx", true);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("dx", detail::span(dx, n)); },
-                                    [&](auto&& f) {
-                                      f("x", detail::span(x, n));
-                                      f("dbeta", detail::span(dbeta, n));
-                                    });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("dx", detail::span(dx, n)),
+                                    ::k3::detail::named_views("x", detail::span(x, n), "dbeta", detail::span(dbeta, n)));
   ::k3::cuda::launch_kernel(detail::beta_bwd_kernel<S>, {detail::grid_for(n), detail::pp_threads, 0, stream}, x, dbeta, dx, n, allow_neg_eigval ? 2.f : 1.f);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -324,12 +320,9 @@ void gate_fwd(gate_params const& p, S const* x, S* g, CUstream_st* stream) {
   if (n == 0) return;
   detail::require_ptr(x, "x", true);
   detail::require_ptr(g, "g", true);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("g", detail::span(g, n)); },
-                                    [&](auto&& f) {
-                                      f("x", detail::span(x, n));
-                                      f("A_log", detail::span(p.A_log, p.HV));
-                                      f("dt_bias", detail::span(p.dt_bias, p.HV * p.K));
-                                    });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("g", detail::span(g, n)),
+                                    ::k3::detail::named_views("x", detail::span(x, n), "A_log", detail::span(p.A_log, p.HV),
+                                                              "dt_bias", detail::span(p.dt_bias, p.HV * p.K)));
   ::k3::cuda::launch_kernel(detail::gate_fwd_kernel<S>, {detail::grid_for(n), detail::pp_threads, 0, stream}, p, x, g);
   K3_CUDA_CHECK(cudaGetLastError());
 }
@@ -338,18 +331,11 @@ template <class S>
 void gate_bwd(gate_params const& p, S const* x, S const* dg, S* dx, float* dA_log, float* ddt_bias, CUstream_st* stream) {
   detail::check(p);
   index_t const rows = p.rows * p.HV * p.K;
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("dx", detail::span(dx, rows));
-        f("dA_log", detail::span(dA_log, p.HV));
-        f("ddt_bias", detail::span(ddt_bias, p.HV * p.K));
-      },
-      [&](auto&& f) {
-        f("x", detail::span(x, rows));
-        f("dg", detail::span(dg, rows));
-        f("A_log", detail::span(p.A_log, p.HV));
-        f("dt_bias", detail::span(p.dt_bias, p.HV * p.K));
-      });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("dx", detail::span(dx, rows), "dA_log", detail::span(dA_log, p.HV),
+                                                              "ddt_bias", detail::span(ddt_bias, p.HV * p.K)),
+                                    ::k3::detail::named_views("x", detail::span(x, rows), "dg", detail::span(dg, rows),
+                                                              "A_log", detail::span(p.A_log, p.HV),
+                                                              "dt_bias", detail::span(p.dt_bias, p.HV * p.K)));
   cudaStream_t const s = stream;
   if (dA_log != nullptr) K3_CUDA_CHECK(cudaMemsetAsync(dA_log, 0, static_cast<std::size_t>(p.HV) * sizeof(float), s));
   if (ddt_bias != nullptr) K3_CUDA_CHECK(cudaMemsetAsync(ddt_bias, 0, static_cast<std::size_t>(p.HV * p.K) * sizeof(float), s));
@@ -368,18 +354,13 @@ void short_conv_fwd(conv_params const& p, S const* x, S* y, float const* initial
   ::k3::detail::require(final_state == nullptr || final_state != initial_state, error_kind::aliasing,
                         "arguments 'final_state' and 'initial_state': must not alias on the GPU (copy the state first)");
   index_t const states = N * p.C * (p.W - 1);
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("y", detail::span(y, p.B * p.T * p.C));
-        f("final_state", detail::span(final_state, states));
-      },
-      [&](auto&& f) {
-        f("x", detail::span(x, p.B * p.T * p.C));
-        f("weight", detail::span(p.weight, p.C * p.W));
-        f("bias", detail::span(p.bias, p.C));
-        f("initial_state", detail::span(initial_state, states));
-        f("cu_seqlens", detail::span(p.cu_seqlens, p.cu_seqlens ? N + 1 : 0));
-      });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("y", detail::span(y, p.B * p.T * p.C),
+                                                              "final_state", detail::span(final_state, states)),
+                                    ::k3::detail::named_views("x", detail::span(x, p.B * p.T * p.C),
+                                                              "weight", detail::span(p.weight, p.C * p.W),
+                                                              "bias", detail::span(p.bias, p.C),
+                                                              "initial_state", detail::span(initial_state, states),
+                                                              "cu_seqlens", detail::span(p.cu_seqlens, p.cu_seqlens ? N + 1 : 0)));
   index_t const n = p.B * p.T * p.C;
   if (n > 0) {
     detail::require_ptr(x, "x", true);
@@ -401,21 +382,15 @@ void short_conv_bwd(conv_params const& p, S const* x, S const* dy, S* dx, float*
   ::k3::detail::require(d_initial_state == nullptr || initial_state != nullptr, error_kind::value,
                         "argument 'd_initial_state': needs the initial_state it differentiates");
   index_t const states = N * p.C * (p.W - 1), tokens = p.B * p.T * p.C;
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("dx", detail::span(dx, tokens));
-        f("dweight", detail::span(dweight, p.C * p.W));
-        f("dbias", detail::span(dbias, p.C));
-        f("d_initial_state", detail::span(d_initial_state, states));
-      },
-      [&](auto&& f) {
-        f("x", detail::span(x, tokens));
-        f("dy", detail::span(dy, tokens));
-        f("weight", detail::span(p.weight, p.C * p.W));
-        f("bias", detail::span(p.bias, p.C));
-        f("initial_state", detail::span(initial_state, states));
-        f("cu_seqlens", detail::span(p.cu_seqlens, p.cu_seqlens ? N + 1 : 0));
-      });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("dx", detail::span(dx, tokens),
+                                                              "dweight", detail::span(dweight, p.C * p.W),
+                                                              "dbias", detail::span(dbias, p.C),
+                                                              "d_initial_state", detail::span(d_initial_state, states)),
+                                    ::k3::detail::named_views("x", detail::span(x, tokens), "dy", detail::span(dy, tokens),
+                                                              "weight", detail::span(p.weight, p.C * p.W),
+                                                              "bias", detail::span(p.bias, p.C),
+                                                              "initial_state", detail::span(initial_state, states),
+                                                              "cu_seqlens", detail::span(p.cu_seqlens, p.cu_seqlens ? N + 1 : 0)));
   cudaStream_t const s = stream;
   if (dweight != nullptr) K3_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<std::size_t>(p.C * p.W) * sizeof(float), s));
   if (dbias != nullptr) K3_CUDA_CHECK(cudaMemsetAsync(dbias, 0, static_cast<std::size_t>(p.C) * sizeof(float), s));
@@ -449,17 +424,11 @@ void short_conv_decode(conv_params const& p, S const* x, S* y, index_t N, float*
   detail::require_ptr(x, "x", true);
   detail::require_ptr(y, "y", true);
   detail::require_ptr(conv_state, "conv_state", p.W > 1 && P > 0);
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("y", detail::span(y, N * p.C));
-        f("conv_state", detail::span(conv_state, P * p.C * (p.W - 1)));
-      },
-      [&](auto&& f) {
-        f("x", detail::span(x, N * p.C));
-        f("weight", detail::span(p.weight, p.C * p.W));
-        f("bias", detail::span(p.bias, p.C));
-        f("slots", detail::span(slots, N));
-      });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("y", detail::span(y, N * p.C),
+                                                              "conv_state", detail::span(conv_state, P * p.C * (p.W - 1))),
+                                    ::k3::detail::named_views("x", detail::span(x, N * p.C),
+                                                              "weight", detail::span(p.weight, p.C * p.W),
+                                                              "bias", detail::span(p.bias, p.C), "slots", detail::span(slots, N)));
   ::k3::cuda::launch_kernel(detail::conv_decode_kernel<S>, {detail::grid_for(N * p.C), detail::pp_threads, 0, stream}, p, x, y, N, conv_state, P, slots);
   K3_CUDA_CHECK(cudaGetLastError());
 }

@@ -177,19 +177,11 @@ float check(decode_args<S> const& a) {
       seen[static_cast<std::size_t>(s)] = 1;
     }
   }
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("o", span(a.o, a.N * a.HV * a.V));
-        f("state", span(a.state, a.P * a.HV * a.K * a.V));
-      },
-      [&](auto&& f) {
-        f("q", span(a.q, a.N * a.H * a.K));
-        f("k", span(a.k, a.N * a.H * a.K));
-        f("v", span(a.v, a.N * a.HV * a.V));
-        f("g", span(a.g, a.N * a.HV * a.K));
-        f("beta", span(a.beta, a.N * a.HV));
-        f("slots", span(a.slots, a.N));
-      });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("o", span(a.o, a.N * a.HV * a.V),
+                                                              "state", span(a.state, a.P * a.HV * a.K * a.V)),
+                                    ::k3::detail::named_views("q", span(a.q, a.N * a.H * a.K), "k", span(a.k, a.N * a.H * a.K),
+                                                              "v", span(a.v, a.N * a.HV * a.V), "g", span(a.g, a.N * a.HV * a.K),
+                                                              "beta", span(a.beta, a.N * a.HV), "slots", span(a.slots, a.N)));
   return effective_scale(a.scale, a.K);
 }
 

@@ -253,20 +253,10 @@ pp_conv_problem pp_validate_short_conv_backward(short_conv_backward_args<In, P, 
     ::k3::detail::check_shape("d_initial_state", a.d_initial_state, {N, C, W - 1});
   }
   // Every output: not broadcast, not over an input or another output.
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("d_x", a.d_x);
-        f("d_weight", a.d_weight);
-        f("d_bias", a.d_bias);
-        f("d_initial_state", a.d_initial_state);
-      },
-      [&](auto&& f) {
-        f("x", a.x);
-        f("weight", a.weight);
-        f("bias", a.bias);
-        f("d_y", a.d_y);
-        f("initial_state", a.initial_state);
-      });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("d_x", a.d_x, "d_weight", a.d_weight, "d_bias", a.d_bias,
+                                                              "d_initial_state", a.d_initial_state),
+                                    ::k3::detail::named_views("x", a.x, "weight", a.weight, "bias", a.bias, "d_y", a.d_y,
+                                                              "initial_state", a.initial_state));
   return pr;
 }
 
@@ -351,18 +341,9 @@ pp_decode_problem pp_validate_short_conv_decode(short_conv_decode_args<In, P, Sp
   // The pool is updated in place (its own input): a stride-0 dimension would make distinct
   // states (or channels, or taps) one address. y and the pool: not broadcast, not over an
   // input or each other.
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("conv_state", conv_state);
-        f("y", y);
-      },
-      [&](auto&& f) {
-        f("x", x);
-        f("weight", weight);
-        f("bias", bias);
-        f("slots32", slots32);
-        f("slots64", slots64);
-      });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("conv_state", conv_state, "y", y),
+                                    ::k3::detail::named_views("x", x, "weight", weight, "bias", bias, "slots32", slots32,
+                                                              "slots64", slots64));
   return {N, C, W, P_, std::move(slot)};
 }
 

@@ -127,7 +127,7 @@ void pp_validate_l2norm(l2norm_args<In, Rank, Space> const& a) {
   ::k3::detail::check_view("x", a.x);
   ::k3::detail::check_view("y", a.y);
   pp_check_same_shape("x", a.x, "y", a.y);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("y", a.y); }, [&](auto&& f) { f("x", a.x); });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("y", a.y), ::k3::detail::named_views("x", a.x));
 }
 template <class In, std::size_t Rank, class Space>
 void pp_validate_l2norm_backward(l2norm_backward_args<In, Rank, Space> const& a) {
@@ -136,18 +136,14 @@ void pp_validate_l2norm_backward(l2norm_backward_args<In, Rank, Space> const& a)
   ::k3::detail::check_view("d_x", a.d_x);
   pp_check_same_shape("x", a.x, "d_y", a.d_y);
   pp_check_same_shape("x", a.x, "d_x", a.d_x);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("d_x", a.d_x); },
-                                    [&](auto&& f) {
-                                      f("x", a.x);
-                                      f("d_y", a.d_y);
-                                    });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("d_x", a.d_x), ::k3::detail::named_views("x", a.x, "d_y", a.d_y));
 }
 template <class In, std::size_t Rank, class Space>
 void pp_validate_beta_sigmoid(beta_sigmoid_args<In, Rank, Space> const& a) {
   ::k3::detail::check_view("x", a.x);
   ::k3::detail::check_view("beta", a.beta);
   pp_check_same_shape("x", a.x, "beta", a.beta);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("beta", a.beta); }, [&](auto&& f) { f("x", a.x); });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("beta", a.beta), ::k3::detail::named_views("x", a.x));
 }
 template <class In, std::size_t Rank, class Space>
 void pp_validate_beta_sigmoid_backward(beta_sigmoid_backward_args<In, Rank, Space> const& a) {
@@ -156,11 +152,8 @@ void pp_validate_beta_sigmoid_backward(beta_sigmoid_backward_args<In, Rank, Spac
   ::k3::detail::check_view("d_x", a.d_x);
   pp_check_same_shape("x", a.x, "d_beta", a.d_beta);
   pp_check_same_shape("x", a.x, "d_x", a.d_x);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("d_x", a.d_x); },
-                                    [&](auto&& f) {
-                                      f("x", a.x);
-                                      f("d_beta", a.d_beta);
-                                    });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("d_x", a.d_x),
+                                    ::k3::detail::named_views("x", a.x, "d_beta", a.d_beta));
 }
 
 }  // namespace detail
@@ -403,12 +396,8 @@ template <pp_gate Kind, class X, class A, class Bias, class G>
 void pp_gate_forward_checks(X const& x, A const& A_log, Bias const& dt_bias, double lb, G const& g) {
   pp_check_gate("g", x, A_log, dt_bias, g);
   if constexpr (Kind == pp_gate::lower_bound) pp_check_lower_bound(lb);
-  ::k3::detail::check_outputs_apart([&](auto&& f) { f("g", g); },
-                                    [&](auto&& f) {
-                                      f("x", x);
-                                      f("A_log", A_log);
-                                      f("dt_bias", dt_bias);
-                                    });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("g", g),
+                                    ::k3::detail::named_views("x", x, "A_log", A_log, "dt_bias", dt_bias));
 }
 
 // Every check of a gate's forward, for views in any memory space (shared with the CUDA backend).
@@ -442,18 +431,8 @@ void pp_gate_backward_checks(X const& x, A const& A_log, Bias const& dt_bias, do
     ::k3::detail::check_view("d_dt_bias", ddt_bias);
     ::k3::detail::check_shape("d_dt_bias", ddt_bias, {HV, K});
   }
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("d_x", dx);
-        f("d_A_log", dA_log);
-        f("d_dt_bias", ddt_bias);
-      },
-      [&](auto&& f) {
-        f("x", x);
-        f("d_g", dg);
-        f("A_log", A_log);
-        f("dt_bias", dt_bias);
-      });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("d_x", dx, "d_A_log", dA_log, "d_dt_bias", ddt_bias),
+                                    ::k3::detail::named_views("x", x, "d_g", dg, "A_log", A_log, "dt_bias", dt_bias));
 }
 
 template <pp_gate Kind, bool HasBias, class Bk, class X, class A, class Bias, class DG, class DX, class DA, class DB>

@@ -76,21 +76,7 @@ inline void check_cuda_route_call(route_args<float, cuda_device_space> const& a,
   require_contiguous_route_view("load", a.load);
 }
 
-// Device memory from the backend for the duration of one call.
-template <class T, class B>
-class route_buffer {
- public:
-  route_buffer(B const& be, std::size_t n) : be_(be), n_(n), p_(be.template allocate<T>(n)) {}
-  route_buffer(route_buffer const&) = delete;
-  route_buffer& operator=(route_buffer const&) = delete;
-  ~route_buffer() { be_.deallocate(p_, n_); }
-  T* get() const noexcept { return p_; }
-
- private:
-  B be_;
-  std::size_t n_;
-  T* p_;
-};
+using ::k3::cuda::detail::call_buffer;  // k3/backend/cuda/backend.cuh
 
 // first[0] = the lowest expert whose bias is not finite, first[1] = the lowest flat index
 // (token-major, the host's scan order) of a non-finite score; left at ~0 when there is none.
@@ -112,7 +98,7 @@ K3_KERNEL void route_nonfinite_kernel(float const* bias, Score const* scores, st
 template <class B>
 void check_route_finite(B const& be, route_args<float, cuda_device_space> const& a, router_options const& opt) {
   index_t const m = a.scores.extent(0), n = a.scores.extent(1), total = m * n;
-  route_buffer<unsigned long long, B> first(be, 2);
+  call_buffer<unsigned long long, B> first(be, 2);
   K3_CUDA_CHECK(cudaMemsetAsync(first.get(), 0xFF, 2 * sizeof(unsigned long long), be.stream()));
   index_t const blocks = (n + total + 255) / 256;
   be.launch(dim3(static_cast<unsigned>(blocks < 4096 ? blocks : 4096)), dim3(256), 0, route_nonfinite_kernel<float>, a.bias.data_handle(),
@@ -144,7 +130,7 @@ void route(B const& be, route_args<T, cuda_device_space> const& a, router_option
   ::k3::cuda::detail::device_guard const on_device(be.device());
   detail::check_route_finite(be, a, opt);
   std::size_t const cells = hist ? static_cast<std::size_t>(n * hist->bins()) : 0;
-  detail::route_buffer<unsigned long long, B> counts(be, cells);
+  detail::call_buffer<unsigned long long, B> counts(be, cells);
   if (cells) be.zero_fill(counts.get(), cells);
   if (!a.load.empty()) be.zero_fill(a.load.data_handle(), static_cast<std::size_t>(n));  // the launcher adds; the host overwrites
   cuda::route_args l;
