@@ -1,6 +1,7 @@
 // The message of the k3::error that f() throws; "" when it throws nothing. For tests that
 // check what an error names.
 #pragma once
+#include <optional>
 #include <string>
 
 #include "k3/core/error.hpp"
@@ -15,6 +16,17 @@ std::string error_of(F&& f) {
     return e.what();
   }
   return "";
+}
+
+// The kind of the k3::error that f() throws; empty when it throws nothing.
+template <class F>
+std::optional<error_kind> error_kind_of(F&& f) {
+  try {
+    f();
+  } catch (k3::error const& e) {
+    return e.kind();
+  }
+  return std::nullopt;
 }
 
 // Whether an error message reports arguments `a` and `b` (quoted, as k3 names them) overlapping.

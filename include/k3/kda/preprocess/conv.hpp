@@ -131,12 +131,11 @@ void pp_conv_row(float* out, float const* bias, float const* wt, index_t ldw, fl
   }
 }
 
-// Shape checks shared by the prefill forward and backward. Returns the sequence table.
-template <class X, class Wt, class Bias, class S0>
-std::vector<pp_sequence> pp_check_conv(X const& x, Wt const& weight, Bias const& bias, cu_seqlens_view const& cu_seqlens, S0 const& init) {
-  ::k3::detail::check_view("x", x);
+// The filter of C channels, [C, W] with W >= 1, and its optional bias [C]: checked alike by
+// prefill and decode. Returns W.
+template <class Wt, class Bias>
+index_t pp_check_conv_filter(Wt const& weight, Bias const& bias, index_t C) {
   ::k3::detail::check_view("weight", weight);
-  index_t const B = x.extent(0), T = x.extent(1), C = x.extent(2);
   ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
   index_t const W = weight.extent(1);
   ::k3::detail::require(W >= 1, error_kind::shape, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
@@ -144,6 +143,15 @@ std::vector<pp_sequence> pp_check_conv(X const& x, Wt const& weight, Bias const&
     ::k3::detail::check_view("bias", bias);
     ::k3::detail::check_shape("bias", bias, {C});
   }
+  return W;
+}
+
+// Shape checks shared by the prefill forward and backward. Returns the sequence table.
+template <class X, class Wt, class Bias, class S0>
+std::vector<pp_sequence> pp_check_conv(X const& x, Wt const& weight, Bias const& bias, cu_seqlens_view const& cu_seqlens, S0 const& init) {
+  ::k3::detail::check_view("x", x);
+  index_t const B = x.extent(0), T = x.extent(1), C = x.extent(2);
+  index_t const W = pp_check_conv_filter(weight, bias, C);
   std::vector<pp_sequence> seqs = pp_sequences(B, T, cu_seqlens);
   if (::k3::present(init)) {
     ::k3::detail::check_view("initial_state", init);
@@ -291,17 +299,10 @@ pp_decode_problem pp_validate_short_conv_decode(short_conv_decode_args<In, P, Sp
   auto const& slots64 = a.slots64;
   ::k3::detail::require(!opt.cu_seqlens.present(), error_kind::value, "option 'cu_seqlens': not used by the decode step (one token per sequence)");
   ::k3::detail::check_view("x", x);
-  ::k3::detail::check_view("weight", weight);
   ::k3::detail::check_view("conv_state", conv_state);
   ::k3::detail::check_view("y", y);
   index_t const N = x.extent(0), C = x.extent(1);
-  ::k3::detail::check_shape("weight", weight, {C, ::k3::detail::any_extent});
-  index_t const W = weight.extent(1);
-  ::k3::detail::require(W >= 1, error_kind::shape, [&] { return "argument 'weight': the kernel width must be >= 1, got shape " + ::k3::detail::shape_of(weight); });
-  if (::k3::present(bias)) {
-    ::k3::detail::check_view("bias", bias);
-    ::k3::detail::check_shape("bias", bias, {C});
-  }
+  index_t const W = pp_check_conv_filter(weight, bias, C);
   ::k3::detail::check_shape("conv_state", conv_state, {::k3::detail::any_extent, C, W - 1});
   ::k3::detail::check_shape("y", y, {N, C});
   index_t const P_ = conv_state.extent(0);
