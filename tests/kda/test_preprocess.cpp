@@ -407,6 +407,40 @@ TEST_CASE("serial and threads give bitwise the same results, gradients included"
   });
 }
 
+TEST_CASE("memory tuning (streaming stores) never changes the gate backward's numbers") {
+  // Cache-line aligned rows (K = 48): d_x streamed when tuning asks for it, with and without
+  // the parameter gradients (two different loops), against a call that never streams.
+  k3::cpu::threads<> th(3);
+  index_t const B = 2, T = 301, HV = 3, K = 48;
+  std::size_t const n = static_cast<std::size_t>(B * T * HV * K);
+  using aligned = std::vector<float, xsimd::aligned_allocator<float, 64>>;
+  auto fill = [](std::size_t m, std::uint64_t seed, double scale) {
+    auto v = cast<float>(randn(m, seed, scale));
+    return aligned(v.begin(), v.end());
+  };
+  aligned const x = fill(n, 61, 2.0), dg = fill(n, 62, 1.0), A = fill(HV, 63, 0.5), bias = fill(static_cast<std::size_t>(HV * K), 64, 0.5);
+  k3::kda::preprocess_tuning const plain{.prefetch_rows = 0, .stream_min_bytes = ~std::size_t{0}};
+  k3::kda::preprocess_tuning const tuned{.prefetch_rows = 3, .stream_min_bytes = 0};
+  auto run = [&](auto const& bk, k3::kda::preprocess_tuning const& tune, bool params) {
+    aligned dx(n, -1.0f), dA(HV, -1.0f), db(bias.size(), -1.0f);
+    k3::kda::gate_backward_args<float> args{.x = k3::host_view(x.data(), B, T, HV, K), .A_log = k3::host_view(A.data(), HV),
+                                            .dt_bias = k3::host_view(bias.data(), HV, K), .d_g = k3::host_view(dg.data(), B, T, HV, K),
+                                            .d_x = k3::host_view(dx.data(), B, T, HV, K)};
+    if (params) {
+      args.d_A_log = k3::host_view(dA.data(), HV);
+      args.d_dt_bias = k3::host_view(db.data(), HV, K);
+    }
+    k3::kda::gate_lower_bound_backward(bk, args, {.lower_bound = -5.0, .tuning = tune});
+    return std::vector<aligned>{dx, dA, db};
+  };
+  for (bool params : {true, false}) {
+    CAPTURE(params);
+    auto const ref = run(serial, plain, params);
+    CHECK(run(serial, tuned, params) == ref);
+    CHECK(run(th, tuned, params) == ref);
+  }
+}
+
 TEST_CASE("a NaN stays in its element or row") {
   index_t const R = 4, D = 8;
   std::vector<double> x = randn(R * D, 81), y(R * D), g(R * D);

@@ -52,6 +52,24 @@ inline xsimd::batch<float, Arch> exp_nonpositive(xsimd::batch<float, Arch> const
   return kernel::exp_nonpositive(x, Arch{});
 }
 
+// exp_nonpositive of U vectors in place, each lane rounded exactly as exp_nonpositive rounds it.
+template <std::size_t U, class Arch>
+inline void exp_nonpositive_n(xsimd::batch<float, Arch> (&x)[U]) noexcept {
+  kernel::exp_nonpositive_n(x, Arch{});
+}
+
+// A full vector to 64-byte-aligned p without the read for ownership where the ISA has such a
+// store (a plain store elsewhere); stream_fence<Arch>() orders the writer's streamed stores
+// before whatever it does next.
+template <class Arch>
+inline void store_stream(float* p, xsimd::batch<float, Arch> const& v) noexcept {
+  kernel::store_stream(p, v, Arch{});
+}
+template <class Arch>
+inline void stream_fence() noexcept {
+  kernel::stream_fence(Arch{});
+}
+
 template <class Arch>
 constexpr char const* isa_name() noexcept {
   return Arch::name();

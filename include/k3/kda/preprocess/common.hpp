@@ -90,49 +90,81 @@ void pp_check_same_shape(std::string_view name_a, A const& a, std::string_view n
 // 1 / (1 + e) for e in [0, 1] (or NaN), within an ulp: the hardware's reciprocal estimate and one
 // Newton step. A vector division costs about as much as the rest of a sigmoid, and these ops
 // can keep up with memory only without it (benchmarks/kda.md has the profile).
-template <class Arch>
-[[gnu::always_inline]] inline xsimd::batch<float, Arch> pp_recip_1p(xsimd::batch<float, Arch> e) noexcept {
+template <std::size_t U, class Arch>
+[[gnu::always_inline]] inline void pp_recip_1p_n(xsimd::batch<float, Arch> const (&e)[U], xsimd::batch<float, Arch> (&out)[U]) noexcept {
   using batch = xsimd::batch<float, Arch>;
-  batch const d = batch(1.0f) + e;
-  batch const r = xsimd::reciprocal(d);
-  return k3::simd::fma(r, k3::simd::fnma(d, r, batch(1.0f)), r);
+  batch d[U];
+  for (std::size_t u = 0; u < U; ++u) d[u] = batch(1.0f) + e[u];
+  for (std::size_t u = 0; u < U; ++u) out[u] = xsimd::reciprocal(d[u]);
+  for (std::size_t u = 0; u < U; ++u) out[u] = k3::simd::fma(out[u], k3::simd::fnma(d[u], out[u], batch(1.0f)), out[u]);
 }
 
-// The float sigmoid in vector registers, in k3::detail::sigmoid's form (never exponentiating a
-// large positive number; NaN passes through), within an ulp of it.
-template <class Arch>
-[[gnu::always_inline]] inline xsimd::batch<float, Arch> pp_sigmoid_batch(xsimd::batch<float, Arch> z) noexcept {
+// The float sigmoid of U vectors in place, in k3::detail::sigmoid's form (never exponentiating
+// a large positive number; NaN passes through), within an ulp of it. The U chains go step by
+// step together (see k3::simd::exp_nonpositive_n); every lane rounds alike whatever U is.
+template <std::size_t U, class Arch>
+[[gnu::always_inline]] inline void pp_sigmoid_n(xsimd::batch<float, Arch> (&z)[U]) noexcept {
   using batch = xsimd::batch<float, Arch>;
-  batch const e = k3::simd::exp_nonpositive(-xsimd::abs(z));
-  return xsimd::select(z >= batch(0.0f), batch(1.0f), e) * pp_recip_1p(e);
+  batch e[U], r[U];
+  for (std::size_t u = 0; u < U; ++u) e[u] = -xsimd::abs(z[u]);
+  k3::simd::exp_nonpositive_n(e);
+  pp_recip_1p_n(e, r);
+  for (std::size_t u = 0; u < U; ++u) z[u] = xsimd::select(z[u] >= batch(0.0f), batch(1.0f), e[u]) * r[u];
 }
-template <class Arch>
-[[gnu::always_inline]] inline xsimd::batch<float, Arch> pp_silu_batch(xsimd::batch<float, Arch> z) noexcept {
-  return z * pp_sigmoid_batch(z);
+// silu(z) = z sigmoid(z) of U vectors in place.
+template <std::size_t U, class Arch>
+[[gnu::always_inline]] inline void pp_silu_n(xsimd::batch<float, Arch> (&z)[U]) noexcept {
+  xsimd::batch<float, Arch> s[U];
+  for (std::size_t u = 0; u < U; ++u) s[u] = z[u];
+  pp_sigmoid_n(s);
+  for (std::size_t u = 0; u < U; ++u) z[u] = z[u] * s[u];
+}
+// sigmoid(z) and sigmoid(-z) of U vectors from one exponential each.
+template <std::size_t U, class Arch>
+[[gnu::always_inline]] inline void pp_sigmoid_pair_n(xsimd::batch<float, Arch> const (&z)[U], xsimd::batch<float, Arch> (&p)[U],
+                                                     xsimd::batch<float, Arch> (&m)[U]) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  batch e[U], big[U];
+  for (std::size_t u = 0; u < U; ++u) e[u] = -xsimd::abs(z[u]);
+  k3::simd::exp_nonpositive_n(e);
+  pp_recip_1p_n(e, big);
+  for (std::size_t u = 0; u < U; ++u) {
+    batch const small = e[u] * big[u];
+    auto const pos = z[u] >= batch(0.0f);
+    p[u] = xsimd::select(pos, big[u], small);
+    m[u] = xsimd::select(pos, small, big[u]);
+  }
 }
 
-// p[i] = f(p[i]) over a contiguous float row with f built from batches; the tail goes through
-// the same batch code, zero-padded, so every element of every row rounds alike.
+// The vectors a row kernel keeps in flight together.
+inline constexpr std::size_t pp_unroll = 4;
+
+// p[i] = f(p[i]) over a contiguous float row, f applied in place to an array of U batches (U =
+// pp_unroll, or 1 for the last vectors); the tail goes through the same code, zero-padded, so
+// every element of every row rounds alike.
 template <class Arch, class F>
 void pp_float_row(float* p, index_t n, F const& f) noexcept {
   using batch = xsimd::batch<float, Arch>;
   constexpr index_t L = static_cast<index_t>(batch::size);
+  constexpr index_t U = static_cast<index_t>(pp_unroll);
   index_t c = 0;
-  // Four independent vectors per step: f is a long dependency chain, and the core overlaps
-  // only what sits in its window together.
-  for (; c + 4 * L <= n; c += 4 * L) {
-    batch const a0 = f(batch::load_unaligned(p + c)), a1 = f(batch::load_unaligned(p + c + L));
-    batch const a2 = f(batch::load_unaligned(p + c + 2 * L)), a3 = f(batch::load_unaligned(p + c + 3 * L));
-    a0.store_unaligned(p + c);
-    a1.store_unaligned(p + c + L);
-    a2.store_unaligned(p + c + 2 * L);
-    a3.store_unaligned(p + c + 3 * L);
+  for (; c + U * L <= n; c += U * L) {
+    batch a[pp_unroll];
+    for (index_t u = 0; u < U; ++u) a[u] = batch::load_unaligned(p + c + u * L);
+    f(a);
+    for (index_t u = 0; u < U; ++u) a[u].store_unaligned(p + c + u * L);
   }
-  for (; c + L <= n; c += L) f(batch::load_unaligned(p + c)).store_unaligned(p + c);
+  for (; c + L <= n; c += L) {
+    batch a[1] = {batch::load_unaligned(p + c)};
+    f(a);
+    a[0].store_unaligned(p + c);
+  }
   if (c < n) {
     alignas(64) float buf[L] = {};
     std::copy(p + c, p + n, buf);
-    f(batch::load_aligned(buf)).store_aligned(buf);
+    batch a[1] = {batch::load_aligned(buf)};
+    f(a);
+    a[0].store_aligned(buf);
     std::copy(buf, buf + (n - c), p + c);
   }
 }
@@ -150,14 +182,14 @@ inline constexpr index_t pp_row_block = 256;
 template <class T, class Arch = xsimd::default_arch>
 void pp_silu_row(T* p, index_t n) noexcept {
   if constexpr (std::is_same_v<T, float>)
-    pp_float_row<Arch>(p, n, [](xsimd::batch<float, Arch> z) { return pp_silu_batch(z); });
+    pp_float_row<Arch>(p, n, [](auto& z) { pp_silu_n(z); });
   else
     for (index_t c = 0; c < n; ++c) p[c] = ::k3::detail::silu(p[c]);
 }
 template <class T, class Arch = xsimd::default_arch>
 void pp_sigmoid_row(T* p, index_t n) noexcept {
   if constexpr (std::is_same_v<T, float>)
-    pp_float_row<Arch>(p, n, [](xsimd::batch<float, Arch> z) { return pp_sigmoid_batch(z); });
+    pp_float_row<Arch>(p, n, [](auto& z) { pp_sigmoid_n(z); });
   else
     for (index_t c = 0; c < n; ++c) p[c] = ::k3::detail::sigmoid(p[c]);
 }
@@ -169,26 +201,31 @@ void pp_sigmoid_pair_row(T const* z, T* sp, T* sm, index_t n) noexcept {
   if constexpr (std::is_same_v<T, float>) {
     using batch = xsimd::batch<float, Arch>;
     constexpr index_t L = static_cast<index_t>(batch::size);
-    auto one = [](batch v, batch& p, batch& m) {
-      batch const e = k3::simd::exp_nonpositive(-xsimd::abs(v));
-      batch const big = pp_recip_1p(e), small = e * big;
-      auto const pos = v >= batch(0.0f);
-      p = xsimd::select(pos, big, small);
-      m = xsimd::select(pos, small, big);
-    };
+    constexpr index_t U = static_cast<index_t>(pp_unroll);
     index_t c = 0;
-    batch p, m;
+    for (; c + U * L <= n; c += U * L) {
+      batch v[pp_unroll], p[pp_unroll], m[pp_unroll];
+      for (index_t u = 0; u < U; ++u) v[u] = batch::load_unaligned(z + c + u * L);
+      pp_sigmoid_pair_n(v, p, m);
+      for (index_t u = 0; u < U; ++u) {
+        p[u].store_unaligned(sp + c + u * L);
+        m[u].store_unaligned(sm + c + u * L);
+      }
+    }
+    batch v[1], p[1], m[1];
     for (; c + L <= n; c += L) {
-      one(batch::load_unaligned(z + c), p, m);
-      p.store_unaligned(sp + c);
-      m.store_unaligned(sm + c);
+      v[0] = batch::load_unaligned(z + c);
+      pp_sigmoid_pair_n(v, p, m);
+      p[0].store_unaligned(sp + c);
+      m[0].store_unaligned(sm + c);
     }
     if (c < n) {
       alignas(64) float buf[L] = {}, bp[L], bm[L];
       std::copy(z + c, z + n, buf);
-      one(batch::load_aligned(buf), p, m);
-      p.store_aligned(bp);
-      m.store_aligned(bm);
+      v[0] = batch::load_aligned(buf);
+      pp_sigmoid_pair_n(v, p, m);
+      p[0].store_aligned(bp);
+      m[0].store_aligned(bm);
       std::copy(bp, bp + (n - c), sp + c);
       std::copy(bm, bm + (n - c), sm + c);
     }
@@ -223,6 +260,38 @@ float pp_sum_squares_row(float const* p, index_t n) noexcept {
   float s = 0.0f;
   for (index_t i = 0; i < L; ++i) s += lanes[i];
   return s;
+}
+
+// sum_i x[i]^2 into ss and sum_i g[i] x[i] into gx over contiguous float rows, with
+// pp_sum_squares_row's lanes and order (ss is bit for bit that function's).
+template <class Arch = xsimd::default_arch>
+void pp_sum_squares_and_dot_row(float const* x, float const* g, index_t n, float& ss, float& gx) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  constexpr index_t L = static_cast<index_t>(batch::size);
+  batch a(0.0f), b(0.0f);
+  index_t c = 0;
+  for (; c + L <= n; c += L) {
+    batch const v = batch::load_unaligned(x + c);
+    a = k3::simd::fma(v, v, a);
+    b = k3::simd::fma(batch::load_unaligned(g + c), v, b);
+  }
+  if (c < n) {
+    alignas(64) float bx[L] = {}, bg[L] = {};
+    std::copy(x + c, x + n, bx);
+    std::copy(g + c, g + n, bg);
+    batch const v = batch::load_aligned(bx);
+    a = k3::simd::fma(v, v, a);
+    b = k3::simd::fma(batch::load_aligned(bg), v, b);
+  }
+  alignas(64) float la[L], lb[L];
+  a.store_aligned(la);
+  b.store_aligned(lb);
+  ss = 0.0f;
+  gx = 0.0f;
+  for (index_t i = 0; i < L; ++i) {
+    ss += la[i];
+    gx += lb[i];
+  }
 }
 
 // Rows per block of a deterministic reduction: the partition depends only on the problem

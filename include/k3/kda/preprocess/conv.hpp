@@ -29,8 +29,10 @@
 #include <vector>
 
 #include "k3/core/math.hpp"
+#include "k3/core/prefetch.hpp"
 #include "k3/core/storage.hpp"
 #include "k3/kda/preprocess/common.hpp"
+#include "k3/kda/preprocess/tuning.hpp"
 
 namespace k3::kda {
 
@@ -39,6 +41,7 @@ namespace k3::kda {
 struct short_conv_options {
   cu_seqlens_view cu_seqlens = {};
   bool silu = true;
+  preprocess_tuning tuning = preprocess_tuning::host();  // the host backends' prefetch and streaming
 };
 
 // In: the activations (x, y and their gradients). P: weight, bias and the conv states, which
@@ -96,30 +99,33 @@ inline T pp_tap(T acc, T w, T v) noexcept {
 
 // out[c] = act(bias[c] + sum_j wt[j*ldw + c] * x[j*ldx + c]) for c < n, the taps in pp_tap's
 // order and roundings with the sum held in registers; act is silu or the identity. The tail
-// takes pp_tap and pp_silu_row, which round alike, so every channel gets the same bits.
+// takes pp_tap and pp_silu_row, which round alike, so every channel gets the same bits. stream:
+// out is 64-byte aligned and its whole vectors go around the caches (the caller fences).
 template <class Arch = xsimd::default_arch>
 void pp_conv_row(float* out, float const* bias, float const* wt, index_t ldw, float const* x, index_t ldx, index_t W, index_t n,
-                 bool silu) noexcept {
+                 bool silu, bool stream = false) noexcept {
   using batch = xsimd::batch<float, Arch>;
   constexpr index_t L = static_cast<index_t>(batch::size);
+  constexpr index_t U = static_cast<index_t>(pp_unroll);
   index_t c = 0;
-  // Four vectors at a time: four loads of x in flight and four sigmoid chains overlapping (see
-  // pp_float_row).
-  for (; c + 4 * L <= n; c += 4 * L) {
-    batch a[4];
-    for (int u = 0; u < 4; ++u) a[u] = batch::load_unaligned(bias + c + u * L);
+  for (; c + U * L <= n; c += U * L) {
+    batch a[pp_unroll];
+    for (index_t u = 0; u < U; ++u) a[u] = batch::load_unaligned(bias + c + u * L);
     for (index_t j = 0; j < W; ++j)
-      for (int u = 0; u < 4; ++u)
+      for (index_t u = 0; u < U; ++u)
         a[u] = k3::simd::fma(batch::load_unaligned(wt + j * ldw + c + u * L), batch::load_unaligned(x + j * ldx + c + u * L), a[u]);
-    if (silu)
-      for (int u = 0; u < 4; ++u) a[u] = pp_silu_batch(a[u]);
-    for (int u = 0; u < 4; ++u) a[u].store_unaligned(out + c + u * L);
+    if (silu) pp_silu_n(a);
+    if (stream)
+      for (index_t u = 0; u < U; ++u) k3::simd::store_stream(out + c + u * L, a[u]);
+    else
+      for (index_t u = 0; u < U; ++u) a[u].store_unaligned(out + c + u * L);
   }
   for (; c + L <= n; c += L) {
-    batch acc = batch::load_unaligned(bias + c);
+    batch acc[1] = {batch::load_unaligned(bias + c)};
     for (index_t j = 0; j < W; ++j)
-      acc = k3::simd::fma(batch::load_unaligned(wt + j * ldw + c), batch::load_unaligned(x + j * ldx + c), acc);
-    (silu ? pp_silu_batch(acc) : acc).store_unaligned(out + c);
+      acc[0] = k3::simd::fma(batch::load_unaligned(wt + j * ldw + c), batch::load_unaligned(x + j * ldx + c), acc[0]);
+    if (silu) pp_silu_n(acc);
+    acc[0].store_unaligned(out + c);
   }
   if (c < n) {
     for (index_t i = c; i < n; ++i) {
@@ -388,6 +394,8 @@ void short_conv(Bk const& b, short_conv_args<In, P> const& a, short_conv_options
   // (whole rows of K3's 2048-4096 channels would not), only x and y stream from memory.
   constexpr index_t tile_rows = 16;
   index_t const rows = B * Tn;
+  index_t const ahead = opt.tuning.prefetch_rows;
+  bool const stream = y_rows && y_unit && opt.tuning.stream(static_cast<std::size_t>(rows * C) * sizeof(detail::pp_elem_t<Y>));
   b.for_each(0, (rows + tile_rows - 1) / tile_rows, [&](index_t tile) {
     index_t const r_end = std::min(rows, (tile + 1) * tile_rows);
     for (index_t c0 = 0; c0 < C; c0 += detail::pp_row_block) {
@@ -396,6 +404,8 @@ void short_conv(Bk const& b, short_conv_args<In, P> const& a, short_conv_options
         index_t const bb = r / Tn, t = r % Tn;
         index_t const n = varlen ? own[static_cast<std::size_t>(t)] : bb;
         detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
+        if (ahead > 0 && r + ahead < rows)
+          ::k3::detail::prefetch_span_l2(&x((r + ahead) / Tn, (r + ahead) % Tn, c0), static_cast<std::size_t>(nc) * sizeof(detail::pp_elem_t<X>));
         alignas(64) T buffer[detail::pp_row_block];
         T* pre = buffer;
         if constexpr (y_rows)
@@ -403,7 +413,9 @@ void short_conv(Bk const& b, short_conv_args<In, P> const& a, short_conv_options
         bool rows_done = false;
         if constexpr (x_rows) {
           if (x_unit && t - (W - 1) >= sq.start) {
-            detail::pp_conv_row(pre, bias_row.data() + c0, wt.data() + c0, C, &x(bb, t - (W - 1), c0), x.stride(1), W, nc, silu);
+            bool const aligned = reinterpret_cast<std::uintptr_t>(pre) % 64 == 0;
+            detail::pp_conv_row(pre, bias_row.data() + c0, wt.data() + c0, C, &x(bb, t - (W - 1), c0), x.stride(1), W, nc, silu,
+                                stream && aligned && pre != buffer);
             rows_done = true;
           }
         }
@@ -419,6 +431,7 @@ void short_conv(Bk const& b, short_conv_args<In, P> const& a, short_conv_options
           for (index_t c = 0; c < nc; ++c) y(bb, t, c0 + c) = store_as<detail::pp_elem_t<Y>>(pre[c]);
       }
     }
+    if (stream) k3::simd::stream_fence<xsimd::default_arch>();
   });
   if (has_final) {
     // Ascending i reads index i + len >= i of the initial state: safe when updating in place.

@@ -29,6 +29,7 @@
 #include "k3/core/math.hpp"
 #include "k3/core/storage.hpp"
 #include "k3/kda/preprocess/common.hpp"
+#include "k3/kda/preprocess/tuning.hpp"
 
 namespace k3::kda {
 
@@ -87,6 +88,7 @@ struct gate_options {
   // In [-5, 0): Kimi Linear's -5 by default; the chunked kernels' dense diagonal path relies on
   // the range.
   double lower_bound = -5.0;
+  preprocess_tuning tuning = preprocess_tuning::host();  // the host backends' streaming stores
 };
 
 // ---- L2 norm over the last dimension ------------------------------------------------------
@@ -231,10 +233,30 @@ void l2norm_backward(Bk const& b, l2norm_backward_args<In, Rank> const& a, l2nor
     auto const* gp = dy.data_handle() + dy_row(r);
     auto* dp = dx.data_handle() + dx_row(r);
     T ss = 0, gx = 0;
-    for (index_t d = 0; d < D; ++d) {
-      T const v = load_as<T>(xp[d * sx]);
-      ss = std::fma(v, v, ss);
-      gx = std::fma(load_as<T>(gp[d * sg]), v, gx);
+    if constexpr (std::is_same_v<T, float>) {
+      bool summed = false;
+      // As in the forward: float rows are summed in vector registers (the same ss, so the same
+      // rstd, as the forward's), other layouts and storage types gathered first.
+      if constexpr (std::is_same_v<detail::pp_elem_t<X>, float> && std::is_same_v<detail::pp_elem_t<DY>, float>) {
+        if (sx == 1 && sg == 1) {
+          detail::pp_sum_squares_and_dot_row(xp, gp, D, ss, gx);
+          summed = true;
+        }
+      }
+      if (!summed) {
+        detail::pp_aligned_vector<float> rows(static_cast<std::size_t>(2 * D));
+        for (index_t d = 0; d < D; ++d) {
+          rows[static_cast<std::size_t>(d)] = load_as<float>(xp[d * sx]);
+          rows[static_cast<std::size_t>(D + d)] = load_as<float>(gp[d * sg]);
+        }
+        detail::pp_sum_squares_and_dot_row(rows.data(), rows.data() + D, D, ss, gx);
+      }
+    } else {
+      for (index_t d = 0; d < D; ++d) {
+        T const v = load_as<T>(xp[d * sx]);
+        ss = std::fma(v, v, ss);
+        gx = std::fma(load_as<T>(gp[d * sg]), v, gx);
+      }
     }
     T const rstd = detail::l2norm_rstd(ss, D, [&](index_t d) { return load_as<T>(xp[d * sx]); });
     T c = gx * rstd * rstd;  // (dy . y) / |x|_eps, folded so y is never formed (left to right: no rstd^2 underflow)
@@ -244,6 +266,12 @@ void l2norm_backward(Bk const& b, l2norm_backward_args<In, Rank> const& a, l2nor
       T gy = 0;
       for (index_t d = 0; d < D; ++d) gy = std::fma(load_as<T>(gp[d * sg]), load_as<T>(xp[d * sx]) * rstd, gy);
       c = gy * rstd;
+    }
+    if constexpr (std::is_same_v<detail::pp_elem_t<X>, T> && std::is_same_v<detail::pp_elem_t<DY>, T> && std::is_same_v<detail::pp_elem_t<DX>, T>) {
+      if (sx == 1 && sg == 1 && sd == 1) {
+        for (index_t d = 0; d < D; ++d) dp[d] = rstd * (gp[d] - c * xp[d]);  // the same arithmetic, vectorised
+        return;
+      }
     }
     for (index_t d = 0; d < D; ++d)
       dp[d * sd] = store_as<detail::pp_elem_t<DX>>(rstd * (load_as<T>(gp[d * sg]) - c * load_as<T>(xp[d * sx])));
@@ -354,6 +382,64 @@ std::vector<T> pp_gate_bias(Bias const& dt_bias, index_t HV, index_t K) {
   return bias;
 }
 
+// The lower-bound gate's backward over a contiguous float block of n <= pp_row_block
+// elements: z = a (x + bias) (bias may be null), s = sigmoid(z), dz = dg lb s (1 - s),
+// du = dz a into du and, when acc is not null, added to acc[k] in double; returns
+// sum_k dz z (a saturated z with dz = 0 adds 0, not 0 * inf), summed per lane and then across
+// lanes in a fixed order. In vector registers from end to end: one serial sum over the row, or
+// separate passes through scratch rows, would leave the core waiting on latencies.
+template <class Arch = xsimd::default_arch>
+float pp_gate_lb_backward_block(float const* x, float const* bias, float const* dg, index_t n, float a, float lb, float* du,
+                                double* acc, bool stream = false) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  constexpr index_t L = static_cast<index_t>(batch::size);
+  constexpr index_t U = static_cast<index_t>(pp_unroll);
+  batch da(0.0f);
+  // U vectors from x, bias and dg at p (m valid lanes in the last, zero-padded by the caller).
+  auto block = [&]<std::size_t N>(float const* xs, float const* bs, float const* gs, float* us, double* as, bool st) {
+    batch z[N], sp[N], sm[N];
+    for (std::size_t u = 0; u < N; ++u) {
+      batch xv = batch::load_unaligned(xs + u * L);
+      if (bs) xv = xv + batch::load_unaligned(bs + u * L);
+      z[u] = batch(a) * xv;
+    }
+    pp_sigmoid_pair_n(z, sp, sm);
+    alignas(64) float dus[N * L];
+    for (std::size_t u = 0; u < N; ++u) {
+      batch const dz = batch::load_unaligned(gs + u * L) * batch(lb) * sp[u] * sm[u];
+      batch const uv = dz * batch(a);
+      if (st)
+        k3::simd::store_stream(us + u * L, uv);
+      else
+        uv.store_unaligned(us + u * L);
+      uv.store_aligned(dus + u * L);
+      da += xsimd::select((dz == batch(0.0f)) && xsimd::isinf(z[u]), batch(0.0f), dz * z[u]);
+    }
+    if (as)
+      for (std::size_t k = 0; k < N * L; ++k) as[k] += static_cast<double>(dus[k]);
+  };
+  index_t c = 0;
+  for (; c + U * L <= n; c += U * L)
+    block.template operator()<pp_unroll>(x + c, bias ? bias + c : nullptr, dg + c, du + c, acc ? acc + c : nullptr, stream);
+  for (; c + L <= n; c += L) block.template operator()<1>(x + c, bias ? bias + c : nullptr, dg + c, du + c, acc ? acc + c : nullptr, stream);
+  if (c < n) {
+    alignas(64) float bx[L] = {}, bb[L] = {}, bg[L] = {}, bu[L];
+    alignas(64) double ba[L] = {};
+    std::copy(x + c, x + n, bx);
+    if (bias) std::copy(bias + c, bias + n, bb);
+    std::copy(dg + c, dg + n, bg);
+    block.template operator()<1>(bx, bias ? bb : nullptr, bg, bu, ba, false);
+    std::copy(bu, bu + (n - c), du + c);
+    if (acc)
+      for (index_t k = c; k < n; ++k) acc[k] += ba[k - c];
+  }
+  alignas(64) float lanes[L];
+  da.store_aligned(lanes);
+  float s = 0.0f;
+  for (index_t i = 0; i < L; ++i) s += lanes[i];
+  return s;
+}
+
 // HasBias: whether dt_bias is present, a template parameter so that the row loops keep no
 // per-element test of it.
 template <pp_gate Kind, bool HasBias, class Bk, class X, class A, class Bias, class G>
@@ -437,7 +523,7 @@ void pp_gate_backward_checks(X const& x, A const& A_log, Bias const& dt_bias, do
 
 template <pp_gate Kind, bool HasBias, class Bk, class X, class A, class Bias, class DG, class DX, class DA, class DB>
 void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bias, double lb, DG const& dg, DX const& dx,
-                      DA const& dA_log, DB const& ddt_bias) {
+                      DA const& dA_log, DB const& ddt_bias, preprocess_tuning const& tune) {
   index_t const B = x.extent(0), Tn = x.extent(1), HV = x.extent(2), K = x.extent(3);
   using T = pp_compute_t<X, A, Bias, DG, DX, DA, DB>;
   bool const has_da = ::k3::present(dA_log), has_ddt = ::k3::present(ddt_bias);
@@ -451,6 +537,11 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
   auto const dg_row = pp_row_map(dg);
   auto const dx_row = pp_row_map(dx);
   index_t const sx = x.stride(3), sdg = dg.stride(3), sdx = dx.stride(3);
+  index_t const rows = B * Tn * HV;
+  // dx bypasses the caches when large and on cache lines; then each task fences its stores.
+  bool const stream = std::is_same_v<pp_elem_t<DX>, float> && sdx == 1 && K % 16 == 0 &&
+                      reinterpret_cast<std::uintptr_t>(dx.data_handle()) % 64 == 0 && (HV == 1 || dx.stride(2) % 16 == 0) &&
+                      tune.stream(static_cast<std::size_t>(B * Tn * HV * K) * sizeof(pp_elem_t<DX>));
   auto row = [&](index_t r, double* acc) {
     index_t const h = r % HV;
     T const a = a_of[static_cast<std::size_t>(h)];
@@ -470,6 +561,28 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
       alignas(64) T z[pp_row_block], sp[pp_row_block], sm[pp_row_block];
       for (index_t k0 = 0; k0 < K; k0 += pp_row_block) {
         index_t const nk = std::min(pp_row_block, K - k0);
+        if constexpr (std::is_same_v<T, float>) {
+          // Float: one fused pass over the block (pp_gate_lb_backward_block); other layouts
+          // and storage types are gathered into contiguous rows first, so every layout gives
+          // the same bits.
+          float const* bk = nullptr;
+          if constexpr (HasBias) bk = bias + k0;
+          double* ak = acc ? acc + h * K + k0 : nullptr;
+          if constexpr (std::is_same_v<pp_elem_t<X>, float> && std::is_same_v<pp_elem_t<DG>, float> && std::is_same_v<pp_elem_t<DX>, float>) {
+            if (sx == 1 && sdg == 1 && sdx == 1) {
+              da += pp_gate_lb_backward_block(xp + k0, bk, dgp + k0, nk, a, T(lb), dxp + k0, ak, stream);
+              continue;
+            }
+          }
+          alignas(64) float xv[pp_row_block], dgv[pp_row_block], du[pp_row_block];
+          for (index_t k = 0; k < nk; ++k) {
+            xv[k] = load_as<float>(xp[(k0 + k) * sx]);
+            dgv[k] = load_as<float>(dgp[(k0 + k) * sdg]);
+          }
+          da += pp_gate_lb_backward_block(xv, bk, dgv, nk, a, T(lb), du, ak);
+          for (index_t k = 0; k < nk; ++k) dxp[(k0 + k) * sdx] = store_as<pp_elem_t<DX>>(du[k]);
+          continue;
+        }
         for (index_t k = 0; k < nk; ++k) z[k] = a * u_at(k0 + k);
         pp_sigmoid_pair_row(z, sp, sm, nk);
         for (index_t k = 0; k < nk; ++k) {
@@ -494,16 +607,20 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
       }
     }
     if (acc) acc[HV * K + h] += static_cast<double>(da);
+    // Each block of pp_reduce_block rows runs on one thread: its last row fences the block.
+    if (stream && ((r + 1) % pp_reduce_block == 0 || r + 1 == rows)) k3::simd::stream_fence<xsimd::default_arch>();
   };
   if (want_params) {
-    std::vector<double> const sums = pp_blocked_reduce(b, B * Tn * HV, width, row);
+    std::vector<double> const sums = pp_blocked_reduce(b, rows, width, row);
     if (has_ddt)
       for (index_t h = 0; h < HV; ++h)
         for (index_t k = 0; k < K; ++k) ddt_bias(h, k) = store_as<pp_elem_t<DB>>(sums[static_cast<std::size_t>(h * K + k)]);
     if (has_da)
       for (index_t h = 0; h < HV; ++h) dA_log(h) = store_as<pp_elem_t<DA>>(sums[static_cast<std::size_t>(HV * K + h)]);
   } else {
-    b.for_each(0, B * Tn * HV, [&](index_t r) { row(r, nullptr); });
+    b.for_each(0, (rows + pp_reduce_block - 1) / pp_reduce_block, [&](index_t blk) {
+      for (index_t r = blk * pp_reduce_block, end = std::min(rows, r + pp_reduce_block); r < end; ++r) row(r, nullptr);
+    });
   }
 }
 
@@ -514,12 +631,12 @@ void pp_validate_gate_backward(gate_backward_args<In, P, Space> const& a, double
 }
 
 template <pp_gate Kind, class Bk, class In, class P>
-void pp_gate_backward_run(Bk const& b, gate_backward_args<In, P> const& a, double lb) {
+void pp_gate_backward_run(Bk const& b, gate_backward_args<In, P> const& a, double lb, preprocess_tuning const& tune = {}) {
   pp_validate_gate_backward<Kind>(a, lb);
   if (::k3::present(a.dt_bias))
-    pp_gate_backward<Kind, true>(b, a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias);
+    pp_gate_backward<Kind, true>(b, a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias, tune);
   else
-    pp_gate_backward<Kind, false>(b, a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias);
+    pp_gate_backward<Kind, false>(b, a.x, a.A_log, a.dt_bias, lb, a.d_g, a.d_x, a.d_A_log, a.d_dt_bias, tune);
 }
 
 }  // namespace detail
@@ -544,7 +661,7 @@ void gate_lower_bound(Bk const& b, gate_args<In, P> const& a, gate_options const
 
 template <HostBackend Bk, class In, class P>
 void gate_lower_bound_backward(Bk const& b, gate_backward_args<In, P> const& a, gate_options const& opt = {}) {
-  detail::pp_gate_backward_run<detail::pp_gate::lower_bound>(b, a, opt.lower_bound);
+  detail::pp_gate_backward_run<detail::pp_gate::lower_bound>(b, a, opt.lower_bound, opt.tuning);
 }
 
 // Device views handed to a host backend: a compile error naming the fix (the CUDA backend's

@@ -3,6 +3,8 @@
 // overload on the architecture tag, as xsimd does it: an Arch{} argument binds to the most
 // derived architecture a primitive is written for.
 #pragma once
+#include <cstddef>
+
 #include <xsimd/xsimd.hpp>
 
 namespace k3::simd::kernel {
@@ -25,5 +27,14 @@ template <class Arch>
 inline xsimd::batch<float, Arch> exp_nonpositive(xsimd::batch<float, Arch> const& x, requires_arch<xsimd::generic>) noexcept {
   return xsimd::exp(x);
 }
+template <std::size_t U, class Arch>
+inline void exp_nonpositive_n(xsimd::batch<float, Arch> (&x)[U], requires_arch<xsimd::generic>) noexcept {
+  for (std::size_t u = 0; u < U; ++u) x[u] = xsimd::exp(x[u]);
+}
+template <class Arch>
+inline void store_stream(float* p, xsimd::batch<float, Arch> const& v, requires_arch<xsimd::generic>) noexcept {
+  v.store_aligned(p);
+}
+inline void stream_fence(requires_arch<xsimd::generic>) noexcept {}
 
 }  // namespace k3::simd::kernel
