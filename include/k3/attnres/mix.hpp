@@ -30,6 +30,7 @@
 #include "k3/backend/cpu/simd.hpp"
 #include "k3/core/concepts.hpp"
 #include "k3/core/error.hpp"
+#include "k3/core/memory_space.hpp"
 #include "k3/core/numeric/bfloat16.hpp"
 #include "k3/core/tensor_view.hpp"
 #include "k3/core/validate.hpp"
@@ -43,40 +44,40 @@ struct options {
 
 
 // The sources of one site: bank rows [0, n) and, when the partial view is present, the
-// partial sum as source n.
-template <class S>
+// partial sum as source n. Views live in `Space` (host_space for the CPU backends).
+template <class S, class Space = host_space>
 struct sources {
-  tensor_view<S const, 3> bank;          // [n, T, d]
-  tensor_view<S const, 2> partial = {};  // optional [T, d]
+  tensor_view<S const, 3, Space> bank;          // [n, T, d]
+  tensor_view<S const, 2, Space> partial = {};  // optional [T, d]
 
   bool has_partial() const noexcept { return present(partial); }
   index_t count() const noexcept { return bank.extent(0) + (has_partial() ? 1 : 0); }
 };
 
-template <class S, std::size_t R>
-sources<std::remove_const_t<S>> make_sources(tensor_view<S, R> bank) {
+template <class S, std::size_t R, class Space>
+sources<std::remove_const_t<S>, Space> make_sources(tensor_view<S, R, Space> bank) {
   static_assert(R == 3, "make_sources: the bank is [n, T, d]");
   return {bank, {}};
 }
-template <class S, class P>
-sources<std::remove_const_t<S>> make_sources(tensor_view<S, 3> bank, tensor_view<P, 2> partial) {
+template <class S, class P, class Space>
+sources<std::remove_const_t<S>, Space> make_sources(tensor_view<S, 3, Space> bank, tensor_view<P, 2, Space> partial) {
   static_assert(std::is_same_v<std::remove_const_t<S>, std::remove_const_t<P>>, "bank and partial must share a storage type");
   return {bank, partial};
 }
 
 // Gradients for the sources, laid out like them (partial read only when the sources have one).
-template <class G>
+template <class G, class Space = host_space>
 struct source_grads {
-  tensor_view<G, 3> bank;          // [n, T, d]
-  tensor_view<G, 2> partial = {};  // [T, d] when the sources have a partial
+  tensor_view<G, 3, Space> bank;          // [n, T, d]
+  tensor_view<G, 2, Space> partial = {};  // [T, d] when the sources have a partial
 };
 
-template <class G>
-source_grads<G> make_grads(tensor_view<G, 3> bank) {
+template <class G, class Space>
+source_grads<G, Space> make_grads(tensor_view<G, 3, Space> bank) {
   return {bank, {}};
 }
-template <class G>
-source_grads<G> make_grads(tensor_view<G, 3> bank, tensor_view<G, 2> partial) {
+template <class G, class Space>
+source_grads<G, Space> make_grads(tensor_view<G, 3, Space> bank, tensor_view<G, 2, Space> partial) {
   return {bank, partial};
 }
 
@@ -112,8 +113,8 @@ rows<G> rows_of(source_grads<G> const& g, bool has_partial) {
 }
 
 // Checks the sources and returns (T, d).
-template <class S>
-void check_sources(sources<S> const& s, index_t& T, index_t& d) {
+template <class S, class Space>
+void check_sources(sources<S, Space> const& s, index_t& T, index_t& d) {
   check_view("sources", s.bank);
   check_inner_contiguous("sources", s.bank);
   if (s.has_partial()) {
@@ -131,8 +132,8 @@ void check_sources(sources<S> const& s, index_t& T, index_t& d) {
   }
 }
 
-template <class G>
-void check_grads(source_grads<G> const& g, index_t n, bool has_partial, index_t T, index_t d) {
+template <class G, class Space>
+void check_grads(source_grads<G, Space> const& g, index_t n, bool has_partial, index_t T, index_t d) {
   check_view("d_sources", g.bank);
   check_inner_contiguous("d_sources", g.bank);
   check_shape("d_sources", g.bank, {n, T, d});
@@ -298,55 +299,63 @@ std::vector<C> fold_query(WV w, GV g, index_t d) {
 
 // Token-local statistics a stored-mode forward can keep for the backward: [T, m, 3] holding
 // (r_j, c_j, alpha_j) in compute precision. Leave it absent when not wanted.
-template <class C>
-using stats_view = tensor_view<C, 3>;
+template <class C, class Space = host_space>
+using stats_view = tensor_view<C, 3, Space>;
 
-// The views of mix_forward: S the sources' storage, W the type of w and gain, H that of h.
-template <Storage S, class W = k3::accumulation_t<S>, class H = S>
+// The views of mix_forward: S the sources' storage, W the type of w and gain, H that of h;
+// Space where they live (host_space for the CPU backends).
+template <Storage S, class W = k3::accumulation_t<S>, class H = S, class Space = host_space>
 struct mix_forward_args {
-  ::k3::attnres::sources<S> sources;
-  tensor_view<W const, 1> w, gain;                      // [d] pseudo-query and key-norm gain
-  tensor_view<H, 2> h;                                  // [T, d], written
-  stats_view<k3::accumulation_t<S>> stats = {};         // optional, filled for a stored-mode backward
+  ::k3::attnres::sources<S, Space> sources;
+  tensor_view<W const, 1, Space> w, gain;                      // [d] pseudo-query and key-norm gain
+  tensor_view<H, 2, Space> h;                                  // [T, d], written
+  stats_view<k3::accumulation_t<S>, Space> stats = {};         // optional, filled for a stored-mode backward
 };
 
 // The views of mix_backward: DH the type of d_h, G that of d_sources, DW that of d_w and d_gain.
-template <Storage S, class W = k3::accumulation_t<S>, class DH = S, class G = k3::accumulation_t<S>, class DW = k3::accumulation_t<S>>
+template <Storage S, class W = k3::accumulation_t<S>, class DH = S, class G = k3::accumulation_t<S>, class DW = k3::accumulation_t<S>,
+          class Space = host_space>
 struct mix_backward_args {
-  ::k3::attnres::sources<S> sources;
-  tensor_view<W const, 1> w, gain;
-  tensor_view<DH const, 2> d_h;                         // [T, d]
-  source_grads<G> d_sources;                            // d_sources.partial used when sources has a partial
-  tensor_view<DW, 1> d_w, d_gain;                       // [d]
-  stats_view<k3::accumulation_t<S> const> stats = {};   // optional: the forward's stats (stored mode)
+  ::k3::attnres::sources<S, Space> sources;
+  tensor_view<W const, 1, Space> w, gain;
+  tensor_view<DH const, 2, Space> d_h;                         // [T, d]
+  source_grads<G, Space> d_sources;                            // d_sources.partial used when sources has a partial
+  tensor_view<DW, 1, Space> d_w, d_gain;                       // [d]
+  stats_view<k3::accumulation_t<S> const, Space> stats = {};   // optional: the forward's stats (stored mode)
 };
 
-// h[T, d] = the mix of `sources` with pseudo-query w[d] and key-norm gain gain[d].
-template <HostBackend B, class S, class W, class H>
-void mix_forward(B const& b, mix_forward_args<S, W, H> const& args, options const& opt = {}) {
+namespace detail {
+
+// The sizes of a validated mixing site: T tokens of d features, m sources.
+struct mix_problem {
+  index_t T = 0, d = 0, m = 0;
+};
+
+// Every check of mix_forward's views and options (shapes, option values, aliasing), for the
+// host and the CUDA backend alike, so both raise the same k3::error for the same call.
+template <class S, class W, class H, class Space>
+mix_problem validate_mix_forward(mix_forward_args<S, W, H, Space> const& args, options const& opt) {
   static_assert(!std::is_const_v<H>, "attnres: h is written");
   auto const& src = args.sources;
   auto const w = args.w;
   auto const g = args.gain;
   auto const h = args.h;
   auto const stats = args.stats;
-  using C = k3::accumulation_t<S>;
   index_t T = 0, d = 0;
-  detail::check_sources(src, T, d);
-  detail::check_view("w", w);
-  detail::check_view("gain", g);
-  detail::check_view("h", h);
-  detail::check_shape("w", w, {d});
-  detail::check_shape("gain", g, {d});
-  detail::check_shape("h", h, {T, d});
-  detail::check_inner_contiguous("h", h);
-  detail::require(opt.eps >= 0 && std::isfinite(opt.eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
+  check_sources(src, T, d);
+  check_view("w", w);
+  check_view("gain", g);
+  check_view("h", h);
+  check_shape("w", w, {d});
+  check_shape("gain", g, {d});
+  check_shape("h", h, {T, d});
+  check_inner_contiguous("h", h);
+  require(opt.eps >= 0 && std::isfinite(opt.eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
   index_t const m = src.count();
-  bool const keep = stats.size() > 0;
-  if (keep) {
-    detail::check_view("stats", stats);
-    detail::check_shape("stats", stats, {T, m, 3});
-    detail::require(stats.is_contiguous(), error_kind::shape, "argument 'stats': must be contiguous");
+  if (stats.size() > 0) {
+    check_view("stats", stats);
+    check_shape("stats", stats, {T, m, 3});
+    require(stats.is_contiguous(), error_kind::shape, "argument 'stats': must be contiguous");
   }
   // h and stats: neither broadcast (a stride-0 dimension: several tokens into one row, racing
   // between threads), over the other or over an input.
@@ -361,6 +370,94 @@ void mix_forward(B const& b, mix_forward_args<S, W, H> const& args, options cons
         f("w", w);
         f("gain", g);
       });
+  return {T, d, m};
+}
+
+// d_h may BE the partial's gradient (same view: an identity sublayer handing the driver's
+// grad_sublayer_output() straight back): each token converts its dh row before writing
+// that token's rows, so an exact alias is safe; any other overlap is not.
+template <class DHV, class GV>
+bool d_h_is_d_partial(DHV const& dh, GV const& dpart) {
+  if constexpr (DHV::rank() == GV::rank() && std::is_same_v<typename DHV::value_type, typename GV::value_type>) {
+    return static_cast<void const*>(dh.data_handle()) == static_cast<void const*>(dpart.data_handle()) && dh.extents() == dpart.extents() &&
+           dh.strides() == dpart.strides();
+  } else {
+    return false;
+  }
+}
+
+// Every check of mix_backward's views and options, shared by the host and the CUDA backend.
+template <class S, class W, class DH, class G, class DW, class Space>
+mix_problem validate_mix_backward(mix_backward_args<S, W, DH, G, DW, Space> const& args, options const& opt) {
+  auto const& src = args.sources;
+  auto const w = args.w;
+  auto const g = args.gain;
+  auto const dh = args.d_h;
+  auto const& dsrc = args.d_sources;
+  auto const dw = args.d_w;
+  auto const dg = args.d_gain;
+  auto const stats = args.stats;
+  index_t T = 0, d = 0;
+  check_sources(src, T, d);
+  index_t const n = src.bank.extent(0), m = src.count();
+  check_view("w", w);
+  check_view("gain", g);
+  check_shape("w", w, {d});
+  check_shape("gain", g, {d});
+  check_rows("d_h", dh, {T, d});
+  check_grads(dsrc, n, src.has_partial(), T, d);
+  check_view("d_w", dw);
+  check_view("d_gain", dg);
+  check_shape("d_w", dw, {d});
+  check_shape("d_gain", dg, {d});
+  require(opt.eps >= 0 && std::isfinite(opt.eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
+  if (stats.size() > 0) {
+    check_view("stats", stats);
+    check_shape("stats", stats, {T, m, 3});
+    require(stats.is_contiguous(), error_kind::shape, "argument 'stats': must be contiguous");
+  }
+  // Every output against every input and the outputs pairwise: a gradient written over an
+  // input (or over another gradient) is read back half-updated by later tokens.
+  tensor_view<G const, 2, Space> const dpart = src.has_partial() ? tensor_view<G const, 2, Space>(dsrc.partial) : tensor_view<G const, 2, Space>{};
+  auto outs = [&](auto&& f) {
+    f("d_sources", dsrc.bank);
+    f("d_partial", dpart);
+    f("d_w", dw);
+    f("d_gain", dg);
+  };
+  auto ins = [&](auto&& f) {
+    f("sources", src.bank);
+    f("partial", src.has_partial() ? src.partial : tensor_view<S const, 2, Space>{});
+    f("w", w);
+    f("gain", g);
+    f("d_h", dh);
+    f("stats", stats);
+  };
+  outs([&](char const* on, auto const& ov) { ::k3::detail::check_not_broadcast(on, ov); });
+  outs([&](char const* on, auto const& ov) {
+    ins([&](char const* in, auto const& iv) {
+      if (std::string_view(on) == "d_partial" && std::string_view(in) == "d_h" && d_h_is_d_partial(iv, ov)) return;
+      check_no_overlap(on, ov, in, iv);
+    });
+  });
+  ::k3::detail::check_outputs_disjoint(outs);
+  return {T, d, m};
+}
+
+}  // namespace detail
+
+// h[T, d] = the mix of `sources` with pseudo-query w[d] and key-norm gain gain[d].
+template <HostBackend B, class S, class W, class H>
+void mix_forward(B const& b, mix_forward_args<S, W, H> const& args, options const& opt = {}) {
+  detail::mix_problem const p = detail::validate_mix_forward(args, opt);
+  index_t const T = p.T, d = p.d, m = p.m;
+  auto const& src = args.sources;
+  auto const w = args.w;
+  auto const g = args.gain;
+  auto const h = args.h;
+  auto const stats = args.stats;
+  using C = k3::accumulation_t<S>;
+  bool const keep = stats.size() > 0;
   if (T == 0 || d == 0) return;
   auto const u = detail::fold_query<C>(w, g, d);
   auto const rows = detail::rows_of(src);
@@ -392,6 +489,8 @@ void mix_forward(B const& b, mix_forward_args<S, W, H> const& args, options cons
 // without, they are recomputed (recompute mode) — bit-identical either way.
 template <HostBackend B, class S, class W, class DH, class G, class DW>
 void mix_backward(B const& b, mix_backward_args<S, W, DH, G, DW> const& args, options const& opt = {}) {
+  detail::mix_problem const p = detail::validate_mix_backward(args, opt);
+  index_t const T = p.T, d = p.d, m = p.m;
   auto const& src = args.sources;
   auto const w = args.w;
   auto const g = args.gain;
@@ -401,64 +500,7 @@ void mix_backward(B const& b, mix_backward_args<S, W, DH, G, DW> const& args, op
   auto const dg = args.d_gain;
   auto const stats = args.stats;
   using C = k3::accumulation_t<S>;
-  index_t T = 0, d = 0;
-  detail::check_sources(src, T, d);
-  index_t const n = src.bank.extent(0), m = src.count();
-  detail::check_view("w", w);
-  detail::check_view("gain", g);
-  detail::check_shape("w", w, {d});
-  detail::check_shape("gain", g, {d});
-  detail::check_rows("d_h", dh, {T, d});
-  detail::check_grads(dsrc, n, src.has_partial(), T, d);
-  detail::check_view("d_w", dw);
-  detail::check_view("d_gain", dg);
-  detail::check_shape("d_w", dw, {d});
-  detail::check_shape("d_gain", dg, {d});
-  detail::require(opt.eps >= 0 && std::isfinite(opt.eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(opt.eps); });
   bool const have_stats = stats.size() > 0;
-  if (have_stats) {
-    detail::check_view("stats", stats);
-    detail::check_shape("stats", stats, {T, m, 3});
-    detail::require(stats.is_contiguous(), error_kind::shape, "argument 'stats': must be contiguous");
-  }
-  {
-    // Every output against every input and the outputs pairwise: a gradient written over an
-    // input (or over another gradient) is read back half-updated by later tokens.
-    tensor_view<G const, 2> const dpart = src.has_partial() ? tensor_view<G const, 2>(dsrc.partial) : tensor_view<G const, 2>{};
-    auto outs = [&](auto&& f) {
-      f("d_sources", dsrc.bank);
-      f("d_partial", dpart);
-      f("d_w", dw);
-      f("d_gain", dg);
-    };
-    auto ins = [&](auto&& f) {
-      f("sources", src.bank);
-      f("partial", src.has_partial() ? src.partial : tensor_view<S const, 2>{});
-      f("w", w);
-      f("gain", g);
-      f("d_h", dh);
-      f("stats", stats);
-    };
-    // d_h may BE the partial's gradient (same view: an identity sublayer handing the driver's
-    // grad_sublayer_output() straight back): each token converts its dh row before writing
-    // that token's rows, so an exact alias is safe; any other overlap is not.
-    auto same = [](auto const& a, auto const& b) {
-      return static_cast<void const*>(a.data_handle()) == static_cast<void const*>(b.data_handle()) && a.extents() == b.extents() &&
-             a.strides() == b.strides() && sizeof(*a.data_handle()) == sizeof(*b.data_handle());
-    };
-    outs([&](char const* on, auto const& ov) { ::k3::detail::check_not_broadcast(on, ov); });
-    outs([&](char const* on, auto const& ov) {
-      ins([&](char const* in, auto const& iv) {
-        if constexpr (std::decay_t<decltype(ov)>::rank() == 2 && std::decay_t<decltype(iv)>::rank() == 2 &&
-                      std::is_same_v<std::remove_cv_t<typename std::decay_t<decltype(ov)>::element_type>,
-                                     std::remove_cv_t<typename std::decay_t<decltype(iv)>::element_type>>) {
-          if (std::string_view(on) == "d_partial" && std::string_view(in) == "d_h" && same(ov, iv)) return;
-        }
-        detail::check_no_overlap(on, ov, in, iv);
-      });
-    });
-    ::k3::detail::check_outputs_disjoint(outs);
-  }
   if (d == 0) return;
   auto const u = detail::fold_query<C>(w, g, d);
   auto const rows = detail::rows_of(src);
@@ -501,6 +543,21 @@ void mix_backward(B const& b, mix_backward_args<S, W, DH, G, DW> const& args, op
       dg(k) = store_as<DW>(gg);
     }
   }
+}
+
+// ---- device views handed to a host backend: a compile error naming the fix (the CUDA backend's
+// overloads are in k3/attnres/cuda/backend.cuh) ------------------------------------------------
+template <HostBackend B, class S, class W, class H>
+void mix_forward(B const&, mix_forward_args<S, W, H, cuda_device_space> const&, options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::attnres::mix_forward: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class S, class W, class DH, class G, class DW>
+void mix_backward(B const&, mix_backward_args<S, W, DH, G, DW, cuda_device_space> const&, options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::attnres::mix_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
 }
 
 }  // namespace k3::attnres

@@ -37,21 +37,22 @@ struct two_phase_options {
   ::k3::attnres::tuning tuning = ::k3::attnres::tuning::host();
 };
 
-// The views of block_rinv: S the block's storage; rinv has the compute type.
-template <Storage S>
+// The views of block_rinv: S the block's storage; rinv has the compute type. Space: where the
+// views live (host_space for the CPU backends), for the ops the CUDA kernels also serve.
+template <Storage S, class Space = host_space>
 struct block_rinv_args {
-  tensor_view<S const, 2> block;                 // [T, d]
-  tensor_view<k3::accumulation_t<S>, 1> rinv;    // [T], written
+  tensor_view<S const, 2, Space> block;                 // [T, d]
+  tensor_view<k3::accumulation_t<S>, 1, Space> rinv;    // [T], written
 };
 
 // The views of phase1: S the bank's storage, O that of o.
-template <Storage S, class O = S>
+template <Storage S, class O = S, class Space = host_space>
 struct phase1_args {
-  tensor_view<S const, 3> bank;                               // [n, T, d] completed blocks
-  tensor_view<k3::accumulation_t<S> const, 2> bank_rinv;      // [n, T]
-  tensor_view<k3::accumulation_t<S> const, 2> u;              // [nq, d] folded queries
-  tensor_view<O, 3> o;                                        // [nq, T, d], written
-  tensor_view<k3::accumulation_t<S>, 2> lse;                  // [nq, T], written
+  tensor_view<S const, 3, Space> bank;                               // [n, T, d] completed blocks
+  tensor_view<k3::accumulation_t<S> const, 2, Space> bank_rinv;      // [n, T]
+  tensor_view<k3::accumulation_t<S> const, 2, Space> u;              // [nq, d] folded queries
+  tensor_view<O, 3, Space> o;                                        // [nq, T, d], written
+  tensor_view<k3::accumulation_t<S>, 2, Space> lse;                  // [nq, T], written
 };
 
 // The views of phase2: S the partial's storage, O that of o, H that of h.
@@ -65,20 +66,113 @@ struct phase2_args {
 };
 
 // The views of phase2_add: S the prefix's storage, D that of delta, O of o, H of h.
-template <Storage S, class D = S, class O = S, class H = S>
+template <Storage S, class D = S, class O = S, class H = S, class Space = host_space>
 struct phase2_add_args {
-  tensor_view<O const, 2> o;                                  // [T, d]
-  tensor_view<k3::accumulation_t<S> const, 1> lse;            // [T]
-  tensor_view<S, 2> prefix;                                   // [T, d], updated in place
-  tensor_view<D const, 2> delta;                              // [T, d]
-  tensor_view<k3::accumulation_t<S> const, 1> u;              // [d]
-  tensor_view<H, 2> h;                                        // [T, d], written
+  tensor_view<O const, 2, Space> o;                                  // [T, d]
+  tensor_view<k3::accumulation_t<S> const, 1, Space> lse;            // [T]
+  tensor_view<S, 2, Space> prefix;                                   // [T, d], updated in place
+  tensor_view<D const, 2, Space> delta;                              // [T, d]
+  tensor_view<k3::accumulation_t<S> const, 1, Space> u;              // [d]
+  tensor_view<H, 2, Space> h;                                        // [T, d], written
 };
 
 namespace detail {
 
 inline void check_eps(double eps) {
   require(eps >= 0 && std::isfinite(eps), error_kind::value, [&] { return "option 'eps' must be finite and >= 0, got " + std::to_string(eps); });
+}
+
+// The checks of block_rinv, phase1 and phase2_add (shapes, options, aliasing), one function
+// per op for the host and the CUDA backend alike, so both raise the same k3::error.
+
+// Returns (T, d).
+template <class S, class Space>
+void validate_block_rinv(block_rinv_args<S, Space> const& args, two_phase_options const& opt, index_t& T, index_t& d) {
+  auto const block = args.block;
+  auto const rinv = args.rinv;
+  check_view("block", block);
+  check_inner_contiguous("block", block);
+  T = block.extent(0);
+  d = block.extent(1);
+  check_view("rinv", rinv);
+  check_shape("rinv", rinv, {T});
+  check_outputs_apart([&](auto&& f) { f("rinv", rinv); }, [&](auto&& f) { f("block", block); });
+  check_eps(opt.eps);
+}
+
+// The sizes of a validated phase 1: n completed blocks, nq sites, T tokens, d features.
+struct phase1_problem {
+  index_t n = 0, nq = 0, T = 0, d = 0;
+};
+
+template <class S, class O, class Space>
+phase1_problem validate_phase1(phase1_args<S, O, Space> const& args, two_phase_options const&) {
+  static_assert(!std::is_const_v<O>, "phase1: o is written");
+  auto const bank = args.bank;
+  auto const bank_rinv = args.bank_rinv;
+  auto const u = args.u;
+  auto const o = args.o;
+  auto const lse = args.lse;
+  check_view("bank", bank);
+  check_inner_contiguous("bank", bank);
+  index_t const n = bank.extent(0), T = bank.extent(1), d = bank.extent(2);
+  check_view("u", u);
+  check_inner_contiguous("u", u);
+  index_t const nq = u.extent(0);
+  check_shape("u", u, {nq, d});
+  check_view("bank_rinv", bank_rinv);
+  check_shape("bank_rinv", bank_rinv, {n, T});
+  check_rows("o", o, {nq, T, d});
+  check_view("lse", lse);
+  check_shape("lse", lse, {nq, T});
+  check_outputs_apart(
+      [&](auto&& f) {
+        f("o", o);
+        f("lse", lse);
+      },
+      [&](auto&& f) {
+        f("bank", bank);
+        f("bank_rinv", bank_rinv);
+        f("u", u);
+      });
+  return {n, nq, T, d};
+}
+
+// Returns (T, d).
+template <class S, class D, class O, class H, class Space>
+void validate_phase2_add(phase2_add_args<S, D, O, H, Space> const& args, two_phase_options const& opt, index_t& T, index_t& d) {
+  static_assert(!std::is_const_v<S> && !std::is_const_v<H>, "phase2_add: prefix and h are written");
+  auto const o = args.o;
+  auto const lse = args.lse;
+  auto const prefix = args.prefix;
+  auto const delta = args.delta;
+  auto const u = args.u;
+  auto const h = args.h;
+  check_view("o", o);
+  check_inner_contiguous("o", o);
+  T = o.extent(0);
+  d = o.extent(1);
+  check_rows("prefix", prefix, {T, d});
+  check_rows("delta", delta, {T, d});
+  check_view("lse", lse);
+  check_shape("lse", lse, {T});
+  check_view("u", u);
+  check_shape("u", u, {d});
+  check_rows("h", h, {T, d});
+  // prefix is updated in place (it is its own input); neither it nor h broadcast, over the
+  // other or over o, delta, lse, u.
+  check_outputs_apart(
+      [&](auto&& f) {
+        f("prefix", prefix);
+        f("h", h);
+      },
+      [&](auto&& f) {
+        f("o", o);
+        f("delta", delta);
+        f("lse", lse);
+        f("u", u);
+      });
+  check_eps(opt.eps);
 }
 
 // Phase-1 scores of one token: dots[l * n + j] = u_l . x_j, in double. The xsimd version
@@ -217,16 +311,11 @@ template <HostBackend B, class S>
 void block_rinv(B const& b, block_rinv_args<S> const& args, two_phase_options const& opt = {}) {
   using SS = S;
   using C = k3::accumulation_t<SS>;
+  index_t T = 0, d = 0;
+  detail::validate_block_rinv(args, opt, T, d);
   auto const block = args.block;
   auto const rinv = args.rinv;
   double const eps = opt.eps;
-  detail::check_view("block", block);
-  detail::check_inner_contiguous("block", block);
-  index_t const T = block.extent(0), d = block.extent(1);
-  detail::check_view("rinv", rinv);
-  detail::check_shape("rinv", rinv, {T});
-  detail::check_outputs_apart([&](auto&& f) { f("rinv", rinv); }, [&](auto&& f) { f("block", block); });
-  detail::check_eps(eps);
   using Ops = typename detail::ops_for<B>::template type<C>;
   index_t const tasks = detail::token_tasks(b, T);
   detail::for_token_ranges(b, T, tasks, [&](index_t lo, index_t hi, index_t) {
@@ -243,34 +332,13 @@ void phase1(B const& b, phase1_args<S, O> const& args, two_phase_options const& 
   using SS = S;
   using C = k3::accumulation_t<SS>;
   using U = C const;
-  static_assert(!std::is_const_v<O>, "phase1: o is written");
+  detail::phase1_problem const p = detail::validate_phase1(args, opt);
+  index_t const n = p.n, nq = p.nq, T = p.T, d = p.d;
   auto const bank = args.bank;
   auto const bank_rinv = args.bank_rinv;
   auto const u = args.u;
   auto const o = args.o;
   auto const lse = args.lse;
-  detail::check_view("bank", bank);
-  detail::check_inner_contiguous("bank", bank);
-  index_t const n = bank.extent(0), T = bank.extent(1), d = bank.extent(2);
-  detail::check_view("u", u);
-  detail::check_inner_contiguous("u", u);
-  index_t const nq = u.extent(0);
-  detail::check_shape("u", u, {nq, d});
-  detail::check_view("bank_rinv", bank_rinv);
-  detail::check_shape("bank_rinv", bank_rinv, {n, T});
-  detail::check_rows("o", o, {nq, T, d});
-  detail::check_view("lse", lse);
-  detail::check_shape("lse", lse, {nq, T});
-  detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("o", o);
-        f("lse", lse);
-      },
-      [&](auto&& f) {
-        f("bank", bank);
-        f("bank_rinv", bank_rinv);
-        f("u", u);
-      });
   if (T == 0 || nq == 0) return;
   constexpr bool simd = detail::simd_arch<B>::value;
   using O_ = std::remove_const_t<O>;
@@ -469,6 +537,8 @@ void phase2(B const& b, phase2_args<S, O, H> const& args, two_phase_options cons
 template <HostBackend B, class S, class D, class O, class H>
 void phase2_add(B const& b, phase2_add_args<S, D, O, H> const& args, two_phase_options const& opt = {}) {
   using C = k3::accumulation_t<S>;
+  index_t T = 0, d = 0;
+  detail::validate_phase2_add(args, opt, T, d);
   auto const o = args.o;
   auto const lse = args.lse;
   auto const prefix = args.prefix;
@@ -476,31 +546,6 @@ void phase2_add(B const& b, phase2_add_args<S, D, O, H> const& args, two_phase_o
   auto const u = args.u;
   auto const h = args.h;
   double const eps = opt.eps;
-  static_assert(!std::is_const_v<S> && !std::is_const_v<H>, "phase2_add: prefix and h are written");
-  detail::check_view("o", o);
-  detail::check_inner_contiguous("o", o);
-  index_t const T = o.extent(0), d = o.extent(1);
-  detail::check_rows("prefix", prefix, {T, d});
-  detail::check_rows("delta", delta, {T, d});
-  detail::check_view("lse", lse);
-  detail::check_shape("lse", lse, {T});
-  detail::check_view("u", u);
-  detail::check_shape("u", u, {d});
-  detail::check_rows("h", h, {T, d});
-  // prefix is updated in place (it is its own input); neither it nor h broadcast, over the
-  // other or over o, delta, lse, u.
-  detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("prefix", prefix);
-        f("h", h);
-      },
-      [&](auto&& f) {
-        f("o", o);
-        f("delta", delta);
-        f("lse", lse);
-        f("u", u);
-      });
-  detail::check_eps(eps);
   using Ops = typename detail::ops_for<B>::template type<C>;
   std::vector<C> uc(static_cast<std::size_t>(d));
   for (index_t k = 0; k < d; ++k) uc[k] = load_as<C>(u(k));
@@ -551,6 +596,27 @@ void phase2_add(B const& b, phase2_add_args<S, D, O, H> const& args, two_phase_o
       detail::merge_row(bb, &o(t, 0), detail::merge_weight(dot, ss, C(lse(t)), d, eps), d, &h(t, 0));
     }
   });
+}
+
+// ---- device views handed to a host backend: a compile error naming the fix (the CUDA backend's
+// overloads are in k3/attnres/cuda/backend.cuh) ------------------------------------------------
+template <HostBackend B, class S>
+void block_rinv(B const&, block_rinv_args<S, cuda_device_space> const&, two_phase_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::attnres::block_rinv: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class S, class O>
+void phase1(B const&, phase1_args<S, O, cuda_device_space> const&, two_phase_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::attnres::phase1: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+}
+template <HostBackend B, class S, class D, class O, class H>
+void phase2_add(B const&, phase2_add_args<S, D, O, H, cuda_device_space> const&, two_phase_options const& = {}) {
+  static_assert(::k3::detail::views_in_wrong_space<B>,
+                "k3::attnres::phase2_add: the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
 }
 
 }  // namespace k3::attnres
