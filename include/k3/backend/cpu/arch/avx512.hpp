@@ -48,7 +48,7 @@ template <std::size_t U, class Arch>
   }
   for (std::size_t u = 0; u < U; ++u) r[u] = _mm512_fnmadd_ps(n[u], _mm512_set1_ps(-2.12194440e-4f), r[u]);
   for (std::size_t u = 0; u < U; ++u) p[u] = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r[u], _mm512_set1_ps(1.0f / 720.0f));
-  auto const horner = [&](float c) [[gnu::always_inline]] {
+  auto const horner = [&](float c) {
     for (std::size_t u = 0; u < U; ++u) p[u] = _mm512_fmadd_ps(p[u], r[u], _mm512_set1_ps(c));
   };
   horner(1.0f / 120.0f);
