@@ -558,7 +558,6 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
     if constexpr (Kind == pp_gate::lower_bound) {
       // The sigmoids of a block of the row at once (pp_sigmoid_pair_row), then the same
       // elementwise products as one element at a time.
-      alignas(64) T z[pp_row_block], sp[pp_row_block], sm[pp_row_block];
       for (index_t k0 = 0; k0 < K; k0 += pp_row_block) {
         index_t const nk = std::min(pp_row_block, K - k0);
         if constexpr (std::is_same_v<T, float>) {
@@ -581,18 +580,19 @@ void pp_gate_backward(Bk const& b, X const& x, A const& A_log, Bias const& dt_bi
           }
           da += pp_gate_lb_backward_block(xv, bk, dgv, nk, a, T(lb), du, ak);
           for (index_t k = 0; k < nk; ++k) dxp[(k0 + k) * sdx] = store_as<pp_elem_t<DX>>(du[k]);
-          continue;
-        }
-        for (index_t k = 0; k < nk; ++k) z[k] = a * u_at(k0 + k);
-        pp_sigmoid_pair_row(z, sp, sm, nk);
-        for (index_t k = 0; k < nk; ++k) {
-          // g = lb sigmoid(z), z = a u: dg/dz = lb s (1 - s), dz/du = a, dz/dA_log = z.
-          T const dz = load_as<T>(dgp[(k0 + k) * sdg]) * T(lb) * sp[k] * sm[k];
-          T const du = dz * a;
-          // Saturated (z = +-inf in T, e.g. |x| ~ 1e38 in float): s (1 - s) z -> 0, not 0 * inf.
-          da += (dz == T(0) && std::isinf(z[k])) ? T(0) : dz * z[k];
-          dxp[(k0 + k) * sdx] = store_as<pp_elem_t<DX>>(du);
-          if (acc) acc[h * K + k0 + k] += static_cast<double>(du);
+        } else {
+          alignas(64) T z[pp_row_block], sp[pp_row_block], sm[pp_row_block];
+          for (index_t k = 0; k < nk; ++k) z[k] = a * u_at(k0 + k);
+          pp_sigmoid_pair_row(z, sp, sm, nk);
+          for (index_t k = 0; k < nk; ++k) {
+            // g = lb sigmoid(z), z = a u: dg/dz = lb s (1 - s), dz/du = a, dz/dA_log = z.
+            T const dz = load_as<T>(dgp[(k0 + k) * sdg]) * T(lb) * sp[k] * sm[k];
+            T const du = dz * a;
+            // Saturated (z = +-inf in T, e.g. |x| ~ 1e38 in float): s (1 - s) z -> 0, not 0 * inf.
+            da += (dz == T(0) && std::isinf(z[k])) ? T(0) : dz * z[k];
+            dxp[(k0 + k) * sdx] = store_as<pp_elem_t<DX>>(du);
+            if (acc) acc[h * K + k0 + k] += static_cast<double>(du);
+          }
         }
       }
     } else {
