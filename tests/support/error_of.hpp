@@ -1,5 +1,4 @@
-// The message of the k3::error that f() throws; "" when it throws nothing. For tests that
-// check what an error names.
+// What the k3::error that f() throws says: for tests that check what an error names.
 #pragma once
 #include <optional>
 #include <string>
@@ -8,37 +7,37 @@
 
 namespace k3::test {
 
+// The k3::error that f() throws; empty when it throws nothing. The three below read one
+// field of it.
 template <class F>
-std::string error_of(F&& f) {
+std::optional<k3::error> thrown_error(F&& f) {
   try {
     f();
   } catch (k3::error const& e) {
-    return e.what();
-  }
-  return "";
-}
-
-// The kind of the k3::error that f() throws; empty when it throws nothing.
-template <class F>
-std::optional<error_kind> error_kind_of(F&& f) {
-  try {
-    f();
-  } catch (k3::error const& e) {
-    return e.kind();
+    return e;
   }
   return std::nullopt;
 }
 
-// The argument the k3::error that f() throws names (k3::error::argument()); "" when it throws
-// nothing.
+// The message of the error; "" when f() throws nothing.
+template <class F>
+std::string error_of(F&& f) {
+  auto const e = thrown_error(f);
+  return e ? std::string(e->what()) : std::string();
+}
+
+// The error's kind; empty when f() throws nothing.
+template <class F>
+std::optional<error_kind> error_kind_of(F&& f) {
+  auto const e = thrown_error(f);
+  return e ? std::optional<error_kind>(e->kind()) : std::nullopt;
+}
+
+// The argument the error names (k3::error::argument()); "" when f() throws nothing.
 template <class F>
 std::string argument_of(F&& f) {
-  try {
-    f();
-  } catch (k3::error const& e) {
-    return e.argument();
-  }
-  return "";
+  auto const e = thrown_error(f);
+  return e ? std::string(e->argument()) : std::string();
 }
 
 // Whether an error message reports arguments `a` and `b` (quoted, as k3 names them) overlapping.

@@ -96,7 +96,7 @@ void validate_block_rinv(block_rinv_args<S, Space> const& args, two_phase_option
   d = block.extent(1);
   check_view("rinv", rinv);
   check_shape("rinv", rinv, {T});
-  check_outputs_apart([&](auto&& f) { f("rinv", rinv); }, [&](auto&& f) { f("block", block); });
+  check_outputs_apart(named_views("rinv", rinv), named_views("block", block));
   check_eps(opt.eps);
 }
 
@@ -125,16 +125,7 @@ phase1_problem validate_phase1(phase1_args<S, O, Space> const& args, two_phase_o
   check_rows("o", o, {nq, T, d});
   check_view("lse", lse);
   check_shape("lse", lse, {nq, T});
-  check_outputs_apart(
-      [&](auto&& f) {
-        f("o", o);
-        f("lse", lse);
-      },
-      [&](auto&& f) {
-        f("bank", bank);
-        f("bank_rinv", bank_rinv);
-        f("u", u);
-      });
+  check_outputs_apart(named_views("o", o, "lse", lse), named_views("bank", bank, "bank_rinv", bank_rinv, "u", u));
   return {n, nq, T, d};
 }
 
@@ -161,17 +152,7 @@ void validate_phase2_add(phase2_add_args<S, D, O, H, Space> const& args, two_pha
   check_rows("h", h, {T, d});
   // prefix is updated in place (it is its own input); neither it nor h broadcast, over the
   // other or over o, delta, lse, u.
-  check_outputs_apart(
-      [&](auto&& f) {
-        f("prefix", prefix);
-        f("h", h);
-      },
-      [&](auto&& f) {
-        f("o", o);
-        f("delta", delta);
-        f("lse", lse);
-        f("u", u);
-      });
+  check_outputs_apart(named_views("prefix", prefix, "h", h), named_views("o", o, "delta", delta, "lse", lse, "u", u));
   check_eps(opt.eps);
 }
 
