@@ -84,8 +84,8 @@ void run_flushed_tasks(B const& be, index_t n, F&& f) {
 
 }  // namespace detail
 
-template <HostBackend B, Storage In, Real S>
-void forward(B const& be, forward_args<In, S> const& a, options const& opt = {}) {
+template <HostBackend B, Storage In, Real S, class Space, class = ::k3::detail::reachable<B, Space>>
+void forward(B const& be, forward_args<In, S, Space> const& a, options const& opt = {}) {
   // The vectorised backends check the gate's lower bound themselves (validate reads all of g
   // sequentially): the chunked form while staging its rows, the recurrent form by a scan on
   // every thread. Either runs the exact sequential check (which names the first offending
@@ -137,8 +137,8 @@ void forward(B const& be, forward_args<In, S> const& a, options const& opt = {})
   }
 }
 
-template <HostBackend B, Storage In, Real S>
-void backward(B const& be, backward_args<In, S> const& a, options const& opt = {}) {
+template <HostBackend B, Storage In, Real S, class Space, class = ::k3::detail::reachable<B, Space>>
+void backward(B const& be, backward_args<In, S, Space> const& a, options const& opt = {}) {
   detail::problem const p = detail::validate(a, opt);
   if (p.K == 0 || p.V == 0) {
     // An empty state: o = 0 whatever the inputs, so every gradient is 0 (dh0 has no elements).
@@ -168,8 +168,8 @@ void backward(B const& be, backward_args<In, S> const& a, options const& opt = {
 // A negative slot marks a padding entry: skipped, its o left untouched (as on CUDA).
 // The vectorised backends hand each thread a few contiguous ranges of (sequence, value head)
 // pairs (see decode_simd_range); the serial backend runs the reference step per pair.
-template <HostBackend B, Storage In, Real S>
-void decode(B const& be, decode_args<In, S> const& a, options const& opt = {}) {
+template <HostBackend B, Storage In, Real S, class Space, class = ::k3::detail::reachable<B, Space>>
+void decode(B const& be, decode_args<In, S, Space> const& a, options const& opt = {}) {
   detail::problem const p = detail::validate(a, opt);
   bool const s32 = present(a.slots32);
   auto slot = [&](index_t n) { return s32 ? index_t(a.slots32(n)) : index_t(a.slots64(n)); };
@@ -199,26 +199,6 @@ void decode(B const& be, decode_args<In, S> const& a, options const& opt = {}) {
     run([](index_t j) { return j; });
   else
     run([&](index_t j) { return live[std::size_t(j)]; });
-}
-
-// Device views handed to a host backend: a compile error naming the fix, not a failed overload set.
-template <HostBackend B, Storage In, Real S>
-void forward(B const&, forward_args<In, S, cuda_device_space> const&, options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::kda::forward: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "pass k3::cuda::stream_backend (k3/kda/cuda/backend.cuh) or host views");
-}
-template <HostBackend B, Storage In, Real S>
-void backward(B const&, backward_args<In, S, cuda_device_space> const&, options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::kda::backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "pass k3::cuda::stream_backend (k3/kda/cuda/backend.cuh) or host views");
-}
-template <HostBackend B, Storage In, Real S>
-void decode(B const&, decode_args<In, S, cuda_device_space> const&, options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::kda::decode: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "pass k3::cuda::stream_backend (k3/kda/cuda/backend.cuh) or host views");
 }
 
 }  // namespace k3::kda

@@ -62,9 +62,9 @@ inline route_outputs with_cutoff(route_outputs out, index_t m, std::vector<float
 // Routes m tokens with `bias` (see router.hpp for the exact definition and tie-breaking), and
 // adds the margins to args.histogram when present (see route_args). cpu::threads<Arch> runs the
 // fused SIMD pass; other host backends the reference.
-template <HostBackend B, class T>
+template <HostBackend B, class T, class Space, class = ::k3::detail::reachable<B, Space>>
   requires std::same_as<T, float>
-void route(B const& backend, route_args<T> const& a, router_options const& opt = {}) {
+void route(B const& backend, route_args<T, Space> const& a, router_options const& opt = {}) {
   detail::route_outputs const out{a.indices, a.weights, a.cutoff, a.load};
   detail::validate_route(a.scores, a.bias, out, opt, a.mask);
   qb_histogram* const hist = a.histogram;
@@ -81,15 +81,6 @@ void route(B const& backend, route_args<T> const& a, router_options const& opt =
     detail::route_serial(a.scores, a.bias, o, opt, a.mask);
     qb_accumulate(backend, qb_accumulate_args<float>{.scores = a.scores, .cutoff = o.cutoff, .mask = a.mask, .histogram = hist}, opt);
   }
-}
-
-// Device views handed to a host backend: a compile error naming the fix (the CUDA backend's
-// overload is in k3/moe/cuda/route_backend.cuh).
-template <HostBackend B, class T>
-void route(B const&, route_args<T, cuda_device_space> const&, router_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::moe::route: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
 }
 
 enum class qb_mode { exact, histogram };

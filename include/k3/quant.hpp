@@ -300,8 +300,8 @@ void validate(fp8_block_gemm_args<QA, SA, QB, SB, Space> const& a, fp8_block_gem
 }  // namespace detail
 
 // ---- DeepSeek FP8 tiles ------------------------------------------------------------------------
-template <HostBackend B, detail::quant_input T>
-void fp8_quantize(B const& b, fp8_quantize_args<T> const& a, fp8_quantize_options const& o = {}) {
+template <HostBackend B, detail::quant_input T, class Space, class = ::k3::detail::reachable<B, Space>>
+void fp8_quantize(B const& b, fp8_quantize_args<T, Space> const& a, fp8_quantize_options const& o = {}) {
   detail::validate(a, o);
   const_view<std::remove_const_t<T>, 2> x = a.x;
   tensor_view<std::uint8_t, 2> q = a.q;
@@ -320,8 +320,8 @@ void fp8_quantize(B const& b, fp8_quantize_args<T> const& a, fp8_quantize_option
                         [&](index_t r0, index_t r1) { reference::fp8_quantize_rows(x, q, s, t, fmt, r0, r1); });
 }
 
-template <HostBackend B, detail::quant_output Out, detail::code_type QT, detail::float_scale_type ST>
-void fp8_dequantize(B const& b, fp8_dequantize_args<Out, QT, ST> const& a, fp8_dequantize_options const& o = {}) {
+template <HostBackend B, detail::quant_output Out, detail::code_type QT, detail::float_scale_type ST, class Space, class = ::k3::detail::reachable<B, Space>>
+void fp8_dequantize(B const& b, fp8_dequantize_args<Out, QT, ST, Space> const& a, fp8_dequantize_options const& o = {}) {
   detail::validate(a, o);
   const_view<std::uint8_t, 2> q = a.q;
   const_view<float, 2> s = a.scales;
@@ -333,8 +333,8 @@ void fp8_dequantize(B const& b, fp8_dequantize_args<Out, QT, ST> const& a, fp8_d
 
 // Backward re-quantisation; equal to fp8_quantize(fp8_dequantize(q, scales), 128x1). With
 // UE8M0 scales it is exact for every element that stays a normal E4M3 number.
-template <HostBackend B, detail::code_type QT, detail::float_scale_type ST>
-void fp8_requantize_1x128_to_128x1(B const& b, fp8_requantize_args<QT, ST> const& a, fp8_requantize_options const& o = {}) {
+template <HostBackend B, detail::code_type QT, detail::float_scale_type ST, class Space, class = ::k3::detail::reachable<B, Space>>
+void fp8_requantize_1x128_to_128x1(B const& b, fp8_requantize_args<QT, ST, Space> const& a, fp8_requantize_options const& o = {}) {
   detail::validate(a, o);
   const_view<std::uint8_t, 2> q = a.q;
   const_view<float, 2> s = a.scales;
@@ -347,8 +347,8 @@ void fp8_requantize_1x128_to_128x1(B const& b, fp8_requantize_args<QT, ST> const
 }
 
 // ---- OCP MX --------------------------------------------------------------------------------------
-template <HostBackend B, detail::quant_input T>
-void mx_quantize(B const& b, mx_quantize_args<T> const& a, mx_quantize_options const& o = {}) {
+template <HostBackend B, detail::quant_input T, class Space, class = ::k3::detail::reachable<B, Space>>
+void mx_quantize(B const& b, mx_quantize_args<T, Space> const& a, mx_quantize_options const& o = {}) {
   detail::validate(a, o);
   const_view<std::remove_const_t<T>, 2> x = a.x;
   tensor_view<std::uint8_t, 2> q = a.q;
@@ -367,8 +367,8 @@ void mx_quantize(B const& b, mx_quantize_args<T> const& a, mx_quantize_options c
   });
 }
 
-template <HostBackend B, detail::quant_output Out, detail::code_type QT, detail::code_type ST>
-void mx_dequantize(B const& b, mx_dequantize_args<Out, QT, ST> const& a, mx_dequantize_options const& o = {}) {
+template <HostBackend B, detail::quant_output Out, detail::code_type QT, detail::code_type ST, class Space, class = ::k3::detail::reachable<B, Space>>
+void mx_dequantize(B const& b, mx_dequantize_args<Out, QT, ST, Space> const& a, mx_dequantize_options const& o = {}) {
   detail::validate(a, o);
   const_view<std::uint8_t, 2> q = a.q;
   const_view<std::uint8_t, 2> s = a.scales;
@@ -381,8 +381,8 @@ void mx_dequantize(B const& b, mx_dequantize_args<Out, QT, ST> const& a, mx_dequ
 
 // ---- NVFP4 --------------------------------------------------------------------------------------------
 // The fp32 tensor scale amax/(448·6) over the finite values (1 for an all-zero tensor).
-template <HostBackend B, detail::quant_input T>
-float nvfp4_tensor_scale(B const& b, nvfp4_tensor_scale_args<T> const& a, nvfp4_tensor_scale_options const& = {}) {
+template <HostBackend B, detail::quant_input T, class Space, class = ::k3::detail::reachable<B, Space>>
+float nvfp4_tensor_scale(B const& b, nvfp4_tensor_scale_args<T, Space> const& a, nvfp4_tensor_scale_options const& = {}) {
   const_view<std::remove_const_t<T>, 2> x = a.x;
   k3::detail::check_view("x", x);
   if (x.size() == 0) return 1.0f;
@@ -394,8 +394,8 @@ float nvfp4_tensor_scale(B const& b, nvfp4_tensor_scale_args<T> const& a, nvfp4_
   return reference::nvfp4_scale_from_amax(amax);
 }
 
-template <HostBackend B, detail::quant_input T>
-void nvfp4_quantize(B const& b, nvfp4_quantize_args<T> const& a, nvfp4_quantize_options const& o = {}) {
+template <HostBackend B, detail::quant_input T, class Space, class = ::k3::detail::reachable<B, Space>>
+void nvfp4_quantize(B const& b, nvfp4_quantize_args<T, Space> const& a, nvfp4_quantize_options const& o = {}) {
   detail::validate(a, o);
   const_view<std::remove_const_t<T>, 2> x = a.x;
   tensor_view<std::uint8_t, 2> q = a.q;
@@ -413,8 +413,8 @@ void nvfp4_quantize(B const& b, nvfp4_quantize_args<T> const& a, nvfp4_quantize_
   detail::rows_parallel(b, m, 8, [&](index_t i0, index_t i1) { reference::nvfp4_quantize_rows(x, q, s, g, i0, i1, rounding); });
 }
 
-template <HostBackend B, detail::quant_output Out, detail::code_type QT, detail::code_type ST>
-void nvfp4_dequantize(B const& b, nvfp4_dequantize_args<Out, QT, ST> const& a, nvfp4_dequantize_options const& o = {}) {
+template <HostBackend B, detail::quant_output Out, detail::code_type QT, detail::code_type ST, class Space, class = ::k3::detail::reachable<B, Space>>
+void nvfp4_dequantize(B const& b, nvfp4_dequantize_args<Out, QT, ST, Space> const& a, nvfp4_dequantize_options const& o = {}) {
   detail::validate(a, o);
   const_view<std::uint8_t, 2> q = a.q;
   const_view<std::uint8_t, 2> s = a.scales;
@@ -427,8 +427,8 @@ void nvfp4_dequantize(B const& b, nvfp4_dequantize_args<Out, QT, ST> const& a, n
 // ---- block-scaled FP8 GEMM ----------------------------------------------------------------------
 // See reference::fp8_block_gemm_rows for the accumulation order (fp32 partial sums per
 // 128-wide K block, promoted with one fma).
-template <HostBackend B, detail::code_type QA, detail::float_scale_type SA, detail::code_type QB, detail::float_scale_type SB>
-void fp8_block_gemm(B const& b, fp8_block_gemm_args<QA, SA, QB, SB> const& a, fp8_block_gemm_options const& o = {}) {
+template <HostBackend B, detail::code_type QA, detail::float_scale_type SA, detail::code_type QB, detail::float_scale_type SB, class Space, class = ::k3::detail::reachable<B, Space>>
+void fp8_block_gemm(B const& b, fp8_block_gemm_args<QA, SA, QB, SB, Space> const& a, fp8_block_gemm_options const& o = {}) {
   detail::validate(a, o);
   const_view<std::uint8_t, 2> qa = a.a_q, qb = a.b_q;
   const_view<float, 2> sa = a.a_scales, sb = a.b_scales;
@@ -445,64 +445,6 @@ void fp8_block_gemm(B const& b, fp8_block_gemm_args<QA, SA, QB, SB> const& a, fp
   } else {
     detail::rows_parallel(b, m, 16, [&](index_t i0, index_t i1) { reference::fp8_block_gemm_rows(qa, sa, qb, sb, c, i0, i1); });
   }
-}
-
-// ---- device views handed to a host backend: a compile error naming the fix (the CUDA backend's
-// overloads are in k3/quant/cuda/backend.cuh) ----------------------------------------------------
-template <HostBackend B, class T>
-void fp8_quantize(B const&, fp8_quantize_args<T, cuda_device_space> const&, fp8_quantize_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::quant::fp8_quantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class Out, class QT, class ST>
-void fp8_dequantize(B const&, fp8_dequantize_args<Out, QT, ST, cuda_device_space> const&, fp8_dequantize_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::quant::fp8_dequantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class QT, class ST>
-void fp8_requantize_1x128_to_128x1(B const&, fp8_requantize_args<QT, ST, cuda_device_space> const&, fp8_requantize_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::quant::fp8_requantize_1x128_to_128x1: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class T>
-void mx_quantize(B const&, mx_quantize_args<T, cuda_device_space> const&, mx_quantize_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::quant::mx_quantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class Out, class QT, class ST>
-void mx_dequantize(B const&, mx_dequantize_args<Out, QT, ST, cuda_device_space> const&, mx_dequantize_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::quant::mx_dequantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class T>
-float nvfp4_tensor_scale(B const&, nvfp4_tensor_scale_args<T, cuda_device_space> const&, nvfp4_tensor_scale_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::quant::nvfp4_tensor_scale: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-  return 0.0f;
-}
-template <HostBackend B, class T>
-void nvfp4_quantize(B const&, nvfp4_quantize_args<T, cuda_device_space> const&, nvfp4_quantize_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::quant::nvfp4_quantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class Out, class QT, class ST>
-void nvfp4_dequantize(B const&, nvfp4_dequantize_args<Out, QT, ST, cuda_device_space> const&, nvfp4_dequantize_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::quant::nvfp4_dequantize: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class QA, class SA, class QB, class SB>
-void fp8_block_gemm(B const&, fp8_block_gemm_args<QA, SA, QB, SB, cuda_device_space> const&, fp8_block_gemm_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::quant::fp8_block_gemm: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
 }
 
 }  // namespace k3::quant

@@ -447,8 +447,8 @@ mix_problem validate_mix_backward(mix_backward_args<S, W, DH, G, DW, Space> cons
 }  // namespace detail
 
 // h[T, d] = the mix of `sources` with pseudo-query w[d] and key-norm gain gain[d].
-template <HostBackend B, class S, class W, class H>
-void mix_forward(B const& b, mix_forward_args<S, W, H> const& args, options const& opt = {}) {
+template <HostBackend B, class S, class W, class H, class Space, class = ::k3::detail::reachable<B, Space>>
+void mix_forward(B const& b, mix_forward_args<S, W, H, Space> const& args, options const& opt = {}) {
   detail::mix_problem const p = detail::validate_mix_forward(args, opt);
   index_t const T = p.T, d = p.d, m = p.m;
   auto const& src = args.sources;
@@ -487,8 +487,8 @@ void mix_forward(B const& b, mix_forward_args<S, W, H> const& args, options cons
 // Gradients of the mix: d_sources (and d_sources.partial), d_w[d], d_gain[d], given d_h[T, d].
 // With `stats` from the forward the token statistics are taken from there (stored mode);
 // without, they are recomputed (recompute mode) — bit-identical either way.
-template <HostBackend B, class S, class W, class DH, class G, class DW>
-void mix_backward(B const& b, mix_backward_args<S, W, DH, G, DW> const& args, options const& opt = {}) {
+template <HostBackend B, class S, class W, class DH, class G, class DW, class Space, class = ::k3::detail::reachable<B, Space>>
+void mix_backward(B const& b, mix_backward_args<S, W, DH, G, DW, Space> const& args, options const& opt = {}) {
   detail::mix_problem const p = detail::validate_mix_backward(args, opt);
   index_t const T = p.T, d = p.d, m = p.m;
   auto const& src = args.sources;
@@ -543,21 +543,6 @@ void mix_backward(B const& b, mix_backward_args<S, W, DH, G, DW> const& args, op
       dg(k) = store_as<DW>(gg);
     }
   }
-}
-
-// ---- device views handed to a host backend: a compile error naming the fix (the CUDA backend's
-// overloads are in k3/attnres/cuda/backend.cuh) ------------------------------------------------
-template <HostBackend B, class S, class W, class H>
-void mix_forward(B const&, mix_forward_args<S, W, H, cuda_device_space> const&, options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::attnres::mix_forward: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class S, class W, class DH, class G, class DW>
-void mix_backward(B const&, mix_backward_args<S, W, DH, G, DW, cuda_device_space> const&, options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::attnres::mix_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
 }
 
 }  // namespace k3::attnres

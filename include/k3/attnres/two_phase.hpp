@@ -288,8 +288,8 @@ double row_rinv(S const* row, index_t d, double eps, std::vector<C>& buf) {
 }  // namespace detail
 
 // rinv[t] = (mean_k block[t, k]^2 + eps)^-1/2: computed once when a block is closed.
-template <HostBackend B, class S>
-void block_rinv(B const& b, block_rinv_args<S> const& args, two_phase_options const& opt = {}) {
+template <HostBackend B, class S, class Space, class = ::k3::detail::reachable<B, Space>>
+void block_rinv(B const& b, block_rinv_args<S, Space> const& args, two_phase_options const& opt = {}) {
   using SS = S;
   using C = k3::accumulation_t<SS>;
   index_t T = 0, d = 0;
@@ -308,8 +308,8 @@ void block_rinv(B const& b, block_rinv_args<S> const& args, two_phase_options co
 // Phase 1 for nq sites against the n completed blocks of `bank` ([n, T, d], their inverse RMS
 // in bank_rinv [n, T]); u [nq, d] holds the folded queries gain_l * w_l. Writes o [nq, T, d]
 // (normalised inter-block mix) and lse [nq, T]. With n = 0, o = 0 and lse = -inf.
-template <HostBackend B, class S, class O>
-void phase1(B const& b, phase1_args<S, O> const& args, two_phase_options const& opt = {}) {
+template <HostBackend B, class S, class O, class Space, class = ::k3::detail::reachable<B, Space>>
+void phase1(B const& b, phase1_args<S, O, Space> const& args, two_phase_options const& opt = {}) {
   using SS = S;
   using C = k3::accumulation_t<SS>;
   using U = C const;
@@ -515,8 +515,8 @@ void phase2(B const& b, phase2_args<S, O, H> const& args, two_phase_options cons
 
 // The fused step the sublayer loop runs (spec §4.5): prefix += delta (the residual add, in
 // place, rounded to the storage type as a plain add would be), then phase 2 with b = prefix.
-template <HostBackend B, class S, class D, class O, class H>
-void phase2_add(B const& b, phase2_add_args<S, D, O, H> const& args, two_phase_options const& opt = {}) {
+template <HostBackend B, class S, class D, class O, class H, class Space, class = ::k3::detail::reachable<B, Space>>
+void phase2_add(B const& b, phase2_add_args<S, D, O, H, Space> const& args, two_phase_options const& opt = {}) {
   using C = k3::accumulation_t<S>;
   index_t T = 0, d = 0;
   detail::validate_phase2_add(args, opt, T, d);
@@ -577,27 +577,6 @@ void phase2_add(B const& b, phase2_add_args<S, D, O, H> const& args, two_phase_o
       detail::merge_row(bb, &o(t, 0), detail::merge_weight(dot, ss, C(lse(t)), d, eps), d, &h(t, 0));
     }
   });
-}
-
-// ---- device views handed to a host backend: a compile error naming the fix (the CUDA backend's
-// overloads are in k3/attnres/cuda/backend.cuh) ------------------------------------------------
-template <HostBackend B, class S>
-void block_rinv(B const&, block_rinv_args<S, cuda_device_space> const&, two_phase_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::attnres::block_rinv: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class S, class O>
-void phase1(B const&, phase1_args<S, O, cuda_device_space> const&, two_phase_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::attnres::phase1: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend B, class S, class D, class O, class H>
-void phase2_add(B const&, phase2_add_args<S, D, O, H, cuda_device_space> const&, two_phase_options const& = {}) {
-  static_assert(::k3::detail::views_in_wrong_space<B>,
-                "k3::attnres::phase2_add: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
 }
 
 }  // namespace k3::attnres

@@ -43,6 +43,27 @@ concept CudaBackend = Backend<B> && requires(B const& b) {
   { b.device() } -> std::convertible_to<int>;
 };
 
+namespace detail {
+// The memory-space check of every host op, as a defaulted template parameter
+// (`class = detail::reachable<B, Space>`): defaults are substituted before the constraints
+// are checked, so the host overload names both mix-ups (device views on a host backend,
+// host views on a CUDA backend) in one readable error, and no op needs a rejecting overload.
+template <class B, class Space>
+struct space_gate {
+  static_assert(!HostBackend<B> || Space::host_accessible,
+                "the args hold device views (cuda_device_space) but the backend runs on the host; "
+                "give host views or k3::cuda::stream_backend");
+  static_assert(!CudaBackend<B> || Space::device_accessible,
+                "the backend is CUDA but the args hold host views; give device views "
+                "(args<..., cuda_device_space>) or a host backend");
+  // Absent when a check fails, so the op drops out of overload resolution and its body is not
+  // instantiated: the assertion above stays the only error.
+  using type = std::enable_if_t<(!HostBackend<B> || Space::host_accessible) && (!CudaBackend<B> || Space::device_accessible)>;
+};
+template <class B, class Space>
+using reachable = typename space_gate<B, Space>::type;
+}  // namespace detail
+
 template <class V>
 concept TensorView = detail::is_tensor_view<std::remove_cvref_t<V>>::value;
 

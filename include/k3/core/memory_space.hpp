@@ -37,12 +37,4 @@ inline constexpr bool space_accessible_v =
     std::same_as<Exec, Mem> || (Exec::host_accessible && Mem::host_accessible) ||
     (Exec::device_accessible && !Exec::host_accessible && Mem::device_accessible);
 
-namespace detail {
-// False for every backend: the condition of the static_asserts in the overloads that reject
-// args whose views live in a memory space the backend cannot reach (dependent on B, so the
-// assert fires only when such an overload is chosen).
-template <class B>
-inline constexpr bool views_in_wrong_space = false;
-}  // namespace detail
-
 }  // namespace k3

@@ -132,6 +132,12 @@ auto named_views(A... a) {
   };
 }
 
+// joined(l1, l2, ...)(f) runs each list of named views in turn: one list from several.
+template <class... L>
+auto joined(L... lists) {
+  return [=](auto&& f) { (lists(f), ...); };
+}
+
 // Every output neither broadcast nor overlapping an input or another output.
 template <class Outs, class Ins>
 void check_outputs_apart(Outs&& outs, Ins&& ins) {

@@ -103,6 +103,27 @@ void cp_check_call(char const* what, Comm const* comm, options const& opt) {
           std::string(what) + ": cu_seqlens is not supported with a communicator; split every sequence across ranks instead");
 }
 
+// The rank's inputs with h0 left out: its carried state comes from the fold of the other ranks.
+template <class T>
+inputs<T> without_h0(inputs<T> in) {
+  in.h0 = {};
+  return in;
+}
+
+// The checks of one rank's call, captured so that every rank takes part in cp_agree: the call
+// (cp_check_call), the problem of the local inputs into p, h0's shape, then `more` (the
+// outputs' or the gradients' checks).
+template <class Comm, class T, class More>
+std::exception_ptr cp_capture_checks(char const* what, Comm const* comm, options const& opt, inputs<T> const& local_in,
+                                     const_view<state_t<T>, 4> h0, problem& p, More&& more) {
+  return ::k3::detail::capture_error([&] {
+    cp_check_call(what, comm, opt);
+    p = make_problem(local_in, opt);
+    if (k3::present(h0)) ::k3::detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
+    more();
+  });
+}
+
 }  // namespace detail::dplr
 }  // namespace k3
 
@@ -139,15 +160,11 @@ void forward(B const& be, cp_forward_args<T, C> const& x, options const& opt = {
   forward_args<T> const whole{x.q, x.k, x.v, x.a, x.b, x.gk, x.h0, x.o, x.ht};
   auto const h0 = x.h0;
   d::inputs<T> const in = d::inputs_of(whole);
-  auto local_in = in;
-  local_in.h0 = {};
+  d::inputs<T> const local_in = d::without_h0(in);
   d::problem p;
-  std::exception_ptr const failed = k3::detail::capture_error([&] {
-    d::cp_check_call("dplr::forward", x.comm, opt);
-    p = d::make_problem(local_in, opt);
-    if (k3::present(h0)) k3::detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
-    d::check_outputs(p, in, x.o, x.ht);  // with h0: o and ht must not overlap it either
-  });
+  // With h0, o and ht must not overlap it either.
+  std::exception_ptr const failed =
+      d::cp_capture_checks("dplr::forward", x.comm, opt, local_in, h0, p, [&] { d::check_outputs(p, in, x.o, x.ht); });
   if (x.comm == nullptr) std::rethrow_exception(failed);  // no collective to take part in
   C const& comm = *x.comm;
   d::cp_agree(comm, "dplr::forward", failed, d::cp_header<T>(p, k3::present(h0), false), d::cp_header_names());
@@ -189,14 +206,9 @@ void backward(B const& be, cp_backward_args<T, C> const& x, options const& opt =
   namespace d = ::k3::detail::dplr;
   backward_args<T> const whole{x.q, x.k, x.v, x.a, x.b, x.gk, x.h0, x.d_o, x.dht, x.dq, x.dk, x.dv, x.da, x.db, x.dgk, x.dh0};
   auto const h0 = x.h0;
-  d::inputs<T> const in = d::inputs_of(whole);
-  auto local_in = in;
-  local_in.h0 = {};
+  d::inputs<T> const local_in = d::without_h0(d::inputs_of(whole));
   d::problem p;
-  std::exception_ptr const failed = k3::detail::capture_error([&] {
-    d::cp_check_call("dplr::backward", x.comm, opt);
-    p = d::make_problem(local_in, opt);
-    if (k3::present(h0)) k3::detail::check_shape("h0", h0, {p.B, p.H, p.K, p.V});
+  std::exception_ptr const failed = d::cp_capture_checks("dplr::backward", x.comm, opt, local_in, h0, p, [&] {
     d::check_grads(p, whole);  // h0, dht and dh0 against everything else too
     if (k3::present(x.dht)) k3::detail::check_shape("dht", x.dht, {p.B, p.H, p.K, p.V});
     if (k3::present(x.dh0)) k3::detail::check_shape("dh0", x.dh0, {p.B, p.H, p.K, p.V});

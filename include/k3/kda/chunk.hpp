@@ -171,6 +171,28 @@ void dense_diagonal_factors(chunk_workspace<Acc>& w, index_t i0, index_t ci, dou
   w.Kb.topRows(ci).array() = w.Kc.middleRows(i0, ci).array() * EJ.array();
 }
 
+// Gated factors of an off-diagonal tile anchored at row i0, shared by forward and backward:
+// rows i0..i0+ci get EI = e^{G_i - G_i0}, Qa = Q * EI, Ka = K * EI (anchored_rows); the
+// columns j0..j0+BC get EJ = e^{G_i0 - G_j}, Kb = K * EJ (anchored_columns). The split part H
+// of the gate, when present, joins both exponents.
+template <class Acc>
+void anchored_rows(chunk_workspace<Acc>& w, index_t i0, index_t ci) {
+  auto EI = w.EI.topRows(ci);
+  EI = w.G.middleRows(i0, ci).rowwise() - w.G.row(i0);
+  if (w.split) EI += w.H.middleRows(i0, ci).rowwise() - w.H.row(i0);
+  exp_rows(EI);
+  w.Qa.topRows(ci).array() = w.Q.middleRows(i0, ci).array() * EI.array();
+  w.Ka.topRows(ci).array() = w.Kc.middleRows(i0, ci).array() * EI.array();
+}
+
+template <class Acc>
+void anchored_columns(chunk_workspace<Acc>& w, index_t i0, index_t j0) {
+  w.EJ = (-w.G.middleRows(j0, sub_chunk)).rowwise() + w.G.row(i0);
+  if (w.split) w.EJ += (-w.H.middleRows(j0, sub_chunk)).rowwise() + w.H.row(i0);
+  exp_rows(w.EJ);
+  w.Kb.array() = w.Kc.middleRows(j0, sub_chunk).array() * w.EJ.array();
+}
+
 template <class Acc>
 void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<double> lb) {
   index_t const BC = sub_chunk;
@@ -178,23 +200,11 @@ void chunk_intra(chunk_workspace<Acc>& w, index_t c, Acc scale, std::optional<do
   w.KK.topLeftCorner(c, c).setZero();
   for (index_t i0 = 0; i0 < c; i0 += BC) {
     index_t const ci = std::min(BC, c - i0);
-    auto GI = w.G.middleRows(i0, ci);
-    auto Gn = w.G.row(i0);
     // Off-diagonal tiles, anchored at row i0.
     if (i0 > 0) {
-      auto EI = w.EI.topRows(ci);
-      EI = GI.rowwise() - Gn;
-      if (w.split) EI += w.H.middleRows(i0, ci).rowwise() - w.H.row(i0);
-      exp_rows(EI);
-      w.Qa.topRows(ci).array() = w.Q.middleRows(i0, ci).array() * EI.array();
-      w.Ka.topRows(ci).array() = w.Kc.middleRows(i0, ci).array() * EI.array();
-      auto& EJ = w.EJ;
+      anchored_rows(w, i0, ci);
       for (index_t j0 = 0; j0 < i0; j0 += BC) {
-        auto GJ = w.G.middleRows(j0, BC);
-        EJ = (-GJ).rowwise() + Gn;
-        if (w.split) EJ += (-w.H.middleRows(j0, BC)).rowwise() + w.H.row(i0);
-        exp_rows(EJ);
-        w.Kb.array() = w.Kc.middleRows(j0, BC).array() * EJ.array();
+        anchored_columns(w, i0, j0);
         w.Aqk.block(i0, j0, ci, BC).noalias() = scale * w.Qa.topRows(ci) * w.Kb.transpose();
         w.KK.block(i0, j0, ci, BC).noalias() = w.Ka.topRows(ci) * w.Kb.transpose();
       }
@@ -342,27 +352,17 @@ void chunk_intra_backward(chunk_workspace<Acc>& w, index_t c, Acc scale, std::op
   index_t const BC = sub_chunk;
   for (index_t i0 = 0; i0 < c; i0 += BC) {
     index_t const ci = std::min(BC, c - i0);
-    auto GI = w.G.middleRows(i0, ci);
-    auto Gn = w.G.row(i0);
     auto dQa = w.dQa.topRows(ci);
     auto dKa = w.dKa.topRows(ci);
     if (i0 > 0) {
+      anchored_rows(w, i0, ci);
       auto EI = w.EI.topRows(ci);
-      EI = GI.rowwise() - Gn;
-      if (w.split) EI += w.H.middleRows(i0, ci).rowwise() - w.H.row(i0);
-      exp_rows(EI);
       auto Qa = w.Qa.topRows(ci);
       auto Ka = w.Ka.topRows(ci);
-      Qa.array() = w.Q.middleRows(i0, ci).array() * EI.array();
-      Ka.array() = w.Kc.middleRows(i0, ci).array() * EI.array();
       dQa.setZero();
       dKa.setZero();
       for (index_t j0 = 0; j0 < i0; j0 += BC) {
-        auto GJ = w.G.middleRows(j0, BC);
-        w.EJ = (-GJ).rowwise() + Gn;
-        if (w.split) w.EJ += (-w.H.middleRows(j0, BC)).rowwise() + w.H.row(i0);
-        exp_rows(w.EJ);
-        w.Kb.array() = w.Kc.middleRows(j0, BC).array() * w.EJ.array();
+        anchored_columns(w, i0, j0);
         auto dAq = w.dAqk.block(i0, j0, ci, BC);
         auto dAk = w.dKK.block(i0, j0, ci, BC);
         dQa.noalias() += scale * dAq * w.Kb;

@@ -278,26 +278,30 @@ void check_gate_bound(problem const& p, tensor_view<In const, 4> g) {
       }
 }
 
-// The inputs forward and backward share (q, k, v, g, beta, h0), named as in the error messages.
-template <class Args, class F>
-void for_each_shared_input(Args const& a, F&& f) {
-  f("q", a.q);
-  f("k", a.k);
-  f("v", a.v);
-  f("g", a.g);
-  f("beta", a.beta);
-  f("h0", a.h0);
+// The inputs forward and backward share (q, k, v, g, beta, h0), named as in the error messages,
+// as a list of named views: shared_inputs(a)(f) calls f(name, view) for each.
+template <class Args>
+auto shared_inputs(Args const& a) {
+  return ::k3::detail::named_views("q", a.q, "k", a.k, "v", a.v, "g", a.g, "beta", a.beta, "h0", a.h0);
+}
+
+// The shapes of q, k, v, g, beta and h0 (optional), or of their gradients: the same per-head
+// layout, under the given names.
+template <class Q, class Kv, class Vv, class G, class Bt, class H0>
+void check_head_views(problem const& p, std::array<char const*, 6> const& name, Q const& q, Kv const& k, Vv const& v, G const& g,
+                      Bt const& beta, H0 const& h0) {
+  index_t const B = p.B, T = p.T, H = p.H, HV = p.HV, K = p.K, V = p.V, N = p.N;
+  check_input(name[0], q, {B, T, H, K});
+  check_input(name[1], k, {B, T, H, K});
+  check_input(name[2], v, {B, T, HV, V});
+  check_input(name[3], g, {B, T, HV, K});
+  check_input(name[4], beta, {B, T, HV});
+  check_optional(name[5], h0, {N, HV, K, V});
 }
 
 template <class Args>
 void check_shared_inputs(Args const& a, problem const& p) {
-  index_t const B = p.B, T = p.T, H = p.H, HV = p.HV, K = p.K, V = p.V, N = p.N;
-  check_input("q", a.q, {B, T, H, K});
-  check_input("k", a.k, {B, T, H, K});
-  check_input("v", a.v, {B, T, HV, V});
-  check_input("g", a.g, {B, T, HV, K});
-  check_input("beta", a.beta, {B, T, HV});
-  check_optional("h0", a.h0, {N, HV, K, V});
+  check_head_views(p, {"q", "k", "v", "g", "beta", "h0"}, a.q, a.k, a.v, a.g, a.beta, a.h0);
 }
 
 // The saved states: [HV, total chunks, per-chunk record], from the chunked form only.
@@ -321,13 +325,7 @@ problem validate(forward_args<In, S, Space> const& a, options const& opt, bool c
   check_input("o", a.o, {B, T, HV, V});
   check_optional("ht", a.ht, {N, HV, K, V});
   check_saved(a.saved, p, opt);
-  check_outputs_apart(
-      [&](auto&& f) {
-        f("o", a.o);
-        f("ht", a.ht);
-        f("saved", a.saved);
-      },
-      [&](auto&& f) { for_each_shared_input(a, f); });
+  check_outputs_apart(::k3::detail::named_views("o", a.o, "ht", a.ht, "saved", a.saved), shared_inputs(a));
   if constexpr (Space::host_accessible)
     if (check_gate) check_gate_bound<In>(p, a.g);
   return p;
@@ -336,37 +334,16 @@ problem validate(forward_args<In, S, Space> const& a, options const& opt, bool c
 template <class In, class S, class Space>
 problem validate(backward_args<In, S, Space> const& a, options const& opt) {
   problem p = make_problem<In>(a.q, a.v, opt);
-  index_t const B = p.B, T = p.T, H = p.H, HV = p.HV, K = p.K, V = p.V, N = p.N;
   check_shared_inputs(a, p);
-  check_input("do", a.d_o, {B, T, HV, V});
-  check_optional("dht", a.dht, {N, HV, K, V});
-  check_input("dq", a.dq, {B, T, H, K});
-  check_input("dk", a.dk, {B, T, H, K});
-  check_input("dv", a.dv, {B, T, HV, V});
-  check_input("dg", a.dg, {B, T, HV, K});
-  check_input("dbeta", a.dbeta, {B, T, HV});
-  check_optional("dh0", a.dh0, {N, HV, K, V});
+  check_input("do", a.d_o, {p.B, p.T, p.HV, p.V});
+  check_optional("dht", a.dht, {p.N, p.HV, p.K, p.V});
+  check_head_views(p, {"dq", "dk", "dv", "dg", "dbeta", "dh0"}, a.dq, a.dk, a.dv, a.dg, a.dbeta, a.dh0);
   check_saved(a.saved, p, opt);
-  check_outputs_apart(
-      [&](auto&& f) {
-        f("dq", a.dq);
-        f("dk", a.dk);
-        f("dv", a.dv);
-        f("dg", a.dg);
-        f("dbeta", a.dbeta);
-        f("dh0", a.dh0);
-      },
-      [&](auto&& f) {
-        for_each_shared_input(a, f);
-        f("do", a.d_o);
-        f("dht", a.dht);
-        f("saved", a.saved);
-      });
+  check_outputs_apart(::k3::detail::named_views("dq", a.dq, "dk", a.dk, "dv", a.dv, "dg", a.dg, "dbeta", a.dbeta, "dh0", a.dh0),
+                      ::k3::detail::joined(shared_inputs(a), ::k3::detail::named_views("do", a.d_o, "dht", a.dht, "saved", a.saved)));
   if constexpr (Space::host_accessible) check_gate_bound<In>(p, a.g);
   return p;
 }
-
-using ::k3::detail::views_in_wrong_space;  // k3/core/memory_space.hpp
 
 // Every slot(n) of the N sequences inside a pool of P states and used once; negative slots
 // (padding) are skipped.

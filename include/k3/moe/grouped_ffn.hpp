@@ -85,15 +85,10 @@ struct gf_dims {
 template <class T>
 inline constexpr bool gf_storage = std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16>;
 
-// f(name, view) for each input the forward reads.
-template <class T, class Space, class F>
-void gf_inputs(grouped_ffn_args<T, Space> const& a, F&& f) {
-  f("z", a.z);
-  f("indices", a.indices);
-  f("weights", a.weights);
-  f("w_gate", a.w_gate);
-  f("w_up", a.w_up);
-  f("w_down", a.w_down);
+// The inputs the forward reads, as a list of named views (gf_inputs(a)(f) calls f(name, view)).
+template <class T, class Space>
+auto gf_inputs(grouped_ffn_args<T, Space> const& a) {
+  return ::k3::detail::named_views("z", a.z, "indices", a.indices, "weights", a.weights, "w_gate", a.w_gate, "w_up", a.w_up, "w_down", a.w_down);
 }
 
 // Shapes, options and aliasing; the expert ids are data and are checked where they are read.
@@ -146,32 +141,14 @@ gf_dims check_grouped_ffn(grouped_ffn_args<T, Space> const& a, grouped_ffn_gradi
   if (k3::present(g.dw_gate)) kd::check_shape("dw_gate", g.dw_gate, {m.n, m.f, m.l});
   if (k3::present(g.dw_up)) kd::check_shape("dw_up", g.dw_up, {m.n, m.f, m.l});
   if (k3::present(g.dw_down)) kd::check_shape("dw_down", g.dw_down, {m.n, m.l, m.f});
-  kd::check_outputs_apart(
-      [&](auto&& f) {
-        f("dz", g.dz);
-        f("d_weights", g.d_weights);
-        f("dw_gate", g.dw_gate);
-        f("dw_up", g.dw_up);
-        f("dw_down", g.dw_down);
-      },
-      [&](auto&& f) {
-        gf_inputs(a, f);
-        f("h_gate", a.h_gate);
-        f("h_up", a.h_up);
-        f("du", g.du);
-      });
+  kd::check_outputs_apart(kd::named_views("dz", g.dz, "d_weights", g.d_weights, "dw_gate", g.dw_gate, "dw_up", g.dw_up, "dw_down", g.dw_down),
+                          kd::joined(gf_inputs(a), kd::named_views("h_gate", a.h_gate, "h_up", a.h_up, "du", g.du)));
   return m;
 }
 
 template <class T, class Space>
 void check_grouped_ffn_forward_outputs(grouped_ffn_args<T, Space> const& a) {
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f) {
-        f("u", a.u);
-        f("h_gate", a.h_gate);
-        f("h_up", a.h_up);
-      },
-      [&](auto&& f) { gf_inputs(a, f); });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("u", a.u, "h_gate", a.h_gate, "h_up", a.h_up), gf_inputs(a));
 }
 
 inline std::string gf_bad_index(index_t t, index_t j, std::int64_t e, index_t n) {

@@ -299,22 +299,14 @@ lm_dims check_latent_moe(Bk const& b, latent_moe_args<T> const& a, latent_moe_op
   lm_check_out("y", a.y, {m.T, m.d});
   lm_check_out("indices", a.indices, {m.T, o.k});
   lm_check_out("weights", a.weights, {m.T, o.k});
-  lm_check_finite(b, "x", a.x);
-  lm_check_finite(b, "w_router", a.w_router);
-  if (k3::present(a.bias)) lm_check_finite(b, "bias", a.bias);
-  lm_check_finite(b, "w_down", a.w_down);
-  if (check_experts) {
-    lm_check_finite(b, "we_gate", a.we_gate);
-    lm_check_finite(b, "we_up", a.we_up);
-    lm_check_finite(b, "we_down", a.we_down);
-  }
-  if (k3::present(a.norm_weight)) lm_check_finite(b, "norm_weight", a.norm_weight);
-  lm_check_finite(b, "w_up", a.w_up);
-  if (sg) {
-    lm_check_finite(b, "ws_gate", a.ws_gate);
-    lm_check_finite(b, "ws_up", a.ws_up);
-    lm_check_finite(b, "ws_down", a.ws_down);
-  }
+  // Every present weight and input finite, in this order (the first bad one is named).
+  auto finite = [&](char const* name, auto const& v) {
+    if (k3::present(v)) lm_check_finite(b, name, v);
+  };
+  ::k3::detail::named_views("x", a.x, "w_router", a.w_router, "bias", a.bias, "w_down", a.w_down)(finite);
+  if (check_experts) ::k3::detail::named_views("we_gate", a.we_gate, "we_up", a.we_up, "we_down", a.we_down)(finite);
+  ::k3::detail::named_views("norm_weight", a.norm_weight, "w_up", a.w_up)(finite);
+  if (sg) ::k3::detail::named_views("ws_gate", a.ws_gate, "ws_up", a.ws_up, "ws_down", a.ws_down)(finite);
   return m;
 }
 

@@ -208,15 +208,9 @@ void check_ffn(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T
       });
 }
 
-template <class T, class F>
-void for_each_ffn_input(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w, F&& f) {
-  f("x", x);
-  f("idx", idx);
-  f("p", p);
-  f("w_gate", w.w_gate);
-  f("w_up", w.w_up);
-  f("w_down", w.w_down);
-  f("b_down", w.b_down);
+template <class T>
+auto ffn_inputs(const_view<T, 2> x, const_view<std::int32_t, 2> idx, const_view<T, 2> p, expert_ffn_weights<T> const& w) {
+  return ::k3::detail::named_views("x", x, "idx", idx, "p", p, "w_gate", w.w_gate, "w_up", w.w_up, "w_down", w.w_down, "b_down", w.b_down);
 }
 
 }  // namespace detail
@@ -237,14 +231,8 @@ void expert_ffn_forward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> idx
   ::k3::detail::check_view("h_gate", h_gate);
   ::k3::detail::check_view("h_up", h_up);
   ::k3::detail::check_view("y", y);
-  ::k3::detail::check_outputs_apart(
-      [&](auto&& f_) {
-        f_("o", o);
-        f_("h_gate", h_gate);
-        f_("h_up", h_up);
-        f_("y", y);
-      },
-      [&](auto&& f_) { detail::for_each_ffn_input(x, idx, p, w, f_); });
+  ::k3::detail::check_outputs_apart(::k3::detail::named_views("o", o, "h_gate", h_gate, "h_up", h_up, "y", y),
+                                    detail::ffn_inputs(x, idx, p, w));
   std::vector<T> a(static_cast<std::size_t>(f)), ye(static_cast<std::size_t>(d));
   for (index_t t = 0; t < Tn; ++t) {
     for (index_t c = 0; c < d; ++c) o(t, c) = T(0);
@@ -307,21 +295,8 @@ void expert_ffn_backward_impl(const_view<T, 2> x, const_view<std::int32_t, 2> id
   ::k3::detail::check_view("d_b_down", g.db_down);
   tensor_view<T, 2> const db_down = w.b_down.empty() ? tensor_view<T, 2>{} : g.db_down;  // ignored without a bias
   ::k3::detail::check_outputs_apart(
-      [&](auto&& f_) {
-        f_("d_x", g.dx);
-        f_("d_p", g.dp);
-        f_("d_w_gate", g.dw_gate);
-        f_("d_w_up", g.dw_up);
-        f_("d_w_down", g.dw_down);
-        f_("d_b_down", db_down);
-      },
-      [&](auto&& f_) {
-        for_each_ffn_input(x, idx, p, w, f_);
-        f_("h_gate", h_gate);
-        f_("h_up", h_up);
-        f_("y", y);
-        f_("d_o", d_o);
-      });
+      ::k3::detail::named_views("d_x", g.dx, "d_p", g.dp, "d_w_gate", g.dw_gate, "d_w_up", g.dw_up, "d_w_down", g.dw_down, "d_b_down", db_down),
+      ::k3::detail::joined(ffn_inputs(x, idx, p, w), ::k3::detail::named_views("h_gate", h_gate, "h_up", h_up, "y", y, "d_o", d_o)));
   std::vector<T> dA(static_cast<std::size_t>(f)), a(static_cast<std::size_t>(f)), dhg(static_cast<std::size_t>(f)),
       dhu(static_cast<std::size_t>(f));
   for (index_t t = 0; t < Tn; ++t) {

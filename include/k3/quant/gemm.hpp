@@ -71,30 +71,23 @@ void fp8_block_gemm(B const& b, const_view<std::uint8_t, 2> qa, const_view<float
     alignas(64) float tmp[MR * NR] = {};
     for (index_t kb = 0; kb < kblocks; ++kb) {
       index_t const k0 = kb * KB, kc = std::min(KB, k - k0);
-      // pack A: ap[(ii/MR)][kk][r]
-      for (index_t ii = 0; ii < MC; ii += MR)
-        for (index_t r = 0; r < MR; ++r) {
-          float* dst = ap + ii * kc + r;
-          if (ii + r < mc) {
-            std::uint8_t const* src = &qa(i0 + ii + r, k0);
-            index_t const st = qa.stride(1);
-            for (index_t kk = 0; kk < kc; ++kk) dst[kk * MR] = lut[src[kk * st]];
-          } else {
-            for (index_t kk = 0; kk < kc; ++kk) dst[kk * MR] = 0.0f;
+      // A as ap[ii / MR][kk][r] and B as bp[jj / NR][kk][cc]: `rows` decoded rows of q from
+      // row0 in panels of R, zero past `live`.
+      auto pack = [&]<index_t R>(float* out, const_view<std::uint8_t, 2> q, index_t row0, index_t rows, index_t live) {
+        for (index_t ii = 0; ii < rows; ii += R)
+          for (index_t r = 0; r < R; ++r) {
+            float* dst = out + ii * kc + r;
+            if (ii + r < live) {
+              std::uint8_t const* src = &q(row0 + ii + r, k0);
+              index_t const st = q.stride(1);
+              for (index_t kk = 0; kk < kc; ++kk) dst[kk * R] = lut[src[kk * st]];
+            } else {
+              for (index_t kk = 0; kk < kc; ++kk) dst[kk * R] = 0.0f;
+            }
           }
-        }
-      // pack B: bp[(jj/NR)][kk][cc]
-      for (index_t jj = 0; jj < NB; jj += NR)
-        for (index_t cc = 0; cc < NR; ++cc) {
-          float* dst = bp + jj * kc + cc;
-          if (jj + cc < nc) {
-            std::uint8_t const* src = &qb(n0 + jj + cc, k0);
-            index_t const st = qb.stride(1);
-            for (index_t kk = 0; kk < kc; ++kk) dst[kk * NR] = lut[src[kk * st]];
-          } else {
-            for (index_t kk = 0; kk < kc; ++kk) dst[kk * NR] = 0.0f;
-          }
-        }
+      };
+      pack.template operator()<MR>(ap, qa, i0, MC, mc);
+      pack.template operator()<NR>(bp, qb, n0, NB, nc);
       float const sbv = sb(nb, kb);
       for (index_t ii = 0; ii < mc; ii += MR) {
         float const* a = ap + ii * kc;

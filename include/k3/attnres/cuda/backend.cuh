@@ -41,7 +41,6 @@ namespace k3::attnres {
 namespace detail {
 
 using ::k3::cuda::detail::call_buffer;      // k3/backend/cuda/backend.cuh
-using ::k3::detail::views_in_wrong_space;   // k3/core/memory_space.hpp
 namespace kernels = ::k3::cuda::attnres;   // the raw launchers of k3/attnres/cuda.cuh
 
 template <class T>
@@ -244,38 +243,6 @@ void phase2_add(B const& be, phase2_add_args<S, D, O, H, cuda_device_space> cons
     detail::kernels::phase2_add<S>(a.o.data_handle(), a.lse.data_handle(), a.prefix.data_handle(), a.delta.data_handle(), a.u.data_handle(), T,
                                    d, static_cast<float>(opt.eps), a.h.data_handle(), be.stream());
   }
-}
-
-// ---- host views handed to the CUDA backend: a compile error naming the fix ----------------------
-template <CudaBackend B, class S, class W, class H>
-void mix_forward(B const&, mix_forward_args<S, W, H, host_space> const&, options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::attnres::mix_forward: the backend is CUDA but the args hold host views; give device views "
-                "(mix_forward_args<S, W, H, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class S, class W, class DH, class G, class DW>
-void mix_backward(B const&, mix_backward_args<S, W, DH, G, DW, host_space> const&, options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::attnres::mix_backward: the backend is CUDA but the args hold host views; give device views "
-                "(mix_backward_args<S, W, DH, G, DW, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class S>
-void block_rinv(B const&, block_rinv_args<S, host_space> const&, two_phase_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::attnres::block_rinv: the backend is CUDA but the args hold host views; give device views "
-                "(block_rinv_args<S, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class S, class O>
-void phase1(B const&, phase1_args<S, O, host_space> const&, two_phase_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::attnres::phase1: the backend is CUDA but the args hold host views; give device views "
-                "(phase1_args<S, O, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class S, class D, class O, class H>
-void phase2_add(B const&, phase2_add_args<S, D, O, H, host_space> const&, two_phase_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::attnres::phase2_add: the backend is CUDA but the args hold host views; give device views "
-                "(phase2_add_args<S, D, O, H, cuda_device_space>) or a host backend");
 }
 
 }  // namespace k3::attnres

@@ -105,12 +105,12 @@ inline constexpr bool cuda_types = (std::is_same_v<In, float> || std::is_same_v<
 
 }  // namespace detail
 
-template <CudaBackend B, Storage In, Real S>
-void forward(B const& be, forward_args<In, S, cuda_device_space> const& a, options const& opt = {}) {
+template <CudaBackend B, Storage In, Real S, class Space, class = ::k3::detail::reachable<B, Space>>
+void forward(B const& be, forward_args<In, S, Space> const& a, options const& opt = {}) {
   static_assert(detail::cuda_types<In, S>, "k3::kda::forward on CUDA: storage float or k3::bfloat16, state float");
   detail::problem const p = detail::validate(a, opt);
   detail::check_cuda_call(p, opt, present(a.saved));
-  detail::for_each_shared_input(a, [](char const* name, auto const& v) { detail::require_contiguous_on_device(name, v); });
+  detail::shared_inputs(a)([](char const* name, auto const& v) { detail::require_contiguous_on_device(name, v); });
   detail::require_contiguous_on_device("o", a.o);
   detail::require_contiguous_on_device("ht", a.ht);
   if (p.K == 0 || p.V == 0) {  // an empty state: o = 0 (the kernels need K, V >= 1)
@@ -131,12 +131,12 @@ void forward(B const& be, forward_args<In, S, cuda_device_space> const& a, optio
   cuda::chunk_fwd<In>(f, be.stream());
 }
 
-template <CudaBackend B, Storage In, Real S>
-void backward(B const& be, backward_args<In, S, cuda_device_space> const& a, options const& opt = {}) {
+template <CudaBackend B, Storage In, Real S, class Space, class = ::k3::detail::reachable<B, Space>>
+void backward(B const& be, backward_args<In, S, Space> const& a, options const& opt = {}) {
   static_assert(detail::cuda_types<In, S>, "k3::kda::backward on CUDA: storage float or k3::bfloat16, state float");
   detail::problem const p = detail::validate(a, opt);
   detail::check_cuda_call(p, opt, present(a.saved));
-  detail::for_each_shared_input(a, [](char const* name, auto const& v) { detail::require_contiguous_on_device(name, v); });
+  detail::shared_inputs(a)([](char const* name, auto const& v) { detail::require_contiguous_on_device(name, v); });
   detail::require_contiguous_on_device("do", a.d_o);
   detail::require_contiguous_on_device("dht", a.dht);
   detail::require_contiguous_on_device("dq", a.dq);
@@ -195,8 +195,8 @@ void backward(B const& be, backward_args<In, S, cuda_device_space> const& a, opt
 
 // One token per sequence over a device pool of float states, slot by slot (negative: padding,
 // skipped). The slots are read back to the host once to check them as the host backends do.
-template <CudaBackend B, Storage In, Real S>
-void decode(B const& be, decode_args<In, S, cuda_device_space> const& a, options const& opt = {}) {
+template <CudaBackend B, Storage In, Real S, class Space, class = ::k3::detail::reachable<B, Space>>
+void decode(B const& be, decode_args<In, S, Space> const& a, options const& opt = {}) {
   static_assert(detail::cuda_types<In, S>, "k3::kda::decode on CUDA: storage float or k3::bfloat16, state float");
   detail::problem const p = detail::validate(a, opt);
   ::k3::detail::require(p.scale > 0, error_kind::unsupported,
@@ -260,26 +260,6 @@ void decode(B const& be, decode_args<In, S, cuda_device_space> const& a, options
   d.scale = static_cast<float>(p.scale);
   cuda::decode<In>(d, be.stream());
   K3_CUDA_CHECK(cudaStreamSynchronize(be.stream()));  // host_slots is read by the launch's checks only, but `wide` goes now
-}
-
-// Host views handed to the CUDA backend: a compile error naming the fix.
-template <CudaBackend B, Storage In, Real S>
-void forward(B const&, forward_args<In, S, host_space> const&, options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::kda::forward: the backend is CUDA but the args hold host views; give device views "
-                "(forward_args<In, S, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, Storage In, Real S>
-void backward(B const&, backward_args<In, S, host_space> const&, options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::kda::backward: the backend is CUDA but the args hold host views; give device views "
-                "(backward_args<In, S, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, Storage In, Real S>
-void decode(B const&, decode_args<In, S, host_space> const&, options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::kda::decode: the backend is CUDA but the args hold host views; give device views "
-                "(decode_args<In, S, cuda_device_space>) or a host backend");
 }
 
 }  // namespace k3::kda

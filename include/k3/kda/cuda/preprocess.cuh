@@ -129,12 +129,15 @@ struct conv_seq {
   index_t n, start, len;  // sequence index, first flattened token, length
 };
 
+// Sequence n: its cu_seqlens segment, or batch row n.
+__device__ __forceinline__ conv_seq conv_sequence_at(conv_params const& p, index_t n) {
+  if (p.cu_seqlens == nullptr) return {n, n * p.T, p.T};
+  return {n, p.cu_seqlens[n], p.cu_seqlens[n + 1] - p.cu_seqlens[n]};
+}
+
 // Sequence of flattened token `tok`: the cu_seqlens segment holding it, or its batch row.
 __device__ __forceinline__ conv_seq conv_sequence(conv_params const& p, index_t tok) {
-  if (p.cu_seqlens == nullptr) {
-    index_t const b = tok / p.T;
-    return {b, b * p.T, p.T};
-  }
+  if (p.cu_seqlens == nullptr) return conv_sequence_at(p, tok / p.T);
   index_t lo = 0, hi = p.N + 1;  // first index with cu[idx] > tok
   while (lo < hi) {
     index_t const mid = (lo + hi) / 2;
@@ -143,8 +146,7 @@ __device__ __forceinline__ conv_seq conv_sequence(conv_params const& p, index_t 
     else
       lo = mid + 1;
   }
-  index_t const n = lo - 1;
-  return {n, p.cu_seqlens[n], p.cu_seqlens[n + 1] - p.cu_seqlens[n]};
+  return conv_sequence_at(p, lo - 1);
 }
 
 // Input at sequence-relative position rel (negative: the initial state, or zero).
@@ -178,11 +180,7 @@ K3_KERNEL void conv_final_state_kernel(conv_params p, S const* x, float const* i
   index_t const n_all = N * p.C * (p.W - 1);
   for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n_all; i += static_cast<index_t>(gridDim.x) * blockDim.x) {
     index_t const s = i % (p.W - 1), c = (i / (p.W - 1)) % p.C, n = i / ((p.W - 1) * p.C);
-    conv_seq q;
-    if (p.cu_seqlens == nullptr)
-      q = {n, n * p.T, p.T};
-    else
-      q = {n, p.cu_seqlens[n], p.cu_seqlens[n + 1] - p.cu_seqlens[n]};
+    conv_seq const q = conv_sequence_at(p, n);
     fin[i] = conv_in(p, x, init, q, q.len - (p.W - 1) + s, c);
   }
 }
@@ -224,11 +222,7 @@ K3_KERNEL void conv_dinit_kernel(conv_params p, S const* x, S const* dy, float c
   index_t const n_all = N * p.C * (p.W - 1);
   for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n_all; i += static_cast<index_t>(gridDim.x) * blockDim.x) {
     index_t const s = i % (p.W - 1), c = (i / (p.W - 1)) % p.C, n = i / ((p.W - 1) * p.C);
-    conv_seq q;
-    if (p.cu_seqlens == nullptr)
-      q = {n, n * p.T, p.T};
-    else
-      q = {n, p.cu_seqlens[n], p.cu_seqlens[n + 1] - p.cu_seqlens[n]};
+    conv_seq const q = conv_sequence_at(p, n);
     float acc = 0.f;
     for (index_t j = 0; j <= s; ++j)
       if (s - j < q.len) acc += p.weight[c * p.W + j] * conv_dpre(p, x, dy, init, q, s - j, c);

@@ -358,8 +358,8 @@ pp_decode_problem pp_validate_short_conv_decode(short_conv_decode_args<In, P, Sp
 
 // Prefill: y = silu(conv(x) + bias); optionally reads an initial conv state and writes the
 // final conv state (final_state may be the very same view as initial_state: in-place update).
-template <HostBackend Bk, class In, class P>
-void short_conv(Bk const& b, short_conv_args<In, P> const& a, short_conv_options const& opt = {}) {
+template <HostBackend Bk, class In, class P, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void short_conv(Bk const& b, short_conv_args<In, P, Space> const& a, short_conv_options const& opt = {}) {
   auto const& x = a.x;
   auto const& weight = a.weight;
   auto const& bias = a.bias;
@@ -447,8 +447,8 @@ void short_conv(Bk const& b, short_conv_args<In, P> const& a, short_conv_options
 
 // Backward of short_conv with respect to x, weight, bias and (optionally) the initial conv
 // state, from d_y.
-template <HostBackend Bk, class In, class P>
-void short_conv_backward(Bk const& b, short_conv_backward_args<In, P> const& a, short_conv_options const& opt = {}) {
+template <HostBackend Bk, class In, class P, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void short_conv_backward(Bk const& b, short_conv_backward_args<In, P, Space> const& a, short_conv_options const& opt = {}) {
   auto const& x = a.x;
   auto const& weight = a.weight;
   auto const& bias = a.bias;
@@ -618,8 +618,8 @@ void short_conv_backward(Bk const& b, short_conv_backward_args<In, P> const& a, 
 }
 
 // Decode: one new token per sequence (see short_conv_decode_args).
-template <HostBackend Bk, class In, class P>
-void short_conv_decode(Bk const& b, short_conv_decode_args<In, P> const& a, short_conv_options const& opt = {}) {
+template <HostBackend Bk, class In, class P, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void short_conv_decode(Bk const& b, short_conv_decode_args<In, P, Space> const& a, short_conv_options const& opt = {}) {
   auto const& x = a.x;
   auto const& weight = a.weight;
   auto const& bias = a.bias;
@@ -655,27 +655,6 @@ void short_conv_decode(Bk const& b, short_conv_decode_args<In, P> const& a, shor
       for (index_t c = 0; c < nc; ++c) y(n, c0 + c) = store_as<detail::pp_elem_t<Y>>(pre[c]);
     }
   });
-}
-
-// Device views handed to a host backend: a compile error naming the fix (the CUDA backend's
-// overloads are in k3/kda/cuda/preprocess_backend.cuh).
-template <HostBackend Bk, class In, class P>
-void short_conv(Bk const&, short_conv_args<In, P, cuda_device_space> const&, short_conv_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::short_conv: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend Bk, class In, class P>
-void short_conv_backward(Bk const&, short_conv_backward_args<In, P, cuda_device_space> const&, short_conv_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::short_conv_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend Bk, class In, class P>
-void short_conv_decode(Bk const&, short_conv_decode_args<In, P, cuda_device_space> const&, short_conv_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::short_conv_decode: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
 }
 
 }  // namespace k3::kda

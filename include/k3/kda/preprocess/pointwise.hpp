@@ -160,8 +160,8 @@ void pp_validate_beta_sigmoid_backward(beta_sigmoid_backward_args<In, Rank, Spac
 
 }  // namespace detail
 
-template <HostBackend Bk, class In, std::size_t Rank>
-void l2norm(Bk const& b, l2norm_args<In, Rank> const& a, l2norm_options const& = {}) {
+template <HostBackend Bk, class In, std::size_t Rank, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void l2norm(Bk const& b, l2norm_args<In, Rank, Space> const& a, l2norm_options const& = {}) {
   static_assert(Rank >= 1, "l2norm_args: x and y need rank >= 1 (the norm runs over the last dimension)");
   auto const& x = a.x;
   auto const& y = a.y;
@@ -212,8 +212,8 @@ void l2norm(Bk const& b, l2norm_args<In, Rank> const& a, l2norm_options const& =
 }
 
 // d_x = rstd * (d_y - (d_y . y) y), with y = x * rstd recomputed from x.
-template <HostBackend Bk, class In, std::size_t Rank>
-void l2norm_backward(Bk const& b, l2norm_backward_args<In, Rank> const& a, l2norm_options const& = {}) {
+template <HostBackend Bk, class In, std::size_t Rank, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void l2norm_backward(Bk const& b, l2norm_backward_args<In, Rank, Space> const& a, l2norm_options const& = {}) {
   static_assert(Rank >= 1, "l2norm_backward_args: x, d_y and d_x need rank >= 1 (the norm runs over the last dimension)");
   auto const& x = a.x;
   auto const& dy = a.d_y;
@@ -280,8 +280,8 @@ void l2norm_backward(Bk const& b, l2norm_backward_args<In, Rank> const& a, l2nor
 
 // ---- beta = sigmoid(x) (times 2 with negative eigenvalues allowed) ------------------------
 
-template <HostBackend Bk, class In, std::size_t Rank>
-void beta_sigmoid(Bk const& b, beta_sigmoid_args<In, Rank> const& a, beta_sigmoid_options const& opt = {}) {
+template <HostBackend Bk, class In, std::size_t Rank, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void beta_sigmoid(Bk const& b, beta_sigmoid_args<In, Rank, Space> const& a, beta_sigmoid_options const& opt = {}) {
   static_assert(Rank >= 1, "beta_sigmoid_args: x and beta need rank >= 1");
   auto const& x = a.x;
   auto const& beta = a.beta;
@@ -302,8 +302,8 @@ void beta_sigmoid(Bk const& b, beta_sigmoid_args<In, Rank> const& a, beta_sigmoi
   });
 }
 
-template <HostBackend Bk, class In, std::size_t Rank>
-void beta_sigmoid_backward(Bk const& b, beta_sigmoid_backward_args<In, Rank> const& a, beta_sigmoid_options const& opt = {}) {
+template <HostBackend Bk, class In, std::size_t Rank, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void beta_sigmoid_backward(Bk const& b, beta_sigmoid_backward_args<In, Rank, Space> const& a, beta_sigmoid_options const& opt = {}) {
   static_assert(Rank >= 1, "beta_sigmoid_backward_args: x, d_beta and d_x need rank >= 1");
   auto const& x = a.x;
   auto const& dbeta = a.d_beta;
@@ -642,77 +642,26 @@ void pp_gate_backward_run(Bk const& b, gate_backward_args<In, P> const& a, doubl
 }  // namespace detail
 
 // g = -exp(A_log[h]) * softplus(x + dt_bias[h, :]); range (-inf, 0].
-template <HostBackend Bk, class In, class P>
-void gate_softplus(Bk const& b, gate_args<In, P> const& a, gate_softplus_options const& = {}) {
+template <HostBackend Bk, class In, class P, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void gate_softplus(Bk const& b, gate_args<In, P, Space> const& a, gate_softplus_options const& = {}) {
   detail::pp_gate_run<detail::pp_gate::softplus>(b, a, 0.0);
 }
 
 // d_x, and optionally d_A_log [HV] (sum over B, T, K) and d_dt_bias [HV, K] (sum over B, T).
-template <HostBackend Bk, class In, class P>
-void gate_softplus_backward(Bk const& b, gate_backward_args<In, P> const& a, gate_softplus_options const& = {}) {
+template <HostBackend Bk, class In, class P, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void gate_softplus_backward(Bk const& b, gate_backward_args<In, P, Space> const& a, gate_softplus_options const& = {}) {
   detail::pp_gate_backward_run<detail::pp_gate::softplus>(b, a, 0.0);
 }
 
 // g = lower_bound * sigmoid(exp(A_log[h]) * (x + dt_bias[h, :])); range (lower_bound, 0).
-template <HostBackend Bk, class In, class P>
-void gate_lower_bound(Bk const& b, gate_args<In, P> const& a, gate_options const& opt = {}) {
+template <HostBackend Bk, class In, class P, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void gate_lower_bound(Bk const& b, gate_args<In, P, Space> const& a, gate_options const& opt = {}) {
   detail::pp_gate_run<detail::pp_gate::lower_bound>(b, a, opt.lower_bound);
 }
 
-template <HostBackend Bk, class In, class P>
-void gate_lower_bound_backward(Bk const& b, gate_backward_args<In, P> const& a, gate_options const& opt = {}) {
+template <HostBackend Bk, class In, class P, class Space, class = ::k3::detail::reachable<Bk, Space>>
+void gate_lower_bound_backward(Bk const& b, gate_backward_args<In, P, Space> const& a, gate_options const& opt = {}) {
   detail::pp_gate_backward_run<detail::pp_gate::lower_bound>(b, a, opt.lower_bound, opt.tuning);
-}
-
-// Device views handed to a host backend: a compile error naming the fix (the CUDA backend's
-// overloads are in k3/kda/cuda/preprocess_backend.cuh).
-template <HostBackend Bk, class In, std::size_t Rank>
-void l2norm(Bk const&, l2norm_args<In, Rank, cuda_device_space> const&, l2norm_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::l2norm: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend Bk, class In, std::size_t Rank>
-void l2norm_backward(Bk const&, l2norm_backward_args<In, Rank, cuda_device_space> const&, l2norm_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::l2norm_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend Bk, class In, std::size_t Rank>
-void beta_sigmoid(Bk const&, beta_sigmoid_args<In, Rank, cuda_device_space> const&, beta_sigmoid_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::beta_sigmoid: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend Bk, class In, std::size_t Rank>
-void beta_sigmoid_backward(Bk const&, beta_sigmoid_backward_args<In, Rank, cuda_device_space> const&, beta_sigmoid_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::beta_sigmoid_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend Bk, class In, class P>
-void gate_softplus(Bk const&, gate_args<In, P, cuda_device_space> const&, gate_softplus_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::gate_softplus: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend Bk, class In, class P>
-void gate_softplus_backward(Bk const&, gate_backward_args<In, P, cuda_device_space> const&, gate_softplus_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::gate_softplus_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend Bk, class In, class P>
-void gate_lower_bound(Bk const&, gate_args<In, P, cuda_device_space> const&, gate_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::gate_lower_bound: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
-}
-template <HostBackend Bk, class In, class P>
-void gate_lower_bound_backward(Bk const&, gate_backward_args<In, P, cuda_device_space> const&, gate_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<Bk>,
-                "k3::kda::gate_lower_bound_backward: the args hold device views (cuda_device_space) but the backend runs on the host; "
-                "give host views or k3::cuda::stream_backend");
 }
 
 }  // namespace k3::kda

@@ -113,14 +113,12 @@ void check_route_finite(B const& be, route_args<float, cuda_device_space> const&
   }
 }
 
-using ::k3::detail::views_in_wrong_space;  // k3/core/memory_space.hpp
-
 }  // namespace detail
 
 // Routes m tokens as k3::moe::route on a host backend does (router.hpp), on the backend's
 // stream; see the header comment for what is served and when the call waits.
-template <CudaBackend B, class T>
-void route(B const& be, route_args<T, cuda_device_space> const& a, router_options const& opt = {}) {
+template <CudaBackend B, class T, class Space, class = ::k3::detail::reachable<B, Space>>
+void route(B const& be, route_args<T, Space> const& a, router_options const& opt = {}) {
   static_assert(std::is_same_v<T, float>, "k3::moe::route on CUDA: float scores (route_args<float, cuda_device_space>)");
   detail::validate_route_args(a.scores, a.bias, a, opt, a.mask, [](index_t) {});  // bias values: check_route_finite
   qb_histogram* const hist = a.histogram;
@@ -158,14 +156,6 @@ void route(B const& be, route_args<T, cuda_device_space> const& a, router_option
           tensor_view<unsigned long long, 1>(add.data(), {index_t(cells)}));
   std::int64_t* const c = hist->data();
   for (std::size_t x = 0; x < cells; ++x) c[x] += static_cast<std::int64_t>(add[x]);
-}
-
-// Host views handed to the CUDA backend: a compile error naming the fix.
-template <CudaBackend B, class T>
-void route(B const&, route_args<T, host_space> const&, router_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::moe::route: the backend is CUDA but the args hold host views; give device views "
-                "(route_args<float, cuda_device_space>) or a host backend");
 }
 
 }  // namespace k3::moe

@@ -34,8 +34,6 @@
 namespace k3::quant {
 namespace detail {
 
-using ::k3::detail::views_in_wrong_space;  // k3/core/memory_space.hpp
-
 inline constexpr index_t cuda_max_grid_x = 2147483647;  // gridDim.x
 inline constexpr index_t cuda_max_grid_y = 65535;       // gridDim.y
 
@@ -175,63 +173,6 @@ void fp8_block_gemm(B const& be, fp8_block_gemm_args<QA, SA, QB, SB, cuda_device
   if (a.c.size() == 0) return;
   ::k3::cuda::detail::device_guard g(be.requested_device());
   cuda::fp8_block_gemm(a.a_q, a.a_scales, a.b_q, a.b_scales, a.c, be.stream());
-}
-
-// ---- host views handed to the CUDA backend: a compile error naming the fix ----------------------
-template <CudaBackend B, class T>
-void fp8_quantize(B const&, fp8_quantize_args<T, host_space> const&, fp8_quantize_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::quant::fp8_quantize: the backend is CUDA but the args hold host views; give device views "
-                "(fp8_quantize_args<T, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class Out, class QT, class ST>
-void fp8_dequantize(B const&, fp8_dequantize_args<Out, QT, ST, host_space> const&, fp8_dequantize_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::quant::fp8_dequantize: the backend is CUDA but the args hold host views; give device views "
-                "(fp8_dequantize_args<Out, QT, ST, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class QT, class ST>
-void fp8_requantize_1x128_to_128x1(B const&, fp8_requantize_args<QT, ST, host_space> const&, fp8_requantize_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::quant::fp8_requantize_1x128_to_128x1: the backend is CUDA but the args hold host views; give device views "
-                "(fp8_requantize_args<QT, ST, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class T>
-void mx_quantize(B const&, mx_quantize_args<T, host_space> const&, mx_quantize_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::quant::mx_quantize: the backend is CUDA but the args hold host views; give device views "
-                "(mx_quantize_args<T, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class Out, class QT, class ST>
-void mx_dequantize(B const&, mx_dequantize_args<Out, QT, ST, host_space> const&, mx_dequantize_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::quant::mx_dequantize: the backend is CUDA but the args hold host views; give device views "
-                "(mx_dequantize_args<Out, QT, ST, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class T>
-float nvfp4_tensor_scale(B const&, nvfp4_tensor_scale_args<T, host_space> const&, nvfp4_tensor_scale_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::quant::nvfp4_tensor_scale: the backend is CUDA but the args hold host views; give device views "
-                "(nvfp4_tensor_scale_args<T, cuda_device_space>) or a host backend");
-  return 0.0f;
-}
-template <CudaBackend B, class T>
-void nvfp4_quantize(B const&, nvfp4_quantize_args<T, host_space> const&, nvfp4_quantize_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::quant::nvfp4_quantize: the backend is CUDA but the args hold host views; give device views "
-                "(nvfp4_quantize_args<T, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class Out, class QT, class ST>
-void nvfp4_dequantize(B const&, nvfp4_dequantize_args<Out, QT, ST, host_space> const&, nvfp4_dequantize_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::quant::nvfp4_dequantize: the backend is CUDA but the args hold host views; give device views "
-                "(nvfp4_dequantize_args<Out, QT, ST, cuda_device_space>) or a host backend");
-}
-template <CudaBackend B, class QA, class SA, class QB, class SB>
-void fp8_block_gemm(B const&, fp8_block_gemm_args<QA, SA, QB, SB, host_space> const&, fp8_block_gemm_options const& = {}) {
-  static_assert(detail::views_in_wrong_space<B>,
-                "k3::quant::fp8_block_gemm: the backend is CUDA but the args hold host views; give device views "
-                "(fp8_block_gemm_args<QA, SA, QB, SB, cuda_device_space>) or a host backend");
 }
 
 }  // namespace k3::quant
