@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <xsimd/xsimd.hpp>
 
+#include "k3/backend/cpu/arch/avx2.hpp"
 #include "k3/backend/cpu/arch/avx512.hpp"
 #include "k3/backend/cpu/arch/generic.hpp"
 #include "k3/backend/cpu/serial.hpp"
@@ -46,7 +47,8 @@ inline xsimd::batch<T, Arch> fnma(xsimd::batch<T, Arch> const& x, xsimd::batch<T
   return kernel::fnma(x, y, z, Arch{});
 }
 
-// exp(x) for float x <= 0 (NaN passes through; below -104 gives 0), within 2 ulp.
+// exp(x) for float x <= 0 (NaN passes through; below -104 gives 0), within 2 ulp; the AVX2 and
+// AVX-512 forms underflow gradually, xsimd::exp (every other ISA) flushes below the normal range.
 template <class Arch>
 inline xsimd::batch<float, Arch> exp_nonpositive(xsimd::batch<float, Arch> const& x) noexcept {
   return kernel::exp_nonpositive(x, Arch{});

@@ -137,6 +137,50 @@ void pp_conv_row(float* out, float const* bias, float const* wt, index_t ldw, fl
   }
 }
 
+// sum[c] = fma(d[c], in[c], sum[c]) for c < n: one fused multiply-add per product, as the
+// scalar path rounds it, in a loop the compiler vectorises (the rows do not overlap).
+template <class T>
+inline void pp_multiply_add_row(T* __restrict sum, T const* __restrict d, T const* __restrict in, index_t n) noexcept {
+  for (index_t c = 0; c < n; ++c) sum[c] = std::fma(d[c], in[c], sum[c]);
+}
+
+// The parameter sums of a tile of rows in registers, channel vectors outermost: sums[j * lds + c]
+// += d[r * ldd + c] * xr[r][j * ldx + c] for every tap j < W and sums[W * lds + c] += d[r * ldd + c],
+// over the rows r < rows with xr[r] (row t - (W-1) of x) set, in row order and with
+// pp_multiply_add_row's roundings. A row at a time, the same sums cost a load and a store of
+// every accumulator per row; here they stay in registers across the tile.
+template <index_t W, class Arch = xsimd::default_arch>
+void pp_conv_tap_sums(float* sums, index_t lds, float const* d, index_t ldd, float const* const* xr, index_t ldx, index_t rows,
+                      index_t n) noexcept {
+  using batch = xsimd::batch<float, Arch>;
+  constexpr index_t L = static_cast<index_t>(batch::size);
+  auto columns = [&]<index_t U>(index_t c) {
+    batch a[W + 1][U];
+    for (index_t j = 0; j <= W; ++j)
+      for (index_t u = 0; u < U; ++u) a[j][u] = batch::load_unaligned(sums + j * lds + c + u * L);
+    for (index_t r = 0; r < rows; ++r) {
+      if (xr[r] == nullptr) continue;
+      batch dv[U];
+      for (index_t u = 0; u < U; ++u) dv[u] = batch::load_unaligned(d + r * ldd + c + u * L);
+      for (index_t j = 0; j < W; ++j)
+        for (index_t u = 0; u < U; ++u) a[j][u] = k3::simd::fma(dv[u], batch::load_unaligned(xr[r] + j * ldx + c + u * L), a[j][u]);
+      for (index_t u = 0; u < U; ++u) a[W][u] = a[W][u] + dv[u];
+    }
+    for (index_t j = 0; j <= W; ++j)
+      for (index_t u = 0; u < U; ++u) a[j][u].store_unaligned(sums + j * lds + c + u * L);
+  };
+  index_t c = 0;
+  for (; c + 2 * L <= n; c += 2 * L) columns.template operator()<2>(c);
+  for (; c + L <= n; c += L) columns.template operator()<1>(c);
+  for (; c < n; ++c)
+    for (index_t r = 0; r < rows; ++r) {
+      if (xr[r] == nullptr) continue;
+      float const dv = d[r * ldd + c];
+      for (index_t j = 0; j < W; ++j) sums[j * lds + c] = std::fma(dv, xr[r][j * ldx + c], sums[j * lds + c]);
+      sums[W * lds + c] += dv;
+    }
+}
+
 // The filter of C channels, [C, W] with W >= 1, and its optional bias [C]: checked alike by
 // prefill and decode. Returns W.
 template <class Wt, class Bias>
@@ -533,12 +577,19 @@ void short_conv_backward(Bk const& b, short_conv_backward_args<In, P, Space> con
   b.for_each(0, blocks, [&](index_t blk) {
     index_t const lo = blk * detail::pp_reduce_block, hi = std::min(rows, lo + detail::pp_reduce_block);
     detail::pp_aligned_vector<T> tile(static_cast<std::size_t>((sub + W - 1) * cb));
+    // The parameter sums of one tile in T, [W + 1, cb], added to the block's double sums once per
+    // tile: a double per product and tap cost more than the rest of the backward together.
+    detail::pp_aligned_vector<T> tile_sums(want_sums ? static_cast<std::size_t>((W + 1) * cb) : 0);
     double* acc = want_sums ? part.data() + static_cast<std::size_t>(blk) * width : nullptr;
     for (index_t c0 = 0; c0 < C; c0 += cb) {
       index_t const nc = std::min(cb, C - c0);
       for (index_t r0 = lo; r0 < hi; r0 += sub) {
         index_t const r1 = std::min(hi, r0 + sub), u1 = std::min(rows, r1 + W - 1);
         for (index_t u = r0; u < u1; ++u) dpre_row(u, c0, nc, tile.data() + (u - r0) * cb);
+        std::fill(tile_sums.begin(), tile_sums.end(), T(0));
+        // Rows whose taps are whole rows of x (row t - (W-1) here) for the register-tiled sums.
+        T const* tap_rows[sub] = {};
+        bool any_tap_rows = false;
         for (index_t r = r0; r < r1; ++r) {
           index_t const bb = r / Tn, t = r % Tn, n = seq_of(bb, t);
           detail::pp_sequence const& sq = seqs[static_cast<std::size_t>(n)];
@@ -566,27 +617,43 @@ void short_conv_backward(Bk const& b, short_conv_backward_args<In, P, Space> con
             bool sums_done = false;
             if constexpr (x_rows) {
               if (x_unit && t - (W - 1) >= sq.start) {
-                for (index_t j = 0; j < W; ++j) {
-                  T const* in = &x(bb, t - (W - 1) + j, c0);
-                  double* aj = acc + j * C + c0;
-                  for (index_t c = 0; c < nc; ++c) aj[c] += static_cast<double>(d[c] * in[c]);
+                if (W >= 2 && W <= 4) {
+                  tap_rows[r - r0] = &x(bb, t - (W - 1), c0);
+                  any_tap_rows = true;
+                } else {
+                  for (index_t j = 0; j < W; ++j) detail::pp_multiply_add_row(tile_sums.data() + j * cb, d, &x(bb, t - (W - 1) + j, c0), nc);
+                  T* sb = tile_sums.data() + W * cb;
+                  for (index_t c = 0; c < nc; ++c) sb[c] += d[c];
                 }
                 sums_done = true;
               }
             }
-            if (!sums_done)
+            if (!sums_done) {
               for (index_t j = 0; j < W; ++j)
                 for (index_t c = 0; c < nc; ++c)
-                  acc[j * C + c0 + c] +=
-                      static_cast<double>(d[c] * detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c0 + c));
-            double* ab = acc + W * C + c0;
-            for (index_t c = 0; c < nc; ++c) ab[c] += static_cast<double>(d[c]);
+                  tile_sums[static_cast<std::size_t>(j * cb + c)] = std::fma(
+                      d[c], detail::pp_conv_in<T>(x, initial_state, sq, n, W, t - (W - 1) + j, c0 + c), tile_sums[static_cast<std::size_t>(j * cb + c)]);
+              T* sb = tile_sums.data() + W * cb;
+              for (index_t c = 0; c < nc; ++c) sb[c] += d[c];
+            }
           }
           if (want_head) {
             if (t - sq.start < W - 1)
               std::copy(d, d + nc, head.data() + ((n * (W - 1) + (t - sq.start)) * C + c0));
           }
         }
+        if constexpr (x_rows) {
+          if (any_tap_rows) {
+            T const* const d0 = tile.data();
+            index_t const ldx = x.stride(1);
+            if (W == 4) detail::pp_conv_tap_sums<4>(tile_sums.data(), cb, d0, cb, tap_rows, ldx, r1 - r0, nc);
+            else if (W == 3) detail::pp_conv_tap_sums<3>(tile_sums.data(), cb, d0, cb, tap_rows, ldx, r1 - r0, nc);
+            else detail::pp_conv_tap_sums<2>(tile_sums.data(), cb, d0, cb, tap_rows, ldx, r1 - r0, nc);
+          }
+        }
+        if (want_sums)
+          for (index_t j = 0; j <= W; ++j)
+            for (index_t c = 0; c < nc; ++c) acc[j * C + c0 + c] += static_cast<double>(tile_sums[static_cast<std::size_t>(j * cb + c)]);
       }
     }
   });
