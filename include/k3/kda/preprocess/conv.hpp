@@ -137,37 +137,33 @@ void pp_conv_row(float* out, float const* bias, float const* wt, index_t ldw, fl
   }
 }
 
-// sum[c] = fma(d[c], in[c], sum[c]) for c < n: one fused multiply-add per product, as the
-// scalar path rounds it, in a loop the compiler vectorises (the rows do not overlap).
-template <class T>
-inline void pp_multiply_add_row(T* __restrict sum, T const* __restrict d, T const* __restrict in, index_t n) noexcept {
-  for (index_t c = 0; c < n; ++c) sum[c] = std::fma(d[c], in[c], sum[c]);
-}
-
 // The parameter sums of a tile of rows in registers, channel vectors outermost: sums[j * lds + c]
-// += d[r * ldd + c] * xr[r][j * ldx + c] for every tap j < W and sums[W * lds + c] += d[r * ldd + c],
-// over the rows r < rows with xr[r] (row t - (W-1) of x) set, in row order and with
-// pp_multiply_add_row's roundings. A row at a time, the same sums cost a load and a store of
-// every accumulator per row; here they stay in registers across the tile.
-template <index_t W, class Arch = xsimd::default_arch>
-void pp_conv_tap_sums(float* sums, index_t lds, float const* d, index_t ldd, float const* const* xr, index_t ldx, index_t rows,
-                      index_t n) noexcept {
+// += d[r * ldd + c] * xr[r][j * ldx + c] (one fused multiply-add, as the scalar path rounds it) for
+// every tap j < W and sums[W * lds + c] += d[r * ldd + c], over the rows r < rows with xr[r] (row
+// t - (W-1) of x) set, in row order. A row at a time, the same sums cost a load and a store of
+// every accumulator per row; here they stay in registers across the tile, up to four taps a pass.
+template <index_t G, bool Bias, class Arch>
+void pp_conv_tap_group(float* sums, index_t lds, float* bias_sums, float const* d, index_t ldd, float const* const* xr, index_t x_off, index_t ldx,
+                       index_t rows, index_t n) noexcept {
   using batch = xsimd::batch<float, Arch>;
   constexpr index_t L = static_cast<index_t>(batch::size);
+  constexpr index_t A = G + (Bias ? 1 : 0);
   auto columns = [&]<index_t U>(index_t c) {
-    batch a[W + 1][U];
-    for (index_t j = 0; j <= W; ++j)
-      for (index_t u = 0; u < U; ++u) a[j][u] = batch::load_unaligned(sums + j * lds + c + u * L);
+    batch a[A][U];
+    for (index_t j = 0; j < A; ++j)
+      for (index_t u = 0; u < U; ++u) a[j][u] = batch::load_unaligned((j < G ? sums + j * lds : bias_sums) + c + u * L);
     for (index_t r = 0; r < rows; ++r) {
       if (xr[r] == nullptr) continue;
       batch dv[U];
       for (index_t u = 0; u < U; ++u) dv[u] = batch::load_unaligned(d + r * ldd + c + u * L);
-      for (index_t j = 0; j < W; ++j)
-        for (index_t u = 0; u < U; ++u) a[j][u] = k3::simd::fma(dv[u], batch::load_unaligned(xr[r] + j * ldx + c + u * L), a[j][u]);
-      for (index_t u = 0; u < U; ++u) a[W][u] = a[W][u] + dv[u];
+      for (index_t j = 0; j < G; ++j)
+        for (index_t u = 0; u < U; ++u)
+          a[j][u] = k3::simd::fma(dv[u], batch::load_unaligned(xr[r] + x_off + j * ldx + c + u * L), a[j][u]);
+      if constexpr (Bias)
+        for (index_t u = 0; u < U; ++u) a[G][u] = a[G][u] + dv[u];
     }
-    for (index_t j = 0; j <= W; ++j)
-      for (index_t u = 0; u < U; ++u) a[j][u].store_unaligned(sums + j * lds + c + u * L);
+    for (index_t j = 0; j < A; ++j)
+      for (index_t u = 0; u < U; ++u) a[j][u].store_unaligned((j < G ? sums + j * lds : bias_sums) + c + u * L);
   };
   index_t c = 0;
   for (; c + 2 * L <= n; c += 2 * L) columns.template operator()<2>(c);
@@ -176,9 +172,28 @@ void pp_conv_tap_sums(float* sums, index_t lds, float const* d, index_t ldd, flo
     for (index_t r = 0; r < rows; ++r) {
       if (xr[r] == nullptr) continue;
       float const dv = d[r * ldd + c];
-      for (index_t j = 0; j < W; ++j) sums[j * lds + c] = std::fma(dv, xr[r][j * ldx + c], sums[j * lds + c]);
-      sums[W * lds + c] += dv;
+      for (index_t j = 0; j < G; ++j) sums[j * lds + c] = std::fma(dv, xr[r][x_off + j * ldx + c], sums[j * lds + c]);
+      if constexpr (Bias) bias_sums[c] += dv;
     }
+}
+template <class Arch = xsimd::default_arch>
+void pp_conv_tap_sums(float* sums, index_t lds, float const* d, index_t ldd, float const* const* xr, index_t ldx, index_t rows, index_t n,
+                      index_t W) noexcept {
+  float* const bias_sums = sums + W * lds;
+  for (index_t j0 = 0; j0 < W; j0 += 4) {
+    float* const s = sums + j0 * lds;
+    index_t const off = j0 * ldx;
+    auto group = [&]<index_t G>() {
+      if (j0 == 0) pp_conv_tap_group<G, true, Arch>(s, lds, bias_sums, d, ldd, xr, off, ldx, rows, n);
+      else pp_conv_tap_group<G, false, Arch>(s, lds, bias_sums, d, ldd, xr, off, ldx, rows, n);
+    };
+    switch (std::min<index_t>(4, W - j0)) {
+      case 1: group.template operator()<1>(); break;
+      case 2: group.template operator()<2>(); break;
+      case 3: group.template operator()<3>(); break;
+      default: group.template operator()<4>(); break;
+    }
+  }
 }
 
 // The filter of C channels, [C, W] with W >= 1, and its optional bias [C]: checked alike by
@@ -617,14 +632,8 @@ void short_conv_backward(Bk const& b, short_conv_backward_args<In, P, Space> con
             bool sums_done = false;
             if constexpr (x_rows) {
               if (x_unit && t - (W - 1) >= sq.start) {
-                if (W >= 2 && W <= 4) {
-                  tap_rows[r - r0] = &x(bb, t - (W - 1), c0);
-                  any_tap_rows = true;
-                } else {
-                  for (index_t j = 0; j < W; ++j) detail::pp_multiply_add_row(tile_sums.data() + j * cb, d, &x(bb, t - (W - 1) + j, c0), nc);
-                  T* sb = tile_sums.data() + W * cb;
-                  for (index_t c = 0; c < nc; ++c) sb[c] += d[c];
-                }
+                tap_rows[r - r0] = &x(bb, t - (W - 1), c0);
+                any_tap_rows = true;
                 sums_done = true;
               }
             }
@@ -643,13 +652,7 @@ void short_conv_backward(Bk const& b, short_conv_backward_args<In, P, Space> con
           }
         }
         if constexpr (x_rows) {
-          if (any_tap_rows) {
-            T const* const d0 = tile.data();
-            index_t const ldx = x.stride(1);
-            if (W == 4) detail::pp_conv_tap_sums<4>(tile_sums.data(), cb, d0, cb, tap_rows, ldx, r1 - r0, nc);
-            else if (W == 3) detail::pp_conv_tap_sums<3>(tile_sums.data(), cb, d0, cb, tap_rows, ldx, r1 - r0, nc);
-            else detail::pp_conv_tap_sums<2>(tile_sums.data(), cb, d0, cb, tap_rows, ldx, r1 - r0, nc);
-          }
+          if (any_tap_rows) detail::pp_conv_tap_sums(tile_sums.data(), cb, tile.data(), cb, tap_rows, x.stride(1), r1 - r0, nc, W);
         }
         if (want_sums)
           for (index_t j = 0; j <= W; ++j)
